@@ -1,0 +1,1 @@
+"""Adapters: turn checkpoints of other libraries into unitrain models and back."""

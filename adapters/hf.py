@@ -1,0 +1,343 @@
+"""Hugging Face checkpoints (config.json + safetensors) <-> unitrain Decoder.
+
+    model = unitrain.adapters.hf.load(path, dtype="bfloat16", mesh=mesh)
+    unitrain.adapters.hf.save(model, out_dir)      # loads with AutoModelForCausalLM.from_pretrained
+
+Loading never materialises a whole parameter per device: every device's slice is read from the
+safetensors file(s) on its own (safetensors reads lazily), transposed into unitrain's layout and
+placed with `jax.make_array_from_callback`. Weights are read from safetensors only, never pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import transformers
+from flax import nnx
+from jax.experimental import multihost_utils
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from unitrain import model as model_lib
+from unitrain import sharding
+from unitrain.config import ConfigError
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mapping:
+    """How one unitrain parameter (per layer) is laid out in the HF tensor.
+
+    The HF tensor is viewed with axis `split[0]` split into (outer, split[1]) (heads x head_dim),
+    then transposed by `perm` into unitrain's layout: unitrain axis u is view axis perm[u].
+    """
+
+    hf_key: str
+    perm: tuple[int, ...]
+    split: tuple[int, int] | None = None
+
+
+def _mappings(cfg: model_lib.ModelConfig) -> dict[str, _Mapping]:
+    """unitrain parameter path -> HF tensor name ({i} = layer index) and layout."""
+    D = cfg.head_dim
+    attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    m = {
+        "embed": _Mapping("model.embed_tokens.weight", (0, 1)),
+        "final_norm": _Mapping("model.norm.weight", (0,)),
+        "layers.attn_norm": _Mapping("model.layers.{i}.input_layernorm.weight", (0,)),
+        "layers.mlp_norm": _Mapping("model.layers.{i}.post_attention_layernorm.weight", (0,)),
+        # q/k/v: HF [heads*head_dim, emb] -> view [heads, head_dim, emb] -> unitrain [emb, heads, head_dim]
+        "layers.wq": _Mapping(attn + "q_proj.weight", (2, 0, 1), (0, D)),
+        "layers.wk": _Mapping(attn + "k_proj.weight", (2, 0, 1), (0, D)),
+        "layers.wv": _Mapping(attn + "v_proj.weight", (2, 0, 1), (0, D)),
+        # o: HF [emb, heads*head_dim] -> view [emb, heads, head_dim] -> unitrain [heads, head_dim, emb]
+        "layers.wo": _Mapping(attn + "o_proj.weight", (1, 2, 0), (1, D)),
+        "layers.w_gate": _Mapping(mlp + "gate_proj.weight", (1, 0)),
+        "layers.w_up": _Mapping(mlp + "up_proj.weight", (1, 0)),
+        "layers.w_down": _Mapping(mlp + "down_proj.weight", (1, 0)),
+    }
+    if cfg.qkv_bias:
+        for name, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+            m[f"layers.{name}"] = _Mapping(attn + proj + ".bias", (0, 1), (0, D))
+    if cfg.qk_norm:
+        m["layers.q_norm"] = _Mapping(attn + "q_norm.weight", (0,))
+        m["layers.k_norm"] = _Mapping(attn + "k_norm.weight", (0,))
+    if not cfg.tie_word_embeddings:
+        m["lm_head"] = _Mapping("lm_head.weight", (1, 0))
+    return m
+
+
+# ---------------------------------------------------------------- config.json <-> ModelConfig
+
+def _field(hf_cfg, name, path):
+    value = getattr(hf_cfg, name, None)
+    if value is None:
+        raise ConfigError(f"{path}: config.json has no '{name}' field, which a {hf_cfg.model_type} model needs")
+    return value
+
+
+def model_config_from_hf(path: str | Path, trust_remote_code: bool = False, **execution) -> model_lib.ModelConfig:
+    """ModelConfig from an HF checkpoint dir; `execution` sets dtype, weight_dtype, remat_policy, ..."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{path}: not an HF checkpoint directory (no config.json)")
+    try:
+        hf = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_file}: cannot be read as an HF config ({str(e).splitlines()[0]})") from None
+    if hf.model_type not in MODEL_TYPES:
+        raise ConfigError(f"{config_file}: field 'model_type' is '{hf.model_type}'; supported: {', '.join(MODEL_TYPES)}")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
+    if getattr(hf, "mlp_bias", False):
+        raise ConfigError(f"{config_file}: field 'mlp_bias' is true; MLP biases are not supported")
+    if hf.model_type in ("llama", "mistral", "qwen3") and getattr(hf, "attention_bias", False):
+        raise ConfigError(f"{config_file}: field 'attention_bias' is true; only Qwen2 has attention biases here")
+    if getattr(hf, "use_sliding_window", False):
+        raise ConfigError(f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported")
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{config_file}: field 'rope_scaling.rope_type' is '{rope_type}'; supported: {', '.join(ROPE_TYPES)}")
+    heads = _field(hf, "num_attention_heads", config_file)
+    emb = _field(hf, "hidden_size", config_file)
+    return model_lib.ModelConfig(
+        model_family=hf.model_type,
+        vocab_size=_field(hf, "vocab_size", config_file),
+        emb_dim=emb,
+        mlp_dim=_field(hf, "intermediate_size", config_file),
+        num_decoder_layers=_field(hf, "num_hidden_layers", config_file),
+        num_query_heads=heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or emb // heads,
+        rms_norm_eps=float(_field(hf, "rms_norm_eps", config_file)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling_type="none" if rope_type == "default" else rope_type,
+        rope_scaling_factor=float(rope.get("factor", 1.0)),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+        qkv_bias=hf.model_type == "qwen2",
+        qk_norm=hf.model_type == "qwen3",
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        sliding_window=getattr(hf, "sliding_window", None) if hf.model_type == "mistral" else None,
+        **execution,
+    )
+
+
+def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedConfig:
+    rope = {"rope_type": "default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
+            "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling_type != "none":
+        rope["factor"] = cfg.rope_scaling_factor
+    if cfg.rope_scaling_type == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_position)
+    extra = {"sliding_window": cfg.sliding_window} if cfg.model_family == "mistral" else {}
+    return transformers.AutoConfig.for_model(
+        cfg.model_family,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.emb_dim, intermediate_size=cfg.mlp_dim,
+        num_hidden_layers=cfg.num_decoder_layers, num_attention_heads=cfg.num_query_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters=rope, tie_word_embeddings=cfg.tie_word_embeddings, hidden_act="silu",
+        max_position_embeddings=max(cfg.rope_original_max_position, 4096),
+        dtype=str(np.dtype(cfg.weight_dtype)), **extra)
+
+
+# ---------------------------------------------------------------- load
+
+class _TensorIndex:
+    """Tensor name -> safetensors file, for single-file and sharded (index.json) checkpoints."""
+
+    def __init__(self, path: Path):
+        index_file = path / "model.safetensors.index.json"
+        if index_file.is_file():
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            self.files = {name: path / f for name, f in weight_map.items()}
+        elif (path / "model.safetensors").is_file():
+            with safe_open(path / "model.safetensors", framework="numpy") as f:
+                self.files = {name: path / "model.safetensors" for name in f.keys()}
+        else:
+            raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors weights are loaded)")
+        self._handles = {}
+
+    def slice(self, name: str):
+        if name not in self.files:
+            raise ConfigError(f"{self.files and next(iter(self.files.values())).parent}: tensor '{name}' is missing from the checkpoint")
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="numpy")
+        return self._handles[file].get_slice(name)
+
+
+def _read_layer(index: _TensorIndex, key: str, m: _Mapping, view_shape, u_index, dtype) -> np.ndarray:
+    """The block `u_index` (slices in unitrain's per-layer layout) of one HF tensor, read lazily."""
+    view_index = [None] * len(view_shape)
+    for u_axis, v_axis in enumerate(m.perm):
+        view_index[v_axis] = slice(*u_index[u_axis].indices(view_shape[v_axis]))
+    hf_index, post_index, block_shape, v = [], [], [], 0
+    hf_ndim = len(view_shape) - (1 if m.split else 0)
+    for hf_axis in range(hf_ndim):
+        if m.split and m.split[0] == hf_axis:
+            outer, inner = view_index[v], view_index[v + 1]
+            hf_index.append(slice(outer.start * m.split[1], outer.stop * m.split[1]))
+            block_shape += [outer.stop - outer.start, m.split[1]]
+            post_index += [slice(None), inner]
+            v += 2
+        else:
+            hf_index.append(view_index[v])
+            block_shape.append(view_index[v].stop - view_index[v].start)
+            post_index.append(slice(None))
+            v += 1
+    block = np.asarray(index.slice(key)[tuple(hf_index)]).reshape(block_shape)
+    return block[tuple(post_index)].transpose(m.perm).astype(dtype)
+
+
+def _view_shape(u_shape, m: _Mapping):
+    view = [0] * len(u_shape)
+    for u_axis, v_axis in enumerate(m.perm):
+        view[v_axis] = u_shape[u_axis]
+    return tuple(view)
+
+
+def _load_param(index: _TensorIndex, m: _Mapping, stacked: bool, var: nnx.Variable, sharding_) -> jax.Array:
+    shape, dtype = var.shape, var.dtype
+    per_layer_shape = shape[1:] if stacked else shape
+    view_shape = _view_shape(per_layer_shape, m)
+    expected = [s for s in view_shape]
+    if m.split:
+        a = m.split[0]
+        expected = expected[:a] + [expected[a] * expected[a + 1]] + expected[a + 2:]
+    probe_key = m.hf_key.format(i=0)
+    actual = list(index.slice(probe_key).get_shape())
+    if actual != expected:
+        raise ConfigError(f"tensor '{probe_key}' has shape {actual} but config.json implies {expected}")
+
+    def read(idx):
+        if not stacked:
+            return _read_layer(index, m.hf_key, m, view_shape, idx, dtype)
+        layers = range(*idx[0].indices(shape[0]))
+        return np.stack([_read_layer(index, m.hf_key.format(i=i), m, view_shape, idx[1:], dtype) for i in layers])
+
+    return jax.make_array_from_callback(shape, sharding_, read)
+
+
+def _single_device_mesh():
+    ones = {a: 1 for a in sharding.MESH_AXES}
+    return sharding.create_mesh(ones, ones, devices=jax.devices()[:1])
+
+
+def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.DEFAULT_RULES,
+         trust_remote_code: bool = False, **execution) -> model_lib.Decoder:
+    """An HF checkpoint dir as a unitrain Decoder whose parameters are placed in their shardings.
+
+    `execution` takes the ModelConfig execution fields (weight_dtype, remat_policy, scan_layers).
+    """
+    path = Path(path)
+    execution.setdefault("weight_dtype", dtype)
+    cfg = model_config_from_hf(path, trust_remote_code, dtype=dtype, logical_axis_rules=rules, **execution)
+    mesh = mesh or _single_device_mesh()
+    index = _TensorIndex(path)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg)))
+    shardings = sharding.state_shardings(abstract, mesh, rules)
+    mappings = _mappings(cfg)
+    _check_no_unknown_tensors(path, index, cfg, mappings)
+    flat_vars = dict(nnx.to_flat_state(abstract))
+    flat_shardings = dict(nnx.to_flat_state(shardings))
+    loaded = {}
+    for key_path, var in flat_vars.items():
+        name = ".".join(str(k) for k in key_path)
+        array = _load_param(index, mappings[name], name.startswith("layers."), var, flat_shardings[key_path].value)
+        loaded[key_path] = var.replace(array)
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings) -> None:
+    """A tensor the model does not use means the config and weights disagree: say so, never drop it."""
+    known = set()
+    for m in mappings.values():
+        known |= {m.hf_key.format(i=i) for i in range(cfg.num_decoder_layers)}
+    if cfg.tie_word_embeddings:
+        known.add("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
+    unknown = sorted(n for n in index.files if n not in known and not n.endswith(_IGNORED_SUFFIXES))
+    if unknown:
+        raise ConfigError(f"{path}: checkpoint has tensors this config does not use, e.g. '{unknown[0]}' ({len(unknown)} in all)")
+
+
+# ---------------------------------------------------------------- save
+
+def _to_hf(array: np.ndarray, m: _Mapping) -> np.ndarray:
+    view = array.transpose(np.argsort(m.perm))
+    if m.split:
+        a = m.split[0]
+        view = view.reshape(view.shape[:a] + (view.shape[a] * view.shape[a + 1],) + view.shape[a + 2:])
+    return np.ascontiguousarray(view)
+
+
+def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`) on process 0.
+
+    Every process must call it: gathering a sharded parameter to host is a collective.
+    """
+    path = Path(path)
+    cfg = model.cfg
+    mappings = _mappings(cfg)
+    writer = _ShardWriter(path, max_shard_bytes) if jax.process_index() == 0 else None
+    for key_path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = ".".join(str(k) for k in key_path)
+        full = np.asarray(multihost_utils.process_allgather(var.value, tiled=True))
+        m = mappings[name]
+        tensors = ({m.hf_key.format(i=i): _to_hf(full[i], m) for i in range(full.shape[0])}
+                   if name.startswith("layers.") else {m.hf_key: _to_hf(full, m)})
+        if writer:
+            for hf_name, t in tensors.items():
+                writer.add(hf_name, t)
+    if writer:
+        writer.close()
+        hf_config_from_model(cfg).save_pretrained(str(path))
+
+
+class _ShardWriter:
+    """Writes tensors to numbered safetensors files of at most `max_bytes`, then the index."""
+
+    def __init__(self, path: Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.files: list[str] = []
+        self.weight_map: dict[str, str] = {}
+        self.pending: dict[str, np.ndarray] = {}
+        self.total = 0
+        path.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, tensor: np.ndarray) -> None:
+        if self.pending and sum(t.nbytes for t in self.pending.values()) + tensor.nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.total += tensor.nbytes
+
+    def _flush(self) -> None:
+        file = f"part-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, str(self.path / file), metadata={"format": "pt"})
+        self.files.append(file)
+        self.weight_map.update({name: file for name in self.pending})
+        self.pending = {}
+
+    def close(self) -> None:
+        self._flush()
+        if len(self.files) == 1:
+            (self.path / self.files[0]).rename(self.path / "model.safetensors")
+            return
+        # HF's naming says how many shards there are, known only now.
+        n = len(self.files)
+        renames = {f: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, f in enumerate(self.files)}
+        for old, new in renames.items():
+            (self.path / old).rename(self.path / new)
+        weight_map = {name: renames[f] for name, f in self.weight_map.items()}
+        (self.path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))

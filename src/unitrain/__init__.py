@@ -1,0 +1,1 @@
+"""unitrain: one JAX trainer for SFT and RL post-training of LLMs."""

@@ -1,0 +1,298 @@
+"""The decoder: one Flax NNX module for the Llama, Qwen2/2.5, Qwen3 and Mistral families.
+
+Every caller (train step, sampler, losses) sees only the common call signature:
+
+    logits, cache = model(tokens, positions, segment_ids, cache=None)
+
+Attention is driven by `segment_ids` (0 = padding, attend only within the same segment) and
+`positions` (causal order and RoPE), so packed, right-padded and left-padded rows all work.
+
+Layer parameters are stored stacked on a leading `layers` axis whatever `scan_layers` says, so a
+checkpoint does not depend on how the stack is executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from unitrain import sharding
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_saveable,
+    "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Model dimensions and execution choices; field names are the config keys of base.yml."""
+
+    vocab_size: int
+    emb_dim: int
+    mlp_dim: int
+    num_decoder_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_family: str = "llama"
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling_type: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    dtype: str = "float32"
+    weight_dtype: str = "float32"
+    remat_policy: str = "none"
+    scan_layers: bool = True
+    logical_axis_rules: tuple = ()
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ModelConfig":
+        """Takes the model fields out of a unitrain Config (or any mapping with those keys)."""
+        values = {f.name: cfg[f.name] for f in dataclasses.fields(cls)}
+        values["logical_axis_rules"] = sharding.rules_from_config(cfg["logical_axis_rules"])
+        return cls(**values)
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer, one slot per position: the token at position p lives in slot p.
+
+    `segment_ids[b, s]` is 0 for an empty slot, so attention over the cache sees only filled slots.
+    One sequence per row: packed rows cannot share a cache row (their positions would collide).
+    """
+
+    k: jax.Array  # [layers, batch, max_length, kv_heads, head_dim]
+    v: jax.Array
+    segment_ids: jax.Array  # [batch, max_length]
+
+    @property
+    def max_length(self) -> int:
+        return self.segment_ids.shape[1]
+
+
+CACHE_AXES = KVCache(
+    k=("layers", "batch", "length", "kv_heads", "kv"),
+    v=("layers", "batch", "length", "kv_heads", "kv"),
+    segment_ids=("batch", "length"),
+)
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> KVCache:
+    shape = (cfg.num_decoder_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, cfg.dtype)
+    return KVCache(k=zeros, v=zeros, segment_ids=jnp.zeros((batch_size, max_length), jnp.int32))
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
+    # eager_sharding off: the module stays mesh-agnostic; sharding.py places the state.
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+_normal = jax.nn.initializers.normal(0.02)
+_ones = jax.nn.initializers.ones
+_zeros = jax.nn.initializers.zeros
+
+
+class DecoderLayers(nnx.Module):
+    """All transformer blocks, each parameter stacked on a leading `layers` axis."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        L, E, M, H, K, D = (cfg.num_decoder_layers, cfg.emb_dim, cfg.mlp_dim,
+                            cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim)
+        p = lambda init, shape, axes: _param(rngs, init, (L, *shape), ("layers", *axes), cfg.weight_dtype)
+        self.attn_norm = p(_ones, (E,), ("norm",))
+        self.wq = p(_normal, (E, H, D), ("embed", "heads", "kv"))
+        self.wk = p(_normal, (E, K, D), ("embed", "kv_heads", "kv"))
+        self.wv = p(_normal, (E, K, D), ("embed", "kv_heads", "kv"))
+        self.wo = p(_normal, (H, D, E), ("heads", "kv", "embed"))
+        if cfg.qkv_bias:
+            self.bq = p(_zeros, (H, D), ("heads", "kv"))
+            self.bk = p(_zeros, (K, D), ("kv_heads", "kv"))
+            self.bv = p(_zeros, (K, D), ("kv_heads", "kv"))
+        if cfg.qk_norm:
+            self.q_norm = p(_ones, (D,), ("norm",))
+            self.k_norm = p(_ones, (D,), ("norm",))
+        self.mlp_norm = p(_ones, (E,), ("norm",))
+        self.w_gate = p(_normal, (E, M), ("embed", "mlp"))
+        self.w_up = p(_normal, (E, M), ("embed", "mlp"))
+        self.w_down = p(_normal, (M, E), ("mlp", "embed"))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, _normal, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), cfg.weight_dtype)
+        self.layers = DecoderLayers(cfg, rngs=rngs)
+        self.final_norm = _param(rngs, _ones, (cfg.emb_dim,), ("norm",), cfg.weight_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, _normal, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), cfg.weight_dtype)
+
+    def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
+        cfg = self.cfg
+        x = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.dtype)
+        x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
+        cos, sin = rope_tables(cfg, positions)
+        if cache is None:
+            mask = attention_mask(segment_ids, positions, segment_ids, positions, cfg.sliding_window)
+            write_slots = None
+        else:
+            # Padding (segment 0) must not overwrite a real slot: send it out of bounds, where
+            # the scatter drops it.
+            write_slots = jnp.where(segment_ids > 0, positions, cache.max_length)
+            rows = jnp.arange(tokens.shape[0])[:, None]
+            cache_segments = cache.segment_ids.at[rows, write_slots].set(segment_ids, mode="drop")
+            slot_positions = jnp.broadcast_to(jnp.arange(cache.max_length), cache_segments.shape)
+            mask = attention_mask(segment_ids, positions, cache_segments, slot_positions, cfg.sliding_window)
+        layer = lambda x, p, kv: _layer(cfg, p, x, cos, sin, mask, kv, write_slots)
+        if cfg.remat_policy != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
+        params = {name: var.value for name, var in nnx.state(self.layers, nnx.Param).items()}
+        kv = None if cache is None else (cache.k, cache.v)
+        x, new_kv = _run_stack(cfg, layer, x, params, kv)
+        x = rms_norm(x, self.final_norm.value, cfg.rms_norm_eps)
+        head = self.embed.value.T if cfg.tie_word_embeddings else self.lm_head.value
+        logits = jnp.einsum("bte,ev->btv", x, head.astype(cfg.dtype))
+        logits = _constrain(cfg, logits, ("batch", "length", "vocab"))
+        new_cache = None if cache is None else KVCache(k=new_kv[0], v=new_kv[1], segment_ids=cache_segments)
+        return logits, new_cache
+
+
+def _run_stack(cfg, layer, x, params, kv):
+    """Applies the layers in order: one `lax.scan` step per layer, or an unrolled Python loop."""
+    if cfg.scan_layers:
+        def body(x, xs):
+            p, kv_i = xs
+            return layer(x, p, kv_i)
+        return jax.lax.scan(body, x, (params, kv))
+    outputs = []
+    for i in range(cfg.num_decoder_layers):
+        p_i = jax.tree.map(lambda a: a[i], params)
+        kv_i = None if kv is None else (kv[0][i], kv[1][i])
+        x, out = layer(x, p_i, kv_i)
+        outputs.append(out)
+    if kv is None:
+        return x, None
+    return x, (jnp.stack([o[0] for o in outputs]), jnp.stack([o[1] for o in outputs]))
+
+
+def _layer(cfg: ModelConfig, p, x, cos, sin, mask, kv, write_slots):
+    """One pre-norm block: x + attention(norm(x)), then x + SwiGLU(norm(x))."""
+    dt = cfg.dtype
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("bte,ehd->bthd", h, p["wq"].astype(dt))
+    k = jnp.einsum("bte,ekd->btkd", h, p["wk"].astype(dt))
+    v = jnp.einsum("bte,ekd->btkd", h, p["wv"].astype(dt))
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q = _constrain(cfg, q, ("batch", "length", "heads", "kv"))
+    new_kv = None
+    if kv is not None:
+        rows = jnp.arange(x.shape[0])[:, None]
+        k = kv[0].at[rows, write_slots].set(k.astype(kv[0].dtype), mode="drop")
+        v = kv[1].at[rows, write_slots].set(v.astype(kv[1].dtype), mode="drop")
+        new_kv = (k, v)
+    attn = attention(q, k.astype(dt), v.astype(dt), mask)
+    x = x + jnp.einsum("bthd,hde->bte", attn, p["wo"].astype(dt))
+    x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("bte,em->btm", h, p["w_gate"].astype(dt))
+    up = jnp.einsum("bte,em->btm", h, p["w_up"].astype(dt))
+    hidden = _constrain(cfg, jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    x = x + jnp.einsum("btm,me->bte", hidden, p["w_down"].astype(dt))
+    x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
+    return x, new_kv
+
+
+def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_window):
+    """[B, Tq, Tk] bool: same nonzero segment, causal by position, optionally within a window."""
+    same = (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments[:, :, None] > 0)
+    distance = q_positions[:, :, None] - k_positions[:, None, :]
+    allowed = same & (distance >= 0)
+    if sliding_window is not None:
+        allowed &= distance < sliding_window
+    return allowed
+
+
+def attention(q, k, v, mask):
+    """Grouped-query attention; q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S]. Softmax in float32."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, H // K, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) / math.sqrt(D)
+    # A finite minimum keeps fully masked rows (padding queries) free of NaN.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, D)
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm computed in float32, then cast back, as the HF reference does."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies of RoPE (float32, as HF computes them), with linear or llama3 scaling."""
+    dim = cfg.head_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+    inv = inv.astype(np.float32)
+    if cfg.rope_scaling_type == "linear":
+        return inv / np.float32(cfg.rope_scaling_factor)
+    if cfg.rope_scaling_type == "llama3":
+        factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_position
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_tables(cfg: ModelConfig, positions):
+    """cos/sin [B, T, head_dim] for the rotate-half RoPE layout used by HF checkpoints."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(cfg.dtype), jnp.sin(angles).astype(cfg.dtype)
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def _constrain(cfg: ModelConfig, x, logical_axes):
+    """Pins an activation's sharding when a mesh is active; a no-op in mesh-less calls."""
+    if jax.sharding.get_abstract_mesh().empty or not cfg.logical_axis_rules:
+        return x
+    return jax.lax.with_sharding_constraint(x, sharding.logical_to_spec(logical_axes, cfg.logical_axis_rules))
+
+
+def create(cfg: ModelConfig, seed: int = 0) -> Decoder:
+    """A randomly initialised model (unsharded); see sharding.create_sharded for the sharded path."""
+    return Decoder(cfg, rngs=nnx.Rngs(params=seed))

@@ -1,0 +1,130 @@
+"""Mesh, logical axis rules, and the shardings of state and batches.
+
+Parameters and activations name their dimensions logically (`embed`, `mlp`, `heads`, ...); the
+`logical_axis_rules` table of the config (data, not code) maps each name to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+Rules = tuple[tuple[str, Any], ...]
+
+# The table configs/base.yml ships (a test keeps the two equal); used by library callers such as
+# adapters.hf.load that run without a config.
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", None),
+    ("vocab", "tensor"),
+    ("layers", None),
+    ("norm", None),
+    ("activation_embed", None),
+)
+
+
+def rules_from_config(rules: list) -> Rules:
+    """[[logical, mesh_axis | [mesh_axes] | null], ...] from yml -> hashable tuple."""
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
+
+
+def logical_to_spec(logical_axes: tuple, rules: Rules) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry these logical names (None = replicated)."""
+    table = dict(rules)
+    spec = []
+    for name in logical_axes:
+        if name is None:
+            spec.append(None)
+        elif name not in table:
+            raise ValueError(f"logical axis '{name}' has no entry in logical_axis_rules; add [{name}, <mesh axes or null>]")
+        else:
+            spec.append(table[name])
+    return PartitionSpec(*spec)
+
+
+def create_mesh(ici_shape: dict, dcn_shape: dict, devices=None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor); dcn sizes span slices (TPU) or processes (GPU/CPU)."""
+    devices = jax.devices() if devices is None else devices
+    ici = [ici_shape[a] for a in MESH_AXES]
+    dcn = [dcn_shape[a] for a in MESH_AXES]
+    if math.prod(dcn) > 1:
+        granule_is_process = not hasattr(devices[0], "slice_index")
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=granule_is_process)
+    else:
+        grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    return Mesh(grid, MESH_AXES)
+
+
+def mesh_from_config(cfg) -> Mesh:
+    return create_mesh(cfg.mesh_shape, cfg.dcn_mesh_shape)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_axes_of(var: nnx.Variable) -> tuple:
+    return var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+
+
+def state_shardings(state, mesh: Mesh, rules: Rules):
+    """NamedSharding for every Variable of an NNX state (concrete or abstract), from its logical axes.
+
+    Raises a clear error when a dimension does not divide evenly over the mesh axes it maps to.
+    """
+    def one(path, var):
+        spec = logical_to_spec(logical_axes_of(var), rules)
+        _check_divisible(jax.tree_util.keystr(path), var.shape, spec, mesh)
+        return var.replace(NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+def _check_divisible(name: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:
+    for dim, (size, axes) in enumerate(zip(shape, spec)):
+        if axes is None:
+            continue
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        parts = math.prod(mesh.shape[a] for a in axes)
+        if size % parts:
+            raise ValueError(
+                f"parameter {name} dimension {dim} (size {size}) cannot be split over mesh axes {axes} "
+                f"({parts} devices); change logical_axis_rules or the *_parallelism sizes")
+
+
+def init_sharded(make_module: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> nnx.Module:
+    """Builds a module with every parameter created directly in its sharding (no full host copy)."""
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(make_module))
+    shardings = state_shardings(abstract_state, mesh, rules)
+    init = jax.jit(lambda: nnx.state(make_module()), out_shardings=shardings)
+    return nnx.merge(graphdef, init())
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, logical_axes=("batch", "length")) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
+
+
+def bytes_per_device(state) -> dict:
+    """Bytes of the state's arrays held by each device (shows that sharding really splits the state)."""
+    totals: dict = {}
+    for leaf in jax.tree.leaves(state):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return totals
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+

@@ -1,0 +1,116 @@
+"""Writes a random tiny HF checkpoint (config.json + safetensors + tokenizer) for tests and demos.
+
+    python tools/make_tiny_model.py OUT_DIR --family qwen2 [--emb-dim 64 ...] [--corpus file.txt]
+
+The weights come from transformers' own initialisation of the family's *ForCausalLM; the tokenizer
+is a byte-level BPE trained locally (on --corpus when given, else on a built-in text), with a
+ChatML chat template, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BUILTIN_CORPUS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "How many clips did Natalia sell altogether in April and May? #### 72",
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) <<48/2=24>>",
+]
+
+
+def build_tokenizer(vocab_size: int, corpus: list[str]):
+    """A byte-level BPE PreTrainedTokenizerFast: every string encodes, whatever the corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def hf_config(family: str, vocab_size: int, emb_dim: int, mlp_dim: int, layers: int, heads: int,
+              kv_heads: int, head_dim: int, tie: bool, rope_scaling: str, sliding_window: int | None):
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    elif rope_scaling == "linear":
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    extra = {"sliding_window": sliding_window} if family == "mistral" else {}
+    return transformers.AutoConfig.for_model(
+        family, vocab_size=vocab_size, hidden_size=emb_dim, intermediate_size=mlp_dim,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, tie_word_embeddings=tie, rope_parameters=rope, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, **extra)
+
+
+def make_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size: int = 512, emb_dim: int = 64,
+                    mlp_dim: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                    tie: bool = False, rope_scaling: str = "none", sliding_window: int | None = None,
+                    corpus: list[str] | None = None, seed: int = 0) -> Path:
+    """Saves the checkpoint and tokenizer to `out_dir` and returns it."""
+    import torch
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"--family must be one of {FAMILIES}, got '{family}'")
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(vocab_size, corpus or BUILTIN_CORPUS)
+    config = hf_config(family, vocab_size, emb_dim, mlp_dim, layers, heads, kv_heads, head_dim, tie,
+                       rope_scaling, sliding_window)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = None
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF zero-initialises biases and ones norms; randomise them so tests see them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--family", default="llama", choices=FAMILIES)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--emb-dim", type=int, default=64)
+    p.add_argument("--mlp-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--tie", action="store_true", help="tie lm_head to the token embedding")
+    p.add_argument("--rope-scaling", default="none", choices=("none", "linear", "llama3"))
+    p.add_argument("--sliding-window", type=int, default=None, help="mistral only")
+    p.add_argument("--corpus", help="text file the tokenizer is trained on (one example per line)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    corpus = Path(a.corpus).read_text().splitlines() if a.corpus else None
+    out = make_tiny_model(a.out_dir, a.family, vocab_size=a.vocab_size, emb_dim=a.emb_dim, mlp_dim=a.mlp_dim,
+                          layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, tie=a.tie,
+                          rope_scaling=a.rope_scaling, sliding_window=a.sliding_window, corpus=corpus, seed=a.seed)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
