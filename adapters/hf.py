@@ -292,7 +292,7 @@ def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 
     writer = _ShardWriter(path, max_shard_bytes) if jax.process_index() == 0 else None
     for key_path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = ".".join(str(k) for k in key_path)
-        full = np.asarray(multihost_utils.process_allgather(var.value, tiled=True))
+        full = np.asarray(multihost_utils.process_allgather(var.get_value(), tiled=True))
         m = mappings[name]
         tensors = ({m.hf_key.format(i=i): _to_hf(full[i], m) for i in range(full.shape[0])}
                    if name.startswith("layers.") else {m.hf_key: _to_hf(full, m)})

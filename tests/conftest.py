@@ -3,3 +3,38 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+# Each family with the variant that exercises its distinctive code path.
+FAMILY_VARIANTS = {
+    "llama": dict(rope_scaling="llama3"),
+    "qwen2": dict(tie=True),
+    "qwen3": dict(),
+    "mistral": dict(sliding_window=64),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(family) -> dir of a random tiny HF checkpoint made by tools/make_tiny_model.py.
+
+    A large init std makes attention sharp, so a wrong mask or RoPE changes logits visibly.
+    """
+    from make_tiny_model import make_tiny_model
+
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = make_tiny_model(tmp_path_factory.mktemp(f"hf_{family}"), family, init_std=0.25,
+                                           **FAMILY_VARIANTS[family])
+        return made[family]
+
+    return get

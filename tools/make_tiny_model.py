@@ -62,7 +62,7 @@ def hf_config(family: str, vocab_size: int, emb_dim: int, mlp_dim: int, layers: 
 def make_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size: int = 512, emb_dim: int = 64,
                     mlp_dim: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                     tie: bool = False, rope_scaling: str = "none", sliding_window: int | None = None,
-                    corpus: list[str] | None = None, seed: int = 0) -> Path:
+                    corpus: list[str] | None = None, init_std: float = 0.02, seed: int = 0) -> Path:
     """Saves the checkpoint and tokenizer to `out_dir` and returns it."""
     import torch
     import transformers
@@ -76,6 +76,7 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size: i
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
+    config.initializer_range = init_std
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF zero-initialises biases and ones norms; randomise them so tests see them
@@ -102,12 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rope-scaling", default="none", choices=("none", "linear", "llama3"))
     p.add_argument("--sliding-window", type=int, default=None, help="mistral only")
     p.add_argument("--corpus", help="text file the tokenizer is trained on (one example per line)")
+    p.add_argument("--init-std", type=float, default=0.02,
+                   help="weight init std; ~0.25 makes attention sharp enough for parity tests to see RoPE/masks")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     corpus = Path(a.corpus).read_text().splitlines() if a.corpus else None
     out = make_tiny_model(a.out_dir, a.family, vocab_size=a.vocab_size, emb_dim=a.emb_dim, mlp_dim=a.mlp_dim,
                           layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, tie=a.tie,
-                          rope_scaling=a.rope_scaling, sliding_window=a.sliding_window, corpus=corpus, seed=a.seed)
+                          rope_scaling=a.rope_scaling, sliding_window=a.sliding_window, corpus=corpus, init_std=a.init_std, seed=a.seed)
     print(f"wrote {out}")
     return 0
 

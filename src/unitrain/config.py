@@ -1,0 +1,447 @@
+"""unitrain's config: one flat yml, merged in layers, typed, validated, derived and frozen.
+
+`load_config([yml, "key=value", ...])` layers, lowest first:
+  1. the root base.yml, i.e. the end of the `base_config:` chain: it lists every key, and the type
+     of each default is the type every other layer must give that key;
+  2. the ymls of the chain, root-most first (`base_config:` is a path relative to the directory of
+     the yml that names it; an absolute path also works);
+  3. `<dir of the root base.yml>/models/<model_name>.yml`: model dimensions only;
+  4. command-line `key=value` overrides (the last of a repeated key wins).
+Then each key is checked against RULES, the cross-key CHECKS run, and derive() adds computed values.
+A user mistake raises ConfigError whose message is one sentence naming the key and where it came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import posixpath
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import yaml
+
+
+class ConfigError(Exception):
+    """A mistake in the config; the entry prints the message (one sentence) and exits with status 2."""
+
+
+class Rule(NamedTuple):
+    test: Callable[[Any], bool]  # gets the already-typed value
+    expected: str  # completes "config key 'x' expects ..."
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def choices(*options: str) -> Rule:
+    return Rule(lambda v: v in options, "one of " + " | ".join(options))
+
+
+def optional(rule: Rule) -> Rule:
+    return Rule(lambda v: v is None or rule.test(v), rule.expected + " or null")
+
+
+POSITIVE = Rule(lambda v: _is_num(v) and v > 0, "a positive number")
+POSITIVE_INT = Rule(lambda v: _is_num(v) and isinstance(v, int) and v > 0, "a positive int")
+NON_NEGATIVE = Rule(lambda v: _is_num(v) and v >= 0, "a number >= 0")
+NAME = Rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
+MESH_SIZE = Rule(lambda v: v == -1 or v >= 1, "-1 (fill the remaining devices) or a positive int")
+DTYPE = choices("float32", "bfloat16", "float16")
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Per-key constraints beyond the type (which comes from the default in base.yml): a new key that
+# needs one adds a row here, e.g. "learning_rate": NON_NEGATIVE.
+RULES: dict[str, Rule] = {
+    "run_name": NAME,
+    "base_output_directory": NAME,
+    "seed": NON_NEGATIVE,
+    "model_name": NAME,
+    "model_family": choices("llama", "qwen2", "qwen3", "mistral"),
+    "vocab_size": POSITIVE_INT,
+    "emb_dim": POSITIVE_INT,
+    "mlp_dim": POSITIVE_INT,
+    "num_decoder_layers": POSITIVE_INT,
+    "num_query_heads": POSITIVE_INT,
+    "num_kv_heads": POSITIVE_INT,
+    "head_dim": optional(POSITIVE_INT),
+    "rms_norm_eps": POSITIVE,
+    "rope_theta": POSITIVE,
+    "rope_scaling_type": choices("none", "linear", "llama3"),
+    "rope_scaling_factor": POSITIVE,
+    "rope_low_freq_factor": POSITIVE,
+    "rope_high_freq_factor": POSITIVE,
+    "rope_original_max_position": POSITIVE_INT,
+    "sliding_window": optional(POSITIVE_INT),
+    "dtype": DTYPE,
+    "weight_dtype": DTYPE,
+    "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
+    **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn") for axis in MESH_AXES},
+    "dataset_path": NAME,
+    "prompt_key": NAME,
+    "completion_key": NAME,
+    "messages_key": NAME,
+    "per_device_batch_size": POSITIVE_INT,
+    "max_target_length": POSITIVE_INT,
+    "truncation": choices("truncate", "drop"),
+    "num_epochs": optional(POSITIVE_INT),
+    "builtin_task_digits": POSITIVE_INT,
+}
+
+# The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without
+# the run-time choices (model_name, dtype, weight_dtype, remat_policy, scan_layers).
+MODEL_KEYS = (
+    "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads",
+    "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling_type",
+    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_position", "qkv_bias", "qk_norm", "tie_word_embeddings", "sliding_window",
+)
+
+
+def _check_logical_axis_rules(c: dict) -> str | None:
+    seen = set()
+    for rule in c["logical_axis_rules"]:
+        name, mesh = rule if isinstance(rule, list) and len(rule) == 2 else (None, None)
+        axes = [] if mesh is None else [mesh] if isinstance(mesh, str) else mesh
+        if not isinstance(name, str) or not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
+            return f"logical_axis_rules entry {_show(rule)} must be [logical_name, mesh_axis | [mesh_axes] | null]"
+        if bad := [a for a in axes if a not in MESH_AXES]:
+            return f"logical_axis_rules entry '{name}' uses mesh axis '{bad[0]}', which is not one of {', '.join(MESH_AXES)}"
+        if len(set(axes)) < len(axes) or name in seen:
+            return f"logical_axis_rules entry '{name}' repeats a mesh axis or a logical name"
+        seen.add(name)
+    return None
+
+
+def _check_one_fill(c: dict) -> str | None:
+    fills = [k for k in RULES if k.endswith("_parallelism") and c[k] == -1]
+    return f"only one *_parallelism may be -1 (fill), got {' and '.join(fills)}" if len(fills) > 1 else None
+
+
+# Cross-key checks: each returns None or what is wrong (impossible combinations of valid values).
+CHECKS: list[Callable[[dict], str | None]] = [
+    lambda c: None if c["num_query_heads"] % c["num_kv_heads"] == 0 else
+    f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})",
+    lambda c: None if c["head_dim"] is not None or c["emb_dim"] % c["num_query_heads"] == 0 else
+    f"head_dim is null but emb_dim ({c['emb_dim']}) is not a multiple of num_query_heads ({c['num_query_heads']}); set head_dim",
+    lambda c: None if c["rope_scaling_type"] != "llama3" or c["rope_high_freq_factor"] > c["rope_low_freq_factor"] else
+    "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor",
+    _check_logical_axis_rules,
+    _check_one_fill,
+]
+
+
+def derive(cfg: dict) -> dict:
+    """The inputs plus the values computed from them, once (new derived values go here).
+
+    write_config writes derived keys as comments, and load_config recomputes them; users cannot set them.
+    """
+    out = dict(cfg)
+    if out["head_dim"] is None:
+        out["head_dim"] = out["emb_dim"] // out["num_query_heads"]
+    run_dir = posixpath.join(out["base_output_directory"], out["run_name"])  # posixpath: gs:// too
+    out["run_dir"] = run_dir
+    out["checkpoint_dir"] = posixpath.join(run_dir, "checkpoints")
+    out["tensorboard_dir"] = posixpath.join(run_dir, "tensorboard")
+    out["metrics_file"] = posixpath.join(run_dir, "metrics.jsonl")
+    out["mesh_shape"], out["dcn_mesh_shape"] = _mesh_shapes(out)
+    return out
+
+
+def _mesh_shapes(c: dict) -> tuple[dict, dict]:
+    import jax  # here, not at the top: importing this module must not initialise JAX's backends
+
+    n = jax.device_count()
+    sizes = {k: c[k] for k in RULES if k.endswith("_parallelism")}
+    fill = [k for k, v in sizes.items() if v == -1]
+    others = math.prod(v for v in sizes.values() if v != -1)
+    if fill and n % others:
+        raise ConfigError(f"{fill[0]}=-1 cannot fill the mesh: the other *_parallelism sizes multiply to {others}, which does not divide the {n} devices")
+    if fill:
+        sizes[fill[0]] = n // others
+    elif others != n:
+        raise ConfigError(f"the ici_* and dcn_* parallelism sizes multiply to {others} but there are {n} devices; make the product {n} or set one size to -1")
+    return tuple({a: sizes[f"{net}_{a}_parallelism"] for a in MESH_AXES} for net in ("ici", "dcn"))
+
+
+class _FrozenDict(dict):
+    """A dict that refuses changes (mesh shapes inside a Config); still a dict for json and jax."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("config values are frozen; use cfg.replace(...)")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return (_FrozenDict, (dict(self),))
+
+
+def _freeze(v):
+    return tuple(map(_freeze, v)) if isinstance(v, (list, tuple)) else \
+        _FrozenDict({k: _freeze(x) for k, x in v.items()}) if isinstance(v, Mapping) else v
+
+
+def _thaw(v):
+    return list(map(_thaw, v)) if isinstance(v, (list, tuple)) else \
+        {k: _thaw(x) for k, x in v.items()} if isinstance(v, Mapping) else v
+
+
+class Config(Mapping):
+    """The frozen, validated config: cfg.emb_dim, cfg["emb_dim"], cfg.to_dict(), cfg.replace(emb_dim=128)."""
+
+    def __init__(self, values: dict, inputs: dict, schema: dict):
+        object.__setattr__(self, "_values", {k: _freeze(v) for k, v in values.items()})
+        object.__setattr__(self, "_inputs", inputs)  # validated, before derive(): replace() restarts here
+        object.__setattr__(self, "_schema", schema)  # the root yml: keys and default types
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def __getattr__(self, name):
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"config has no key '{name}'{_did_you_mean(name, values)}")
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"config is frozen; use cfg.replace({name}=...)")
+
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"config is frozen; cannot delete '{name}'")
+
+    def __hash__(self):
+        return hash(yaml.safe_dump(self.to_dict(), sort_keys=True))
+
+    def __repr__(self):
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
+
+    def __reduce__(self):
+        return (Config, (self.to_dict(), self._inputs, self._schema))
+
+    def to_dict(self) -> dict:
+        """A plain, yaml-serialisable copy (lists and dicts) of every value, derived ones included."""
+        return {k: _thaw(v) for k, v in self._values.items()}
+
+    def replace(self, **changes) -> Config:
+        """A new Config with some inputs changed; typed, validated and derived again like a load."""
+        inputs, origin = dict(self._inputs), {}
+        for key, value in changes.items():
+            _set(inputs, origin, self._schema, key, value, "from replace()")
+        return _build(inputs, self._schema, origin)
+
+
+_RESERVED = {name for name in dir(Config) if not name.startswith("_")}  # keys that attributes would hide
+
+
+def _build(inputs: dict, schema: dict, origin: dict) -> Config:
+    for key, rule in RULES.items():
+        if key in inputs and not rule.test(inputs[key]):
+            raise ConfigError(f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, 'from replace()')})")
+    for check in CHECKS:
+        if problem := check(inputs):
+            raise ConfigError(f"invalid config: {problem}")
+    return Config(derive(inputs), inputs, schema)
+
+
+def load_config(argv: list[str]) -> Config:
+    """argv[0] is a yml (configs/base.yml or a recipe), the rest `key=value` overrides."""
+    if not argv:
+        raise ConfigError("no config file given; the first argument must be a yml such as configs/base.yml")
+    chain, resolved = _read_chain(Path(argv[0]))
+    root, schema, root_lines = chain[-1]
+    missing = [k for k in RULES if k not in schema]
+    if missing:
+        raise ConfigError(f"{_show_path(root)} has no base_config and lacks key '{missing[0]}'; a recipe must start with `base_config: base.yml`")
+    if clash := _RESERVED & set(schema):
+        raise ConfigError(f"config key '{sorted(clash)[0]}' in {_show_path(root)} is reserved (a Config method); rename it")
+    inputs = dict(schema)
+    origin = {k: f"from {_show_path(root)} line {root_lines.get(k)}" for k in schema}
+    for path, data, lines in reversed(chain[:-1]):
+        for key, value in data.items():
+            _set(inputs, origin, schema, key, value, f"from {_show_path(path)} line {lines.get(key)}")
+    cli = {}
+    for arg in argv[1:]:
+        key, eq, raw = arg.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"command-line argument '{arg}' is not of the form key=value")
+        cli[key] = raw
+    if "model_name" in cli:  # picks the model yml, so it is typed before the others
+        _set(inputs, origin, schema, "model_name", None, "from command line", raw=cli["model_name"])
+    if resolved:  # a written config already holds its model's dimensions (and maybe overrides of them)
+        if inputs["model_name"] != schema["model_name"]:
+            raise ConfigError(f"model_name cannot change when loading the resolved config {_show_path(chain[0][0])}; start from configs/base.yml instead")
+    else:
+        _apply_model(inputs, origin, schema, root.parent / "models")
+    for key, raw in cli.items():
+        _set(inputs, origin, schema, key, None, "from command line", raw=raw)
+    return _build(inputs, schema, origin)
+
+
+def _apply_model(inputs: dict, origin: dict, schema: dict, models: Path) -> None:
+    name = inputs["model_name"]
+    path = models / f"{name}.yml"
+    if "/" in name or not path.is_file():
+        available = ", ".join(sorted(p.stem for p in models.glob("*.yml"))) or "none"
+        raise ConfigError(f"model_name '{name}' has no file {_show_path(path)}; available: {available}")
+    data, lines = _read_yml(path)
+    for key, value in data.items():
+        where = f"from {_show_path(path)} line {lines.get(key)}"
+        if key in schema and key not in MODEL_KEYS:
+            raise ConfigError(f"config key '{key}' is not a model dimension and cannot be set in a model yml ({where})")
+        _set(inputs, origin, schema, key, value, where)
+    if absent := [k for k in MODEL_KEYS if k not in data]:
+        raise ConfigError(f"model file {_show_path(path)} lacks '{absent[0]}'; a model yml sets every model dimension")
+
+
+def _set(inputs, origin, schema, key, value, where, raw=None) -> None:
+    if key not in schema:
+        hint = _did_you_mean(str(key), schema) or "; the root base.yml lists every key"
+        raise ConfigError(f"unknown config key '{key}' ({where}){hint}")
+    inputs[key] = _typed(key, value, schema[key], where, raw)
+    origin[key] = where
+
+
+_TYPE_NAMES = {bool: "a bool (true or false)", int: "an int", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
+
+
+def _typed(key: str, value, default, where: str, raw: str | None = None):
+    """`value`, or the command-line text `raw`, converted to the type of `default`."""
+    kind = type(default)
+    if raw is not None:
+        if kind is str:
+            return raw  # as typed: run_name=007 stays '007'
+        try:
+            value = yaml.load(raw, Loader=_Loader)
+        except yaml.YAMLError:
+            if default is None:
+                raise ConfigError(f"config key '{key}' got '{raw}', which is not valid YAML ({where})") from None
+            value = raw  # fails the type check below with the text the user typed
+    if default is None:
+        return value
+    if kind is bool and isinstance(value, bool) or kind is int and _is_num(value) and isinstance(value, int):
+        return value
+    if kind is float and _is_num(value):
+        return float(value)
+    if kind is float and isinstance(value, str):
+        try:
+            return float(value)  # e.g. a yml read without _Loader; also inf
+        except ValueError:
+            pass
+    if kind is str and _is_num(value) or kind is str and isinstance(value, str):
+        return str(value)  # run_name: 2024 in a yml
+    if kind is list and isinstance(value, (list, tuple)) or kind is dict and isinstance(value, dict):
+        return _thaw(value)
+    shown = raw if raw is not None else _show(value)
+    raise ConfigError(f"config key '{key}' expects {_TYPE_NAMES.get(kind, kind.__name__)}, got '{shown}' ({where})")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads 1e-5 as a float (YAML 1.1 wants a dot), refuses a repeated key, and
+    keeps the line of each top-level key for messages."""
+
+    key_lines: dict | None = None
+
+    def construct_mapping(self, node, deep=False):
+        mapping = super().construct_mapping(node, deep)
+        lines = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node)
+            if key in lines:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"key '{key}' appears twice (first on line {lines[key]})", problem_mark=key_node.start_mark)
+            lines[key] = key_node.start_mark.line + 1
+        if self.key_lines is None:  # the first mapping constructed is the document's top level
+            self.key_lines = lines
+        return mapping
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def _read_yml(path: Path) -> tuple[dict, dict]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {_show_path(path)}: {(e.strerror or str(e)).lower()}") from None
+    loader = _Loader(text)
+    try:
+        data = loader.get_single_data()
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{_show_path(path)}{where} is not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_show_path(path)} must be a mapping of `key: value` lines, not a {type(data).__name__}")
+    return data, loader.key_lines or {}
+
+
+def _read_chain(path: Path) -> tuple[list[tuple[Path, dict, dict]], bool]:
+    """The yml files from `path` along `base_config:` to the root, and whether one is a resolved config."""
+    chain, resolved = [], False
+    while True:
+        path = path.resolve()
+        if path in [p for p, _, _ in chain]:
+            names = " -> ".join(_show_path(p) for p in [*(p for p, _, _ in chain), path])
+            raise ConfigError(f"base_config forms a cycle: {names}")
+        data, lines = _read_yml(path)
+        chain.append((path, data, lines))
+        resolved |= data.pop("resolved_config", False) is True
+        parent = data.pop("base_config", None)
+        if parent is None:
+            return chain, resolved
+        if not isinstance(parent, str) or not parent:
+            raise ConfigError(f"base_config in {_show_path(path)} must be a yml path, got '{_show(parent)}'")
+        path = path.parent / parent  # relative to this yml's directory; an absolute path replaces it
+
+
+def write_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the fully resolved config as yml; load_config([path]) gives back an equal Config.
+
+    The model yml is already applied, so the file says `resolved_config: true` and loading it skips that
+    layer; derived values follow as comments. Multi-host callers write from one process only.
+    """
+    values = cfg.to_dict()
+    inputs = {k: values[k] for k in cfg._inputs}
+    derived = {k: v for k, v in values.items() if k not in cfg._inputs}
+    dump = lambda d: yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=1000)  # noqa: E731
+    text = ("# Fully resolved unitrain config (write_config): load it as is to reproduce the run.\n"
+            "resolved_config: true\n" + dump(inputs)
+            + "# ---- derived: recomputed on load, not accepted as input\n"
+            + "".join(f"# {line}\n" for line in dump(derived).splitlines()))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _did_you_mean(name: str, known) -> str:
+    hint = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean '{hint[0]}'?" if hint else ""
+
+
+def _show(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _show_path(p: Path) -> str:
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)

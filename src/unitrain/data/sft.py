@@ -1,0 +1,191 @@
+"""The SFT pipeline: records -> shard -> shuffle -> repeat -> tokenize -> pack -> batch (grain).
+
+One batch is a dict of int32 [B, T] numpy arrays for this process's share of the global batch:
+  inputs, inputs_position, inputs_segmentation, targets, targets_segmentation
+plus `num_truncated`, an int32 scalar: how many over-long examples were truncated or dropped while
+this batch was assembled (sum it over steps for a total; the trainer pops it before the step;
+at the end of a finite stream, drops after the last kept example are not counted).
+Segments start at 1 per example in a row (0 = padding), positions restart at 0 per segment,
+targets are the next token within the segment, and targets_segmentation keeps the segment id only
+where the target is a completion token (the EOS included), so prompts and padding carry no loss.
+
+Over-long examples (more than max_target_length tokens): `truncation=truncate` cuts them on the
+right (the prompt is kept whole, the completion is cut); an example whose prompt alone fills the
+row is dropped, since nothing of it would be learned. `truncation=drop` skips every over-long one.
+"""
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
+from unitrain.config import ConfigError
+from unitrain.data.errors import DataError
+from unitrain.data.sources import read_records
+
+BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
+# Per-example features the packer lays out in rows. num_truncated is a scalar per example: the
+# packer places it like a 1-token sequence, so a row's sum counts its over-long examples.
+_PACKED = ("inputs", "targets", "loss_mask", "num_truncated")
+
+
+def example_arrays(prompt_ids, completion_ids, max_len: int, truncation: str, pad_id: int) -> dict:
+    """One example's unpacked arrays; a dict without "inputs" marks a dropped over-long example."""
+    tokens = list(prompt_ids) + list(completion_ids)
+    overlong = len(tokens) > max_len
+    if overlong:
+        if truncation == "drop" or len(prompt_ids) >= max_len:
+            return {"num_truncated": np.int32(1)}
+        tokens = tokens[:max_len]
+    n = len(tokens)
+    inputs = np.asarray(tokens, np.int32)
+    targets = np.full(n, pad_id, np.int32)
+    targets[:-1] = inputs[1:]
+    loss_mask = np.zeros(n, np.int32)
+    loss_mask[max(len(prompt_ids) - 1, 0) : n - 1] = 1  # position i predicts token i+1
+    return {"inputs": inputs, "targets": targets, "loss_mask": loss_mask, "num_truncated": np.int32(overlong)}
+
+
+def _example_fn(tokenizer, max_len: int, truncation: str):
+    """record -> example_arrays(...); the BOS/EOS policy of each record kind lives here."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    eos = [tokenizer.eos_id]
+
+    def to_example(record: dict) -> dict:
+        if "ids" in record:  # synthetic: the whole row is completion
+            prompt, completion = [], record["ids"]
+        elif "messages" in record:  # the chat template owns BOS and end-of-turn tokens
+            prompt_text, completion_text = tokenizer.apply_chat_template(record["messages"])
+            prompt, completion = tokenizer.encode(prompt_text), tokenizer.encode(completion_text)
+        else:  # plain texts, concatenated verbatim: separators belong in the data
+            prompt = bos + tokenizer.encode(record["prompt"])
+            completion = tokenizer.encode(record["completion"]) + eos
+        return example_arrays(prompt, completion, max_len, truncation, tokenizer.pad_id)
+
+    return to_example
+
+
+class _CountDropped(grain.IterDataset):
+    """Skips dropped examples and adds their count to the next kept one, so it reaches a batch.
+
+    Stateless between elements, so checkpoints stay exact: its state is its parent's.
+    """
+
+    def __iter__(self):
+        return _CountDroppedIterator(self._parent.__iter__())
+
+
+class _CountDroppedIterator(grain.DatasetIterator):
+    def __next__(self):
+        dropped = 0
+        while "inputs" not in (element := next(self._parent)):
+            dropped += int(element["num_truncated"])
+        return {**element, "num_truncated": np.int32(element["num_truncated"] + dropped)}
+
+    def get_state(self):
+        return self._parent.get_state()
+
+    def set_state(self, state):
+        self._parent.set_state(state)
+
+
+def _to_batch(packed: dict) -> dict:
+    """grain's packer field names -> the trainer's batch fields."""
+    segmentation = packed["inputs_segment_ids"]
+    return {
+        "inputs": packed["inputs"],
+        "inputs_position": packed["inputs_positions"],
+        "inputs_segmentation": segmentation,
+        "targets": packed["targets"],
+        "targets_segmentation": segmentation * packed["loss_mask"],
+        "num_truncated": np.asarray(packed["num_truncated"].sum(), np.int32),
+    }
+
+
+def split_path(cfg, split: str) -> str:
+    """The data behind a split; eval of builtin/synthetic is their own eval stream by default."""
+    if split == "train" or cfg.eval_dataset_path:
+        return cfg.dataset_path if split == "train" else cfg.eval_dataset_path
+    if cfg.dataset_path in ("builtin", "synthetic"):
+        return cfg.dataset_path
+    raise ConfigError("evaluation needs eval_dataset_path when dataset_path names files")
+
+
+def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
+    """The split's raw records: {prompt, completion}, {messages} or {ids} (synthetic)."""
+    if path == "builtin":
+        digits, stream = cfg.builtin_task_digits, split
+
+        def problem(i):
+            prompt, answer = builtin_problem(int(i), stream, digits)
+            return {"prompt": prompt, "completion": answer}
+
+        return grain.MapDataset.range(NUM_PROBLEMS).map(problem)
+    if path == "synthetic":
+        length, vocab, seed = cfg.max_target_length, tokenizer.vocab_size, (cfg.seed, 0 if split == "train" else 1)
+        return grain.MapDataset.range(NUM_PROBLEMS).map(
+            lambda i: {"ids": np.random.default_rng([*seed, int(i)]).integers(0, vocab, length).tolist()}
+        )
+    records = read_records(path, cfg.prompt_key, cfg.completion_key, cfg.messages_key)
+    if not tokenizer.has_chat_template and any("messages" in r for r in records):
+        tokenizer.apply_chat_template([])  # raises the ConfigError naming tokenizer_path
+    return grain.MapDataset.source(records)
+
+
+def make_sft_dataset(cfg, tokenizer, global_batch_size: int, split: str = "train",
+                     process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+    """The grain pipeline behind `make_sft_iterator` (see the module docstring for the batch)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if global_batch_size % process_count:
+        raise ConfigError(f"the global batch size {global_batch_size} does not divide among {process_count} processes")
+    max_len, path = cfg.max_target_length, split_path(cfg, split)
+    if path == "builtin" and max_len < max_builtin_length(cfg.builtin_task_digits):
+        raise ConfigError(
+            f"max_target_length={max_len} is too short for the built-in task with builtin_task_digits="
+            f"{cfg.builtin_task_digits}; it needs {max_builtin_length(cfg.builtin_task_digits)}"
+        )
+
+    records = _records(cfg, tokenizer, split, path)
+    # Every process keeps an equal, disjoint share of the records (the few left over are skipped),
+    # so that all processes see the same number of examples per epoch.
+    usable = len(records) - len(records) % process_count
+    shard = records[:usable][process_index::process_count]
+    if len(shard) == 0:
+        raise DataError(f"dataset {path!r} has {len(records)} records, too few for {process_count} processes")
+    to_example = _example_fn(tokenizer, max_len, cfg.truncation)
+    _check_not_empty(shard.map(to_example), path, max_len)
+
+    ds = shard
+    if split == "train" and cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)  # reshuffled every epoch: grain folds the epoch into the seed
+    if split == "train":
+        ds = ds.repeat(cfg.num_epochs)  # None = forever
+    batch_size = global_batch_size // process_count
+    # Records are in memory and tokenizing holds the GIL: reader threads would only contend (grain
+    # recommends num_threads=0 for in-memory data).
+    it = _CountDropped(ds.map(to_example).to_iter_dataset(grain.ReadOptions(num_threads=0)))
+    it = grain.experimental.FirstFitPackIterDataset(
+        it,
+        length_struct={k: max_len for k in _PACKED},
+        num_packing_bins=batch_size,
+        seed=cfg.seed,
+        max_sequences_per_bin=None if cfg.packing else 1,  # packing=false: one example per row
+        padding_struct={"inputs": tokenizer.pad_id, "targets": tokenizer.pad_id, "loss_mask": 0, "num_truncated": 0},
+    )
+    return it.batch(batch_size, drop_remainder=True).map(_to_batch)
+
+
+def make_sft_iterator(cfg, tokenizer, global_batch_size: int, split: str = "train",
+                      process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+    """This process's batches; a grain DatasetIterator, so get_state()/set_state() and
+    grain.checkpoint.CheckpointSave/CheckpointRestore (orbax) checkpoint its position exactly."""
+    return iter(make_sft_dataset(cfg, tokenizer, global_batch_size, split, process_index, process_count))
+
+
+def _check_not_empty(examples: grain.MapDataset, path: str, max_len: int) -> None:
+    """Fail now, not mid-run, when no example fits: scan until the first one that does."""
+    for i in range(len(examples)):
+        if "inputs" in examples[i]:
+            return
+    raise DataError(f"no example of {path!r} fits in max_target_length={max_len}; raise it or use truncation=truncate")

@@ -1,0 +1,108 @@
+"""One small tokenizer interface over HF tokenizer dirs, SentencePiece files and a built-in one.
+
+The rest of unitrain sees only `Tokenizer`: encode/decode without implicit special tokens, the
+special ids, and `apply_chat_template` that splits a conversation into (prompt, completion) text.
+"""
+from __future__ import annotations
+
+import os
+
+from unitrain.config import ConfigError
+from unitrain.data.errors import DataError
+
+# Built-in character tokenizer: specials first (<pad> must be 0), then printable ASCII and newline,
+# enough for the built-in arithmetic task and for any plain-ASCII toy text.
+BUILTIN_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+BUILTIN_CHARS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
+
+
+class Tokenizer:
+    """Wraps a transformers tokenizer or a SentencePiece processor behind one interface."""
+
+    def __init__(self, *, hf=None, spm=None, path: str = ""):
+        self._hf, self._spm, self.path = hf, spm, path
+        if hf is not None:
+            self.vocab_size = len(hf)
+            self.bos_id = hf.bos_token_id
+            self.eos_id = hf.eos_token_id
+            self.pad_id = hf.pad_token_id
+            # Encode with the Rust backend directly: the Python wrapper redoes padding/truncation
+            # set-up on every call (and mutates shared state doing it), for nothing here.
+            self._backend = hf.backend_tokenizer if getattr(hf, "is_fast", False) else None
+        else:
+            self.vocab_size = spm.get_piece_size()
+            self.bos_id, self.eos_id, self.pad_id = (
+                i if i >= 0 else None for i in (spm.bos_id(), spm.eos_id(), spm.pad_id())
+            )
+        if self.eos_id is None:
+            raise ConfigError(f"tokenizer_path={path!r}: the tokenizer has no EOS token, which SFT needs to end completions")
+        if self.pad_id is None:
+            self.pad_id = self.eos_id  # only ever written where the segmentation is 0
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOS (special tokens written in the text are kept)."""
+        if self._spm is not None:
+            return self._spm.encode(text)
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if self._spm is not None:
+            return self._spm.decode(ids)
+        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._hf is not None and bool(getattr(self._hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict]) -> tuple[str, str]:
+        """Renders a conversation as (prompt_text, completion_text); the loss goes on the completion.
+
+        The completion is the last assistant turn only; everything before it (system, user, earlier
+        assistant turns, and the template's generation prompt) is prompt. The template owns all
+        special tokens of a chat (BOS, end-of-turn), so the SFT path adds none of its own.
+        """
+        if not self.has_chat_template:
+            raise ConfigError(
+                f"tokenizer_path={self.path!r} has no chat template, so it cannot render the "
+                "'messages' field; use a chat tokenizer or prompt/completion fields"
+            )
+        if not messages or messages[-1].get("role") != "assistant":
+            raise DataError("a 'messages' conversation must end with an assistant turn to train on")
+        full = self._hf.apply_chat_template(messages, tokenize=False)
+        prompt = self._hf.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        if not full.startswith(prompt):
+            raise DataError(f"the chat template of {self.path!r} does not render the prompt as a prefix of the conversation")
+        return prompt, full[len(prompt):]
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Tokenizer:
+    """`""` -> built-in character tokenizer; `*.model` -> SentencePiece; a directory -> HF tokenizer."""
+    if path == "":
+        return Tokenizer(hf=_builtin_hf_tokenizer(), path="")
+    if path.endswith(".model") and os.path.isfile(path):
+        import sentencepiece
+
+        return Tokenizer(spm=sentencepiece.SentencePieceProcessor(model_file=path), path=path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"tokenizer_path={path!r} is neither a tokenizer directory nor a SentencePiece .model file")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    return Tokenizer(hf=hf, path=path)
+
+
+def _builtin_hf_tokenizer():
+    """A real PreTrainedTokenizerFast built in memory: one token per character, no files needed."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(BUILTIN_SPECIALS + BUILTIN_CHARS)}
+    rust = RustTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char
+    rust.decoder = decoders.Fuse()  # join characters back without spaces
+    pad, bos, eos, unk = BUILTIN_SPECIALS
+    return PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=pad, bos_token=bos, eos_token=eos, unk_token=unk)
