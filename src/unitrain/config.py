@@ -90,6 +90,12 @@ RULES: dict[str, Rule] = {
     "truncation": choices("truncate", "drop"),
     "num_epochs": optional(POSITIVE_INT),
     "builtin_task_digits": POSITIVE_INT,
+    "log_period": POSITIVE_INT,
+    "profiler": Rule(lambda v: v in ("", "xplane"), '"" (off) or xplane'),
+    "profiler_start_step": NON_NEGATIVE,
+    "profiler_steps": POSITIVE_INT,
+    "peak_flops_per_device": optional(POSITIVE),
+    "matmul_peak_size": POSITIVE_INT,
 }
 
 # The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without

@@ -146,7 +146,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
         cfg = self.cfg
-        x = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
         x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
         cos, sin = rope_tables(cfg, positions)
         if cache is None:
@@ -163,11 +163,11 @@ class Decoder(nnx.Module):
         layer = lambda x, p, kv: _layer(cfg, p, x, cos, sin, mask, kv, write_slots)
         if cfg.remat_policy != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
-        params = {name: var.value for name, var in nnx.state(self.layers, nnx.Param).items()}
+        params = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
         kv = None if cache is None else (cache.k, cache.v)
         x, new_kv = _run_stack(cfg, layer, x, params, kv)
-        x = rms_norm(x, self.final_norm.value, cfg.rms_norm_eps)
-        head = self.embed.value.T if cfg.tie_word_embeddings else self.lm_head.value
+        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.einsum("bte,ev->btv", x, head.astype(cfg.dtype))
         logits = _constrain(cfg, logits, ("batch", "length", "vocab"))
         new_cache = None if cache is None else KVCache(k=new_kv[0], v=new_kv[1], segment_ids=cache_segments)

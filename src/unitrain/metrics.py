@@ -1,0 +1,243 @@
+"""Run logs: metrics.jsonl + TensorBoard scalars/text, the progress line, FLOP accounting, MFU, profiling.
+
+Only the primary process (jax.process_index() == 0) writes anything; the others accept the same calls
+and do nothing, so the training loop needs no `if primary:` branches.
+
+MFU (the project's rule) = achieved model FLOP/s per device / the FLOP/s that `jnp.dot` reaches on the
+same machine in the same run (`measure_matmul_peak`), unless `peak_flops_per_device` gives a number.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _primary(is_primary: bool | None) -> bool:
+    return jax.process_index() == 0 if is_primary is None else is_primary
+
+
+class MetricsWriter:
+    """Writes one JSON line and TensorBoard scalars per step, and a progress line every `log_period`.
+
+    Steps are 0-based (the last one is total_steps - 1). `resume_step` (pass the step the run starts
+    at, 0 for a fresh run) drops the lines of steps >= resume_step from an existing metrics.jsonl, so
+    a run resumed from an older checkpoint does not log those steps twice; TensorBoard hides them via
+    purge_step.
+    """
+
+    def __init__(self, metrics_file: str | os.PathLike, tensorboard_dir: str | os.PathLike, total_steps: int,
+                 log_period: int = 1, *, is_primary: bool | None = None, resume_step: int | None = None):
+        self.total_steps, self.log_period = total_steps, log_period
+        self.is_primary = _primary(is_primary)
+        self._file = self._tb = None
+        self._ref = None  # (wall time, step) of the previous progress line: the ETA is measured from it
+        if not self.is_primary:
+            return
+        path = Path(metrics_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and path.exists():
+            _keep_steps_before(path, resume_step)
+        broken = _ends_mid_line(path)
+        self._file = open(path, "a")
+        if broken:
+            self._file.write("\n")  # a run killed mid-write left half a line; don't glue the next one to it
+        from tensorboardX import SummaryWriter  # here: non-primary processes never need it
+        self._tb = SummaryWriter(str(tensorboard_dir), purge_step=resume_step, flush_secs=30)
+
+    @classmethod
+    def from_config(cls, cfg, total_steps: int, *, is_primary: bool | None = None,
+                    resume_step: int | None = None) -> MetricsWriter:
+        return cls(cfg.metrics_file, cfg.tensorboard_dir, total_steps, cfg.log_period,
+                   is_primary=is_primary, resume_step=resume_step)
+
+    def write(self, step: int, scalars: dict) -> None:
+        """Logs `scalars` (python/numpy/jax numbers) for `step`; prints a progress line when it is due."""
+        if not self.is_primary:
+            return
+        step = int(step)
+        values = {k: np.asarray(v).item() for k, v in scalars.items()}  # int stays int, jax scalars -> python
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()  # a killed run keeps every line written so far
+        for key, value in values.items():
+            self._tb.add_scalar(key, value, step)
+        if step % self.log_period == 0 or step == self.total_steps - 1:
+            print(self._progress_line(step, values), flush=True)
+            self._tb.flush()
+
+    def _progress_line(self, step: int, v: dict) -> str:
+        parts = [f"step {step}/{self.total_steps}"]
+        if "loss" in v:
+            parts.append(f"loss {v['loss']:.4f}")
+        if "learning_rate" in v:
+            parts.append(f"lr {v['learning_rate']:.1e}")
+        if "tokens_per_sec" in v:
+            parts.append(f"{_si(v['tokens_per_sec'])} tok/s")
+        if "mfu" in v:
+            parts.append(f"MFU {100 * v['mfu']:.1f}%")  # mfu is logged as a fraction
+        if "step_time" in v:
+            parts.append(f"{v['step_time']:.2f} s/step")
+        # ETA from wall time between progress lines, not from step_time: it includes data loading,
+        # evals and checkpoints, and the first line's reference excludes compilation.
+        now = time.perf_counter()
+        if self._ref is not None and step > self._ref[1]:
+            per_step = (now - self._ref[0]) / (step - self._ref[1])
+            remaining = max(0, self.total_steps - 1 - step)
+            parts.append(f"ETA {datetime.timedelta(seconds=round(per_step * remaining))}")
+        self._ref = (now, step)
+        return " | ".join(parts)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """A TensorBoard text summary, e.g. sampled completions."""
+        if self.is_primary:
+            self._tb.add_text(tag, text, int(step))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._tb.close()
+            self._file = self._tb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.1f}"
+
+
+def _ends_mid_line(path: Path) -> bool:
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def _keep_steps_before(path: Path, resume_step: int) -> None:
+    """Rewrites `path` with only the lines of steps < resume_step; atomic, so a crash here loses nothing."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < resume_step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # half a line from a killed run
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- FLOPs and MFU
+
+def train_flops_per_token(model_cfg, seq_len: int) -> float:
+    """Model FLOPs of one training step (forward + backward) per token, as MaxText and PaLM count them.
+
+    Matmuls: a [tokens, n] x [n, m] product costs 2*n*m FLOPs per token forward and twice that backward
+    (input and weight gradients), so 6 * (matmul parameters) per token. Per layer those parameters are
+        q: E*H*D, k and v: E*K*D each, o: H*D*E, SwiGLU gate, up and down: 3*E*M,
+    plus the lm_head E*V once, tied or not: the logits matmul runs either way. The embedding lookup is
+    a gather, not a matmul, and norms, RoPE, biases and softmax are elementwise: none are counted.
+    Attention: QK^T and PV each cost 2*H*D*T FLOPs per query token forward, i.e. 4*L*H*D*T, times 3 for
+    fwd+bwd = 12*L*H*D*T. T is the full sequence length: no halving for the causal mask (the kernel
+    computes the masked half anyway) and no reduction for a sliding window.
+    """
+    c = model_cfg
+    E, M, H, K, D = c.emb_dim, c.mlp_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
+    per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * M
+    matmul_params = c.num_decoder_layers * per_layer + E * c.vocab_size
+    attention = 12 * c.num_decoder_layers * H * D * seq_len
+    return float(6 * matmul_params + attention)
+
+
+def forward_flops_per_token(model_cfg, seq_len: int) -> float:
+    """Forward-only FLOPs per token (inference, rollouts): one third of the training count."""
+    return train_flops_per_token(model_cfg, seq_len) / 3
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: float, num_devices: int) -> float:
+    """Model FLOPs utilisation as a fraction. tokens_per_sec is global and counts every position of the
+    batch (padding included: it is computed like any other token)."""
+    return tokens_per_sec * flops_per_token / (peak_flops_per_device * num_devices)
+
+
+def measure_matmul_peak(dtype: str = "float32", n: int = 2048, iters: int = 10) -> float:
+    """FLOP/s that a jitted n x n `jnp.dot` reaches on one device of this machine now (median of `iters`).
+
+    The MFU denominator: measured, not a datasheet number, so MFU is comparable across machines where
+    the achievable matmul rate is what bounds a training step.
+    """
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(key_a, (n, n), dtype)
+    b = jax.random.normal(key_b, (n, n), dtype)
+    dot = jax.jit(jnp.dot)
+    for _ in range(2):  # compile, then one more to settle clocks and caches
+        dot(a, b).block_until_ready()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        dot(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def peak_flops_per_device(cfg) -> float:
+    """cfg.peak_flops_per_device if set, else the jnp.dot rate measured now in the compute dtype."""
+    if cfg.peak_flops_per_device is not None:
+        return float(cfg.peak_flops_per_device)
+    return measure_matmul_peak(cfg.dtype, cfg.matmul_peak_size)
+
+
+# ---------------------------------------------------------------- profiler
+
+class Profiler:
+    """An xplane trace of steps [start_step, start_step + num_steps), written where TensorBoard's profile
+    tab looks: <tensorboard_dir>/plugins/profile/<timestamp>/<host>.xplane.pb. Primary process only.
+
+    In the loop: `profiler.maybe_start(step)` before the step, `profiler.maybe_stop(step, outputs)`
+    after it; `outputs` are waited for, otherwise the trace would stop before the device finished.
+    """
+
+    def __init__(self, tensorboard_dir: str | os.PathLike, mode: str = "", start_step: int = 0,
+                 num_steps: int = 1, *, is_primary: bool | None = None):
+        if mode not in ("", "xplane"):
+            raise ValueError(f"profiler mode '{mode}' is not one of '' | xplane")
+        self.tensorboard_dir, self.start_step, self.num_steps = str(tensorboard_dir), start_step, num_steps
+        self.enabled = mode == "xplane" and _primary(is_primary)
+        self.active = self._done = False
+
+    @classmethod
+    def from_config(cls, cfg, *, is_primary: bool | None = None) -> Profiler:
+        return cls(cfg.tensorboard_dir, cfg.profiler, cfg.profiler_start_step, cfg.profiler_steps,
+                   is_primary=is_primary)
+
+    def maybe_start(self, step: int) -> None:
+        # A window test, not step == start_step: a run resumed inside the window still gets a trace.
+        if self.enabled and not self.active and not self._done and \
+                self.start_step <= step < self.start_step + self.num_steps:
+            jax.profiler.start_trace(self.tensorboard_dir)
+            self.active = True
+
+    def maybe_stop(self, step: int, block_on=None) -> None:
+        if self.active and step >= self.start_step + self.num_steps - 1:
+            self.close(block_on)
+
+    def close(self, block_on=None) -> None:
+        """Ends a trace still running (a run that stops inside the window)."""
+        if self.active:
+            jax.block_until_ready(block_on)
+            jax.profiler.stop_trace()
+            self.active, self._done = False, True

@@ -1,0 +1,122 @@
+"""The decoder itself: KV-cache decode, scan vs unrolled, remat, left padding."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from unitrain import model as model_lib
+
+CFG = model_lib.ModelConfig(vocab_size=128, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
+                            num_kv_heads=2, head_dim=8, qkv_bias=True, qk_norm=True)
+
+
+def sharp_model(cfg, seed=0):
+    """Random weights scaled up so that attention is far from uniform (masks and RoPE matter)."""
+    model = model_lib.create(cfg, seed)
+    for _, var in nnx_params(model):
+        var.set_value(var.get_value() * 10.0)
+    return model
+
+
+def nnx_params(model):
+    return nnx.to_flat_state(nnx.state(model, nnx.Param))
+
+
+@nnx.jit
+def call(model, tokens, positions, segment_ids, cache=None):
+    return model(tokens, positions, segment_ids, cache)
+
+
+def full_forward(model, seq):
+    t = len(seq)
+    logits, _ = call(model, jnp.asarray(seq)[None], jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))
+    return np.asarray(logits[0])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_kv_cache_decode_equals_full_forward(scan_layers):
+    """Left-padded prefill then token-by-token decode gives the logits of the unpadded full forward."""
+    model = sharp_model(dataclasses.replace(CFG, scan_layers=scan_layers))
+    rng = np.random.default_rng(0)
+    prompt_lens, prefill_len, decode_steps = (7, 4), 7, 5
+    seqs = [rng.integers(0, 128, n + decode_steps) for n in prompt_lens]
+    tokens = np.zeros((2, prefill_len), np.int32)
+    positions = np.zeros((2, prefill_len), np.int32)
+    segments = np.zeros((2, prefill_len), np.int32)
+    for b, n in enumerate(prompt_lens):  # left padding: the prompt sits at the right end
+        tokens[b, prefill_len - n:] = seqs[b][:n]
+        positions[b, prefill_len - n:] = np.arange(n)
+        segments[b, prefill_len - n:] = 1
+    # Causal: the full forward of the whole sequence holds the expected logits of every prefix.
+    expected = [full_forward(model, s) for s in seqs]
+    cache = model_lib.init_cache(model.cfg, batch_size=2, max_length=16)
+    logits, cache = call(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments), cache)
+    for b, n in enumerate(prompt_lens):
+        np.testing.assert_allclose(np.asarray(logits[b, prefill_len - n:]), expected[b][:n], atol=1e-4, rtol=1e-5)
+    for step in range(decode_steps):
+        pos = np.asarray(prompt_lens) + step
+        tok = np.asarray([seqs[b][pos[b]] for b in range(2)])
+        logits, cache = call(model, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None], jnp.ones((2, 1), jnp.int32), cache)
+        for b in range(2):
+            np.testing.assert_allclose(np.asarray(logits[b, 0]), expected[b][pos[b]], atol=1e-4, rtol=1e-5)
+    filled = np.asarray(cache.segment_ids).sum(axis=1)
+    np.testing.assert_array_equal(filled, np.asarray(prompt_lens) + decode_steps)
+
+
+def test_packed_row_equals_separate_rows():
+    model = sharp_model(CFG)
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 128, 9), rng.integers(0, 128, 6)
+    tokens = np.concatenate([a, b, [0]])[None]
+    positions = np.concatenate([np.arange(9), np.arange(6), [0]])[None]
+    segments = np.asarray([[1] * 9 + [2] * 6 + [0]])
+    logits, _ = call(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments))
+    np.testing.assert_allclose(np.asarray(logits[0, :9]), full_forward(model, a), atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits[0, 9:15]), full_forward(model, b), atol=1e-4, rtol=1e-5)
+
+
+def test_sliding_window_limits_attention():
+    cfg = dataclasses.replace(CFG, sliding_window=4)
+    model = sharp_model(cfg)
+    seq = np.random.default_rng(2).integers(0, 128, 12)
+    windowed = full_forward(model, seq)
+    # Window 4, two layers: the last token sees back 2 * (4 - 1) = 6 tokens, no further. RoPE is
+    # relative, so those 7 tokens alone at positions 0..6 give the same logits; 6 tokens do not.
+    np.testing.assert_allclose(windowed[-1], full_forward(model, seq[-7:])[-1], atol=1e-4, rtol=1e-5)
+    assert np.abs(full_forward(model, seq[-6:])[-1] - windowed[-1]).max() > 1e-3
+    model.cfg = CFG
+    assert np.abs(full_forward(model, seq)[-1] - windowed[-1]).max() > 1e-3
+
+
+def loss_and_grads(cfg):
+    graphdef, params = nnx.split(model_lib.create(cfg, seed=3))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 128, (1, 10)))
+
+    def loss(params):
+        logits, _ = nnx.merge(graphdef, params)(tokens, jnp.arange(10)[None], jnp.ones((1, 10), jnp.int32))
+        return jax.nn.logsumexp(logits, -1).mean() - logits[..., 0].mean()
+
+    return jax.jit(jax.value_and_grad(loss))(params), str(jax.make_jaxpr(jax.grad(loss))(params))
+
+
+@functools.cache
+def reference_loss_and_grads():
+    return loss_and_grads(dataclasses.replace(CFG, scan_layers=True, remat_policy="none"))
+
+
+@pytest.mark.parametrize("policy, scan_layers", [
+    ("full", True), ("save_dots", False), ("save_dots_no_batch", True), ("none", False)])
+def test_remat_and_scan_keep_values_and_change_the_program(policy, scan_layers):
+    (ref_loss, ref_grads), ref_jaxpr = reference_loss_and_grads()
+    (loss, grads), jaxpr = loss_and_grads(dataclasses.replace(CFG, remat_policy=policy, scan_layers=scan_layers))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, atol=1e-6, rtol=1e-5)
+    assert ("checkpoint" in jaxpr or "remat" in jaxpr) == (policy != "none")
+    assert ("scan" in jaxpr) == scan_layers
+    assert "scan" in ref_jaxpr and "checkpoint" not in ref_jaxpr and "remat" not in ref_jaxpr

@@ -1,0 +1,103 @@
+"""Meshes, logical axis rules and sharded parameters on 8 simulated devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from unitrain import model as model_lib
+from unitrain import sharding
+from unitrain.adapters import hf
+
+from conftest import REPO
+
+CFG = model_lib.ModelConfig(vocab_size=512, emb_dim=64, mlp_dim=128, num_decoder_layers=2, num_query_heads=4,
+                            num_kv_heads=2, head_dim=16, qkv_bias=True, logical_axis_rules=sharding.DEFAULT_RULES)
+MESHES = {
+    "fsdp8": dict(data=1, fsdp=8, tensor=1),
+    "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2),
+    "data2_fsdp4": dict(data=2, fsdp=4, tensor=1),
+}
+ONES = dict(data=1, fsdp=1, tensor=1)
+
+
+def mesh_of(shape):
+    return sharding.create_mesh(shape, ONES)
+
+
+def batch(rng, b=8, t=32):
+    tokens = rng.integers(0, 512, (b, t)).astype(np.int32)
+    positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    segments = np.ones((b, t), np.int32)
+    segments[1, t // 2:] = 2  # one packed row
+    positions[1, t // 2:] -= t // 2
+    segments[2, -5:] = 0  # padding
+    return tokens, positions, segments
+
+
+def sharded_forward(model, mesh, arrays):
+    graphdef, state = nnx.split(model)
+    data = sharding.batch_sharding(mesh, sharding.DEFAULT_RULES)
+    param_shardings = jax.tree.map(lambda a: a.sharding, state)
+    fn = jax.jit(lambda s, *xs: nnx.merge(graphdef, s)(*xs)[0], in_shardings=(param_shardings, data, data, data))
+    with jax.set_mesh(mesh):
+        return np.asarray(fn(state, *[jax.device_put(a, data) for a in arrays]))
+
+
+def test_default_rules_match_base_yml():
+    base = yaml.safe_load((REPO / "configs" / "base.yml").read_text())
+    assert sharding.rules_from_config(base["logical_axis_rules"]) == sharding.DEFAULT_RULES
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_sharded_forward_equals_one_device(name):
+    arrays = batch(np.random.default_rng(0))
+    one_device = sharding.create_mesh(ONES, ONES, jax.devices()[:1])
+    reference = sharded_forward(sharding.init_sharded(lambda: model_lib.create(CFG), one_device, CFG.logical_axis_rules),
+                                one_device, arrays)
+    mesh = mesh_of(MESHES[name])
+    model = sharding.init_sharded(lambda: model_lib.create(CFG), mesh, CFG.logical_axis_rules)
+    f, t = MESHES[name]["fsdp"], MESHES[name]["tensor"]
+    assert model.layers.wq[...].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert model.layers.wq[...].addressable_shards[0].data.shape == (2, 64 // f, 4 // t, 16)
+    assert model.layers.w_down[...].addressable_shards[0].data.shape == (2, 128 // t, 64 // f)
+    assert model.embed[...].addressable_shards[0].data.shape == (512 // t, 64 // f)
+    assert model.lm_head[...].addressable_shards[0].data.shape == (64 // f, 512 // t)
+    np.testing.assert_allclose(sharded_forward(model, mesh, arrays), reference, atol=2e-5, rtol=1e-5)
+
+
+def test_fsdp8_splits_parameter_bytes_eightfold():
+    model = sharding.init_sharded(lambda: model_lib.create(CFG), mesh_of(MESHES["fsdp8"]), CFG.logical_axis_rules)
+    params = nnx.state(model, nnx.Param)
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    per_device = sharding.bytes_per_device(params)
+    assert len(per_device) == 8
+    for nbytes in per_device.values():  # norms and biases (no `embed` axis, tiny) stay replicated
+        assert nbytes == pytest.approx(total / 8, rel=0.03)
+
+
+def test_hf_load_places_parameters_in_their_shardings(tiny_checkpoint):
+    path = tiny_checkpoint("qwen2")
+    mesh = mesh_of(MESHES["fsdp4_tensor2"])
+    sharded = hf.load(path, mesh=mesh)
+    plain = hf.load(path)
+    assert sharded.layers.wk[...].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert sharded.layers.bq[...].sharding.spec == P(None, "tensor", None)
+    for (path_a, a), (_, b) in zip(nnx.to_flat_state(nnx.state(sharded)), nnx.to_flat_state(nnx.state(plain))):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path_a))
+        if a[...].ndim >= 2 and "norm" not in str(path_a[-1]):
+            assert not a[...].sharding.is_fully_replicated, path_a
+
+
+def test_indivisible_dimension_is_a_clear_error():
+    cfg = model_lib.ModelConfig(**{**CFG.__dict__, "num_kv_heads": 1, "num_query_heads": 4})
+    with pytest.raises(ValueError, match=r"layers.*b?k.*dimension \d \(size 1\).*tensor"):
+        sharding.init_sharded(lambda: model_lib.create(cfg), mesh_of(MESHES["fsdp4_tensor2"]), cfg.logical_axis_rules)
+
+
+def test_unknown_logical_axis_is_a_clear_error():
+    with pytest.raises(ValueError, match="'vocab' has no entry in logical_axis_rules"):
+        sharding.logical_to_spec(("vocab", "embed"), (("embed", "fsdp"),))
