@@ -81,6 +81,25 @@ RULES: dict[str, Rule] = {
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
     **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn") for axis in MESH_AXES},
+    "mode": choices("sft"),
+    "steps": POSITIVE_INT,
+    "gradient_accumulation_steps": POSITIVE_INT,
+    "learning_rate": NON_NEGATIVE,
+    "lr_schedule": choices("cosine", "linear", "constant"),
+    "warmup_steps": NON_NEGATIVE,
+    "lr_final_fraction": Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "adam_b1": Rule(lambda v: _is_num(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "adam_b2": Rule(lambda v: _is_num(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "adam_eps": POSITIVE,
+    "weight_decay": NON_NEGATIVE,
+    "max_grad_norm": NON_NEGATIVE,
+    "z_loss_weight": NON_NEGATIVE,
+    "checkpoint_period": POSITIVE_INT,
+    "max_to_keep": POSITIVE_INT,
+    "eval_interval": NON_NEGATIVE,
+    "eval_steps": POSITIVE_INT,
+    "eval_num_samples": NON_NEGATIVE,
+    "eval_max_new_tokens": POSITIVE_INT,
     "dataset_path": NAME,
     "prompt_key": NAME,
     "completion_key": NAME,
@@ -155,6 +174,8 @@ def derive(cfg: dict) -> dict:
     out["tensorboard_dir"] = posixpath.join(run_dir, "tensorboard")
     out["metrics_file"] = posixpath.join(run_dir, "metrics.jsonl")
     out["mesh_shape"], out["dcn_mesh_shape"] = _mesh_shapes(out)
+    num_devices = math.prod(out["mesh_shape"].values()) * math.prod(out["dcn_mesh_shape"].values())
+    out["global_batch_size"] = out["per_device_batch_size"] * num_devices  # rows per micro-batch
     return out
 
 

@@ -1,0 +1,75 @@
+"""Orbax checkpoints of a run: parameters, optimizer state and step, and the data iterator position.
+
+Saves are asynchronous and atomic (orbax finalises a step directory only when every item is
+written), so a run killed mid-save resumes from the previous complete step. Parameters are their own
+item, which lets `load_params` start another run from them without the optimizer state. Restoring
+takes the target shardings from an abstract state, so a checkpoint written on one topology restores
+on another.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+from unitrain.config import ConfigError
+
+
+def abstract_like(tree):
+    """ShapeDtypeStructs carrying each array's sharding: the restore target of `tree`."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class Checkpointer:
+    def __init__(self, directory: str, period: int, max_to_keep: int, async_save: bool):
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=period, max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+        self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict, data_iterator, force: bool = False) -> bool:
+        """Starts a save of `state` (after `step` steps) if the period says so or `force`; True if started."""
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(state["params"]),
+            train=ocp.args.StandardSave({"opt_state": state["opt_state"], "step": state["step"]}),
+            data=grain.checkpoint.CheckpointSave(data_iterator),
+        )
+        return self.manager.save(step, args=args, force=force)
+
+    def restore(self, step: int, state: dict, data_iterator) -> dict:
+        """The saved state in the shardings of `state` (arrays or ShapeDtypeStructs); moves the iterator."""
+        target = abstract_like(state)
+        args = ocp.args.Composite(
+            params=ocp.args.StandardRestore(target["params"]),
+            train=ocp.args.StandardRestore({"opt_state": target["opt_state"], "step": target["step"]}),
+            data=grain.checkpoint.CheckpointRestore(data_iterator),
+        )
+        restored = self.manager.restore(step, args=args)
+        return {"params": restored.params, **restored.train}
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def load_params(path: str, params):
+    """Parameters only, from a unitrain checkpoint directory (its latest step) or one step directory,
+    placed in the shardings of `params`."""
+    path = os.path.abspath(path)
+    if os.path.isdir(os.path.join(path, "params")):
+        step_dir = path
+    else:
+        steps = ocp.utils.checkpoint_steps(path) if os.path.isdir(path) else []
+        if not steps:
+            raise ConfigError(f"load_parameters_path {path} is neither an HF checkpoint (config.json) nor an orbax "
+                              "checkpoint directory with saved steps")
+        step_dir = os.path.join(path, str(max(steps)))
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(os.path.join(step_dir, "params"), abstract_like(params))

@@ -1,0 +1,315 @@
+"""The entry point: config -> mesh -> model -> data -> jitted step -> loop.
+
+    python -m unitrain.train configs/base.yml [key=value ...]
+
+Read top to bottom: `main` turns user mistakes into one line and exit status 2; `train` builds
+everything once, then runs the loop, where metrics of step s are fetched while step s+1 runs, so the
+host never waits on the device except at checkpoints and evals.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from unitrain import checkpoint, data, losses, metrics, rollout, sharding
+from unitrain import model as model_lib
+from unitrain.config import ConfigError, load_config, write_config
+from unitrain.optimizer import learning_rate_schedule, make_optimizer
+
+log = logging.getLogger("unitrain")
+
+EXIT_USER_ERROR, EXIT_NAN, EXIT_SIGTERM = 2, 3, 143
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- model and state
+
+def build_model(cfg, mesh) -> nnx.Module:
+    """The decoder with its parameters placed in their shardings: random init, HF weights, or the
+    parameters of an orbax checkpoint (`load_parameters_path`)."""
+    model_cfg = model_lib.ModelConfig.from_config(cfg)
+    path = cfg.load_parameters_path
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        from unitrain.adapters import hf
+
+        _check_dims_match(cfg, hf.model_config_from_hf(path, cfg.trust_remote_code), path)
+        execution = {k: getattr(model_cfg, k) for k in ("weight_dtype", "remat_policy", "scan_layers")}
+        return hf.load(path, model_cfg.dtype, mesh, rules=model_cfg.logical_axis_rules,
+                       trust_remote_code=cfg.trust_remote_code, **execution)
+    model = sharding.init_sharded(lambda: model_lib.create(model_cfg, cfg.seed), mesh, model_cfg.logical_axis_rules)
+    if path:
+        graphdef, params = nnx.split(model)
+        model = nnx.merge(graphdef, checkpoint.load_params(path, params.to_pure_dict()))
+    return model
+
+
+def _check_dims_match(cfg, hf_cfg: model_lib.ModelConfig, path: str) -> None:
+    for key in ("model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads",
+                "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings"):
+        if getattr(hf_cfg, key) != cfg[key]:
+            raise ConfigError(f"load_parameters_path {path} has {key}={getattr(hf_cfg, key)} but the config says "
+                              f"{key}={cfg[key]}; set model_name to the matching model (or override {key})")
+
+
+def init_state(params: dict, optimizer: optax.GradientTransformation) -> dict:
+    """{params, opt_state, step}; the optimizer state inherits the parameters' shardings."""
+    opt_state = jax.jit(optimizer.init)(params)
+    return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
+
+
+# ---------------------------------------------------------------- the step
+
+def sft_loss(graphdef, cfg, params, batch):
+    """(loss_sum, (token_count, nll_sum)) of one micro-batch: cross-entropy on completion tokens."""
+    model = nnx.merge(graphdef, params)
+    logits, _ = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    weights = (batch["targets_segmentation"] > 0).astype(jnp.float32)
+    loss_sum, count, nll_sum = losses.cross_entropy(logits, batch["targets"], weights, cfg.z_loss_weight)
+    return loss_sum, (count, nll_sum)
+
+
+def train_step(graphdef, cfg, optimizer, state, batch):
+    """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level:
+    gradients of the summed losses are added up and divided once by the total token count."""
+    k = cfg.gradient_accumulation_steps
+    # Row i*k + j goes to micro-batch j: each device's contiguous rows stay on that device.
+    micro = jax.tree.map(lambda x: x.reshape(-1, k, *x.shape[1:]).swapaxes(0, 1), batch)
+    grad_fn = jax.value_and_grad(functools.partial(sft_loss, graphdef, cfg), has_aux=True)
+
+    def accumulate(carry, mb):
+        (loss_sum, (count, nll_sum)), grads = grad_fn(state["params"], mb)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return jax.tree.map(jnp.add, carry, (grads, loss_sum, count, nll_sum)), None
+
+    zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"]), 0.0, 0.0, 0.0)
+    (grads, loss_sum, count, nll_sum), _ = jax.lax.scan(accumulate, zeros, micro)
+    denom = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state["params"])
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    clipped = jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm
+    step_metrics = {
+        "loss": loss_sum / denom, "nll": nll_sum / denom, "grad_norm": grad_norm, "grad_norm_clipped": clipped,
+        "learning_rate": learning_rate_schedule(cfg)(state["step"]), "loss_tokens": count,
+    }
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
+
+
+def eval_step(graphdef, cfg, params, batch):
+    loss_sum, (count, _) = sft_loss(graphdef, cfg, params, batch)
+    return loss_sum, count
+
+
+def compile_logged(name: str, jitted, *args):
+    """AOT-compiles `jitted` for these arguments and logs it: a later call with other shapes is an
+    error instead of a silent recompilation."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    log.info("compiled %s in %.1f s", name, time.perf_counter() - start)
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        log.info("%s memory per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB", name,
+                 memory.argument_size_in_bytes / 2**20, memory.output_size_in_bytes / 2**20,
+                 memory.temp_size_in_bytes / 2**20)
+    return compiled
+
+
+# ---------------------------------------------------------------- eval
+
+class Evaluator:
+    """Eval loss on fixed batches of the eval split and, for the built-in task, exact-match accuracy of
+    greedy answers."""
+
+    def __init__(self, cfg, tokenizer, graphdef, mesh, batch_sharding_):
+        self.cfg, self.tokenizer, self.graphdef, self.mesh = cfg, tokenizer, graphdef, mesh
+        iterator = data.make_sft_iterator(cfg, tokenizer, cfg.global_batch_size, "eval",
+                                          jax.process_index(), jax.process_count())
+        self.batches = [_to_global(next(iterator), batch_sharding_) for _ in range(cfg.eval_steps)]
+        self.loss_fn = jax.jit(functools.partial(eval_step, graphdef, cfg))
+        self.pairs = (data.builtin_eval_pairs(tokenizer, cfg.builtin_task_digits, cfg.eval_num_samples)
+                      if cfg.dataset_path == "builtin" and cfg.eval_num_samples else [])
+
+    def __call__(self, params) -> dict:
+        sums = [self.loss_fn(params, b) for b in self.batches]
+        total, count = (sum(float(x[i]) for x in sums) for i in (0, 1))
+        result = {"eval_loss": total / max(count, 1.0)}
+        if self.pairs:
+            result["eval_accuracy"] = self.exact_match(params)
+        return result
+
+    def exact_match(self, params) -> float:
+        model = nnx.merge(self.graphdef, params)
+        sampling = rollout.SamplingParams(max_new_tokens=self.cfg.eval_max_new_tokens, temperature=0.0,
+                                          stop_token_ids=(self.tokenizer.eos_id,))
+        out = rollout.generate(model, [p for p, _ in self.pairs], sampling, jax.random.key(0),
+                               pad_id=self.tokenizer.pad_id, mesh=self.mesh, rules=model.cfg.logical_axis_rules)
+        correct = 0
+        for (_, answer), tokens, length in zip(self.pairs, out["tokens"], out["lengths"]):
+            ended = length > 0 and tokens[length - 1] == self.tokenizer.eos_id
+            correct += bool(ended) and self.tokenizer.decode(tokens[:length - 1]).strip() == answer
+        return correct / len(self.pairs)
+
+
+# ---------------------------------------------------------------- the loop
+
+def _to_global(batch: dict, batch_sharding_) -> dict:
+    """This process's rows -> global arrays sharded over the batch axes."""
+    return {k: jax.make_array_from_process_local_data(batch_sharding_, v) for k, v in batch.items()}
+
+
+def _fetch(step_metrics: dict) -> dict:
+    values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    if not math.isfinite(values["loss"]):
+        raise NonFiniteLoss(f"loss is {values['loss']}")
+    return values
+
+
+class _SigtermFlag:
+    """Turns SIGTERM (preemption, `kill`) into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.raised = False
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, *_):
+        self.raised = True
+
+
+def train(cfg) -> int:
+    is_primary = jax.process_index() == 0
+    mesh = sharding.mesh_from_config(cfg)
+    rules = sharding.rules_from_config(cfg.logical_axis_rules)
+    if is_primary:
+        write_config(cfg, os.path.join(cfg.run_dir, "config.yml"))
+    log.info("mesh %s over %d devices (%d processes)", dict(mesh.shape), mesh.size, jax.process_count())
+
+    tokenizer = data.load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"tokenizer_path has {tokenizer.vocab_size} tokens but vocab_size is {cfg.vocab_size}")
+    model = build_model(cfg, mesh)
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(cfg)
+    state = init_state(params.to_pure_dict(), optimizer)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch_sharding_ = sharding.batch_sharding(mesh, rules)
+    rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
+    train_data = data.make_sft_iterator(cfg, tokenizer, rows, "train", jax.process_index(), jax.process_count())
+
+    checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_period, cfg.max_to_keep,
+                                           cfg.async_checkpointing)
+    start = checkpointer.latest_step() or 0
+    if start:
+        state = checkpointer.restore(start, state, train_data)
+        log.info("resumed from %s at step %d", cfg.checkpoint_dir, start)
+
+    step_fn = jax.jit(functools.partial(train_step, graphdef, cfg, optimizer),
+                      in_shardings=(state_shardings, batch_sharding_), out_shardings=(state_shardings, None),
+                      donate_argnums=0)
+    evaluator = Evaluator(cfg, tokenizer, graphdef, mesh, batch_sharding_) if cfg.eval_interval else None
+    writer = metrics.MetricsWriter.from_config(cfg, cfg.steps, resume_step=start)
+    profiler = metrics.Profiler.from_config(cfg)
+    flops_per_token = metrics.train_flops_per_token(model.cfg, cfg.max_target_length)
+    peak = metrics.peak_flops_per_device(cfg)
+    log.info("MFU denominator: %.3g FLOP/s per device; model: %.3g FLOP per token", peak, flops_per_token)
+    tokens_per_step = rows * cfg.max_target_length
+    sigterm = _SigtermFlag()
+
+    with jax.set_mesh(mesh):
+        return _loop(cfg, state, step_fn, train_data, batch_sharding_, checkpointer, evaluator, writer, profiler,
+                     sigterm, start, tokens_per_step, flops_per_token, peak, mesh.size, graphdef)
+
+
+def _loop(cfg, state, step_fn, train_data, batch_sharding_, checkpointer, evaluator, writer, profiler, sigterm,
+          start, tokens_per_step, flops_per_token, peak, num_devices, graphdef) -> int:
+    pending = None  # (step, device metrics, dispatch time, truncated count) of the step not yet written
+    last_good = start
+    compiled = None
+    try:
+        for step in range(start, cfg.steps):
+            batch = next(train_data)
+            truncated = int(batch.pop("num_truncated"))
+            batch = _to_global(batch, batch_sharding_)
+            if compiled is None:
+                compiled = compile_logged("train_step", step_fn, state, batch)
+            profiler.maybe_start(step)
+            dispatched = time.perf_counter()
+            state, step_metrics = compiled(state, batch)
+            profiler.maybe_stop(step, block_on=step_metrics)
+            if pending is not None:  # the previous step's numbers, fetched while this step runs
+                _write(writer, pending, dispatched, tokens_per_step, flops_per_token, peak, num_devices)
+            pending = (step, step_metrics, dispatched, truncated)
+            done = step + 1
+            if evaluator and (done % cfg.eval_interval == 0 or done == cfg.steps):
+                writer.write(step, evaluator(state["params"]))
+            if done % cfg.checkpoint_period == 0 or done == cfg.steps or sigterm.raised:
+                _fetch(step_metrics)  # never save a state that came from a non-finite loss
+                checkpointer.save(done, state, train_data, force=True)
+                last_good = done
+            if sigterm.raised:
+                log.warning("SIGTERM: saved a checkpoint at step %d; stopping", done)
+                return EXIT_SIGTERM
+        if pending is not None:
+            _write(writer, pending, time.perf_counter(), tokens_per_step, flops_per_token, peak, num_devices)
+        if cfg.export_hf_path:
+            from unitrain.adapters import hf
+
+            hf.save(nnx.merge(graphdef, state["params"]), cfg.export_hf_path)
+            log.info("exported the model to %s", cfg.export_hf_path)
+        return 0
+    except NonFiniteLoss as e:
+        log.error("stopping: %s; the last good checkpoint is step %d", e, last_good)
+        return EXIT_NAN
+    finally:
+        profiler.close()
+        checkpointer.wait()
+        checkpointer.close()
+        writer.close()
+
+
+def _write(writer, pending, now, tokens_per_step, flops_per_token, peak, num_devices) -> None:
+    step, step_metrics, dispatched, truncated = pending
+    values = _fetch(step_metrics)
+    step_time = max(now - dispatched, 1e-9)
+    values.update(step_time=step_time, tokens_per_sec=tokens_per_step / step_time, num_truncated=truncated)
+    values["mfu"] = metrics.mfu(values["tokens_per_sec"], flops_per_token, peak, num_devices)
+    writer.write(step, values)
+
+
+def _setup_logging() -> None:
+    """unitrain's own handler: libraries (absl via orbax) configure the root logger their way."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s unitrain: %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO if jax.process_index() == 0 else logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _setup_logging()
+    try:
+        return train(load_config(argv))
+    except ConfigError as e:
+        print(f"unitrain: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
