@@ -181,6 +181,11 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, rng: jax.A
     [B, N] float32 (log-prob of each sampled token under the temperature-scaled, top-k/top-p
     filtered distribution it was drawn from; greedy: log-softmax of the raw logits; 0 where mask
     is 0) and `lengths` [B] int32.
+
+    Under a mesh the parameters must already be sharded; the prompt block is split over the
+    logical `batch` axis of `rules` (default: the model's rules). With several processes every
+    process passes the same prompts and gets the whole result back.
+    Top-k keeps every token tied with the k-th largest logit.
     """
     if not prompts:
         raise ValueError("generate needs at least one prompt")
@@ -188,8 +193,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, rng: jax.A
     if lens.min() < 1:
         raise ValueError("every prompt needs at least one token")
     cfg = model.cfg
-    if mesh is not None and rules is None:
-        rules = cfg.logical_axis_rules or sharding.DEFAULT_RULES
+    if mesh is not None:
+        rules = sharding.rules_from_config(rules or cfg.logical_axis_rules or sharding.DEFAULT_RULES)
     n_real, N = len(prompts), params.max_new_tokens
     B = bucket_batch_size(n_real, batch_parallelism(mesh, rules) if mesh is not None else 1)
     P = bucket_prompt_length(int(lens.max()))

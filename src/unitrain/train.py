@@ -54,7 +54,7 @@ def build_model(cfg, mesh) -> nnx.Module:
     model = sharding.init_sharded(lambda: model_lib.create(model_cfg, cfg.seed), mesh, model_cfg.logical_axis_rules)
     if path:
         graphdef, params = nnx.split(model)
-        model = nnx.merge(graphdef, checkpoint.load_params(path, params.to_pure_dict()))
+        model = nnx.merge(graphdef, checkpoint.load_params(path, nnx.to_pure_dict(params)))
     return model
 
 
@@ -66,10 +66,15 @@ def _check_dims_match(cfg, hf_cfg: model_lib.ModelConfig, path: str) -> None:
                               f"{key}={cfg[key]}; set model_name to the matching model (or override {key})")
 
 
-def init_state(params: dict, optimizer: optax.GradientTransformation) -> dict:
-    """{params, opt_state, step}; the optimizer state inherits the parameters' shardings."""
-    opt_state = jax.jit(optimizer.init)(params)
-    return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
+def init_state(params: dict, optimizer: optax.GradientTransformation, mesh) -> dict:
+    """{params, opt_state, step}; optimizer moments take their parameter's sharding, scalars
+    (step counts) are replicated over the mesh."""
+    replicated = sharding.replicated(mesh)
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
+                                          param_shardings, transform_non_params=lambda _: replicated)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    return {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}
 
 
 # ---------------------------------------------------------------- the step
@@ -100,7 +105,7 @@ def train_step(graphdef, cfg, optimizer, state, batch):
     (grads, loss_sum, count, nll_sum), _ = jax.lax.scan(accumulate, zeros, micro)
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state["params"])
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     clipped = jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm
@@ -174,9 +179,11 @@ def _to_global(batch: dict, batch_sharding_) -> dict:
 
 
 def _fetch(step_metrics: dict) -> dict:
+    """Host copy of a step's metrics; a non-finite loss or gradient means the state after it is bad."""
     values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-    if not math.isfinite(values["loss"]):
-        raise NonFiniteLoss(f"loss is {values['loss']}")
+    for key in ("loss", "grad_norm"):
+        if not math.isfinite(values[key]):
+            raise NonFiniteLoss(f"{key} is {values[key]}")
     return values
 
 
@@ -205,7 +212,7 @@ def train(cfg) -> int:
     model = build_model(cfg, mesh)
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(cfg)
-    state = init_state(params.to_pure_dict(), optimizer)
+    state = init_state(nnx.to_pure_dict(params), optimizer, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_sharding_ = sharding.batch_sharding(mesh, rules)
     rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
@@ -262,10 +269,12 @@ def _loop(cfg, state, step_fn, train_data, batch_sharding_, checkpointer, evalua
                 checkpointer.save(done, state, train_data, force=True)
                 last_good = done
             if sigterm.raised:
-                log.warning("SIGTERM: saved a checkpoint at step %d; stopping", done)
-                return EXIT_SIGTERM
+                break
         if pending is not None:
             _write(writer, pending, time.perf_counter(), tokens_per_step, flops_per_token, peak, num_devices)
+        if sigterm.raised:
+            log.warning("SIGTERM: saved a checkpoint at step %d; stopping", last_good)
+            return EXIT_SIGTERM
         if cfg.export_hf_path:
             from unitrain.adapters import hf
 
@@ -293,11 +302,12 @@ def _write(writer, pending, now, tokens_per_step, flops_per_token, peak, num_dev
 
 def _setup_logging() -> None:
     """unitrain's own handler: libraries (absl via orbax) configure the root logger their way."""
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(asctime)s unitrain: %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
-        log.propagate = False
+    for old in list(log.handlers):  # a second main() in one process (tests) gets today's stdout
+        log.removeHandler(old)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s unitrain: %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.propagate = False
     log.setLevel(logging.INFO if jax.process_index() == 0 else logging.WARNING)
 
 

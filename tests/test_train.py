@@ -1,0 +1,196 @@
+"""The SFT path end to end: loss, exact accumulation, resume, signals, sharding, NaN, CLI errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from unitrain import checkpoint, data, metrics, sharding, train
+from unitrain.adapters import hf
+from unitrain.config import load_config
+from unitrain.optimizer import make_optimizer
+
+from conftest import REPO
+
+FAST = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
+        "log_period=1", "builtin_task_digits=2", "warmup_steps=2"]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+def config(tmp_path, *overrides):
+    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
+
+
+def losses_of(cfg):
+    lines = [json.loads(l) for l in open(cfg.metrics_file)]
+    return {l["step"]: l["loss"] for l in lines if "loss" in l}
+
+
+def saved_params(cfg, step, like):
+    return checkpoint.load_params(os.path.join(cfg.checkpoint_dir, str(step)), like)
+
+
+def setup(cfg):
+    mesh = sharding.mesh_from_config(cfg)
+    graphdef, params = nnx.split(train.build_model(cfg, mesh))
+    tokenizer = data.load_tokenizer(cfg.tokenizer_path)
+    return mesh, graphdef, nnx.to_pure_dict(params), tokenizer
+
+
+def test_loss_equals_numpy_on_a_packed_batch(tmp_path):
+    cfg = config(tmp_path, "z_loss_weight=0.01")
+    mesh, graphdef, params, tokenizer = setup(cfg)
+    batch = next(data.make_sft_iterator(cfg, tokenizer, 8))
+    batch.pop("num_truncated")
+    assert (batch["inputs_segmentation"].max(axis=1) > 1).any(), "the batch must hold packed rows"
+    loss_sum, (count, nll_sum) = jax.jit(lambda p, b: train.sft_loss(graphdef, cfg, p, b))(params, batch)
+    logits, _ = nnx.merge(graphdef, params)(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    logits = np.asarray(logits, np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    nll = log_z - np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+    w = batch["targets_segmentation"] > 0
+    assert count == w.sum()
+    np.testing.assert_allclose(nll_sum, nll[w].sum(), rtol=1e-5)
+    np.testing.assert_allclose(loss_sum, (nll + 0.01 * log_z**2)[w].sum(), rtol=1e-5)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    big = config(tmp_path, "per_device_batch_size=2", "gradient_accumulation_steps=1")
+    small = config(tmp_path, "per_device_batch_size=1", "gradient_accumulation_steps=2")
+    mesh, graphdef, params, tokenizer = setup(big)
+    batch = next(data.make_sft_iterator(big, tokenizer, 16))
+    batch.pop("num_truncated")
+    results = []
+    for cfg in (big, small):
+        optimizer = make_optimizer(cfg)
+        state = train.init_state(jax.tree.map(jnp.copy, params), optimizer, mesh)
+        with jax.set_mesh(mesh):
+            state, m = jax.jit(lambda s, b: train.train_step(graphdef, cfg, optimizer, s, b))(state, batch)
+        results.append((state, m))
+    (a, ma), (b, mb) = results
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
+        np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-5)
+
+
+def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
+    straight = config(tmp_path, "run_name=straight", "steps=10")
+    assert train.train(straight) == 0
+    interrupted = config(tmp_path, "run_name=interrupted", "steps=10")
+    original_write = metrics.MetricsWriter.write
+
+    def write_then_sigterm(self, step, scalars):  # a real SIGTERM, delivered in the middle of the run
+        original_write(self, step, scalars)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_sigterm)
+    assert train.train(interrupted) == train.EXIT_SIGTERM
+    monkeypatch.setattr(metrics.MetricsWriter, "write", original_write)
+    stopped_at = checkpoint.Checkpointer(interrupted.checkpoint_dir, 1, 3, False).latest_step()
+    assert 5 <= stopped_at < 10
+    assert train.train(interrupted) == 0
+    assert losses_of(interrupted) == pytest.approx(losses_of(straight), rel=1e-6)
+    assert sorted(losses_of(interrupted)) == list(range(10))
+    _, _, like, _ = setup(straight)
+    for x, y in zip(jax.tree.leaves(saved_params(straight, 10, like)), jax.tree.leaves(saved_params(interrupted, 10, like))):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def run_cli(*args, devices=8, **kwargs):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"), *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_sigkill_during_saves_resumes_from_a_complete_checkpoint(tmp_path):
+    args = [f"base_output_directory={tmp_path}", *FAST, "steps=100000", "checkpoint_period=1", "max_to_keep=2"]
+    proc = run_cli(*args)
+    ckpts = tmp_path / "default" / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and len([p for p in ckpts.glob("*") if p.name.isdigit()]) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)  # saves run back to back: this lands in or next to one
+    proc.wait()
+    latest = checkpoint.Checkpointer(str(ckpts), 1, 2, False).latest_step()
+    assert latest is not None
+    resumed = run_cli(*args[:-3], f"steps={latest + 2}", "checkpoint_period=1", "max_to_keep=2")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert f"resumed from {ckpts} at step {latest}" in out
+
+
+def test_sharded_loss_curve_equals_one_device(tmp_path):
+    sharded = config(tmp_path, "run_name=sharded", "steps=5", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    assert train.train(sharded) == 0
+    proc = run_cli(f"base_output_directory={tmp_path}", *FAST, "run_name=single", "steps=5",
+                   "per_device_batch_size=8", devices=1)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    single = config(tmp_path, "run_name=single")
+    assert losses_of(sharded) == pytest.approx(losses_of(single), rel=2e-5)
+
+
+def test_nan_loss_stops_with_the_last_good_checkpoint(tmp_path, capsys):
+    cfg = config(tmp_path, "steps=50", "learning_rate=1e30", "warmup_steps=0", "checkpoint_period=1",
+                 "max_grad_norm=0")
+    assert train.train(cfg) == train.EXIT_NAN
+    losses = losses_of(cfg)
+    latest = checkpoint.Checkpointer(cfg.checkpoint_dir, 1, 3, False).latest_step()
+    assert latest is not None and all(np.isfinite(losses[s]) for s in range(latest))
+    _, _, like, _ = setup(cfg)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(saved_params(cfg, latest, like)))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["lerning_rate=0.1"], "did you mean 'learning_rate'"),
+    (["dataset_path=/nonexistent/train.jsonl"], "/nonexistent/train.jsonl"),
+    (["learning_rate=-1"], "learning_rate"),
+    (["ici_fsdp_parallelism=3"], "parallelism"),
+])
+def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, args, message):
+    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": oops}\n')
+    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST,
+                       f"dataset_path={bad}"]) == 2
+    assert f"{bad}:2" in capsys.readouterr().err
+
+
+def test_cli_exit_status_for_a_user_error(tmp_path):
+    proc = run_cli(f"base_output_directory={tmp_path}", "steps=abc")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.strip().count("\n") == 0 and "steps" in err
+
+
+@pytest.mark.skipif(not GSM8K.exists(), reason="needs ../shared/data/gsm8k")
+def test_gsm8k_sft_with_a_tiny_hf_model_then_export(tmp_path, tiny_checkpoint):
+    ckpt = tiny_checkpoint("qwen2")
+    cfg = config(tmp_path, "model_family=qwen2", "qkv_bias=true", "tie_word_embeddings=true", "steps=12",
+                 f"load_parameters_path={ckpt}", f"tokenizer_path={ckpt}", f"dataset_path={GSM8K}",
+                 "prompt_key=question", "completion_key=answer", "max_target_length=128", "learning_rate=3e-3",
+                 "rms_norm_eps=1e-6", f"export_hf_path={tmp_path / 'export'}")
+    assert train.train(cfg) == 0
+    losses = losses_of(cfg)
+    assert np.mean([losses[s] for s in (9, 10, 11)]) < np.mean([losses[s] for s in (0, 1, 2)]) - 0.5
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    tokens = np.arange(20)[None]
+    with torch.no_grad():
+        ref = exported(torch.tensor(tokens)).logits[0].numpy()
+    ours, _ = hf.load(tmp_path / "export")(jnp.asarray(tokens), jnp.arange(20)[None], jnp.ones((1, 20), jnp.int32))
+    np.testing.assert_allclose(np.asarray(ours[0]), ref, atol=1e-4)
