@@ -254,7 +254,7 @@ def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.
     loaded = {}
     for key_path, var in flat_vars.items():
         name = ".".join(str(k) for k in key_path)
-        array = _load_param(index, mappings[name], name.startswith("layers."), var, flat_shardings[key_path].value)
+        array = _load_param(index, mappings[name], name.startswith("layers."), var, flat_shardings[key_path].get_value())
         loaded[key_path] = var.replace(array)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 

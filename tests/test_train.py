@@ -47,6 +47,18 @@ def setup(cfg):
     return mesh, graphdef, nnx.to_pure_dict(params), tokenizer
 
 
+def test_builtin_run_evaluates_logs_and_checkpoints(tmp_path):
+    cfg = config(tmp_path, "steps=4", "eval_interval=2", "eval_num_samples=8", "eval_steps=2", "checkpoint_period=2")
+    assert train.train(cfg) == 0
+    lines = [json.loads(l) for l in open(cfg.metrics_file)]
+    evals = [l for l in lines if "eval_loss" in l]
+    assert [l["step"] for l in evals] == [1, 3]
+    assert all(0.0 <= l["eval_accuracy"] <= 1.0 and np.isfinite(l["eval_loss"]) for l in evals)
+    assert sorted(p.name for p in (tmp_path / "default" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    assert list((tmp_path / "default" / "tensorboard").glob("events.out.tfevents.*"))
+    assert load_config([str(tmp_path / "default" / "config.yml")]) == cfg
+
+
 def test_loss_equals_numpy_on_a_packed_batch(tmp_path):
     cfg = config(tmp_path, "z_loss_weight=0.01")
     mesh, graphdef, params, tokenizer = setup(cfg)

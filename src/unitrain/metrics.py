@@ -68,7 +68,8 @@ class MetricsWriter:
         self._file.flush()  # a killed run keeps every line written so far
         for key, value in values.items():
             self._tb.add_scalar(key, value, step)
-        if step % self.log_period == 0 or step == self.total_steps - 1:
+        is_eval = any(k.startswith("eval_") for k in values)  # evals are rare: always shown
+        if step % self.log_period == 0 or step == self.total_steps - 1 or is_eval:
             print(self._progress_line(step, values), flush=True)
             self._tb.flush()
 
@@ -84,8 +85,14 @@ class MetricsWriter:
             parts.append(f"MFU {100 * v['mfu']:.1f}%")  # mfu is logged as a fraction
         if "step_time" in v:
             parts.append(f"{v['step_time']:.2f} s/step")
+        if "eval_loss" in v:
+            parts.append(f"eval loss {v['eval_loss']:.4f}")
+        if "eval_accuracy" in v:
+            parts.append(f"eval accuracy {100 * v['eval_accuracy']:.1f}%")
         # ETA from wall time between progress lines, not from step_time: it includes data loading,
         # evals and checkpoints, and the first line's reference excludes compilation.
+        if "eval_loss" in v or "eval_accuracy" in v:
+            return " | ".join(parts)  # an eval line: its time would distort the ETA
         now = time.perf_counter()
         if self._ref is not None and step > self._ref[1]:
             per_step = (now - self._ref[0]) / (step - self._ref[1])

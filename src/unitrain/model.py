@@ -146,7 +146,10 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
         cfg = self.cfg
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
+        # FSDP gathers a weight before use: an fsdp-sharded table gathered by fsdp-sharded tokens
+        # would otherwise make XLA rematerialise the whole lookup.
+        table = _constrain(cfg, self.embed[...], ("vocab", "activation_embed"))
+        x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
         x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
         cos, sin = rope_tables(cfg, positions)
         if cache is None:

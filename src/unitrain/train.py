@@ -145,7 +145,7 @@ class Evaluator:
         self.cfg, self.tokenizer, self.graphdef, self.mesh = cfg, tokenizer, graphdef, mesh
         iterator = data.make_sft_iterator(cfg, tokenizer, cfg.global_batch_size, "eval",
                                           jax.process_index(), jax.process_count())
-        self.batches = [_to_global(next(iterator), batch_sharding_) for _ in range(cfg.eval_steps)]
+        self.batches = [_to_global(_without_counts(next(iterator)), batch_sharding_) for _ in range(cfg.eval_steps)]
         self.loss_fn = jax.jit(functools.partial(eval_step, graphdef, cfg))
         self.pairs = (data.builtin_eval_pairs(tokenizer, cfg.builtin_task_digits, cfg.eval_num_samples)
                       if cfg.dataset_path == "builtin" and cfg.eval_num_samples else [])
@@ -176,6 +176,10 @@ class Evaluator:
 def _to_global(batch: dict, batch_sharding_) -> dict:
     """This process's rows -> global arrays sharded over the batch axes."""
     return {k: jax.make_array_from_process_local_data(batch_sharding_, v) for k, v in batch.items()}
+
+
+def _without_counts(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "num_truncated"}
 
 
 def _fetch(step_metrics: dict) -> dict:
