@@ -1,5 +1,6 @@
 """The SFT path end to end: loss, exact accumulation, resume, signals, sharding, NaN, CLI errors."""
 
+import functools
 import json
 import os
 import signal
@@ -65,7 +66,8 @@ def test_loss_equals_numpy_on_a_packed_batch(tmp_path):
     batch = next(data.make_sft_iterator(cfg, tokenizer, 8))
     batch.pop("num_truncated")
     assert (batch["inputs_segmentation"].max(axis=1) > 1).any(), "the batch must hold packed rows"
-    loss_sum, (count, nll_sum) = jax.jit(lambda p, b: train.sft_loss(graphdef, cfg, p, b))(params, batch)
+    loss_sum, (count, aux) = jax.jit(lambda p, b: train.sft_loss(graphdef, cfg, p, b))(params, batch)
+    nll_sum = aux["nll"][0]
     logits, _ = nnx.merge(graphdef, params)(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     logits = np.asarray(logits, np.float64)
     log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
@@ -87,7 +89,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
         optimizer = make_optimizer(cfg)
         state = train.init_state(jax.tree.map(jnp.copy, params), optimizer, mesh)
         with jax.set_mesh(mesh):
-            state, m = jax.jit(lambda s, b: train.train_step(graphdef, cfg, optimizer, s, b))(state, batch)
+            loss_fn = functools.partial(train.sft_loss, graphdef, cfg)
+            state, m = jax.jit(lambda s, b: train.train_step(loss_fn, cfg, optimizer, s, b))(state, batch)
         results.append((state, m))
     (a, ma), (b, mb) = results
     np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-6)

@@ -26,7 +26,7 @@ from flax import nnx
 from unitrain import metrics, sharding
 from unitrain.config import ConfigError, load_config
 from unitrain.optimizer import make_optimizer
-from unitrain.train import _to_global, build_model, compile_logged, init_state, train_step
+from unitrain.train import _to_global, build_model, compile_logged, init_state, make_step_fn, sft_loss
 
 
 def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
@@ -52,9 +52,8 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     batch_sharding_ = sharding.batch_sharding(mesh, rules)
     rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
     batch = _to_global(synthetic_batch(cfg, rows), batch_sharding_)
-    step_fn = jax.jit(functools.partial(train_step, graphdef, cfg, optimizer),
-                      in_shardings=(state_shardings, batch_sharding_), out_shardings=(state_shardings, None),
-                      donate_argnums=0)
+    step_fn = make_step_fn(functools.partial(sft_loss, graphdef, cfg), cfg, optimizer, state_shardings,
+                           batch_sharding_)
     times = []
     with jax.set_mesh(mesh):
         compiled = compile_logged("train_step", step_fn, state, batch)

@@ -115,6 +115,14 @@ RULES: dict[str, Rule] = {
     "profiler_steps": POSITIVE_INT,
     "peak_flops_per_device": optional(POSITIVE),
     "matmul_peak_size": POSITIVE_INT,
+    "label_key": NAME,
+    "max_prompt_length": POSITIVE_INT,
+    "reward": Rule(lambda v: isinstance(v, str) and all(e.strip() for e in v.split(",")),
+                   "a comma list of reward names (math, gsm8k, exact_match, format or pkg.module:function)"),
+    "reward_weights": optional(Rule(lambda v: isinstance(v, list) and len(v) > 0 and all(_is_num(w) and math.isfinite(w) for w in v),
+                                    "a non-empty list of finite numbers")),
+    "format_reward_pattern": NAME,
+    "math_reward_timeout": NON_NEGATIVE,
 }
 
 # The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without

@@ -20,3 +20,227 @@ def cross_entropy(logits, targets, weights, z_loss_weight: float = 0.0):
     nll = (log_z - target_logits) * weights
     loss = nll + z_loss_weight * jnp.square(log_z) * weights
     return loss.sum(), weights.sum(), nll.sum()
+
+
+# ----------------------------------------------------------------------------------------------
+# RL (GRPO / PPO family). Everything below is pure JAX and jit-able: string and int arguments are
+# static (Python-level) choices, arrays are traced. Semantics mirror verl's core_algos.
+# ----------------------------------------------------------------------------------------------
+
+ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+_WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
+_LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios to [-20, 20] before exp
+
+
+def compute_advantages(rewards, group_ids, num_groups: int, estimator: str, norm_by_std: bool = True,
+                       eps: float = 1e-6, weights=None):
+    """Outcome advantages from scalar rewards, one per sample, grouped by prompt.
+
+    rewards [N] float, group_ids [N] int32 in [0, num_groups) (samples of one prompt share a group),
+    num_groups static. Returns advantages [N] float32. Per group g with n_g samples, mean_g = mean of
+    its rewards and std_g = sqrt(sum (r - mean_g)^2 / (n_g - 1)) (unbiased, ddof=1, like torch.std
+    in verl). Group ids with no sample are allowed (ignored).
+
+    - "grpo":   a = (r - mean_g) / (std_g + eps)   if norm_by_std   else   a = r - mean_g.
+                A singleton group uses mean_g = 0, std_g = 1 (verl), i.e. a = r / (1 + eps) (or r).
+                A group with equal rewards (std_g = 0) gives a = 0.
+    - "drgrpo": a = r - mean_g, never divided by std (Dr. GRPO); norm_by_std is ignored.
+                Singleton group: mean_g = 0, so a = r (verl's GRPO with norm off).
+    - "rloo":   a = r - mean of the OTHER samples of the group = n_g / (n_g - 1) * (r - mean_g).
+                Singleton group: a = 0 (verl's vectorized RLOO).
+    - "reinforce_pp": REINFORCE++-baseline (verl compute_reinforce_plus_plus_baseline_outcome_advantage):
+                b = r - mean_g (singleton: mean_g = 0, so b = r), then whitened over the whole batch:
+                a = (b - mean(b)) * rsqrt(var(b) + 1e-8), var unbiased (x W / (W - 1), W = total weight).
+                verl whitens over response TOKENS (each sample counted once per token); pass
+                `weights` = response lengths [N] to reproduce that exactly; by default each sample
+                counts once. Samples with weight 0 are excluded from the batch statistics.
+                norm_by_std and eps are not used (whitening is the normalisation).
+    The result is a function of the batch it is given: call it on the whole rollout batch (all
+    devices), not per micro-batch.
+    """
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADV_ESTIMATORS}")
+    r = jnp.asarray(rewards, jnp.float32)
+    gid = jnp.asarray(group_ids, jnp.int32)
+    count = jax.ops.segment_sum(jnp.ones_like(r), gid, num_segments=num_groups)
+    total = jax.ops.segment_sum(r, gid, num_segments=num_groups)
+    mean_g = total / jnp.maximum(count, 1.0)
+    n = count[gid]
+    mean = mean_g[gid]
+    single = n <= 1.0
+    mean = jnp.where(single, 0.0, mean)  # verl: singleton groups have mean 0 (and std 1)
+    centered = r - mean
+
+    if estimator == "grpo":
+        if not norm_by_std:
+            return centered
+        sq = jax.ops.segment_sum(jnp.square(r - mean_g[gid]), gid, num_segments=num_groups)
+        std_g = jnp.sqrt(sq / jnp.maximum(count - 1.0, 1.0))
+        std = jnp.where(single, 1.0, std_g[gid])
+        return centered / (std + eps)
+    if estimator == "drgrpo":
+        return centered
+    if estimator == "rloo":
+        return jnp.where(single, 0.0, n / jnp.maximum(n - 1.0, 1.0) * centered)
+    # reinforce_pp
+    w = jnp.ones_like(r) if weights is None else jnp.asarray(weights, jnp.float32)
+    w_sum = w.sum()
+    b_mean = (w * centered).sum() / jnp.maximum(w_sum, 1e-12)
+    var = (w * jnp.square(centered - b_mean)).sum() / jnp.maximum(w_sum, 1e-12)
+    var = jnp.where(w_sum > 1.0, var * w_sum / jnp.maximum(w_sum - 1.0, 1e-12), var)
+    return (centered - b_mean) * jax.lax.rsqrt(var + _WHITEN_EPS)
+
+
+def kl_penalty(logprobs, ref_logprobs, kl_type: str = "low_var_kl"):
+    """Per-token estimate of KL(pi || ref) from samples of pi (verl's kl_penalty).
+
+    - "k1":                 logp - ref
+    - "k2":                 0.5 * (logp - ref)^2
+    - "k3" == "low_var_kl": with d = clip(ref - logp, -20, 20): exp(d) - d - 1, clipped to [-10, 10]
+                            (non-negative, low variance; Schulman's k3).
+    Inputs [...] any float dtype; returns float32 of the same shape (not masked).
+    """
+    logp = jnp.asarray(logprobs, jnp.float32)
+    ref = jnp.asarray(ref_logprobs, jnp.float32)
+    if kl_type == "k1":
+        return logp - ref
+    if kl_type == "k2":
+        return 0.5 * jnp.square(logp - ref)
+    if kl_type in ("k3", "low_var_kl"):
+        d = jnp.clip(ref - logp, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        return jnp.clip(jnp.exp(d) - d - 1.0, -10.0, 10.0)
+    raise ValueError(f"unknown kl_type {kl_type!r}; expected one of {KL_TYPES}")
+
+
+def entropy_from_logits(logits):
+    """Per-position entropy -sum_v p log p of softmax(logits): [B,T,V] -> [B,T] float32.
+
+    Computed in float32 from log_softmax; vocabulary entries with p == 0 (e.g. -inf logits)
+    contribute 0 (no NaN in value or gradient).
+    """
+    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    p = jnp.exp(logp)
+    safe_logp = jnp.where(p > 0, logp, 0.0)
+    return -jnp.sum(p * safe_logp, axis=-1)
+
+
+def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | None = None):
+    """Reduce per-token values [B,T] under mask [B,T] to (sum, denominator), float32 scalars.
+
+    The loss is sum / denominator. With several micro-batches (and devices) the trainer adds the sums
+    and the denominators and divides once, so the loss is that of the whole mini-batch: token-mean is
+    the mean over all its tokens, the seq-* modes the mean over all its sequences. Let n_b =
+    sum_t mask[b,t]; a sequence "with tokens" has n_b > 0 (fully masked rows are padding and are
+    excluded from every denominator).
+
+    - "token-mean":              (sum_{b,t} v*m,                    sum_{b,t} m)
+    - "seq-mean-token-mean":     (sum_b [n_b>0] (sum_t v*m) / n_b,   #{b: n_b > 0})
+    - "seq-mean-token-sum":      (sum_b sum_t v*m,                   #{b: n_b > 0})
+    - "seq-mean-token-sum-norm": (sum_{b,t} v*m / horizon,           #{b: n_b > 0})   (Dr. GRPO)
+      horizon = the constant maximum response length, so every token has the same weight
+      1 / (num_seqs * horizon) whatever the lengths.
+    """
+    v = jnp.asarray(values, jnp.float32)
+    m = jnp.asarray(mask, jnp.float32)
+    vm = v * m
+    if loss_agg_mode == "token-mean":
+        return vm.sum(), m.sum()
+    n = m.sum(axis=-1)
+    has = (n > 0).astype(jnp.float32)
+    num_seqs = has.sum()
+    seq_sums = vm.sum(axis=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (has * seq_sums / jnp.maximum(n, 1.0)).sum(), num_seqs
+    if loss_agg_mode == "seq-mean-token-sum":
+        return seq_sums.sum(), num_seqs
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        if not horizon or horizon <= 0:
+            raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs horizon > 0 (max response length)")
+        return seq_sums.sum() / float(horizon), num_seqs
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, eps_clip_high: float | None = None,
+                eps_clip_c: float | None = None, loss_agg_mode: str = "token-mean", horizon: int | None = None,
+                ref_logprobs=None, kl_coef: float = 0.0, kl_type: str = "low_var_kl", entropy=None,
+                entropy_coef: float = 0.0):
+    """PPO/GRPO clipped surrogate (verl compute_policy_loss "vanilla"), plus optional KL and entropy terms.
+
+    logprobs, old_logprobs, mask (and ref_logprobs, entropy when given) [B,T]; advantages [B]
+    (broadcast over tokens) or [B,T]. Per token, with ratio = exp(clip(logp - old, -20, 20)):
+        pg1 = -A * ratio
+        pg2 = -A * clip(ratio, 1 - eps_clip, 1 + (eps_clip_high or eps_clip))
+        pg  = max(pg1, pg2)
+        dual clip (eps_clip_c > 1 given): pg3 = -A * eps_clip_c; pg = min(pg3, pg) where A < 0.
+        loss_t = pg + kl_coef * kl_penalty(logp, ref, kl_type)   [when ref_logprobs given, kl_coef > 0]
+                    - entropy_coef * entropy                      [when entropy given, entropy_coef != 0]
+    then (loss_sum, denominator) = aggregate(loss_t, mask, loss_agg_mode, horizon). Aggregation is linear,
+    so this equals verl's pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each aggregated alike.
+
+    Returns (loss_sum, denominator, metrics). metrics maps name -> (sum, count), float32 scalars with
+    stop_gradient; the exact average over micro-batches/devices is sum(sums) / sum(counts):
+      pg_loss            the policy-gradient part aggregated like the loss (its (sum, denominator))
+      pg_clipfrac        tokens with pg2 > pg1 (the clip is active)                / tokens
+      pg_clipfrac_lower  tokens with A < 0 and max(pg1, pg2) > pg3 (dual clip active) / tokens  (0 if off)
+      approx_kl          k3 estimate of KL(old || new): ratio - 1 - log ratio, per token / tokens
+      ratio              ratio per token / tokens
+      kl                 kl_penalty(logp, ref, kl_type) per token / tokens     (only when ref_logprobs given)
+      entropy            entropy per token / tokens                              (only when entropy given)
+    """
+    if eps_clip_c is not None and not eps_clip_c > 1.0:
+        raise ValueError(f"eps_clip_c (dual-clip constant) must be > 1, got {eps_clip_c}")
+    logp = jnp.asarray(logprobs, jnp.float32)
+    old = jnp.asarray(old_logprobs, jnp.float32)
+    m = jnp.asarray(mask, jnp.float32)
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == logp.ndim - 1:
+        adv = adv[..., None]
+    adv = jnp.broadcast_to(adv, logp.shape)
+
+    log_ratio = jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = jnp.exp(log_ratio)
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    pg1 = -adv * ratio
+    pg2 = -adv * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + high)
+    clipped = jnp.maximum(pg1, pg2)
+    if eps_clip_c is not None:
+        pg3 = -adv * eps_clip_c
+        pg = jnp.where(adv < 0, jnp.minimum(pg3, clipped), clipped)
+        lower = jnp.logical_and(adv < 0, clipped > pg3).astype(jnp.float32)
+    else:
+        pg = clipped
+        lower = jnp.zeros_like(pg)
+
+    loss_t = pg
+    kl = None
+    if ref_logprobs is not None:
+        kl = kl_penalty(logp, ref_logprobs, kl_type)
+        if kl_coef > 0:
+            loss_t = loss_t + kl_coef * kl
+    if entropy is not None:
+        entropy = jnp.asarray(entropy, jnp.float32)
+        if entropy_coef != 0:
+            loss_t = loss_t - entropy_coef * entropy
+    loss_sum, denom = aggregate(loss_t, m, loss_agg_mode, horizon)
+
+    sg = jax.lax.stop_gradient
+    tokens = sg(m.sum())
+
+    def tok(x):
+        return sg((x * m).sum()), tokens
+
+    metrics = {
+        "pg_loss": tuple(sg(x) for x in aggregate(pg, m, loss_agg_mode, horizon)),
+        "pg_clipfrac": tok((pg2 > pg1).astype(jnp.float32)),
+        "pg_clipfrac_lower": tok(lower),
+        "approx_kl": tok(ratio - 1.0 - log_ratio),
+        "ratio": tok(ratio),
+    }
+    if kl is not None:
+        metrics["kl"] = tok(kl)
+    if entropy is not None:
+        metrics["entropy"] = tok(entropy)
+    return loss_sum, denom, metrics

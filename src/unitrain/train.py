@@ -80,40 +80,51 @@ def init_state(params: dict, optimizer: optax.GradientTransformation, mesh) -> d
 # ---------------------------------------------------------------- the step
 
 def sft_loss(graphdef, cfg, params, batch):
-    """(loss_sum, (token_count, nll_sum)) of one micro-batch: cross-entropy on completion tokens."""
+    """Cross-entropy on completion tokens of one micro-batch, in train_step's loss_fn form."""
     model = nnx.merge(graphdef, params)
     logits, _ = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     weights = (batch["targets_segmentation"] > 0).astype(jnp.float32)
     loss_sum, count, nll_sum = losses.cross_entropy(logits, batch["targets"], weights, cfg.z_loss_weight)
-    return loss_sum, (count, nll_sum)
+    return loss_sum, (count, {"nll": (nll_sum, count)})
 
 
-def train_step(graphdef, cfg, optimizer, state, batch):
-    """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level:
-    gradients of the summed losses are added up and divided once by the total token count."""
+def train_step(loss_fn, cfg, optimizer, state, batch):
+    """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level.
+
+    loss_fn(params, micro_batch) -> (loss_sum, (denominator, {metric: (sum, count)})). Gradients of
+    the summed losses are added up over micro-batches and divided once by the total denominator;
+    each metric likewise ends as its total sum over its total count.
+    """
     k = cfg.gradient_accumulation_steps
     # Row i*k + j goes to micro-batch j: each device's contiguous rows stay on that device.
     micro = jax.tree.map(lambda x: x.reshape(-1, k, *x.shape[1:]).swapaxes(0, 1), batch)
-    grad_fn = jax.value_and_grad(functools.partial(sft_loss, graphdef, cfg), has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    shapes = jax.eval_shape(grad_fn, state["params"], jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
 
     def accumulate(carry, mb):
-        (loss_sum, (count, nll_sum)), grads = grad_fn(state["params"], mb)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return jax.tree.map(jnp.add, carry, (grads, loss_sum, count, nll_sum)), None
+        return jax.tree.map(lambda c, x: c + x.astype(jnp.float32), carry, grad_fn(state["params"], mb)), None
 
-    zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"]), 0.0, 0.0, 0.0)
-    (grads, loss_sum, count, nll_sum), _ = jax.lax.scan(accumulate, zeros, micro)
-    denom = jnp.maximum(count, 1.0)
+    ((loss_sum, (denom, sums)), grads), _ = jax.lax.scan(accumulate, zeros, micro)
+    denom = jnp.maximum(denom, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state["params"])
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     clipped = jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm
     step_metrics = {
-        "loss": loss_sum / denom, "nll": nll_sum / denom, "grad_norm": grad_norm, "grad_norm_clipped": clipped,
-        "learning_rate": learning_rate_schedule(cfg)(state["step"]), "loss_tokens": count,
+        "loss": loss_sum / denom, "grad_norm": grad_norm, "grad_norm_clipped": clipped,
+        "learning_rate": learning_rate_schedule(cfg)(state["step"]), "loss_denominator": denom,
+        **{name: total / jnp.maximum(count, 1.0) for name, (total, count) in sums.items()},
     }
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
+
+
+def make_step_fn(loss_fn, cfg, optimizer, state_shardings, batch_sharding_):
+    """train_step jitted with explicit shardings and the state donated."""
+    return jax.jit(functools.partial(train_step, loss_fn, cfg, optimizer),
+                   in_shardings=(state_shardings, batch_sharding_), out_shardings=(state_shardings, None),
+                   donate_argnums=0)
 
 
 def eval_step(graphdef, cfg, params, batch):
@@ -229,9 +240,8 @@ def train(cfg) -> int:
         state = checkpointer.restore(start, state, train_data)
         log.info("resumed from %s at step %d", cfg.checkpoint_dir, start)
 
-    step_fn = jax.jit(functools.partial(train_step, graphdef, cfg, optimizer),
-                      in_shardings=(state_shardings, batch_sharding_), out_shardings=(state_shardings, None),
-                      donate_argnums=0)
+    step_fn = make_step_fn(functools.partial(sft_loss, graphdef, cfg), cfg, optimizer, state_shardings,
+                           batch_sharding_)
     evaluator = Evaluator(cfg, tokenizer, graphdef, mesh, batch_sharding_) if cfg.eval_interval else None
     writer = metrics.MetricsWriter.from_config(cfg, cfg.steps, resume_step=start)
     profiler = metrics.Profiler.from_config(cfg)

@@ -77,6 +77,13 @@ class Tokenizer:
             raise DataError(f"the chat template of {self.path!r} does not render the prompt as a prefix of the conversation")
         return prompt, full[len(prompt):]
 
+    def render_prompt(self, messages: list[dict]) -> str:
+        """Renders a conversation that stops before the assistant's turn, with the template's
+        generation prompt, as the text a sampler continues (the GRPO prompt path)."""
+        if not self.has_chat_template:
+            raise ConfigError(f"tokenizer_path={self.path!r} has no chat template, so it cannot render prompts as chat messages")
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Tokenizer:
     """`""` -> built-in character tokenizer; `*.model` -> SentencePiece; a directory -> HF tokenizer."""

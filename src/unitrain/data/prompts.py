@@ -1,0 +1,222 @@
+"""The prompt stream for GRPO rollouts: records -> shard -> shuffle -> repeat -> render -> batch (grain).
+
+One element of the iterator is this process's share of one step's prompts:
+  {"prompts": [Prompt, ...],   # prompts_per_batch // process_count of them, ready for the sampler
+   "num_dropped": int}         # over-long prompts skipped while this batch was assembled
+num_dropped works like the SFT pipeline's num_truncated: sum it over steps for a total (at the end of
+a finite stream, drops after the last kept prompt are not counted). Each prompt appears once per
+epoch here; the trainer samples its n completions itself.
+
+Sources: `builtin` (the arithmetic task: text "12+3=", label "15"), or .jsonl/.parquet files with the
+prompt text under `prompt_key` and the gold answer under `label_key` (GSM8K: question / answer, the
+label being the whole answer text that ends in "#### 72"; the reward extracts what it needs).
+
+Rendering: with `chat_template: false`, ids = [BOS] + encode(text) (no BOS when the tokenizer has
+none), exactly as the SFT path starts an example; with `chat_template: true` the text becomes a user
+message (after a system message when `system_prompt` is set), rendered by the tokenizer's chat
+template with the generation prompt, and the template owns every special token. Prompts with more
+than `max_prompt_length` ids are dropped and counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import grain
+
+from unitrain.config import ConfigError
+from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
+from unitrain.data.errors import DataError
+from unitrain.data.sft import split_path
+from unitrain.data.sources import _jsonl_rows, _parquet_rows, resolve_paths
+
+# How many records the not-empty check (and eval_prompts) read before concluding that nothing fits;
+# files are checked whole, but the built-in stream has a million problems of near-equal length.
+_BUILTIN_SCAN_LIMIT = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]  # token ids fed to the sampler (BOS or chat template applied)
+    text: str             # the prompt as the reward sees it: the raw text, before any template
+    label: str            # the gold answer for the reward
+
+
+def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict]:
+    """All {prompt, label} records of the files named by `spec`, checked eagerly (file:line on error).
+
+    The prompt must be a string; the label a string or a number (kept as its text, e.g. 72 -> "72").
+    """
+    records = []
+    for path in resolve_paths(spec):
+        if path.endswith(".parquet"):
+            rows = _parquet_rows(path)
+        elif path.endswith((".jsonl", ".json")):
+            rows = _jsonl_rows(path)
+        else:
+            raise DataError(f"data file {path!r} is neither .jsonl nor .parquet")
+        for where, row in rows:
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
+            if prompt_key not in row or label_key not in row:
+                raise DataError(f"{where}: record lacks {prompt_key!r} or {label_key!r} (it has {sorted(row)}); "
+                                "set prompt_key and label_key")
+            prompt, label = row[prompt_key], row[label_key]
+            if not isinstance(prompt, str):
+                raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
+            if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+                raise DataError(f"{where}: field {label_key!r} must be a string or a number, got {type(label).__name__}")
+            records.append({"prompt": prompt, "label": str(label)})
+    if not records:
+        raise DataError(f"dataset path {spec!r} holds no records")
+    return records
+
+
+def _records(cfg, split: str, path: str) -> grain.MapDataset:
+    """The split's {prompt, label} records."""
+    if path == "builtin":
+        digits = cfg.builtin_task_digits
+
+        def problem(i):
+            prompt, answer = builtin_problem(int(i), split, digits)
+            return {"prompt": prompt, "label": answer}
+
+        return grain.MapDataset.range(NUM_PROBLEMS).map(problem)
+    if path == "synthetic":
+        key = "dataset_path" if split == "train" else "eval_dataset_path"
+        raise ConfigError(f"{key}=synthetic has no prompts or labels for rollouts; use builtin or "
+                          ".jsonl/.parquet files with prompt_key and label_key")
+    return grain.MapDataset.source(read_prompt_records(path, cfg.prompt_key, cfg.label_key))
+
+
+def _prompt_fn(cfg, tokenizer):
+    """record -> {"prompt": Prompt or None (over-long, dropped), "length": number of ids}."""
+    if cfg.chat_template and not tokenizer.has_chat_template:
+        raise ConfigError(f"chat_template is true but tokenizer_path={tokenizer.path!r} has no chat template; "
+                          "use a chat tokenizer or chat_template=false")
+    if cfg.system_prompt and not cfg.chat_template:
+        raise ConfigError("system_prompt is set but chat_template is false; a system prompt needs the chat "
+                          "template (or write it into the prompts)")
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    chat, max_len = cfg.chat_template, cfg.max_prompt_length
+
+    def to_prompt(record: dict) -> dict:
+        text = record["prompt"]
+        if chat:
+            ids = tokenizer.encode(tokenizer.render_prompt([*system, {"role": "user", "content": text}]))
+        else:
+            ids = bos + tokenizer.encode(text)
+        fits = len(ids) <= max_len
+        return {"prompt": Prompt(tuple(int(i) for i in ids), text, record["label"]) if fits else None,
+                "length": len(ids)}
+
+    return to_prompt
+
+
+def _check_not_empty(prompts: grain.MapDataset, path: str, max_len: int) -> None:
+    """Fail now, not mid-run, when no prompt fits: scan until the first one that does."""
+    limit = min(len(prompts), _BUILTIN_SCAN_LIMIT if path == "builtin" else len(prompts))
+    shortest = None
+    for i in range(limit):
+        element = prompts[i]
+        if element["prompt"] is not None:
+            return
+        shortest = element["length"] if shortest is None else min(shortest, element["length"])
+    scanned = "" if limit == len(prompts) else f" (of the first {limit})"
+    raise DataError(f"no prompt of {path!r}{scanned} fits in max_prompt_length={max_len}; the shortest has "
+                    f"{shortest} tokens")
+
+
+class _CountDropped(grain.IterDataset):
+    """Skips dropped prompts and hands their count to the next kept one, so it reaches a batch.
+
+    Stateless between elements, so checkpoints stay exact: its state is its parent's.
+    """
+
+    def __iter__(self):
+        return _CountDroppedIterator(self._parent.__iter__())
+
+
+class _CountDroppedIterator(grain.DatasetIterator):
+    def __next__(self):
+        dropped = 0
+        while (element := next(self._parent))["prompt"] is None:
+            dropped += 1
+        return {"prompt": element["prompt"], "num_dropped": dropped}
+
+    def get_state(self):
+        return self._parent.get_state()
+
+    def set_state(self, state):
+        self._parent.set_state(state)
+
+
+def _to_batch(elements) -> dict:
+    return {"prompts": [e["prompt"] for e in elements], "num_dropped": sum(e["num_dropped"] for e in elements)}
+
+
+def make_prompt_dataset(cfg, tokenizer, prompts_per_batch: int, split: str = "train",
+                        process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+    """The grain pipeline behind `make_prompt_iterator` (see the module docstring for the batch).
+
+    split="train" is shuffled with `seed` (when `shuffle`) and repeated `num_epochs` times (null =
+    forever); split="eval" is read once, in order. Each process reads only its own shard.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if prompts_per_batch <= 0:
+        raise ConfigError(f"prompts per batch must be positive, got {prompts_per_batch}")
+    if prompts_per_batch % process_count:
+        raise ConfigError(f"{prompts_per_batch} prompts per batch do not divide among {process_count} processes")
+    path = split_path(cfg, split)
+    to_prompt = _prompt_fn(cfg, tokenizer)
+    records = _records(cfg, split, path)
+    # Every process keeps an equal, disjoint share of the records (the few left over are skipped),
+    # so that all processes see the same number of prompts per epoch.
+    usable = len(records) - len(records) % process_count
+    shard = records[:usable][process_index::process_count]
+    if len(shard) == 0:
+        raise DataError(f"dataset {path!r} has {len(records)} records, too few for {process_count} processes")
+    _check_not_empty(shard.map(to_prompt), path, cfg.max_prompt_length)
+
+    ds = shard
+    if split == "train" and cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)  # reshuffled every epoch: grain folds the epoch into the seed
+    if split == "train":
+        ds = ds.repeat(cfg.num_epochs)  # None = forever
+    it = _CountDropped(ds.map(to_prompt).to_iter_dataset(grain.ReadOptions(num_threads=0)))
+    return it.batch(prompts_per_batch // process_count, drop_remainder=True, batch_fn=_to_batch)
+
+
+def make_prompt_iterator(cfg, tokenizer, prompts_per_batch: int, split: str = "train",
+                         process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+    """This process's prompt batches, {"prompts": [Prompt, ...], "num_dropped": int}; a grain
+    DatasetIterator, so get_state()/set_state() and grain.checkpoint.CheckpointSave/CheckpointRestore
+    (orbax) checkpoint its position exactly."""
+    return iter(make_prompt_dataset(cfg, tokenizer, prompts_per_batch, split, process_index, process_count))
+
+
+def eval_prompts(cfg, tokenizer, count: int) -> list[Prompt]:
+    """The first `count` eval prompts that fit max_prompt_length, in the file's (or stream's) order.
+
+    The same list on every process and in every run (not sharded, not shuffled); fewer than `count`
+    when the eval data holds fewer. The built-in task's eval stream is disjoint from its train stream.
+    """
+    path = split_path(cfg, "eval")
+    to_prompt = _prompt_fn(cfg, tokenizer)
+    records = _records(cfg, "eval", path)
+    out, shortest = [], None
+    for i in range(len(records)):
+        if len(out) >= count:
+            break
+        element = to_prompt(records[i])
+        if element["prompt"] is not None:
+            out.append(element["prompt"])
+            continue
+        shortest = element["length"] if shortest is None else min(shortest, element["length"])
+        if not out and path == "builtin" and i + 1 >= _BUILTIN_SCAN_LIMIT:
+            break
+    if count > 0 and not out:
+        raise DataError(f"no eval prompt of {path!r} fits in max_prompt_length={cfg.max_prompt_length}; the "
+                        f"shortest has {shortest} tokens")
+    return out

@@ -1,0 +1,231 @@
+"""Rewards for RL with verifiable rewards: built-ins and `pkg.module:function` plugins.
+
+`make_reward_fn(cfg)` reads `reward` (a comma list of names) and `reward_weights` and returns a
+RewardFn; `reward_fn(prompts, completions, labels)` gives the weighted total per sample and each
+reward's raw values. Every reward is a plain `f(prompt, completion, label) -> float`, evaluated on
+the host, one sample at a time. Built-ins:
+
+  math         1.0 if math-verify finds the completion's answer equal to the label (LaTeX, \\boxed{},
+               plain numbers and expressions); a GSM8K label "... #### 72" counts as "72"
+  gsm8k        1.0 if the completion's number (after its last ####, else its last number) equals the
+               label's #### number; commas ignored
+  exact_match  1.0 if completion.strip() == label.strip()
+  format       1.0 if re.search(format_reward_pattern, completion, re.DOTALL) matches
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+import math
+import numbers
+import re
+import threading
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+
+from unitrain.config import ConfigError
+
+log = logging.getLogger("unitrain")
+
+Reward = Callable[[str, str, str], float]  # (prompt, completion, label) -> reward
+
+
+class RewardError(ConfigError):
+    """A reward failed on a sample; a ConfigError so that the entry prints one line and exits 2."""
+
+
+# ---------------------------------------------------------------- gsm8k
+
+# A number as GSM8K writes it: optional minus, thousands commas, optional decimals ("-1,234.5", ".5").
+_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
+def _final_number(text: str) -> float | None:
+    """The first number after the last '####' if there is one (the GSM8K answer line), else the last
+    number in the text; None when there is none."""
+    _, hashes, tail = text.rpartition("####")
+    found = _NUMBER.findall(tail if hashes else text)
+    if not found:
+        return None
+    return float((found[0] if hashes else found[-1]).replace(",", ""))
+
+
+def gsm8k_reward(prompt: str, completion: str, label: str) -> float:
+    gold = _final_number(label)
+    if gold is None:  # a wrong data set or label key, not a bad sample: stop rather than train on zeros
+        raise ValueError("the label has no number (a GSM8K label ends with '#### <number>')")
+    answer = _final_number(completion)
+    return float(answer is not None and math.isclose(answer, gold, rel_tol=1e-9, abs_tol=1e-9))
+
+
+# ---------------------------------------------------------------- math (math-verify)
+
+_LATEX_ENV = ("$", "\\(", "\\[", "\\boxed", "\\begin")
+
+
+@lru_cache(maxsize=4096)  # a group of G completions shares one label: parse it once
+def _parse_gold(label: str, timeout: int | None) -> tuple:
+    from math_verify import parse
+
+    if "####" in label:  # GSM8K: only the final answer, without thousands commas
+        label = label.rpartition("####")[2].strip().replace(",", "")
+    # math-verify extracts LaTeX only inside a math environment: a bare "\sqrt{2}/2" or "3\sqrt{3}"
+    # parses to nothing or to "3" unless wrapped; plain text that fails wrapped is parsed as is.
+    wrapped = label if any(env in label for env in _LATEX_ENV) else f"${label}$"
+    gold = parse(wrapped, parsing_timeout=timeout) or parse(label, parsing_timeout=timeout)
+    if not gold:
+        log.warning("math reward: math-verify cannot parse the label %r; its samples score 0", label[:200])
+    return tuple(gold)
+
+
+def make_math_reward(cfg) -> Reward:
+    import math_verify  # sympy and antlr load here, once, and only when the math reward is used
+
+    # math-verify times out with signal.alarm, which works only in the main thread; elsewhere it
+    # would raise, so there a slow sample runs to the end instead.
+    limit = cfg.math_reward_timeout or None
+
+    def math_reward(prompt: str, completion: str, label: str) -> float:
+        timeout = limit if threading.current_thread() is threading.main_thread() else None
+        gold = _parse_gold(label, timeout)
+        if not gold:
+            return 0.0
+        answer = math_verify.parse(completion, parsing_timeout=timeout)  # [] when nothing parses
+        return float(math_verify.verify(list(gold), answer, timeout_seconds=timeout))  # gold first: not symmetric
+
+    return math_reward
+
+
+# ---------------------------------------------------------------- exact match and format
+
+def exact_match_reward(prompt: str, completion: str, label: str) -> float:
+    return float(completion.strip() == label.strip())
+
+
+def make_format_reward(cfg) -> Reward:
+    try:
+        pattern = re.compile(cfg.format_reward_pattern, re.DOTALL)
+    except re.error as e:
+        raise ConfigError(f"config key 'format_reward_pattern' is not a valid regular expression: {e}") from None
+
+    def format_reward(prompt: str, completion: str, label: str) -> float:
+        return float(pattern.search(completion) is not None)
+
+    return format_reward
+
+
+# Name -> factory(cfg) -> reward: factories let `math` import lazily and `format` compile once.
+BUILTINS: dict[str, Callable[..., Reward]] = {
+    "math": make_math_reward,
+    "gsm8k": lambda cfg: gsm8k_reward,
+    "exact_match": lambda cfg: exact_match_reward,
+    "format": make_format_reward,
+}
+
+
+# ---------------------------------------------------------------- resolution and the reward function
+
+def _plugin(name: str) -> Reward:
+    """`pkg.module:function` (the function may be dotted, e.g. module:Class.method), imported now."""
+    module_name, _, attr = name.partition(":")
+    where = f"config key 'reward' names plugin '{name}'"
+    if not module_name or not attr:
+        raise ConfigError(f"{where}, which is not of the form pkg.module:function")
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ConfigError(f"{where} but module '{e.name}' is not found on the Python path") from None
+        raise ConfigError(f"{where} but importing '{module_name}' failed: {_one_line(e)}") from None
+    except Exception as e:  # a plugin with a bug at import time
+        raise ConfigError(f"{where} but importing '{module_name}' failed: {_one_line(e)}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where} but module '{module_name}' has no attribute '{attr}'{_did_you_mean(part, dir(obj))}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{where} but '{attr}' is a {type(obj).__name__}, not a function (prompt, completion, label) -> float")
+    return obj
+
+
+def _resolve(name: str, cfg) -> Reward:
+    if name in BUILTINS:
+        return BUILTINS[name](cfg)
+    if ":" in name:
+        return _plugin(name)
+    raise ConfigError(f"config key 'reward' names unknown reward '{name}'{_did_you_mean(name, BUILTINS)} "
+                      f"(built-ins: {', '.join(BUILTINS)}; a plugin is written pkg.module:function)")
+
+
+class RewardFn:
+    """The configured rewards: `total, per_reward = reward_fn(prompts, completions, labels)`.
+
+    total is float32 [N] = sum_i weights[i] * per_reward[names[i]]; per_reward holds each reward's raw
+    float32 [N] values, for logging.
+    """
+
+    def __init__(self, names: tuple[str, ...], fns: tuple[Reward, ...], weights: tuple[float, ...]):
+        self.names, self.fns, self.weights = names, fns, weights
+
+    def __call__(self, prompts: list[str], completions: list[str], labels: list[str]
+                 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        n = len(completions)
+        if len(prompts) != n or len(labels) != n:
+            raise ValueError(f"reward inputs differ in length: {len(prompts)} prompts, {n} completions, {len(labels)} labels")
+        per_reward = {name: self._evaluate(name, fn, prompts, completions, labels) for name, fn in zip(self.names, self.fns)}
+        total = np.zeros(n, np.float32)
+        for name, weight in zip(self.names, self.weights):
+            total += np.float32(weight) * per_reward[name]
+        return total, per_reward
+
+    @staticmethod
+    def _evaluate(name, fn, prompts, completions, labels) -> np.ndarray:
+        values = np.empty(len(completions), np.float32)
+        for i, sample in enumerate(zip(prompts, completions, labels)):
+            try:
+                value = fn(*sample)
+            except Exception as e:
+                raise RewardError(_sample_error(name, f"raised {_one_line(e)}", sample)) from e
+            # A NaN or a string would silently poison the advantages: stop at the sample that made it.
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise RewardError(_sample_error(name, f"returned {_one_line(repr(value))}, not a finite number", sample))
+            values[i] = value
+        return values
+
+
+def make_reward_fn(cfg) -> RewardFn:
+    """The RewardFn of cfg.reward and cfg.reward_weights; name errors raise ConfigError before any work."""
+    names = tuple(entry.strip() for entry in cfg.reward.split(","))
+    if "" in names:
+        raise ConfigError(f"config key 'reward' has an empty entry in '{cfg.reward}'; separate names with single commas")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"config key 'reward' names a reward twice in '{cfg.reward}'; give it a larger weight instead")
+    weights = (1.0,) * len(names) if cfg.reward_weights is None else tuple(float(w) for w in cfg.reward_weights)
+    if len(weights) != len(names):
+        raise ConfigError(f"config key 'reward_weights' has {len(weights)} weights but config key 'reward' names "
+                          f"{len(names)} rewards ({', '.join(names)})")
+    return RewardFn(names, tuple(_resolve(name, cfg) for name in names), weights)
+
+
+def _sample_error(name: str, what: str, sample: tuple[str, str, str]) -> str:
+    prompt, completion, label = (_clip(s) for s in sample)
+    return f"reward '{name}' {what} on the sample prompt={prompt}, completion={completion}, label={label}"
+
+
+def _clip(text, limit: int = 200) -> str:
+    text = str(text)
+    return repr(text[:limit] + "...") if len(text) > limit else repr(text)
+
+
+def _one_line(e) -> str:
+    text = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else str(e)
+    text = " ".join(text.split())
+    return text[:300] + "..." if len(text) > 300 else text
+
+
+def _did_you_mean(name: str, known) -> str:
+    hint = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean '{hint[0]}'?" if hint else ""

@@ -1,0 +1,321 @@
+"""RL losses (advantages, KL estimators, entropy, aggregation, PPO clipped loss) against NumPy float64."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from unitrain import losses
+
+B, T, V = 6, 9, 11
+LENGTHS = [9, 1, 5, 0, 2, 7]  # ragged; row 3 fully masked
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((B, T), np.float32)
+    for b, n in enumerate(LENGTHS):
+        mask[b, :n] = 1.0
+    logp = rng.normal(-1.5, 1.0, (B, T)).astype(np.float32)
+    old = (logp + rng.normal(0, 0.4, (B, T))).astype(np.float32)
+    ref = (logp + rng.normal(0, 0.6, (B, T))).astype(np.float32)
+    ref[0, 0] = logp[0, 0] + 5.0   # k3 upper clamp: e^5 - 6 > 10
+    ref[0, 1] = logp[0, 1] - 30.0  # log-ratio clamp at -20
+    values = rng.normal(0, 1, (B, T)).astype(np.float32)
+    adv = rng.normal(0, 1, (B,)).astype(np.float32)
+    return dict(mask=mask, logp=logp, old=old, ref=ref, values=values, adv=adv)
+
+
+# ------------------------------------------------------------------ NumPy references (float64)
+
+def np_aggregate(v, m, mode, horizon=None):
+    v, m = v.astype(np.float64), m.astype(np.float64)
+    n = m.sum(-1)
+    has = n > 0
+    if mode == "token-mean":
+        return (v * m).sum(), m.sum()
+    if mode == "seq-mean-token-mean":
+        return sum((v[b] * m[b]).sum() / n[b] for b in range(len(n)) if has[b]), has.sum()
+    if mode == "seq-mean-token-sum":
+        return sum((v[b] * m[b]).sum() for b in range(len(n)) if has[b]), has.sum()
+    if mode == "seq-mean-token-sum-norm":
+        return (v * m).sum() / horizon, has.sum()
+    raise AssertionError(mode)
+
+
+def np_kl(logp, ref, kind):
+    logp, ref = logp.astype(np.float64), ref.astype(np.float64)
+    if kind == "k1":
+        return logp - ref
+    if kind == "k2":
+        return 0.5 * (logp - ref) ** 2
+    d = np.clip(ref - logp, -20, 20)
+    return np.clip(np.exp(d) - d - 1, -10, 10)
+
+
+def np_advantages(r, g, estimator, norm_by_std=True, eps=1e-6, weights=None):
+    """Loop-based mirror of verl's per-group dictionaries."""
+    r = np.asarray(r, np.float64)
+    out = np.zeros_like(r)
+    groups = {k: [i for i in range(len(r)) if g[i] == k] for k in set(g)}
+    for idx in groups.values():
+        x = r[idx]
+        n = len(x)
+        mean = 0.0 if n == 1 else x.mean()
+        std = 1.0 if n == 1 else x.std(ddof=1)
+        for i in idx:
+            if estimator == "grpo":
+                out[i] = (r[i] - mean) / (std + eps) if norm_by_std else r[i] - mean
+            elif estimator in ("drgrpo", "reinforce_pp"):
+                out[i] = r[i] - mean
+            elif estimator == "rloo":
+                out[i] = 0.0 if n == 1 else r[i] - (x.sum() - r[i]) / (n - 1)
+    if estimator == "reinforce_pp":
+        # verl: tile over response tokens, masked_whiten (unbiased var, rsqrt(var + 1e-8))
+        w = np.ones_like(r) if weights is None else np.asarray(weights, np.float64)
+        tokens = np.repeat(out, w.astype(int))
+        mean, var = tokens.mean(), tokens.var(ddof=1)
+        out = (out - mean) / np.sqrt(var + 1e-8)
+    return out
+
+
+# ------------------------------------------------------------------ aggregation / KL / entropy
+
+@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
+def test_aggregate_matches_numpy(mode):
+    d = _batch()
+    s, n = jax.jit(losses.aggregate, static_argnums=(2, 3))(d["values"], d["mask"], mode, T)
+    ref_s, ref_n = np_aggregate(d["values"], d["mask"], mode, T)
+    np.testing.assert_allclose(float(s), ref_s, rtol=1e-5, atol=1e-6)
+    assert float(n) == ref_n
+    assert ref_n == (sum(LENGTHS) if mode == "token-mean" else 5)
+
+
+@pytest.mark.parametrize("kind", losses.KL_TYPES)
+def test_kl_penalty_matches_numpy(kind):
+    d = _batch()
+    kl = jax.jit(losses.kl_penalty, static_argnums=2)(d["logp"], d["ref"], kind)
+    np.testing.assert_allclose(np.asarray(kl), np_kl(d["logp"], d["ref"], kind), rtol=1e-5, atol=1e-5)
+    if kind in ("k3", "low_var_kl"):
+        assert float(kl[0, 0]) == 10.0 and np.all(np.asarray(kl) >= 0)
+    with pytest.raises(ValueError):
+        losses.kl_penalty(d["logp"], d["ref"], "k4")
+
+
+def test_entropy_from_logits_matches_numpy():
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(0, 3, (B, T, V))).astype(np.float32)
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = -(p * np.log(p)).sum(-1)
+    ent = jax.jit(losses.entropy_from_logits)
+    got32 = ent(logits)
+    assert got32.dtype == jnp.float32 and got32.shape == (B, T)
+    np.testing.assert_allclose(np.asarray(got32), want, rtol=1e-5, atol=1e-5)
+    got16 = ent(jnp.asarray(logits, jnp.bfloat16))  # low-precision logits are computed in float32
+    assert got16.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got16), want, atol=0.05)
+    # -inf logits (masked vocabulary) contribute 0, with finite gradient
+    masked = logits.copy()
+    masked[..., 3:] = -np.inf
+    x3 = logits[..., :3].astype(np.float64)
+    p3 = np.exp(x3 - x3.max(-1, keepdims=True))
+    p3 /= p3.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(ent(masked)), -(p3 * np.log(p3)).sum(-1), rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(lambda l: losses.entropy_from_logits(l).sum()))(jnp.asarray(masked))
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
+# ------------------------------------------------------------------ advantages
+
+# groups: 0 -> 4 varied, 1 -> singleton, 2 -> zero-std (all equal), 3 -> two samples; 4 -> empty id
+REWARDS = np.array([1.0, 0.0, 0.5, 1.0, 0.7, 1.0, 1.0, 1.0, 0.0, 2.0], np.float32)
+GROUPS = np.array([0, 0, 0, 0, 1, 2, 2, 2, 3, 3], np.int32)
+NUM_GROUPS = 5
+
+
+@pytest.mark.parametrize("estimator,norm", [("grpo", True), ("grpo", False), ("drgrpo", True), ("rloo", True),
+                                            ("reinforce_pp", True)])
+def test_advantages_match_numpy(estimator, norm):
+    fn = jax.jit(losses.compute_advantages, static_argnums=(2, 3, 4))
+    got = np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, estimator, norm))
+    want = np_advantages(REWARDS, GROUPS, estimator, norm_by_std=norm)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # zero-std group gives 0 for the group-relative estimators
+    if estimator != "reinforce_pp":
+        np.testing.assert_allclose(got[5:8], 0.0, atol=1e-6)
+
+
+def test_advantages_hand_values():
+    fn = losses.compute_advantages
+    # singleton: grpo keeps r / (1 + eps) (verl mean 0, std 1); drgrpo keeps r; rloo gives 0
+    assert float(fn(REWARDS, GROUPS, NUM_GROUPS, "grpo")[4]) == pytest.approx(0.7 / (1 + 1e-6))
+    assert float(fn(REWARDS, GROUPS, NUM_GROUPS, "drgrpo")[4]) == pytest.approx(0.7)
+    assert float(fn(REWARDS, GROUPS, NUM_GROUPS, "rloo")[4]) == 0.0
+    # two samples {0, 2}: mean 1, unbiased std sqrt(2); rloo: 0 - 2 = -2 and 2 - 0 = 2
+    np.testing.assert_allclose(np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "grpo", eps=0.0))[8:],
+                               [-1 / np.sqrt(2), 1 / np.sqrt(2)], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "rloo"))[8:], [-2.0, 2.0], rtol=1e-6)
+    # drgrpo ignores norm_by_std
+    np.testing.assert_array_equal(np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "drgrpo", True)),
+                                  np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "drgrpo", False)))
+    with pytest.raises(ValueError):
+        fn(REWARDS, GROUPS, NUM_GROUPS, "ppo")
+
+
+def test_reinforce_pp_token_weighted_whitening():
+    weights = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], np.float32)  # response lengths
+    got = np.asarray(losses.compute_advantages(REWARDS, GROUPS, NUM_GROUPS, "reinforce_pp", weights=weights))
+    want = np_advantages(REWARDS, GROUPS, "reinforce_pp", weights=weights)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    tok = np.repeat(got, weights.astype(int))
+    assert abs(tok.mean()) < 1e-5 and tok.std(ddof=1) == pytest.approx(1.0, rel=1e-4)
+
+
+# ------------------------------------------------------------------ PPO clipped loss
+
+RATIOS = np.array([0.5, 0.9, 1.0, 1.1, 1.5, 4.0])
+
+
+def _clip_inputs(a):
+    old = np.full((2, 6), -1.0, np.float32)
+    logp = (old + np.log(RATIOS)).astype(np.float32)
+    mask = np.ones((2, 6), np.float32)
+    adv = np.array([a, a], np.float32)
+    return logp, old, adv, mask
+
+
+def _per_token(a, **kw):
+    """Per-token pg losses via the (linear) seq-mean-token-sum trick: one row, one token at a time."""
+    logp, old, adv, mask = _clip_inputs(a)
+    fn = jax.jit(lambda m: losses.policy_loss(logp, old, adv, m, loss_agg_mode="seq-mean-token-sum", **kw))
+    out = []
+    for t in range(6):
+        m = np.zeros_like(mask)
+        m[0, t] = 1.0
+        s, n, _ = fn(m)
+        out.append(float(s) / float(n))
+    _, _, met = fn(mask)
+    return np.array(out), met
+
+
+@pytest.mark.parametrize("a", [1.0, -1.0])
+def test_clip_region(a):
+    got, met = _per_token(a, eps_clip=0.2)
+    clipped = np.clip(RATIOS, 0.8, 1.2)
+    want = np.maximum(-a * RATIOS, -a * clipped)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    if a > 0:  # loss = -min(r, clip(r)): clip active for r > 1.2
+        np.testing.assert_allclose(got, [-0.5, -0.9, -1.0, -1.1, -1.2, -1.2], rtol=1e-6)
+        n_clip = 2
+    else:      # loss = max(r, clip(r)): clip active for r < 0.8
+        np.testing.assert_allclose(got, [0.8, 0.9, 1.0, 1.1, 1.5, 4.0], rtol=1e-6)
+        n_clip = 1
+    s, c = met["pg_clipfrac"]
+    assert float(s) == 2 * n_clip and float(c) == 12
+    assert float(met["pg_clipfrac_lower"][0]) == 0.0
+
+
+def test_asymmetric_clip_high():
+    got, met = _per_token(1.0, eps_clip=0.2, eps_clip_high=0.28)
+    np.testing.assert_allclose(got, [-0.5, -0.9, -1.0, -1.1, -1.28, -1.28], rtol=1e-6)
+    got, _ = _per_token(-1.0, eps_clip=0.2, eps_clip_high=0.28)
+    np.testing.assert_allclose(got, [0.8, 0.9, 1.0, 1.1, 1.5, 4.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("a", [1.0, -1.0])
+def test_dual_clip_region(a):
+    got, met = _per_token(a, eps_clip=0.2, eps_clip_c=3.0)
+    if a > 0:  # dual clip only acts on A < 0
+        np.testing.assert_allclose(got, [-0.5, -0.9, -1.0, -1.1, -1.2, -1.2], rtol=1e-6)
+        assert float(met["pg_clipfrac_lower"][0]) == 0.0
+    else:      # max(r, clip(r)) capped at c = 3: ratio 4 -> 3
+        np.testing.assert_allclose(got, [0.8, 0.9, 1.0, 1.1, 1.5, 3.0], rtol=1e-6)
+        s, c = met["pg_clipfrac_lower"]
+        assert float(s) == 2 and float(c) == 12
+    with pytest.raises(ValueError):
+        losses.policy_loss(*_clip_inputs(a), eps_clip=0.2, eps_clip_c=1.0)
+
+
+def test_ratio_one_gradient_is_plain_policy_gradient():
+    d = _batch()
+    adv = d["adv"]
+
+    def loss(lp):
+        s, n, _ = losses.policy_loss(lp, d["logp"], adv, d["mask"], eps_clip=0.2, eps_clip_c=3.0)
+        return s / n
+
+    g = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(d["logp"])))
+    want = -adv[:, None] * d["mask"] / d["mask"].sum()
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
+    assert float(loss(d["logp"])) == pytest.approx(float(-(adv[:, None] * d["mask"]).sum() / d["mask"].sum()),
+                                                   rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
+@pytest.mark.parametrize("kind", ["k1", "low_var_kl"])
+def test_policy_loss_full_matches_numpy(mode, kind):
+    d = _batch()
+    eps, eps_hi, c, kl_coef, ent_coef = 0.2, 0.3, 3.0, 0.05, 0.01
+    ent = np.abs(d["values"])
+    fn = jax.jit(lambda lp, old, a, m, ref, e: losses.policy_loss(
+        lp, old, a, m, eps_clip=eps, eps_clip_high=eps_hi, eps_clip_c=c, loss_agg_mode=mode, horizon=T,
+        ref_logprobs=ref, kl_coef=kl_coef, kl_type=kind, entropy=e, entropy_coef=ent_coef))
+    s, n, met = fn(d["logp"], d["old"], d["adv"], d["mask"], d["ref"], ent)
+
+    lp, old, m = (x.astype(np.float64) for x in (d["logp"], d["old"], d["mask"]))
+    A = np.broadcast_to(d["adv"].astype(np.float64)[:, None], lp.shape)
+    r = np.exp(np.clip(lp - old, -20, 20))
+    pg1, pg2 = -A * r, -A * np.clip(r, 1 - eps, 1 + eps_hi)
+    cl = np.maximum(pg1, pg2)
+    pg = np.where(A < 0, np.minimum(-A * c, cl), cl)
+    kl = np_kl(d["logp"], d["ref"], kind)
+    tok = pg + kl_coef * kl - ent_coef * ent
+    want_s, want_n = np_aggregate(tok, m, mode, T)
+    np.testing.assert_allclose(float(s), want_s, rtol=1e-5, atol=1e-6)
+    assert float(n) == want_n
+    nt = m.sum()
+    np.testing.assert_allclose([float(x) for x in met["pg_loss"]], np_aggregate(pg, m, mode, T), rtol=1e-5)
+    checks = {
+        "pg_clipfrac": (pg2 > pg1),
+        "pg_clipfrac_lower": (A < 0) & (cl > -A * c),
+        "approx_kl": r - 1 - np.log(r),
+        "ratio": r,
+        "kl": kl,
+        "entropy": ent,
+    }
+    for k, v in checks.items():
+        ms, mc = met[k]
+        np.testing.assert_allclose(float(ms), (v * m).sum(), rtol=1e-5, atol=1e-6, err_msg=k)
+        assert float(mc) == nt, k
+
+    # [B,T] advantages equal broadcast [B]
+    s2, n2, _ = fn(d["logp"], d["old"], np.broadcast_to(d["adv"][:, None], (B, T)), d["mask"], d["ref"], ent)
+    assert float(s2) == pytest.approx(float(s), rel=1e-6) and float(n2) == float(n)
+
+
+def test_micro_batch_accumulation_is_exact():
+    """Sum of (sum, denom) over two micro-batches == the loss of the whole batch, for every mode."""
+    d = _batch()
+
+    @jax.jit
+    def f(lp, old, adv, m):
+        return [losses.policy_loss(lp, old, adv, m, eps_clip=0.2, loss_agg_mode=mode, horizon=T)[:2]
+                for mode in losses.LOSS_AGG_MODES]
+
+    whole = f(d["logp"], d["old"], d["adv"], d["mask"])
+    first = f(*(d[k][:3] for k in ("logp", "old", "adv", "mask")))
+    second = f(*(d[k][3:] for k in ("logp", "old", "adv", "mask")))
+    for mode, (s, n), (s1, n1), (s2, n2) in zip(losses.LOSS_AGG_MODES, whole, first, second):
+        assert float((s1 + s2) / (n1 + n2)) == pytest.approx(float(s / n), rel=1e-6), mode
+
+
+def test_optional_metrics_and_errors():
+    d = _batch()
+    _, _, met = losses.policy_loss(d["logp"], d["old"], d["adv"], d["mask"], eps_clip=0.2)
+    assert set(met) == {"pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "approx_kl", "ratio"}
+    with pytest.raises(ValueError):
+        losses.aggregate(d["values"], d["mask"], "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError):
+        losses.aggregate(d["values"], d["mask"], "sum")
