@@ -81,7 +81,7 @@ RULES: dict[str, Rule] = {
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
     **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn") for axis in MESH_AXES},
-    "mode": choices("sft"),
+    "mode": choices("sft", "grpo"),
     "steps": POSITIVE_INT,
     "gradient_accumulation_steps": POSITIVE_INT,
     "learning_rate": NON_NEGATIVE,
@@ -123,6 +123,26 @@ RULES: dict[str, Rule] = {
                                     "a non-empty list of finite numbers")),
     "format_reward_pattern": NAME,
     "math_reward_timeout": NON_NEGATIVE,
+    "n_samples_per_prompt": POSITIVE_INT,
+    "rollout_batch_size": POSITIVE_INT,
+    "over_sampling_batch_size": NON_NEGATIVE,
+    "max_sampling_rounds": POSITIVE_INT,
+    "rollout_max_response_len": POSITIVE_INT,
+    "rollout_temperature": POSITIVE,
+    "rollout_top_p": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "rollout_top_k": NON_NEGATIVE,
+    "advantage_estimator": choices("grpo", "drgrpo", "rloo", "reinforce_pp"),
+    "eps_clip": POSITIVE,
+    "eps_clip_high": optional(POSITIVE),
+    "eps_clip_c": optional(Rule(lambda v: _is_num(v) and v > 1, "a number > 1")),
+    "loss_agg_mode": choices("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "kl_coef": NON_NEGATIVE,
+    "kl_type": choices("k1", "k2", "k3", "low_var_kl"),
+    "entropy_coef": NON_NEGATIVE,
+    "num_iterations": POSITIVE_INT,
+    "eval_pass_k": POSITIVE_INT,
+    "eval_n_samples": NON_NEGATIVE,
+    "sample_log_period": POSITIVE_INT,
 }
 
 # The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without
@@ -165,6 +185,10 @@ CHECKS: list[Callable[[dict], str | None]] = [
     "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor",
     _check_logical_axis_rules,
     _check_one_fill,
+    lambda c: None if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"] else
+    f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})",
+    lambda c: None if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"] else
+    f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})",
 ]
 
 
@@ -184,6 +208,17 @@ def derive(cfg: dict) -> dict:
     out["mesh_shape"], out["dcn_mesh_shape"] = _mesh_shapes(out)
     num_devices = math.prod(out["mesh_shape"].values()) * math.prod(out["dcn_mesh_shape"].values())
     out["global_batch_size"] = out["per_device_batch_size"] * num_devices  # rows per micro-batch
+    out["rows_per_update"] = out["global_batch_size"] * out["gradient_accumulation_steps"]
+    if out["mode"] == "grpo":
+        rollout_rows = out["rollout_batch_size"] * out["n_samples_per_prompt"]
+        if rollout_rows % out["rows_per_update"]:
+            raise ConfigError(
+                f"rollout_batch_size * n_samples_per_prompt ({rollout_rows}) must be a multiple of per_device_batch_size"
+                f" * devices * gradient_accumulation_steps ({out['rows_per_update']}), the rows of one update")
+        out["updates_per_step"] = rollout_rows // out["rows_per_update"] * out["num_iterations"]
+    else:
+        out["updates_per_step"] = 1
+    out["optimizer_steps"] = out["steps"] * out["updates_per_step"]  # the learning-rate schedule's horizon
     return out
 
 

@@ -11,9 +11,9 @@ _NO_DECAY = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "b
 
 def learning_rate_schedule(cfg) -> optax.Schedule:
     """Linear warmup from 0 to learning_rate over warmup_steps, then the lr_schedule decay to
-    learning_rate * lr_final_fraction at the last step."""
+    learning_rate * lr_final_fraction at the last optimizer step (GRPO makes several per step)."""
     peak, end = cfg.learning_rate, cfg.learning_rate * cfg.lr_final_fraction
-    decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
+    decay_steps = max(cfg.optimizer_steps - cfg.warmup_steps, 1)
     decay = {
         "cosine": optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.lr_final_fraction),
         "linear": optax.linear_schedule(peak, end, decay_steps),

@@ -195,7 +195,7 @@ def _without_counts(batch: dict) -> dict:
 
 def _fetch(step_metrics: dict) -> dict:
     """Host copy of a step's metrics; a non-finite loss or gradient means the state after it is bad."""
-    values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}  # numbers pass through
     for key in ("loss", "grad_norm"):
         if not math.isfinite(values[key]):
             raise NonFiniteLoss(f"{key} is {values[key]}")
@@ -213,79 +213,128 @@ class _SigtermFlag:
         self.raised = True
 
 
+class SFTStep:
+    """Callable (state, step) -> (state, metrics) for the loop: one packed batch, one update."""
+
+    def __init__(self, cfg, tokenizer, step_fn, batch_sharding_):
+        self.step_fn, self.batch_sharding, self.compiled = step_fn, batch_sharding_, None
+        self.data_iterator = data.make_sft_iterator(cfg, tokenizer, cfg.rows_per_update, "train",
+                                                    jax.process_index(), jax.process_count())
+        self.tokens_per_step = cfg.rows_per_update * cfg.max_target_length
+
+    def __call__(self, state, step):
+        batch = next(self.data_iterator)
+        truncated = int(batch.pop("num_truncated"))
+        batch = _to_global(batch, self.batch_sharding)
+        if self.compiled is None:
+            self.compiled = compile_logged("train_step", self.step_fn, state, batch)
+        state, step_metrics = self.compiled(state, batch)
+        return state, {**step_metrics, "num_truncated": truncated}
+
+
 def train(cfg) -> int:
     is_primary = jax.process_index() == 0
     mesh = sharding.mesh_from_config(cfg)
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
     if is_primary:
         write_config(cfg, os.path.join(cfg.run_dir, "config.yml"))
-    log.info("mesh %s over %d devices (%d processes)", dict(mesh.shape), mesh.size, jax.process_count())
+    log.info("mode %s; mesh %s over %d devices (%d processes)", cfg.mode, dict(mesh.shape), mesh.size,
+             jax.process_count())
 
     tokenizer = data.load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"tokenizer_path has {tokenizer.vocab_size} tokens but vocab_size is {cfg.vocab_size}")
     model = build_model(cfg, mesh)
     graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
     optimizer = make_optimizer(cfg)
-    state = init_state(nnx.to_pure_dict(params), optimizer, mesh)
+    # The reference policy is the starting one; it is kept only when a KL term needs it.
+    ref_params = jax.tree.map(jnp.copy, params) if cfg.mode == "grpo" and cfg.kl_coef > 0 else None
+    state = init_state(params, optimizer, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_sharding_ = sharding.batch_sharding(mesh, rules)
-    rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
-    train_data = data.make_sft_iterator(cfg, tokenizer, rows, "train", jax.process_index(), jax.process_count())
+    if cfg.mode == "sft":
+        step_fn = make_step_fn(functools.partial(sft_loss, graphdef, cfg), cfg, optimizer, state_shardings,
+                               batch_sharding_)
+        runner = SFTStep(cfg, tokenizer, step_fn, batch_sharding_)
+        evaluator = Evaluator(cfg, tokenizer, graphdef, mesh, batch_sharding_) if cfg.eval_interval else None
+    else:
+        from unitrain import grpo, rewards
+
+        reward_fn = rewards.make_reward_fn(cfg)
+        batch_shardings = _grpo_batch_shardings(cfg, mesh, rules)
+        step_fn = make_step_fn(functools.partial(grpo.grpo_loss, graphdef, cfg), cfg, optimizer, state_shardings,
+                               batch_shardings)
+        runner = grpo.GRPOStep(cfg, tokenizer, graphdef, mesh, rules, reward_fn, step_fn, ref_params, batch_sharding_)
+        evaluator = grpo.GRPOEvaluator(cfg, tokenizer, graphdef, mesh, rules, reward_fn) if cfg.eval_interval else None
 
     checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_period, cfg.max_to_keep,
                                            cfg.async_checkpointing)
     start = checkpointer.latest_step() or 0
     if start:
-        state = checkpointer.restore(start, state, train_data)
+        state = checkpointer.restore(start, state, runner.data_iterator)
         log.info("resumed from %s at step %d", cfg.checkpoint_dir, start)
-
-    step_fn = make_step_fn(functools.partial(sft_loss, graphdef, cfg), cfg, optimizer, state_shardings,
-                           batch_sharding_)
-    evaluator = Evaluator(cfg, tokenizer, graphdef, mesh, batch_sharding_) if cfg.eval_interval else None
     writer = metrics.MetricsWriter.from_config(cfg, cfg.steps, resume_step=start)
-    profiler = metrics.Profiler.from_config(cfg)
-    flops_per_token = metrics.train_flops_per_token(model.cfg, cfg.max_target_length)
-    peak = metrics.peak_flops_per_device(cfg)
-    log.info("MFU denominator: %.3g FLOP/s per device; model: %.3g FLOP per token", peak, flops_per_token)
-    tokens_per_step = rows * cfg.max_target_length
-    sigterm = _SigtermFlag()
-
     with jax.set_mesh(mesh):
-        return _loop(cfg, state, step_fn, train_data, batch_sharding_, checkpointer, evaluator, writer, profiler,
-                     sigterm, start, tokens_per_step, flops_per_token, peak, mesh.size, graphdef)
+        return _loop(cfg, state, runner, checkpointer, evaluator, writer, _SigtermFlag(), start,
+                     _Throughput(cfg, model.cfg, mesh.size, getattr(runner, "tokens_per_step", None)), graphdef)
 
 
-def _loop(cfg, state, step_fn, train_data, batch_sharding_, checkpointer, evaluator, writer, profiler, sigterm,
-          start, tokens_per_step, flops_per_token, peak, num_devices, graphdef) -> int:
-    pending = None  # (step, device metrics, dispatch time, truncated count) of the step not yet written
+def _grpo_batch_shardings(cfg, mesh, rules) -> dict:
+    rows2d = sharding.batch_sharding(mesh, rules)
+    rows1d = sharding.batch_sharding(mesh, rules, ("batch",))
+    keys = ["inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "old_logprobs"]
+    if cfg.kl_coef > 0:
+        keys.append("ref_logprobs")
+    return {**{k: rows2d for k in keys}, "advantages": rows1d}
+
+
+class _Throughput:
+    """tokens/s and MFU of a step from its wall time (SFT: every position of the batch counts)."""
+
+    def __init__(self, cfg, model_cfg, num_devices: int, tokens_per_step: int | None):
+        self.tokens_per_step, self.num_devices = tokens_per_step, num_devices
+        if tokens_per_step:
+            self.flops_per_token = metrics.train_flops_per_token(model_cfg, cfg.max_target_length)
+            self.peak = metrics.peak_flops_per_device(cfg)
+            log.info("MFU denominator: %.3g FLOP/s per device (jnp.dot); model: %.3g FLOP per token",
+                     self.peak, self.flops_per_token)
+
+    def __call__(self, step_time: float) -> dict:
+        if not self.tokens_per_step:
+            return {"step_time": step_time}
+        tokens_per_sec = self.tokens_per_step / step_time
+        return {"step_time": step_time, "tokens_per_sec": tokens_per_sec,
+                "mfu": metrics.mfu(tokens_per_sec, self.flops_per_token, self.peak, self.num_devices)}
+
+
+def _loop(cfg, state, runner, checkpointer, evaluator, writer, sigterm, start, throughput, graphdef) -> int:
+    """The shared loop. Metrics of step s are written while step s+1 runs (no host sync for them)."""
+    profiler = metrics.Profiler.from_config(cfg)
+    pending = None  # (step, metrics, dispatch time) of the step not yet written
     last_good = start
-    compiled = None
     try:
         for step in range(start, cfg.steps):
-            batch = next(train_data)
-            truncated = int(batch.pop("num_truncated"))
-            batch = _to_global(batch, batch_sharding_)
-            if compiled is None:
-                compiled = compile_logged("train_step", step_fn, state, batch)
             profiler.maybe_start(step)
             dispatched = time.perf_counter()
-            state, step_metrics = compiled(state, batch)
+            state, step_metrics = runner(state, step)
             profiler.maybe_stop(step, block_on=step_metrics)
-            if pending is not None:  # the previous step's numbers, fetched while this step runs
-                _write(writer, pending, dispatched, tokens_per_step, flops_per_token, peak, num_devices)
-            pending = (step, step_metrics, dispatched, truncated)
+            if pending is not None:
+                _write(writer, pending, dispatched, throughput)
+            pending = (step, step_metrics, dispatched)
+            if getattr(runner, "samples_text", "") and step % cfg.sample_log_period == 0:
+                writer.text(step, "samples", runner.samples_text)
             done = step + 1
             if evaluator and (done % cfg.eval_interval == 0 or done == cfg.steps):
                 writer.write(step, evaluator(state["params"]))
             if done % cfg.checkpoint_period == 0 or done == cfg.steps or sigterm.raised:
                 _fetch(step_metrics)  # never save a state that came from a non-finite loss
-                checkpointer.save(done, state, train_data, force=True)
+                checkpointer.save(done, state, runner.data_iterator, force=True)
                 last_good = done
             if sigterm.raised:
                 break
         if pending is not None:
-            _write(writer, pending, time.perf_counter(), tokens_per_step, flops_per_token, peak, num_devices)
+            _write(writer, pending, time.perf_counter(), throughput)
         if sigterm.raised:
             log.warning("SIGTERM: saved a checkpoint at step %d; stopping", last_good)
             return EXIT_SIGTERM
@@ -305,13 +354,9 @@ def _loop(cfg, state, step_fn, train_data, batch_sharding_, checkpointer, evalua
         writer.close()
 
 
-def _write(writer, pending, now, tokens_per_step, flops_per_token, peak, num_devices) -> None:
-    step, step_metrics, dispatched, truncated = pending
-    values = _fetch(step_metrics)
-    step_time = max(now - dispatched, 1e-9)
-    values.update(step_time=step_time, tokens_per_sec=tokens_per_step / step_time, num_truncated=truncated)
-    values["mfu"] = metrics.mfu(values["tokens_per_sec"], flops_per_token, peak, num_devices)
-    writer.write(step, values)
+def _write(writer, pending, now, throughput) -> None:
+    step, step_metrics, dispatched = pending
+    writer.write(step, {**_fetch(step_metrics), **throughput(max(now - dispatched, 1e-9))})
 
 
 def _setup_logging() -> None:
