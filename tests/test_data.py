@@ -9,7 +9,7 @@ import pytest
 
 from unitrain.config import ConfigError, load_config
 from unitrain.data import (
-    BATCH_FIELDS, DataError, builtin_eval_pairs, builtin_problem, load_tokenizer, make_sft_iterator,
+    BATCH_FIELDS, DataError, builtin_problem, load_tokenizer, make_sft_iterator,
 )
 from unitrain.data.builtin import problem_split
 
@@ -191,14 +191,12 @@ def test_over_long_examples_are_counted(tmp_path, policy):
     assert len(full) > 0 if policy == "truncate" else not full
 
 
-def test_builtin_task_splits_and_eval_pairs():
+def test_builtin_task_splits():
     train = {builtin_problem(i, "train", 2)[0] for i in range(300)}
     evals = {builtin_problem(i, "eval", 2)[0] for i in range(300)}
     assert not train & evals and {problem_split(p) for p in evals} == {"eval"}
     for prompt, answer in (builtin_problem(i, "eval", 3) for i in range(50)):
         assert str(eval(prompt[:-1])) == answer  # noqa: S307 - arithmetic on generated digits only
-    pairs = builtin_eval_pairs(TOK, 3, 4)
-    assert pairs[0][0][0] == TOK.bos_id and TOK.decode(pairs[0][0][1:]) == builtin_problem(0, "eval", 3)[0]
     b = next(make_sft_iterator(make_cfg(max_target_length=32), TOK, 4, split="eval"))
     text = TOK.decode(b["inputs"][0], skip_special_tokens=True)
     assert "=" in text

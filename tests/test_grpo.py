@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import data, grpo, losses, metrics, rewards, sharding, train
+from unitrain import data, evals, grpo, losses, metrics, rewards, sharding, train
 from unitrain.config import ConfigError, load_config
 
 from conftest import REPO
@@ -123,7 +123,7 @@ def test_pass_at_k_matches_brute_force():
     for n, c, k in [(5, 2, 1), (5, 2, 3), (8, 0, 4), (8, 8, 2), (6, 3, 6)]:
         outcomes = [1] * c + [0] * (n - c)
         subsets = list(combinations(outcomes, k))
-        assert grpo.pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+        assert evals.pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
 
 
 def test_resume_in_the_middle_of_grpo_continues_identically(tmp_path, monkeypatch):

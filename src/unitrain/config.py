@@ -99,7 +99,6 @@ RULES: dict[str, Rule] = {
     "eval_interval": NON_NEGATIVE,
     "eval_steps": POSITIVE_INT,
     "eval_num_samples": NON_NEGATIVE,
-    "eval_max_new_tokens": POSITIVE_INT,
     "dataset_path": NAME,
     "prompt_key": NAME,
     "completion_key": NAME,

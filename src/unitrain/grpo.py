@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import math
 import time
 
 import jax
@@ -96,13 +95,6 @@ def select_groups(kept: list, dropped: list, batch_size: int) -> tuple[list, int
     if len(groups) < batch_size:
         raise ConfigError("the prompt stream ran out before a rollout batch was full; raise num_epochs")
     return groups, len(dropped) - refilled, refilled
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 # ---------------------------------------------------------------- one step
@@ -260,36 +252,3 @@ def _host(x):
         from jax.experimental import multihost_utils
         x = multihost_utils.process_allgather(x, tiled=True)
     return x
-
-
-# ---------------------------------------------------------------- eval
-
-class GRPOEvaluator:
-    """Greedy pass@1 (logged as eval_accuracy) and sampled pass@k on the eval prompts. A sample is correct when the first
-    reward of `reward` (the task reward) gives it 1."""
-
-    def __init__(self, cfg, tokenizer, graphdef, mesh, rules, reward_fn):
-        self.cfg, self.tokenizer, self.graphdef, self.mesh, self.rules = cfg, tokenizer, graphdef, mesh, rules
-        self.reward_fn = reward_fn
-        self.prompts = data.eval_prompts(cfg, tokenizer, cfg.eval_num_samples)
-
-    def correct(self, model, prompts, sampling, key) -> np.ndarray:
-        out = rollout.generate(model, [list(p.ids) for p in prompts], sampling, key, pad_id=self.tokenizer.pad_id,
-                               mesh=self.mesh, rules=self.rules)
-        texts = [self.tokenizer.decode(t[:l]) for t, l in zip(out["tokens"], out["lengths"])]
-        _, per_reward = self.reward_fn([p.text for p in prompts], texts, [p.label for p in prompts])
-        return per_reward[self.reward_fn.names[0]] >= 1.0
-
-    def __call__(self, params) -> dict:
-        cfg, model = self.cfg, nnx.merge(self.graphdef, params)
-        stop = (self.tokenizer.eos_id,)
-        greedy = rollout.SamplingParams(cfg.rollout_max_response_len, temperature=0.0, stop_token_ids=stop)
-        result = {"eval_accuracy": float(self.correct(model, self.prompts, greedy, jax.random.key(0)).mean())}
-        if cfg.eval_n_samples:
-            n = cfg.eval_n_samples
-            sampled = rollout.SamplingParams(cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
-                                             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=stop)
-            ok = self.correct(model, [p for p in self.prompts for _ in range(n)], sampled, jax.random.key(1))
-            counts = ok.reshape(len(self.prompts), n).sum(axis=1)
-            result[f"eval_pass@{cfg.eval_pass_k}"] = float(np.mean([pass_at_k(n, c, cfg.eval_pass_k) for c in counts]))
-        return result

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from unitrain import checkpoint, data, losses, metrics, rollout, sharding
+from unitrain import checkpoint, data, losses, metrics, sharding
 from unitrain import model as model_lib
 from unitrain.config import ConfigError, load_config, write_config
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
@@ -149,37 +149,24 @@ def compile_logged(name: str, jitted, *args):
 # ---------------------------------------------------------------- eval
 
 class Evaluator:
-    """Eval loss on fixed batches of the eval split and, for the built-in task, exact-match accuracy of
-    greedy answers."""
+    """SFT eval: loss on fixed batches of the eval split and, for the built-in task, the accuracy of
+    greedy answers (evals.TaskEvaluator)."""
 
-    def __init__(self, cfg, tokenizer, graphdef, mesh, batch_sharding_):
-        self.cfg, self.tokenizer, self.graphdef, self.mesh = cfg, tokenizer, graphdef, mesh
+    def __init__(self, cfg, tokenizer, graphdef, mesh, rules, batch_sharding_):
         iterator = data.make_sft_iterator(cfg, tokenizer, cfg.global_batch_size, "eval",
                                           jax.process_index(), jax.process_count())
         self.batches = [_to_global(_without_counts(next(iterator)), batch_sharding_) for _ in range(cfg.eval_steps)]
         self.loss_fn = jax.jit(functools.partial(eval_step, graphdef, cfg))
-        self.pairs = (data.builtin_eval_pairs(tokenizer, cfg.builtin_task_digits, cfg.eval_num_samples)
-                      if cfg.dataset_path == "builtin" and cfg.eval_num_samples else [])
+        self.task = None
+        if cfg.dataset_path == "builtin" and cfg.eval_num_samples:
+            from unitrain import evals, rewards
+
+            self.task = evals.TaskEvaluator(cfg, tokenizer, graphdef, mesh, rules, rewards.make_reward_fn(cfg))
 
     def __call__(self, params) -> dict:
         sums = [self.loss_fn(params, b) for b in self.batches]
         total, count = (sum(float(x[i]) for x in sums) for i in (0, 1))
-        result = {"eval_loss": total / max(count, 1.0)}
-        if self.pairs:
-            result["eval_accuracy"] = self.exact_match(params)
-        return result
-
-    def exact_match(self, params) -> float:
-        model = nnx.merge(self.graphdef, params)
-        sampling = rollout.SamplingParams(max_new_tokens=self.cfg.eval_max_new_tokens, temperature=0.0,
-                                          stop_token_ids=(self.tokenizer.eos_id,))
-        out = rollout.generate(model, [p for p, _ in self.pairs], sampling, jax.random.key(0),
-                               pad_id=self.tokenizer.pad_id, mesh=self.mesh, rules=model.cfg.logical_axis_rules)
-        correct = 0
-        for (_, answer), tokens, length in zip(self.pairs, out["tokens"], out["lengths"]):
-            ended = length > 0 and tokens[length - 1] == self.tokenizer.eos_id
-            correct += bool(ended) and self.tokenizer.decode(tokens[:length - 1]).strip() == answer
-        return correct / len(self.pairs)
+        return {"eval_loss": total / max(count, 1.0), **(self.task(params) if self.task else {})}
 
 
 # ---------------------------------------------------------------- the loop
@@ -257,16 +244,16 @@ def train(cfg) -> int:
         step_fn = make_step_fn(functools.partial(sft_loss, graphdef, cfg), cfg, optimizer, state_shardings,
                                batch_sharding_)
         runner = SFTStep(cfg, tokenizer, step_fn, batch_sharding_)
-        evaluator = Evaluator(cfg, tokenizer, graphdef, mesh, batch_sharding_) if cfg.eval_interval else None
+        evaluator = Evaluator(cfg, tokenizer, graphdef, mesh, rules, batch_sharding_) if cfg.eval_interval else None
     else:
-        from unitrain import grpo, rewards
+        from unitrain import evals, grpo, rewards
 
         reward_fn = rewards.make_reward_fn(cfg)
         batch_shardings = _grpo_batch_shardings(cfg, mesh, rules)
         step_fn = make_step_fn(functools.partial(grpo.grpo_loss, graphdef, cfg), cfg, optimizer, state_shardings,
                                batch_shardings)
         runner = grpo.GRPOStep(cfg, tokenizer, graphdef, mesh, rules, reward_fn, step_fn, ref_params, batch_sharding_)
-        evaluator = grpo.GRPOEvaluator(cfg, tokenizer, graphdef, mesh, rules, reward_fn) if cfg.eval_interval else None
+        evaluator = evals.TaskEvaluator(cfg, tokenizer, graphdef, mesh, rules, reward_fn) if cfg.eval_interval else None
 
     checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_period, cfg.max_to_keep,
                                            cfg.async_checkpointing)

@@ -37,17 +37,3 @@ def builtin_problem(index: int, split: str, digits: int) -> tuple[str, str]:
 def max_builtin_length(digits: int) -> int:
     """Upper bound on BOS + prompt + answer + EOS tokens for the character tokenizer."""
     return 1 + (2 * digits + 2) + (2 * digits + 1) + 1
-
-
-def builtin_eval_pairs(tokenizer, digits: int, count: int) -> list[tuple[list[int], str]]:
-    """The first `count` eval problems as (prompt_ids, answer_text) for exact-match by greedy decoding.
-
-    prompt_ids start with BOS when the tokenizer has one, exactly as in training examples; a correct
-    model continues them with the answer's tokens and then EOS.
-    """
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    pairs = []
-    for i in range(count):
-        prompt, answer = builtin_problem(i, "eval", digits)
-        pairs.append((bos + tokenizer.encode(prompt), answer))
-    return pairs
