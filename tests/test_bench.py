@@ -41,3 +41,47 @@ def test_bench_bad_key_is_exit_2_with_one_line():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bench: unknown config key 'emb_dimm'"), proc.stderr
+
+
+def test_compile_only_tiny_fsdp8_reports_sharded_memory():
+    """--compile-only on 8 devices with fsdp=8: nothing runs, params are split 8 ways (norms replicated)."""
+    overrides = ["model_name=tiny", "per_device_batch_size=2", "max_target_length=32", "ici_fsdp_parallelism=8"]
+    proc = run_bench("configs/base.yml", *overrides, "--compile-only")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0])
+    memory = result["memory_per_device"]
+    assert memory["argument"] > 0 and memory["temp"] >= 0
+    assert memory["total_estimate"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert result["config"]["num_devices"] == 8
+    total_param_bytes = result["num_params"] * 4  # weight_dtype float32
+    assert abs(result["param_bytes_per_device"] - total_param_bytes / 8) <= 0.1 * total_param_bytes / 8
+    # AdamW: two moments shaped and sharded like the params, plus replicated scalars
+    assert abs(result["opt_state_bytes_per_device"] - 2 * result["param_bytes_per_device"]) < 1024
+    # the donated state is in the arguments
+    assert memory["argument"] >= result["param_bytes_per_device"] + result["opt_state_bytes_per_device"]
+
+
+def test_abstract_state_matches_init_state():
+    """The abstract state --compile-only compiles for has the shapes, dtypes and shardings of the real one."""
+    import jax
+    from flax import nnx
+
+    import bench
+    from unitrain import sharding
+    from unitrain.optimizer import make_optimizer
+    from unitrain.train import build_model, init_state
+
+    cfg = load_config(["configs/base.yml", "model_name=tiny", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    mesh = sharding.mesh_from_config(cfg)
+    optimizer = make_optimizer(cfg)
+    real = init_state(nnx.to_pure_dict(nnx.state(build_model(cfg, mesh))), optimizer, mesh)
+    abstract = bench.abstract_state(cfg, optimizer, mesh, sharding.rules_from_config(cfg.logical_axis_rules))
+    assert jax.tree.structure(real) == jax.tree.structure(abstract)
+    for r, a in zip(jax.tree.leaves(real), jax.tree.leaves(abstract)):
+        assert (r.shape, r.dtype) == (a.shape, a.dtype)
+        assert r.sharding.is_equivalent_to(a.sharding, r.ndim)
+    per_device = sharding.bytes_per_device(real)
+    assert bench.bytes_per_device(real) == bench.bytes_per_device(abstract) == max(per_device.values())

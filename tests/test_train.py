@@ -145,17 +145,6 @@ def test_sigkill_during_saves_resumes_from_a_complete_checkpoint(tmp_path):
     assert f"resumed from {ckpts} at step {latest}" in out
 
 
-def test_sharded_loss_curve_equals_one_device(tmp_path):
-    sharded = config(tmp_path, "run_name=sharded", "steps=5", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
-    assert train.train(sharded) == 0
-    proc = run_cli(f"base_output_directory={tmp_path}", *FAST, "run_name=single", "steps=5",
-                   "per_device_batch_size=8", devices=1)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    single = config(tmp_path, "run_name=single")
-    assert losses_of(sharded) == pytest.approx(losses_of(single), rel=2e-5)
-
-
 def test_nan_loss_stops_with_the_last_good_checkpoint(tmp_path, capsys):
     cfg = config(tmp_path, "steps=50", "learning_rate=1e30", "warmup_steps=0", "checkpoint_period=1",
                  "max_grad_norm=0")

@@ -1,6 +1,7 @@
 """Times unitrain's jitted SFT train step on synthetic batches and prints one JSON line.
 
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
+    python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--out mem.json]
 
 The mesh, model, optimizer state and step are built by unitrain.train's own functions from the config
 (default configs/base.yml; key=value are ordinary config overrides). Each step sees the configured
@@ -8,6 +9,25 @@ global batch (global_batch_size * gradient_accumulation_steps rows of max_target
 tokens, one segment per row, every target weighted, placed on device once, so no data loading is
 timed. Each timed step is waited for through its metrics. The MFU denominator is the jnp.dot rate
 measured in this run (metrics.peak_flops_per_device), unless peak_flops_per_device is set.
+
+--compile-only lowers and compiles the same step for the config's mesh without allocating anything:
+parameters, optimizer state and batch are abstract arrays (jax.ShapeDtypeStruct with the shardings
+training would give them), so a model far larger than this machine's memory can be sized here. It
+prints the compiler's memory analysis per device (arguments, outputs, temporaries, generated code,
+aliased = donated bytes, and total_estimate = arguments + outputs + temporaries - aliased), the
+parameter and optimizer-state bytes per device, the mesh, and the compiler's FLOP count if it gives
+one (XLA counts a loop body once, so with scan_layers=true or gradient accumulation that figure is
+far below the step's work; model_flops_per_device is the analytic count bench's MFU uses).
+load_parameters_path is ignored (the shapes come from the config's model dimensions). To size
+an N-device mesh on a CPU machine, make the process see N devices, e.g. for fsdp over 8:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+        python tools/bench.py configs/base.yml model_name=llama3.2-1b dtype=bfloat16 remat_policy=full \
+        per_device_batch_size=1 max_target_length=2048 ici_fsdp_parallelism=8 --compile-only
+
+The numbers are those of the backend that compiled (CPU above); an accelerator's compiler makes
+different fusion and rematerialisation choices, so treat CPU temporaries as an estimate.
+
 Exit 2 with `bench: <message>` for a config mistake.
 """
 from __future__ import annotations
@@ -15,15 +35,19 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import statistics
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from unitrain import metrics, sharding
+from unitrain import model as model_lib
 from unitrain.config import ConfigError, load_config
 from unitrain.optimizer import make_optimizer
 from unitrain.train import _to_global, build_model, compile_logged, init_state, make_step_fn, sft_loss
@@ -38,6 +62,98 @@ def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (local, T)).copy()
     return {"inputs": tokens[:, :-1], "inputs_position": positions, "inputs_segmentation": ones,
             "targets": tokens[:, 1:], "targets_segmentation": ones.copy()}
+
+
+BATCH_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
+CONFIG_KEYS = ("model_name", "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers",
+               "num_query_heads", "num_kv_heads", "head_dim", "dtype", "weight_dtype", "remat_policy",
+               "scan_layers", "per_device_batch_size", "gradient_accumulation_steps", "max_target_length")
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
+    """Shardings of optimizer.init(params): each moment takes its parameter's sharding, everything
+    else (step counts) is replicated over the mesh. `params` may be concrete or abstract."""
+    return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
+                                 param_shardings, transform_non_params=lambda _: sharding.replicated(mesh))
+
+
+def _abstract(shapes, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def abstract_model(cfg):
+    """(graphdef, abstract parameter state) of the config's decoder; nothing is allocated."""
+    model_cfg = model_lib.ModelConfig.from_config(cfg)
+    return nnx.split(nnx.eval_shape(lambda: model_lib.create(model_cfg, cfg.seed)))
+
+
+def abstract_state(cfg, optimizer, mesh, rules) -> dict:
+    """{params, opt_state, step} as ShapeDtypeStructs carrying the shardings init_state gives them;
+    nothing is allocated."""
+    _, shapes = abstract_model(cfg)
+    try:
+        param_shardings = nnx.to_pure_dict(sharding.state_shardings(shapes, mesh, rules))
+    except ValueError as e:  # a dimension that does not divide over its mesh axes: a config mistake
+        raise ConfigError(str(e)) from None
+    params = _abstract(nnx.to_pure_dict(shapes), param_shardings)
+    opt_state = _abstract(jax.eval_shape(optimizer.init, params),
+                          opt_state_shardings(optimizer, params, param_shardings, mesh))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of these (abstract or concrete) arrays: the largest shard of each."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def compile_only(cfg) -> dict:
+    """Compiles the SFT step on abstract state and batch; returns the compiler's per-device memory."""
+    mesh = sharding.mesh_from_config(cfg)
+    rules = sharding.rules_from_config(cfg.logical_axis_rules)
+    graphdef, _ = abstract_model(cfg)
+    optimizer = make_optimizer(cfg)
+    state = abstract_state(cfg, optimizer, mesh, rules)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch_sharding_ = sharding.batch_sharding(mesh, rules)
+    rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
+    batch = {k: jax.ShapeDtypeStruct((rows, cfg.max_target_length), jnp.int32, sharding=batch_sharding_)
+             for k in BATCH_KEYS}
+    step_fn = make_step_fn(functools.partial(sft_loss, graphdef, cfg), cfg, optimizer, state_shardings,
+                           batch_sharding_)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = compile_logged("train_step", step_fn, state, batch)
+    compile_seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    per_device = None
+    if memory is not None:
+        per_device = {name: int(getattr(memory, f"{name}_size_in_bytes"))
+                      for name in ("argument", "output", "temp", "generated_code", "alias")}
+        per_device["total_estimate"] = (per_device["argument"] + per_device["output"] + per_device["temp"]
+                                        - per_device["alias"])
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # not every backend implements it
+        cost = None
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else None
+    flops = cost.get("flops") if cost else None
+    return {
+        "compile_only": True,
+        "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
+        "param_bytes_per_device": bytes_per_device(state["params"]),
+        "opt_state_bytes_per_device": bytes_per_device(state["opt_state"]),
+        "memory_per_device": per_device,
+        "cost_analysis_flops": float(flops) if flops is not None else None,
+        "model_flops_per_device": metrics.train_flops_per_token(model_lib.ModelConfig.from_config(cfg), cfg.max_target_length)
+        * rows * cfg.max_target_length / mesh.size,
+        "compile_seconds": compile_seconds,
+        "config": {k: cfg[k] for k in CONFIG_KEYS}
+        | {"global_batch_rows": rows, "mesh_shape": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
+           "num_devices": mesh.size, "platform": jax.devices()[0].platform},
+    }
 
 
 def bench(cfg, steps: int, warmup: int) -> dict:
@@ -69,11 +185,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     tokens_per_sec = rows * cfg.max_target_length / median
     return {
         "num_params": int(num_params),
-        "config": {k: cfg[k] for k in ("model_name", "model_family", "vocab_size", "emb_dim", "mlp_dim",
-                                       "num_decoder_layers", "num_query_heads", "num_kv_heads", "head_dim",
-                                       "dtype", "weight_dtype", "remat_policy", "scan_layers",
-                                       "per_device_batch_size", "gradient_accumulation_steps",
-                                       "max_target_length")}
+        "config": {k: cfg[k] for k in CONFIG_KEYS}
         | {"global_batch_rows": rows, "mesh_shape": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
            "num_devices": mesh.size, "steps": steps, "warmup": warmup},
         "step_time_median": median, "step_time_min": min(times), "step_time_max": max(times),
@@ -93,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the step on abstract arrays and print its memory per device; run nothing")
     opts = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     args = opts.args
     if not args or "=" in args[0]:
@@ -100,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.steps < 1 or opts.warmup < 0:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
-        result = bench(load_config(args), opts.steps, opts.warmup)
+        cfg = load_config(args)
+        result = compile_only(cfg) if opts.compile_only else bench(cfg, opts.steps, opts.warmup)
     except ConfigError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2

@@ -5,17 +5,25 @@ written), so a run killed mid-save resumes from the previous complete step. Para
 item, which lets `load_params` start another run from them without the optimizer state. Restoring
 takes the target shardings from an abstract state, so a checkpoint written on one topology restores
 on another.
+
+The data iterator's position is one JSON item (`data/metadata`), the same for every process count:
+each process's get_state() is gathered on every process and merged (unitrain.data.shards.merge_states:
+the union of the SFT data shards, or the one state of an iterator that is the same everywhere, like
+the GRPO prompt stream), and restoring hands the merged state to set_state(), which takes what it
+needs. Any iterator whose get_state() is JSON-serialisable works.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
-import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from unitrain.config import ConfigError
+from unitrain.data.shards import merge_states
 
 
 def abstract_like(tree):
@@ -33,11 +41,15 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: dict, data_iterator, force: bool = False) -> bool:
-        """Starts a save of `state` (after `step` steps) if the period says so or `force`; True if started."""
+        """Starts a save of `state` (after `step` steps) if the period says so or `force`; True if started.
+
+        Every process must call it with the same step and force (the iterator states are gathered)."""
+        if not force and not self.manager.should_save(step):
+            return False
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state["params"]),
             train=ocp.args.StandardSave({"opt_state": state["opt_state"], "step": state["step"]}),
-            data=grain.checkpoint.CheckpointSave(data_iterator),
+            data=ocp.args.JsonSave(iterator_state(data_iterator)),
         )
         return self.manager.save(step, args=args, force=force)
 
@@ -47,9 +59,10 @@ class Checkpointer:
         args = ocp.args.Composite(
             params=ocp.args.StandardRestore(target["params"]),
             train=ocp.args.StandardRestore({"opt_state": target["opt_state"], "step": target["step"]}),
-            data=grain.checkpoint.CheckpointRestore(data_iterator),
+            data=ocp.args.JsonRestore(),
         )
         restored = self.manager.restore(step, args=args)
+        data_iterator.set_state(restored.data)
         return {"params": restored.params, **restored.train}
 
     def wait(self) -> None:
@@ -57,6 +70,23 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def iterator_state(data_iterator):
+    """The iterator state of all processes, merged: the same JSON-ready value on every process."""
+    return merge_states([json.loads(text) for text in _allgather_text(json.dumps(data_iterator.get_state()))])
+
+
+def _allgather_text(text: str) -> list[str]:
+    """Every process's `text`, in process order, on every process (a collective: all must call it)."""
+    from jax.experimental import multihost_utils
+
+    local = np.frombuffer(text.encode(), np.uint8)
+    lengths = multihost_utils.process_allgather(np.asarray([local.size], np.int32)).reshape(-1)
+    padded = np.zeros(max(int(lengths.max()), 1), np.uint8)
+    padded[:local.size] = local
+    gathered = multihost_utils.process_allgather(padded).reshape(len(lengths), -1)
+    return [gathered[i, :n].tobytes().decode() for i, n in enumerate(lengths)]
 
 
 def load_params(path: str, params):

@@ -108,6 +108,7 @@ RULES: dict[str, Rule] = {
     "truncation": choices("truncate", "drop"),
     "num_epochs": optional(POSITIVE_INT),
     "builtin_task_digits": POSITIVE_INT,
+    "data_shards": POSITIVE_INT,
     "log_period": POSITIVE_INT,
     "profiler": Rule(lambda v: v in ("", "xplane"), '"" (off) or xplane'),
     "profiler_start_step": NON_NEGATIVE,
@@ -142,6 +143,10 @@ RULES: dict[str, Rule] = {
     "eval_pass_k": POSITIVE_INT,
     "eval_n_samples": NON_NEGATIVE,
     "sample_log_period": POSITIVE_INT,
+    "distributed_init": choices("auto", "on", "off"),
+    "num_processes": POSITIVE_INT,
+    "process_id": NON_NEGATIVE,
+    "max_replicated_param_mib": NON_NEGATIVE,
 }
 
 # The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without
@@ -186,6 +191,8 @@ CHECKS: list[Callable[[dict], str | None]] = [
     _check_one_fill,
     lambda c: None if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"] else
     f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})",
+    lambda c: None if c["process_id"] < c["num_processes"] else
+    f"process_id ({c['process_id']}) must be below num_processes ({c['num_processes']})",
     lambda c: None if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"] else
     f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})",
 ]
@@ -312,18 +319,24 @@ class Config(Mapping):
 _RESERVED = {name for name in dir(Config) if not name.startswith("_")}  # keys that attributes would hide
 
 
-def _build(inputs: dict, schema: dict, origin: dict) -> Config:
+def _build(inputs: dict, schema: dict, origin: dict, before_derive=None) -> Config:
     for key, rule in RULES.items():
         if key in inputs and not rule.test(inputs[key]):
             raise ConfigError(f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, 'from replace()')})")
     for check in CHECKS:
         if problem := check(inputs):
             raise ConfigError(f"invalid config: {problem}")
+    if before_derive is not None:
+        before_derive(inputs)
     return Config(derive(inputs), inputs, schema)
 
 
-def load_config(argv: list[str]) -> Config:
-    """argv[0] is a yml (configs/base.yml or a recipe), the rest `key=value` overrides."""
+def load_config(argv: list[str], before_derive=None) -> Config:
+    """argv[0] is a yml (configs/base.yml or a recipe), the rest `key=value` overrides.
+
+    `before_derive(values)` runs after validation and before derived values (which count devices)
+    are computed: the entry starts jax.distributed there.
+    """
     if not argv:
         raise ConfigError("no config file given; the first argument must be a yml such as configs/base.yml")
     chain, resolved = _read_chain(Path(argv[0]))
@@ -353,7 +366,7 @@ def load_config(argv: list[str]) -> Config:
         _apply_model(inputs, origin, schema, root.parent / "models")
     for key, raw in cli.items():
         _set(inputs, origin, schema, key, None, "from command line", raw=raw)
-    return _build(inputs, schema, origin)
+    return _build(inputs, schema, origin, before_derive)
 
 
 def _apply_model(inputs: dict, origin: dict, schema: dict, models: Path) -> None:

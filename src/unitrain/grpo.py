@@ -116,6 +116,10 @@ class GRPOStep:
             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
         self.length = cfg.max_prompt_length + cfg.rollout_max_response_len
         self.logprob_fn = jax.jit(functools.partial(token_logprobs, graphdef, cfg.rollout_temperature))
+        if ref_params is not None:  # the reference may live in host memory: bring it over inside the jit
+            on_device = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), ref_params)
+            self.ref_logprob_fn = jax.jit(lambda p, b: token_logprobs(
+                graphdef, cfg.rollout_temperature, jax.device_put(p, on_device), b))
         self.compiled = None
         self.samples_text = ""
 
@@ -179,7 +183,7 @@ class GRPOStep:
         batch["old_logprobs"] = old
         mask = arrays["loss_mask"].astype(bool)
         if self.ref_params is not None:
-            batch["ref_logprobs"] = self.logprobs(self.ref_params, batch)
+            batch["ref_logprobs"] = self.logprobs(self.ref_params, batch, self.ref_logprob_fn)
             if cfg.use_kl_in_reward:
                 kl = np.asarray(losses.kl_penalty(old, batch["ref_logprobs"], cfg.kl_type)) * mask
                 rewards = rewards - cfg.kl_coef * kl.sum(axis=1)
@@ -198,7 +202,7 @@ class GRPOStep:
                                             f"**reward** {g['reward'][0]:.3f}" for g in groups[:4])
         return state, metrics
 
-    def logprobs(self, params, batch) -> np.ndarray:
+    def logprobs(self, params, batch, fn=None) -> np.ndarray:
         """Per-token logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
         chunk = self.cfg.rows_per_update
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets")
@@ -206,7 +210,7 @@ class GRPOStep:
         for start in range(0, len(batch["inputs"]), chunk):
             part = {k: self._global(batch[k][start:start + chunk]) for k in keys}
             with jax.set_mesh(self.mesh):
-                outs.append(self.logprob_fn(params, part))
+                outs.append((fn or self.logprob_fn)(params, part))
         return np.concatenate([np.asarray(_host(o)) for o in outs])
 
     def update(self, state, batch):

@@ -125,6 +125,11 @@ def bytes_per_device(state) -> dict:
     return totals
 
 
+def with_memory_kind(tree, kind: str):
+    """The same arrays in the same shardings, moved to another memory (e.g. "pinned_host")."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

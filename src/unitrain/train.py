@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from unitrain import checkpoint, data, losses, metrics, sharding
+from unitrain import checkpoint, data, distributed, losses, metrics, sharding
 from unitrain import model as model_lib
 from unitrain.config import ConfigError, load_config, write_config
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
@@ -43,6 +43,9 @@ def build_model(cfg, mesh) -> nnx.Module:
     """The decoder with its parameters placed in their shardings: random init, HF weights, or the
     parameters of an orbax checkpoint (`load_parameters_path`)."""
     model_cfg = model_lib.ModelConfig.from_config(cfg)
+    # Checked on the abstract model, before any parameter is materialised.
+    _check_not_replicated(nnx.state(nnx.eval_shape(lambda: model_lib.create(model_cfg))), mesh,
+                          model_cfg.logical_axis_rules, cfg.max_replicated_param_mib)
     path = cfg.load_parameters_path
     if path and os.path.isfile(os.path.join(path, "config.json")):
         from unitrain.adapters import hf
@@ -56,6 +59,21 @@ def build_model(cfg, mesh) -> nnx.Module:
         graphdef, params = nnx.split(model)
         model = nnx.merge(graphdef, checkpoint.load_params(path, nnx.to_pure_dict(params)))
     return model
+
+
+def _check_not_replicated(abstract_state, mesh, rules, limit_mib: float) -> None:
+    """A large parameter copied whole onto every device is almost always a wrong axis rule."""
+    if mesh.size == 1:
+        return
+    shardings = sharding.state_shardings(abstract_state, mesh, rules)
+    for (path, var), (_, s) in zip(nnx.to_flat_state(abstract_state), nnx.to_flat_state(shardings)):
+        mib = math.prod(var.shape) * np.dtype(var.dtype).itemsize / 2**20
+        if s.get_value().is_fully_replicated and mib > limit_mib:
+            name = ".".join(map(str, path))
+            raise ConfigError(
+                f"parameter {name} ({mib:.0f} MiB, logical axes {sharding.logical_axes_of(var)}) would be fully "
+                f"replicated on all {mesh.size} devices; map one of its axes to a mesh axis in logical_axis_rules "
+                f"or raise max_replicated_param_mib")
 
 
 def _check_dims_match(cfg, hf_cfg: model_lib.ModelConfig, path: str) -> None:
@@ -88,12 +106,14 @@ def sft_loss(graphdef, cfg, params, batch):
     return loss_sum, (count, {"nll": (nll_sum, count)})
 
 
-def train_step(loss_fn, cfg, optimizer, state, batch):
+def train_step(loss_fn, cfg, optimizer, state, batch, *, opt_device_shardings=None):
     """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level.
 
     loss_fn(params, micro_batch) -> (loss_sum, (denominator, {metric: (sum, count)})). Gradients of
     the summed losses are added up over micro-batches and divided once by the total denominator;
-    each metric likewise ends as its total sum over its total count.
+    each metric likewise ends as its total sum over its total count. With the optimizer state
+    offloaded to host memory, `opt_device_shardings` brings it to the device for the update (the
+    step's out_shardings send it back).
     """
     k = cfg.gradient_accumulation_steps
     # Row i*k + j goes to micro-batch j: each device's contiguous rows stay on that device.
@@ -109,7 +129,10 @@ def train_step(loss_fn, cfg, optimizer, state, batch):
     denom = jnp.maximum(denom, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state["params"])
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    opt_state = state["opt_state"]
+    if opt_device_shardings is not None:
+        opt_state = jax.device_put(opt_state, opt_device_shardings)
+    updates, opt_state = optimizer.update(grads, opt_state, state["params"])
     params = optax.apply_updates(state["params"], updates)
     clipped = jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm
     step_metrics = {
@@ -122,7 +145,9 @@ def train_step(loss_fn, cfg, optimizer, state, batch):
 
 def make_step_fn(loss_fn, cfg, optimizer, state_shardings, batch_sharding_):
     """train_step jitted with explicit shardings and the state donated."""
-    return jax.jit(functools.partial(train_step, loss_fn, cfg, optimizer),
+    opt_device = (jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
+                  if cfg.optimizer_host_offload else None)
+    return jax.jit(functools.partial(train_step, loss_fn, cfg, optimizer, opt_device_shardings=opt_device),
                    in_shardings=(state_shardings, batch_sharding_), out_shardings=(state_shardings, None),
                    donate_argnums=0)
 
@@ -237,7 +262,11 @@ def train(cfg) -> int:
     optimizer = make_optimizer(cfg)
     # The reference policy is the starting one; it is kept only when a KL term needs it.
     ref_params = jax.tree.map(jnp.copy, params) if cfg.mode == "grpo" and cfg.kl_coef > 0 else None
+    if ref_params is not None and cfg.ref_params_host_offload:
+        ref_params = sharding.with_memory_kind(ref_params, "pinned_host")
     state = init_state(params, optimizer, mesh)
+    if cfg.optimizer_host_offload:
+        state["opt_state"] = sharding.with_memory_kind(state["opt_state"], "pinned_host")
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_sharding_ = sharding.batch_sharding(mesh, rules)
     if cfg.mode == "sft":
@@ -354,14 +383,17 @@ def _setup_logging() -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s unitrain: %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
     log.propagate = False
-    log.setLevel(logging.INFO if jax.process_index() == 0 else logging.WARNING)
+    log.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _setup_logging()
     try:
-        return train(load_config(argv))
+        cfg = load_config(argv, before_derive=distributed.maybe_initialize)
+        if jax.process_index() != 0:  # only after jax.distributed has started
+            log.setLevel(logging.WARNING)
+        return train(cfg)
     except ConfigError as e:
         print(f"unitrain: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -1,10 +1,14 @@
 """The SFT pipeline: records -> shard -> shuffle -> repeat -> tokenize -> pack -> batch (grain).
 
+The records are split into `data_shards` virtual shards, each its own pipeline; a global batch is
+their rows side by side, whatever the process count (see unitrain.data.shards).
 One batch is a dict of int32 [B, T] numpy arrays for this process's share of the global batch:
   inputs, inputs_position, inputs_segmentation, targets, targets_segmentation
 plus `num_truncated`, an int32 scalar: how many over-long examples were truncated or dropped while
 this batch was assembled (sum it over steps for a total; the trainer pops it before the step;
-at the end of a finite stream, drops after the last kept example are not counted).
+at the end of a finite stream, drops after the last kept example are not counted). It is summed
+over this process's shards; a shard shared by several processes (data_shards < process count) is
+counted on the first process of its group only, so a sum over processes counts each example once.
 Segments start at 1 per example in a row (0 = padding), positions restart at 0 per segment,
 targets are the next token within the segment, and targets_segmentation keeps the segment id only
 where the target is a completion token (the EOS included), so prompts and padding carry no loss.
@@ -21,6 +25,7 @@ import numpy as np
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.config import ConfigError
 from unitrain.data.errors import DataError
+from unitrain.data.shards import ShardedIterator, local_shards, shard_seed
 from unitrain.data.sources import read_records
 
 BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
@@ -132,13 +137,12 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
     return grain.MapDataset.source(records)
 
 
-def make_sft_dataset(cfg, tokenizer, global_batch_size: int, split: str = "train",
-                     process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-    """The grain pipeline behind `make_sft_iterator` (see the module docstring for the batch)."""
+def make_sft_dataset(cfg, tokenizer, rows: int, split: str = "train", shard: int = 0,
+                     num_shards: int = 1) -> grain.IterDataset:
+    """The grain pipeline of one virtual data shard (see unitrain.data.shards): it reads
+    records[shard::num_shards] and yields batches of `rows` rows (see the module docstring)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    if global_batch_size % process_count:
-        raise ConfigError(f"the global batch size {global_batch_size} does not divide among {process_count} processes")
     max_len, path = cfg.max_target_length, split_path(cfg, split)
     if path == "builtin" and max_len < max_builtin_length(cfg.builtin_task_digits):
         raise ConfigError(
@@ -147,45 +151,56 @@ def make_sft_dataset(cfg, tokenizer, global_batch_size: int, split: str = "train
         )
 
     records = _records(cfg, tokenizer, split, path)
-    # Every process keeps an equal, disjoint share of the records (the few left over are skipped),
-    # so that all processes see the same number of examples per epoch.
-    usable = len(records) - len(records) % process_count
-    shard = records[:usable][process_index::process_count]
-    if len(shard) == 0:
-        raise DataError(f"dataset {path!r} has {len(records)} records, too few for {process_count} processes")
+    # Every shard keeps an equal, disjoint share of the records (the few left over are skipped), so
+    # that all shards see the same number of examples per epoch.
+    usable = len(records) - len(records) % num_shards
+    records_of_shard = records[:usable][shard::num_shards]
+    where = repr(path) if num_shards == 1 else f"{path!r} (data shard {shard} of data_shards={num_shards})"
+    if len(records_of_shard) == 0:
+        raise DataError(f"dataset {path!r} has {len(records)} records, too few for data_shards={num_shards}")
     to_example = _example_fn(tokenizer, max_len, cfg.truncation)
-    _check_not_empty(shard.map(to_example), path, max_len)
+    _check_not_empty(records_of_shard.map(to_example), where, max_len)
 
-    ds = shard
+    seed = shard_seed(cfg.seed, shard)
+    ds = records_of_shard
     if split == "train" and cfg.shuffle:
-        ds = ds.shuffle(seed=cfg.seed)  # reshuffled every epoch: grain folds the epoch into the seed
+        ds = ds.shuffle(seed=seed)  # reshuffled every epoch: grain folds the epoch into the seed
     if split == "train":
         ds = ds.repeat(cfg.num_epochs)  # None = forever
-    batch_size = global_batch_size // process_count
     # Records are in memory and tokenizing holds the GIL: reader threads would only contend (grain
     # recommends num_threads=0 for in-memory data).
     it = _CountDropped(ds.map(to_example).to_iter_dataset(grain.ReadOptions(num_threads=0)))
     it = grain.experimental.FirstFitPackIterDataset(
         it,
         length_struct={k: max_len for k in _PACKED},
-        num_packing_bins=batch_size,
-        seed=cfg.seed,
+        num_packing_bins=rows,
+        seed=seed,
         max_sequences_per_bin=None if cfg.packing else 1,  # packing=false: one example per row
         padding_struct={"inputs": tokenizer.pad_id, "targets": tokenizer.pad_id, "loss_mask": 0, "num_truncated": 0},
     )
-    return it.batch(batch_size, drop_remainder=True).map(_to_batch)
+    return it.batch(rows, drop_remainder=True).map(_to_batch)
 
 
 def make_sft_iterator(cfg, tokenizer, global_batch_size: int, split: str = "train",
-                      process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
-    """This process's batches; a grain DatasetIterator, so get_state()/set_state() and
-    grain.checkpoint.CheckpointSave/CheckpointRestore (orbax) checkpoint its position exactly."""
-    return iter(make_sft_dataset(cfg, tokenizer, global_batch_size, split, process_index, process_count))
+                      process_index: int = 0, process_count: int = 1) -> ShardedIterator:
+    """This process's rows of each global batch of `global_batch_size` rows, drawn from
+    cfg.data_shards virtual shards (unitrain.data.shards): the global batch does not depend on the
+    process count. get_state()/set_state() save and restore the position exactly, and the state
+    of every shard, merged over processes (shards.merge_states), restores on any process count."""
+    num_shards = cfg.data_shards
+    if global_batch_size % process_count:
+        raise ConfigError(f"the global batch size {global_batch_size} does not divide among {process_count} processes")
+    if global_batch_size % num_shards:
+        raise ConfigError(f"data_shards={num_shards} does not divide the global batch of {global_batch_size} rows")
+    local, part, parts = local_shards(num_shards, process_index, process_count)
+    rows = global_batch_size // num_shards
+    shards = {s: iter(make_sft_dataset(cfg, tokenizer, rows, split, s, num_shards)) for s in local}
+    return ShardedIterator(shards, num_shards, part, parts)
 
 
-def _check_not_empty(examples: grain.MapDataset, path: str, max_len: int) -> None:
+def _check_not_empty(examples: grain.MapDataset, where: str, max_len: int) -> None:
     """Fail now, not mid-run, when no example fits: scan until the first one that does."""
     for i in range(len(examples)):
         if "inputs" in examples[i]:
             return
-    raise DataError(f"no example of {path!r} fits in max_target_length={max_len}; raise it or use truncation=truncate")
+    raise DataError(f"no example of {where} fits in max_target_length={max_len}; raise it or use truncation=truncate")

@@ -1,0 +1,135 @@
+"""tools/launch/local.py: real 2-process jax.distributed runs on 127.0.0.1 (gloo CPU collectives)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools" / "launch"))
+
+from local import child_env, exit_code, launch  # noqa: E402
+
+# A stand-in for unitrain.train: reads the three distributed keys from argv key=values, initializes,
+# gathers each process index across processes, prints one JSON line. fail_process=i makes i exit 3
+# right after initialize (os._exit, like a crash: sys.exit would first wait up to shutdown_timeout_seconds
+# in jax.distributed's atexit shutdown barrier for the peers), while the others block in the gather.
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    kv = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(kv["coordinator_address"], int(kv["num_processes"]), int(kv["process_id"]))
+    if int(kv.get("fail_process", -1)) == jax.process_index():
+        print("failing on purpose", flush=True)
+        os._exit(3)
+    gathered = multihost_utils.process_allgather(jnp.array([jax.process_index()]))
+    print("RESULT " + json.dumps(dict(
+        index=jax.process_index(), count=jax.process_count(), devices=jax.device_count(),
+        local=len(jax.local_devices()), gathered=[int(x) for x in gathered.reshape(-1)])), flush=True)
+""")
+
+
+@pytest.fixture
+def probe(tmp_path):
+    (tmp_path / "launch_probe.py").write_text(PROBE)
+    return dict(module="launch_probe", env={"PYTHONPATH": str(tmp_path)})
+
+
+def result_line(output: str) -> dict:
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, output
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def test_two_processes_four_devices_each_gather(probe, capsys):
+    results = launch(["some/config.yml", "x=1"], processes=2, devices_per_process=4, timeout=120, **probe)
+    assert [r.returncode for r in results] == [0, 0], [r.output for r in results]
+    assert exit_code(results) == 0
+    for i, r in enumerate(results):
+        assert r.args[-5:] == ["some/config.yml", "x=1", r.args[-3], "num_processes=2", f"process_id={i}"]
+        assert r.args[-3].startswith("coordinator_address=127.0.0.1:")
+        assert result_line(r.output) == dict(index=i, count=2, devices=8, local=4, gathered=[0, 1])
+    printed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("[p0] RESULT ") for line in printed)
+    assert any(line.startswith("[p1] RESULT ") for line in printed)
+
+
+def test_one_child_fails_the_other_is_killed(probe):
+    start = time.monotonic()
+    results = launch(["fail_process=1"], processes=2, devices_per_process=4, timeout=120, grace=2,
+                     echo=False, **probe)
+    assert time.monotonic() - start < 60
+    assert results[1].returncode == 3 and results[1].killed is None
+    assert "failing on purpose" in results[1].output
+    assert results[0].killed == "peer_failed" and results[0].returncode != 0
+    assert exit_code(results) == 3
+
+
+def test_timeout_kills_all_and_is_124(tmp_path):
+    (tmp_path / "sleeper.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    results = launch([], processes=2, devices_per_process=1, timeout=1.0, grace=1, echo=False,
+                     module="sleeper", env={"PYTHONPATH": str(tmp_path)})
+    assert [r.killed for r in results] == ["timeout", "timeout"]
+    assert all(r.returncode < 0 for r in results)
+    assert exit_code(results) == 124
+
+
+def test_child_env_replaces_device_count_and_binds_locally():
+    env = child_env(4, 1234, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1"})
+    assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:1234"
+
+
+def test_command_line_prefixes_lines_and_returns_first_failure(tmp_path):
+    (tmp_path / "echoer.py").write_text(textwrap.dedent("""
+        import sys
+        kv = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+        print("hello", kv["process_id"], "of", kv["num_processes"], flush=True)
+        sys.exit(int(kv.get("code", 0)) if kv["process_id"] == "1" else 0)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    cmd = [sys.executable, str(REPO / "tools" / "launch" / "local.py"), "-n", "2", "-d", "1", "--module", "echoer",
+           "--"]
+    ok = subprocess.run([*cmd, "code=0"], env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(ok.stdout.splitlines()) == ["[p0] hello 0 of 2", "[p1] hello 1 of 2"]
+    bad = subprocess.run([*cmd, "code=5"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 5
+    assert "launch: exit 5" in bad.stderr
+
+
+def test_sigterm_is_forwarded_to_every_child(tmp_path):
+    (tmp_path / "trapper.py").write_text(textwrap.dedent("""
+        import signal, sys, time
+        def on_term(signum, frame):
+            print("got SIGTERM", flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, on_term)
+        print("up", flush=True)
+        time.sleep(60)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "launch" / "local.py"), "-n", "2", "-d", "1",
+                             "--module", "trapper"], env=env, stdout=subprocess.PIPE, text=True)
+    seen = set()
+    while len(seen) < 2:
+        line = proc.stdout.readline()
+        assert line, "launcher ended before both children were up"
+        if line.strip().endswith("up"):
+            seen.add(line.split()[0])
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=30)
+    assert sorted(line for line in rest.splitlines() if "SIGTERM" in line) == ["[p0] got SIGTERM",
+                                                                              "[p1] got SIGTERM"]
+    assert proc.returncode == 7

@@ -1,0 +1,142 @@
+"""Scale-out on one process: meshes vs one device, offloading, the replicated-parameter guard,
+and the multi-host start decision."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from unitrain import distributed, grpo, losses, sharding, train
+from unitrain.config import ConfigError, load_config
+from unitrain.optimizer import make_optimizer
+
+from conftest import REPO
+
+SFT = ["max_target_length=32", "eval_interval=0", "peak_flops_per_device=1e12", "log_period=1",
+       "builtin_task_digits=2", "warmup_steps=2", "steps=5"]
+MESHES = {
+    "fsdp8": ["ici_fsdp_parallelism=8"],
+    "fsdp4_tensor2": ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
+    "data2_fsdp4": ["ici_data_parallelism=2", "ici_fsdp_parallelism=4"],
+}
+
+
+def config(tmp_path, *overrides):
+    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *overrides])
+
+
+def losses_of(cfg):
+    return [json.loads(l)["loss"] for l in open(cfg.metrics_file) if '"loss"' in l]
+
+
+@pytest.fixture(scope="module")
+def one_device_sft_curve(tmp_path_factory):
+    """The reference: the same global batch (8 rows) on 1 device, in its own process."""
+    out = tmp_path_factory.mktemp("one_device")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    subprocess.run([sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"),
+                    f"base_output_directory={out}", *SFT, "per_device_batch_size=8"], env=env, check=True,
+                   capture_output=True)
+    return losses_of(config(out, "run_name=default"))
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_sft_loss_curve_on_each_mesh_equals_one_device(tmp_path, mesh, one_device_sft_curve):
+    cfg = config(tmp_path, *SFT, "per_device_batch_size=1", *MESHES[mesh])
+    assert train.train(cfg) == 0
+    np.testing.assert_allclose(losses_of(cfg), one_device_sft_curve, rtol=2e-5)
+
+
+def grpo_update(cfg, batch_np):
+    """One GRPO optimizer update of `cfg`'s mesh on a fixed rollout batch; returns loss and params."""
+    mesh = sharding.mesh_from_config(cfg)
+    rules = sharding.rules_from_config(cfg.logical_axis_rules)
+    graphdef, params = nnx.split(train.build_model(cfg, mesh))
+    optimizer = make_optimizer(cfg)
+    state = train.init_state(nnx.to_pure_dict(params), optimizer, mesh)
+    shardings = train._grpo_batch_shardings(cfg, mesh, rules)
+    step_fn = train.make_step_fn(functools.partial(grpo.grpo_loss, graphdef, cfg), cfg, optimizer,
+                                 jax.tree.map(lambda x: x.sharding, state), shardings)
+    batch = {k: jax.device_put(v, shardings[k]) for k, v in batch_np.items()}
+    with jax.set_mesh(mesh):
+        state, m = step_fn(state, batch)
+    return float(m["loss"]), jax.device_get(state["params"])
+
+
+def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
+    rng = np.random.default_rng(0)
+    rows, length = 8, 24
+    tokens = rng.integers(3, 100, (rows, length)).astype(np.int32)
+    mask = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        mask[r, 5:5 + rng.integers(3, 18)] = 1
+    batch = {"inputs": tokens, "inputs_position": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+             "inputs_segmentation": np.ones((rows, length), np.int32), "targets": np.roll(tokens, -1, axis=1),
+             "loss_mask": mask, "advantages": rng.normal(size=rows).astype(np.float32),
+             "old_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32),
+             "ref_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32)}
+    common = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "kl_coef=0.1", "eps_clip_c=3.0",
+              "loss_agg_mode=seq-mean-token-sum-norm", "rollout_max_response_len=24"]
+    # The 1-device reference: the same config (8 rows per update) on a mesh of the first device only.
+    with _only_first_device():
+        reference = grpo_update(config(tmp_path, *common, "per_device_batch_size=1"), batch)
+    for mesh in MESHES.values():
+        loss, params = grpo_update(config(tmp_path, *common, "per_device_batch_size=1", *mesh), batch)
+        assert loss == pytest.approx(reference[0], rel=1e-5)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference[1])):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+class _only_first_device:
+    """Makes mesh_from_config build a 1-device mesh inside an 8-device process."""
+
+    def __init__(self):
+        self.original = sharding.mesh_from_config
+
+    def __enter__(self):
+        ones = dict(data=1, fsdp=1, tensor=1)
+        sharding.mesh_from_config = lambda cfg: sharding.create_mesh(ones, ones, jax.devices()[:1])
+
+    def __exit__(self, *exc):
+        sharding.mesh_from_config = self.original
+
+
+def test_optimizer_offload_keeps_the_curve_and_lives_on_host(tmp_path):
+    plain = config(tmp_path, *SFT, "per_device_batch_size=1", "run_name=plain")
+    offloaded = config(tmp_path, *SFT, "per_device_batch_size=1", "run_name=offloaded", "optimizer_host_offload=true")
+    assert train.train(plain) == 0 and train.train(offloaded) == 0
+    np.testing.assert_allclose(losses_of(offloaded), losses_of(plain), rtol=1e-6)
+    mesh = sharding.mesh_from_config(offloaded)
+    state = train.init_state({"w": jnp.ones((8, 4))}, make_optimizer(offloaded), mesh)
+    moved = sharding.with_memory_kind(state["opt_state"], "pinned_host")
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(moved)} == {"pinned_host"}
+
+
+def test_a_large_replicated_parameter_stops_the_run(tmp_path):
+    rules = json.dumps([["batch", ["data", "fsdp"]], ["length", None], ["embed", None], ["mlp", None],
+                        ["heads", None], ["kv_heads", None], ["kv", None], ["vocab", None], ["layers", None],
+                        ["norm", None], ["activation_embed", None]])
+    cfg = config(tmp_path, *SFT, "per_device_batch_size=1", f"logical_axis_rules={rules}",
+                 "max_replicated_param_mib=0.01")
+    with pytest.raises(ConfigError, match=r"parameter .* would be fully replicated on all 8 devices"):
+        train.build_model(cfg, sharding.mesh_from_config(cfg))
+    ok = config(tmp_path, *SFT, "per_device_batch_size=1", "max_replicated_param_mib=0.01")
+    train.build_model(ok, sharding.mesh_from_config(ok))  # the default rules shard every matrix
+
+
+def test_distributed_start_decision(monkeypatch):
+    base = {"distributed_init": "auto", "num_processes": 1, "process_id": 0, "coordinator_address": ""}
+    for var in ("TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.maybe_initialize(base) is False
+    assert distributed.maybe_initialize({**base, "distributed_init": "off", "num_processes": 2}) is False
+    assert distributed.detected_cluster({"TPU_WORKER_HOSTNAMES": "a,b"}) == "TPU pod"
+    assert distributed.detected_cluster({"SLURM_NTASKS": "4"}) == "SLURM"
+    assert distributed.detected_cluster({"TPU_WORKER_HOSTNAMES": "a", "SLURM_NTASKS": "1"}) is None
