@@ -114,7 +114,8 @@ def test_optimizer_offload_keeps_the_curve_and_lives_on_host(tmp_path):
     assert train.train(plain) == 0 and train.train(offloaded) == 0
     np.testing.assert_allclose(losses_of(offloaded), losses_of(plain), rtol=1e-6)
     mesh = sharding.mesh_from_config(offloaded)
-    state = train.init_state({"w": jnp.ones((8, 4))}, make_optimizer(offloaded), mesh)
+    params = {"w": jax.device_put(jnp.ones((8, 4)), sharding.replicated(mesh))}
+    state = train.init_state(params, make_optimizer(offloaded), mesh)
     moved = sharding.with_memory_kind(state["opt_state"], "pinned_host")
     assert {x.sharding.memory_kind for x in jax.tree.leaves(moved)} == {"pinned_host"}
 

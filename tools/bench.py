@@ -50,7 +50,8 @@ from unitrain import metrics, sharding
 from unitrain import model as model_lib
 from unitrain.config import ConfigError, load_config
 from unitrain.optimizer import make_optimizer
-from unitrain.train import _to_global, build_model, compile_logged, init_state, make_step_fn, sft_loss
+from unitrain.train import (_to_global, build_model, compile_logged, init_state, make_step_fn,
+                            opt_state_shardings, sft_loss)
 
 
 def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
@@ -68,13 +69,6 @@ BATCH_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "ta
 CONFIG_KEYS = ("model_name", "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers",
                "num_query_heads", "num_kv_heads", "head_dim", "dtype", "weight_dtype", "remat_policy",
                "scan_layers", "per_device_batch_size", "gradient_accumulation_steps", "max_target_length")
-
-
-def opt_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
-    """Shardings of optimizer.init(params): each moment takes its parameter's sharding, everything
-    else (step counts) is replicated over the mesh. `params` may be concrete or abstract."""
-    return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
-                                 param_shardings, transform_non_params=lambda _: sharding.replicated(mesh))
 
 
 def _abstract(shapes, shardings):

@@ -19,7 +19,7 @@ log = logging.getLogger("unitrain")
 
 # Environments in which jax.distributed.initialize() finds coordinator, count and id by itself.
 _CLUSTER_ENV = {
-    "TPU pod": lambda env: "," in env.get("TPU_WORKER_HOSTNAMES", ""),
+    "TPU pod": lambda env: "," in env.get("TPU_WORKER_HOSTNAMES", "") or int(env.get("MEGASCALE_NUM_SLICES", "1")) > 1,
     "SLURM": lambda env: int(env.get("SLURM_NTASKS", "1")) > 1,
     "Open MPI": lambda env: int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1,
 }

@@ -60,7 +60,8 @@ def create_mesh(ici_shape: dict, dcn_shape: dict, devices=None) -> Mesh:
     ici = [ici_shape[a] for a in MESH_AXES]
     dcn = [dcn_shape[a] for a in MESH_AXES]
     if math.prod(dcn) > 1:
-        granule_is_process = not hasattr(devices[0], "slice_index")
+        # TPU slices are the granules across DCN; elsewhere (GPU, CPU) a process is.
+        granule_is_process = devices[0].platform != "tpu"
         grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=granule_is_process)
     else:
         grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -84,15 +85,19 @@ def _check_dims_match(cfg, hf_cfg: model_lib.ModelConfig, path: str) -> None:
                               f"{key}={cfg[key]}; set model_name to the matching model (or override {key})")
 
 
+def opt_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
+    """Shardings of optimizer.init(params): each moment takes its parameter's sharding, everything
+    else (step counts) is replicated over the mesh. `params` may be concrete or abstract."""
+    return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
+                                 param_shardings, transform_non_params=lambda _: sharding.replicated(mesh))
+
+
 def init_state(params: dict, optimizer: optax.GradientTransformation, mesh) -> dict:
-    """{params, opt_state, step}; optimizer moments take their parameter's sharding, scalars
-    (step counts) are replicated over the mesh."""
-    replicated = sharding.replicated(mesh)
-    param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
-                                          param_shardings, transform_non_params=lambda _: replicated)
-    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-    return {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}
+    """{params, opt_state, step}, every array in its sharding."""
+    shardings = opt_state_shardings(optimizer, params, jax.tree.map(lambda x: x.sharding, params), mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(mesh))
+    return {"params": params, "opt_state": opt_state, "step": step}
 
 
 # ---------------------------------------------------------------- the step
@@ -396,7 +401,20 @@ def main(argv: list[str] | None = None) -> int:
         return train(cfg)
     except ConfigError as e:
         print(f"unitrain: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _exit(EXIT_USER_ERROR)
+    except Exception:
+        traceback.print_exc()
+        return _exit(1)
+
+
+def _exit(code: int) -> int:
+    """A failed process of a multi-process job leaves at once: a normal exit would wait in
+    jax.distributed's shutdown barrier for peers that are stuck in a collective."""
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
