@@ -26,8 +26,8 @@ import grain
 from unitrain.config import ConfigError
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
 from unitrain.data.errors import DataError
-from unitrain.data.sft import split_path
-from unitrain.data.sources import _jsonl_rows, _parquet_rows, resolve_paths
+from unitrain.data.sft import CountDropped, split_path
+from unitrain.data.sources import iter_rows
 
 # How many records the not-empty check (and eval_prompts) read before concluding that nothing fits;
 # files are checked whole, but the built-in stream has a million problems of near-equal length.
@@ -47,25 +47,18 @@ def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict
     The prompt must be a string; the label a string or a number (kept as its text, e.g. 72 -> "72").
     """
     records = []
-    for path in resolve_paths(spec):
-        if path.endswith(".parquet"):
-            rows = _parquet_rows(path)
-        elif path.endswith((".jsonl", ".json")):
-            rows = _jsonl_rows(path)
-        else:
-            raise DataError(f"data file {path!r} is neither .jsonl nor .parquet")
-        for where, row in rows:
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
-            if prompt_key not in row or label_key not in row:
-                raise DataError(f"{where}: record lacks {prompt_key!r} or {label_key!r} (it has {sorted(row)}); "
-                                "set prompt_key and label_key")
-            prompt, label = row[prompt_key], row[label_key]
-            if not isinstance(prompt, str):
-                raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
-            if isinstance(label, bool) or not isinstance(label, (str, int, float)):
-                raise DataError(f"{where}: field {label_key!r} must be a string or a number, got {type(label).__name__}")
-            records.append({"prompt": prompt, "label": str(label)})
+    for where, row in iter_rows(spec):
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
+        if prompt_key not in row or label_key not in row:
+            raise DataError(f"{where}: record lacks {prompt_key!r} or {label_key!r} (it has {sorted(row)}); "
+                            "set prompt_key and label_key")
+        prompt, label = row[prompt_key], row[label_key]
+        if not isinstance(prompt, str):
+            raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
+        if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+            raise DataError(f"{where}: field {label_key!r} must be a string or a number, got {type(label).__name__}")
+        records.append({"prompt": prompt, "label": str(label)})
     if not records:
         raise DataError(f"dataset path {spec!r} holds no records")
     return records
@@ -127,30 +120,6 @@ def _check_not_empty(prompts: grain.MapDataset, path: str, max_len: int) -> None
                     f"{shortest} tokens")
 
 
-class _CountDropped(grain.IterDataset):
-    """Skips dropped prompts and hands their count to the next kept one, so it reaches a batch.
-
-    Stateless between elements, so checkpoints stay exact: its state is its parent's.
-    """
-
-    def __iter__(self):
-        return _CountDroppedIterator(self._parent.__iter__())
-
-
-class _CountDroppedIterator(grain.DatasetIterator):
-    def __next__(self):
-        dropped = 0
-        while (element := next(self._parent))["prompt"] is None:
-            dropped += 1
-        return {"prompt": element["prompt"], "num_dropped": dropped}
-
-    def get_state(self):
-        return self._parent.get_state()
-
-    def set_state(self, state):
-        self._parent.set_state(state)
-
-
 def _to_batch(elements) -> dict:
     return {"prompts": [e["prompt"] for e in elements], "num_dropped": sum(e["num_dropped"] for e in elements)}
 
@@ -184,7 +153,9 @@ def make_prompt_dataset(cfg, tokenizer, prompts_per_batch: int, split: str = "tr
         ds = ds.shuffle(seed=cfg.seed)  # reshuffled every epoch: grain folds the epoch into the seed
     if split == "train":
         ds = ds.repeat(cfg.num_epochs)  # None = forever
-    it = _CountDropped(ds.map(to_prompt).to_iter_dataset(grain.ReadOptions(num_threads=0)))
+    it = CountDropped(ds.map(to_prompt).to_iter_dataset(grain.ReadOptions(num_threads=0)),
+                      dropped=lambda e: 1 if e["prompt"] is None else None,
+                      keep=lambda e, n: {"prompt": e["prompt"], "num_dropped": n})
     return it.batch(prompts_per_batch // process_count, drop_remainder=True, batch_fn=_to_batch)
 
 

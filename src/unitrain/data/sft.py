@@ -70,22 +70,32 @@ def _example_fn(tokenizer, max_len: int, truncation: str):
     return to_example
 
 
-class _CountDropped(grain.IterDataset):
-    """Skips dropped examples and adds their count to the next kept one, so it reaches a batch.
+class CountDropped(grain.IterDataset):
+    """Skips the elements a pipeline marked as dropped and hands their count to the next kept one,
+    so the count reaches a batch. `dropped(e)` is the count an element stands for when it is
+    dropped, None when it is kept; `keep(e, n)` returns the kept element carrying n.
 
     Stateless between elements, so checkpoints stay exact: its state is its parent's.
     """
 
+    def __init__(self, parent, dropped, keep):
+        super().__init__(parent)
+        self.dropped, self.keep = dropped, keep
+
     def __iter__(self):
-        return _CountDroppedIterator(self._parent.__iter__())
+        return _CountDroppedIterator(self._parent.__iter__(), self.dropped, self.keep)
 
 
 class _CountDroppedIterator(grain.DatasetIterator):
+    def __init__(self, parent, dropped, keep):
+        super().__init__(parent)
+        self.dropped, self.keep = dropped, keep
+
     def __next__(self):
-        dropped = 0
-        while "inputs" not in (element := next(self._parent)):
-            dropped += int(element["num_truncated"])
-        return {**element, "num_truncated": np.int32(element["num_truncated"] + dropped)}
+        count = 0
+        while (n := self.dropped(element := next(self._parent))) is not None:
+            count += n
+        return self.keep(element, count)
 
     def get_state(self):
         return self._parent.get_state()
@@ -169,7 +179,9 @@ def make_sft_dataset(cfg, tokenizer, rows: int, split: str = "train", shard: int
         ds = ds.repeat(cfg.num_epochs)  # None = forever
     # Records are in memory and tokenizing holds the GIL: reader threads would only contend (grain
     # recommends num_threads=0 for in-memory data).
-    it = _CountDropped(ds.map(to_example).to_iter_dataset(grain.ReadOptions(num_threads=0)))
+    it = CountDropped(ds.map(to_example).to_iter_dataset(grain.ReadOptions(num_threads=0)),
+                      dropped=lambda e: None if "inputs" in e else int(e["num_truncated"]),
+                      keep=lambda e, n: {**e, "num_truncated": np.int32(e["num_truncated"] + n)})
     it = grain.experimental.FirstFitPackIterDataset(
         it,
         length_struct={k: max_len for k in _PACKED},

@@ -29,18 +29,20 @@ def resolve_paths(spec: str) -> list[str]:
     return paths
 
 
-def read_records(spec: str, prompt_key: str, completion_key: str, messages_key: str) -> list[dict]:
-    """All records of the files named by `spec`, each reduced to {prompt, completion} or {messages}."""
-    records = []
+def iter_rows(spec: str):
+    """(where, row) for every row of the .jsonl/.parquet files named by `spec`; `where` is file:line."""
     for path in resolve_paths(spec):
         if path.endswith(".parquet"):
-            rows = _parquet_rows(path)
+            yield from _parquet_rows(path)
         elif path.endswith((".jsonl", ".json")):
-            rows = _jsonl_rows(path)
+            yield from _jsonl_rows(path)
         else:
             raise DataError(f"data file {path!r} is neither .jsonl nor .parquet")
-        for where, row in rows:
-            records.append(_normalize(row, where, prompt_key, completion_key, messages_key))
+
+
+def read_records(spec: str, prompt_key: str, completion_key: str, messages_key: str) -> list[dict]:
+    """All records of the files named by `spec`, each reduced to {prompt, completion} or {messages}."""
+    records = [_normalize(row, where, prompt_key, completion_key, messages_key) for where, row in iter_rows(spec)]
     if not records:
         raise DataError(f"dataset path {spec!r} holds no records")
     return records
