@@ -10,8 +10,9 @@ One step (`GRPOStep.__call__`):
      with a KL term, the reference model's;
   4. run `num_iterations` passes over the rows in mini-batches, one optimizer update each.
 
-Row layout of the train batch ([rows, max_prompt_length + rollout_max_response_len]): the prompt,
-then the completion, then padding. `targets` is the next token; `loss_mask` is 1 at the positions
+Row layout of the train batch ([rows, L], L = the step's longest prompt + completion rounded up to a
+power of two, at most max_prompt_length + rollout_max_response_len): the prompt, then the completion,
+then padding. `targets` is the next token; `loss_mask` is 1 at the positions
 whose target is a sampled completion token (up to and including its stop token).
 """
 
@@ -114,13 +115,14 @@ class GRPOStep:
         self.sampling = rollout.SamplingParams(
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
-        self.length = cfg.max_prompt_length + cfg.rollout_max_response_len
+        self.max_length = cfg.max_prompt_length + cfg.rollout_max_response_len
         self.logprob_fn = jax.jit(functools.partial(token_logprobs, graphdef, cfg.rollout_temperature))
         if ref_params is not None:  # the reference may live in host memory: bring it over inside the jit
             on_device = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), ref_params)
             self.ref_logprob_fn = jax.jit(lambda p, b: token_logprobs(
                 graphdef, cfg.rollout_temperature, jax.device_put(p, on_device), b))
-        self.compiled = None
+        self.logprob_shapes = set()
+        self.compiled = {}  # row length -> AOT-compiled update; row lengths are bucketed, so few
         self.samples_text = ""
 
     # -- rollout
@@ -151,7 +153,10 @@ class GRPOStep:
 
     def to_rows(self, groups) -> dict:
         """Prompt + completion rows, right-padded, with next-token targets and the loss mask."""
-        rows, L, pad = len(groups) * self.cfg.n_samples_per_prompt, self.length, self.tokenizer.pad_id
+        longest = max(len(g["prompt"].ids) + int(g["lengths"].max()) for g in groups)
+        # Rows as long as this step needs, rounded up to a power of two: bounded recompilation.
+        L = min(rollout.bucket_prompt_length(longest), self.max_length)
+        rows, pad = len(groups) * self.cfg.n_samples_per_prompt, self.tokenizer.pad_id
         arrays = {k: np.zeros((rows, L), np.int32) for k in ("inputs", "inputs_position", "inputs_segmentation",
                                                                "targets", "loss_mask")}
         arrays["inputs"][:], arrays["targets"][:] = pad, pad
@@ -206,11 +211,15 @@ class GRPOStep:
         """Per-token logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
         chunk = self.cfg.rows_per_update
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets")
+        fn = fn or self.logprob_fn
+        if (fn, batch["inputs"].shape) not in self.logprob_shapes:  # jit compiles on a new shape: say so
+            self.logprob_shapes.add((fn, batch["inputs"].shape))
+            log.info("compiling logprobs for rows of %d tokens", batch["inputs"].shape[1])
         outs = []
         for start in range(0, len(batch["inputs"]), chunk):
             part = {k: self._global(batch[k][start:start + chunk]) for k in keys}
             with jax.set_mesh(self.mesh):
-                outs.append((fn or self.logprob_fn)(params, part))
+                outs.append(fn(params, part))
         return np.concatenate([np.asarray(_host(o)) for o in outs])
 
     def update(self, state, batch):
@@ -220,11 +229,12 @@ class GRPOStep:
         for _ in range(self.cfg.num_iterations):
             for start in range(0, rows, chunk):
                 mb = {k: self._global(v[start:start + chunk]) for k, v in batch.items()}
-                if self.compiled is None:
+                length = mb["inputs"].shape[1]
+                if length not in self.compiled:
                     from unitrain.train import compile_logged
-                    self.compiled = compile_logged("grpo_update", self.step_fn, state, mb)
+                    self.compiled[length] = compile_logged(f"grpo_update (rows of {length})", self.step_fn, state, mb)
                 with jax.set_mesh(self.mesh):
-                    state, m = self.compiled(state, mb)
+                    state, m = self.compiled[length](state, mb)
                 collected.append(m)
         # One device->host copy for all updates of the step.
         stacked = jax.device_get(collected)
