@@ -334,3 +334,12 @@ def test_resolved_config_refuses_a_new_model(tmp_path):
 def test_import_does_not_initialise_jax():
     code = "import sys, unitrain.config; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("gsm8k_grpo.yml", []),
+    ("builtin_grpo.yml", ["per_device_batch_size=16"]),  # the recipe's 128 is for one CPU device
+])
+def test_recipes_load(recipe, overrides):
+    cfg = load_config([str(CONFIGS / recipe), *overrides])
+    assert cfg.mode == "grpo" and cfg.updates_per_step >= 1

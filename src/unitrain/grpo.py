@@ -257,7 +257,7 @@ class GRPOStep:
                    "sampler_trainer_logprob_gap": float(np.abs(arrays["sampler_logprobs"] - old_logprobs)[mask].mean())}
         for name in self.reward_fn.names:
             values = np.concatenate([g["per_reward"][name] for g in groups])
-            metrics[f"reward_{name}_mean"] = values.mean()
+            metrics.update({f"reward_{name}_{stat}": getattr(values, stat)() for stat in ("mean", "std", "min", "max")})
         return {k: float(v) for k, v in metrics.items()}
 
 
