@@ -170,3 +170,13 @@ def test_gsm8k_grpo_with_a_tiny_qwen2_model(tmp_path, tiny_checkpoint, capsys):
     assert steps[0]["sampler_trainer_logprob_gap"] < 1e-3
     evals = [l for l in lines if "eval_accuracy" in l]
     assert len(evals) == 1 and "eval_pass@2" in evals[0]
+
+
+@pytest.mark.parametrize("in_reward", [False, True])
+def test_kl_as_loss_term_or_in_reward_with_an_offloaded_reference(tmp_path, in_reward):
+    cfg = config(tmp_path, "steps=1", "kl_coef=0.1", f"use_kl_in_reward={str(in_reward).lower()}",
+                 "ref_params_host_offload=true")
+    assert train.train(cfg) == 0
+    (line,) = [json.loads(l) for l in open(cfg.metrics_file) if '"loss"' in l]
+    assert math.isfinite(line["loss"])
+    assert ("kl" in line) == (not in_reward)  # in the reward, the loss carries no KL term

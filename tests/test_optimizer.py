@@ -1,0 +1,59 @@
+"""Learning-rate schedules, the weight-decay mask, and AdamW's decoupled decay, by hand."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from unitrain.config import load_config
+from unitrain.optimizer import decay_mask, learning_rate_schedule, make_optimizer
+
+from conftest import REPO
+
+
+def cfg(*overrides):
+    return load_config([str(REPO / "configs" / "base.yml"), "steps=110", "warmup_steps=10", "learning_rate=1e-2",
+                        "lr_final_fraction=0.1", *overrides])
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
+def test_schedules_by_hand(kind):
+    schedule = learning_rate_schedule(cfg(f"lr_schedule={kind}"))
+    peak, end = 1e-2, 1e-3
+    for step in (0, 5, 10):
+        assert float(schedule(step)) == pytest.approx(peak * step / 10)
+    for step in (35, 60, 109):
+        t = (step - 10) / 100
+        expected = {"cosine": end + (peak - end) * 0.5 * (1 + math.cos(math.pi * t)),
+                    "linear": peak + (end - peak) * t, "constant": peak}[kind]
+        assert float(schedule(step)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_weight_decay_spares_norms_and_biases():
+    params = {"embed": jnp.ones((4, 2)), "final_norm": jnp.ones(2),
+              "layers": {"wq": jnp.ones((1, 2, 2, 2)), "attn_norm": jnp.ones((1, 2)), "bq": jnp.ones((1, 2, 2))}}
+    mask = decay_mask(params)
+    assert mask == {"embed": True, "final_norm": False, "layers": {"wq": True, "attn_norm": False, "bq": False}}
+    c = cfg("warmup_steps=0", "lr_schedule=constant", "weight_decay=0.5", "max_grad_norm=0")
+    optimizer = make_optimizer(c)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+    new = optax.apply_updates(params, updates)  # zero gradients: only the decoupled decay moves params
+    np.testing.assert_allclose(new["embed"], 1 - 1e-2 * 0.5)
+    np.testing.assert_allclose(new["layers"]["wq"], 1 - 1e-2 * 0.5)
+    for untouched in (new["final_norm"], new["layers"]["attn_norm"], new["layers"]["bq"]):
+        np.testing.assert_array_equal(untouched, 1.0)
+
+
+def test_gradient_clipping_caps_the_global_norm():
+    c = cfg("warmup_steps=0", "lr_schedule=constant", "weight_decay=0", "max_grad_norm=1.0", "adam_b1=0")
+    optimizer = make_optimizer(c)
+    params = {"embed": jnp.zeros(3)}
+    grads = {"embed": jnp.asarray([30.0, 40.0, 0.0])}  # norm 50 -> clipped to norm 1
+    clipped, _ = optax.clip_by_global_norm(1.0).update(grads, optax.clip_by_global_norm(1.0).init(params))
+    np.testing.assert_allclose(clipped["embed"], [0.6, 0.8, 0.0], rtol=1e-6)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    assert np.all(np.isfinite(updates["embed"]))
