@@ -4,6 +4,9 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib
+import json
+import signal
 import sys
 from pathlib import Path
 
@@ -38,3 +41,34 @@ def tiny_checkpoint(tmp_path_factory):
         return made[family]
 
     return get
+
+
+def make_cfg(**overrides):
+    """A Config from configs/base.yml with keyword overrides."""
+    from unitrain.config import load_config
+
+    return load_config([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@contextlib.contextmanager
+def sigterm_after_step(monkeypatch, step: int):
+    """Delivers a real SIGTERM to this process right after the metrics of `step` are written."""
+    from unitrain import metrics
+
+    original = metrics.MetricsWriter.write
+
+    def write_then_sigterm(self, at, scalars):
+        original(self, at, scalars)
+        if at == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_sigterm)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(metrics.MetricsWriter, "write", original)

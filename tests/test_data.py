@@ -7,24 +7,16 @@ import grain
 import numpy as np
 import pytest
 
-from unitrain.config import ConfigError, load_config
+from unitrain.config import ConfigError
 from unitrain.data import (
     BATCH_FIELDS, DataError, builtin_problem, load_tokenizer, make_sft_iterator,
 )
 from unitrain.data.builtin import problem_split
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import make_cfg, write_jsonl
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TOK = load_tokenizer("")  # built-in character tokenizer: <pad>=0, <bos>, <eos>
-
-
-def make_cfg(**overrides):
-    return load_config([str(ROOT / "configs/base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def qa_rows(n, long_every=0):

@@ -3,8 +3,6 @@
 import functools
 import json
 import math
-import os
-import signal
 from itertools import combinations
 
 import jax
@@ -13,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import data, evals, grpo, losses, metrics, rewards, sharding, train
+from unitrain import data, evals, grpo, losses, rewards, sharding, train
 from unitrain.config import ConfigError, load_config
 
-from conftest import REPO
+from conftest import REPO, sigterm_after_step
 
 FAST = ["mode=grpo", "per_device_batch_size=2", "rollout_batch_size=4", "n_samples_per_prompt=4",
         "rollout_max_response_len=6", "eval_interval=0", "log_period=1", "builtin_task_digits=1",
@@ -130,16 +128,8 @@ def test_resume_in_the_middle_of_grpo_continues_identically(tmp_path, monkeypatc
     straight = config(tmp_path, "run_name=straight", "steps=4", "kl_coef=0.01")
     assert train.train(straight) == 0
     interrupted = config(tmp_path, "run_name=interrupted", "steps=4", "kl_coef=0.01")
-    original_write = metrics.MetricsWriter.write
-
-    def write_then_sigterm(self, step, scalars):
-        original_write(self, step, scalars)
-        if step == 0:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_sigterm)
-    assert train.train(interrupted) == train.EXIT_SIGTERM
-    monkeypatch.setattr(metrics.MetricsWriter, "write", original_write)
+    with sigterm_after_step(monkeypatch, 0):
+        assert train.train(interrupted) == train.EXIT_SIGTERM
     assert train.train(interrupted) == 0
 
     def curve(cfg):

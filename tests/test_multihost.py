@@ -5,7 +5,6 @@ checkpoints resume on 2 processes and on 1."""
 import json
 
 import numpy as np
-import pytest
 
 from unitrain import train
 from unitrain.config import load_config

@@ -7,22 +7,14 @@ from pathlib import Path
 import grain
 import pytest
 
-from unitrain.config import ConfigError, load_config
+from unitrain.config import ConfigError
 from unitrain.data import DataError, Prompt, builtin_problem, eval_prompts, load_tokenizer, make_prompt_iterator
 from unitrain.data.builtin import problem_split
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import make_cfg, write_jsonl
+
 GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"
 TOK = load_tokenizer("")  # built-in character tokenizer: <pad>=0, <bos>, <eos>
-
-
-def make_cfg(**overrides):
-    return load_config([str(ROOT / "configs/base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def qa_rows(n):

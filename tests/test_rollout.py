@@ -5,7 +5,6 @@ import functools
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import distributed, grpo, losses, sharding, train
+from unitrain import distributed, grpo, sharding, train
 from unitrain.config import ConfigError, load_config
 from unitrain.optimizer import make_optimizer
 

@@ -1,7 +1,6 @@
 """Meshes, logical axis rules and sharded parameters on 8 simulated devices."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml

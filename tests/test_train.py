@@ -16,12 +16,12 @@ import torch
 import transformers
 from flax import nnx
 
-from unitrain import checkpoint, data, metrics, sharding, train
+from unitrain import checkpoint, data, sharding, train
 from unitrain.adapters import hf
 from unitrain.config import load_config
 from unitrain.optimizer import make_optimizer
 
-from conftest import REPO
+from conftest import REPO, sigterm_after_step
 
 FAST = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
         "log_period=1", "builtin_task_digits=2", "warmup_steps=2"]
@@ -102,16 +102,8 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     straight = config(tmp_path, "run_name=straight", "steps=10")
     assert train.train(straight) == 0
     interrupted = config(tmp_path, "run_name=interrupted", "steps=10")
-    original_write = metrics.MetricsWriter.write
-
-    def write_then_sigterm(self, step, scalars):  # a real SIGTERM, delivered in the middle of the run
-        original_write(self, step, scalars)
-        if step == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_sigterm)
-    assert train.train(interrupted) == train.EXIT_SIGTERM
-    monkeypatch.setattr(metrics.MetricsWriter, "write", original_write)
+    with sigterm_after_step(monkeypatch, 4):
+        assert train.train(interrupted) == train.EXIT_SIGTERM
     stopped_at = checkpoint.Checkpointer(interrupted.checkpoint_dir, 1, 3, False).latest_step()
     assert 5 <= stopped_at < 10
     assert train.train(interrupted) == 0

@@ -43,7 +43,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from unitrain import metrics, sharding
