@@ -186,7 +186,7 @@ class Evaluator:
         iterator = data.make_sft_iterator(cfg, tokenizer, cfg.global_batch_size, "eval",
                                           jax.process_index(), jax.process_count())
         self.batches = [_to_global(_without_counts(next(iterator)), batch_sharding_) for _ in range(cfg.eval_steps)]
-        self.loss_fn = jax.jit(functools.partial(eval_step, graphdef, cfg))
+        self.loss_fn, self.compiled = jax.jit(functools.partial(eval_step, graphdef, cfg)), None
         self.task = None
         if cfg.dataset_path == "builtin" and cfg.eval_num_samples:
             from unitrain import evals, rewards
@@ -194,7 +194,9 @@ class Evaluator:
             self.task = evals.TaskEvaluator(cfg, tokenizer, graphdef, mesh, rules, rewards.make_reward_fn(cfg))
 
     def __call__(self, params) -> dict:
-        sums = [self.loss_fn(params, b) for b in self.batches]
+        if self.compiled is None:
+            self.compiled = compile_logged("eval_step", self.loss_fn, params, self.batches[0])
+        sums = [self.compiled(params, b) for b in self.batches]
         total, count = (sum(float(x[i]) for x in sums) for i in (0, 1))
         return {"eval_loss": total / max(count, 1.0), **(self.task(params) if self.task else {})}
 
