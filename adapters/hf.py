@@ -166,11 +166,12 @@ class _TensorIndex:
                 self.files = {name: path / "model.safetensors" for name in f.keys()}
         else:
             raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors weights are loaded)")
+        self.path = path
         self._handles = {}
 
     def slice(self, name: str):
         if name not in self.files:
-            raise ConfigError(f"{self.files and next(iter(self.files.values())).parent}: tensor '{name}' is missing from the checkpoint")
+            raise ConfigError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
         file = self.files[name]
         if file not in self._handles:
             self._handles[file] = safe_open(file, framework="numpy")

@@ -123,7 +123,7 @@ def split_path(cfg, split: str) -> str:
         return cfg.dataset_path if split == "train" else cfg.eval_dataset_path
     if cfg.dataset_path in ("builtin", "synthetic"):
         return cfg.dataset_path
-    raise ConfigError("evaluation needs eval_dataset_path when dataset_path names files")
+    raise ConfigError("evaluation needs eval_dataset_path when dataset_path names files; set it, or eval_interval=0")
 
 
 def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
