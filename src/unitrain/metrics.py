@@ -77,6 +77,8 @@ class MetricsWriter:
         parts = [f"step {step}/{self.total_steps}"]
         if "loss" in v:
             parts.append(f"loss {v['loss']:.4f}")
+        if "reward_mean" in v:  # grpo
+            parts.append(f"reward {v['reward_mean']:.3f}")
         if "learning_rate" in v:
             parts.append(f"lr {v['learning_rate']:.1e}")
         if "tokens_per_sec" in v:
