@@ -3,7 +3,6 @@ file formats, error messages and the three tokenizer sources."""
 import json
 from pathlib import Path
 
-import grain
 import numpy as np
 import pytest
 
@@ -111,21 +110,6 @@ def test_state_restore_continues_exactly(tmp_path):
     resumed.set_state(state)
     for a, b in zip(expected, take(resumed, 6)):
         assert all(np.array_equal(a[k], b[k]) for k in a)
-
-
-def test_orbax_checkpoint_of_the_iterator(tmp_path):
-    import orbax.checkpoint as ocp
-
-    cfg = make_cfg(max_target_length=32)  # the built-in task
-    it = make_sft_iterator(cfg, TOK, 8)
-    take(it, 3)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-        mngr.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-        mngr.wait_until_finished()
-        expected = next(it)
-        fresh = make_sft_iterator(cfg, TOK, 8)
-        restored = mngr.restore(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))["data"]
-    assert np.array_equal(next(restored)["inputs"], expected["inputs"])
 
 
 def test_parquet_and_glob_of_files(tmp_path):

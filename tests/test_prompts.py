@@ -4,7 +4,6 @@ import json
 import re
 from pathlib import Path
 
-import grain
 import pytest
 
 from unitrain.config import ConfigError
@@ -109,21 +108,6 @@ def test_state_restore_continues_exactly(tmp_path):
     resumed = make_prompt_iterator(cfg, TOK, 4)
     resumed.set_state(state)
     assert take(resumed, 6) == expected
-
-
-def test_orbax_checkpoint_of_the_iterator(tmp_path):
-    import orbax.checkpoint as ocp
-
-    cfg = make_cfg()  # the built-in task
-    it = make_prompt_iterator(cfg, TOK, 8)
-    take(it, 3)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-        mngr.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-        mngr.wait_until_finished()
-        expected = next(it)
-        fresh = make_prompt_iterator(cfg, TOK, 8)
-        restored = mngr.restore(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))["data"]
-    assert next(restored) == expected
 
 
 def test_chat_template_renders_system_and_user_turns(tmp_path, hf_tokenizer_dir):
