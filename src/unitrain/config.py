@@ -42,6 +42,19 @@ def choices(*options: str) -> Rule:
     return Rule(lambda v: v in options, "one of " + " | ".join(options))
 
 
+_PLUGIN_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def is_plugin_spec(value) -> bool:
+    """`pkg.module:symbol`, the form in which a config names code outside unitrain (plugins.py loads it)."""
+    return isinstance(value, str) and bool(_PLUGIN_SPEC.match(value))
+
+
+def builtin_or_plugin(table) -> Rule:
+    """A short name of a built-in in `table` (the registry beside the implementations) or a plugin."""
+    return Rule(lambda v: v in table or is_plugin_spec(v), "one of " + " | ".join(table) + " or pkg.module:symbol")
+
+
 def optional(rule: Rule) -> Rule:
     return Rule(lambda v: v is None or rule.test(v), rule.expected + " or null")
 

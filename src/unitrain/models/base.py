@@ -1,0 +1,54 @@
+"""The model interface: everything the trainer, the sampler, the losses and the tools know of a model.
+
+Every model unitrain trains or samples from is a Flax NNX module with this interface, whatever
+library it comes from (our decoder, Tunix's models through unitrain.adapters.tunix, a plugin).
+`nnx.split(model)` gives its graph and parameters; the train step differentiates the parameters as
+a pure dict, and `nnx.merge(graphdef, params)` gives the callable back.
+
+A model source builds one from the config with its parameters already placed in their shardings:
+
+    source(cfg, mesh) -> Model          # config key model_source: unitrain | tunix | pkg.module:fn
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+
+@runtime_checkable
+class Model(Protocol):
+    vocab_size: int  # rows of the logits' last axis
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 cache: Any = None) -> tuple[jax.Array, Any]:
+        """logits [B, T, V] (compute dtype) and the updated cache (None when `cache` is None).
+
+        tokens, positions, segment_ids: int32 [B, T]. positions restart at 0 in every packed
+        sequence; segment 0 is padding; a token attends causally within its own nonzero segment.
+        With a cache (one sequence per row), a call adds its non-padding tokens at their positions
+        and they attend to everything the row has cached before them: a prefill of a left- or
+        right-padded prompt block, then one token per row per call at the next positions, gives the
+        logits of the full forward.
+        """
+
+    def init_cache(self, batch_size: int, max_length: int) -> Any:
+        """An empty KV cache for `batch_size` rows of up to `max_length` positions (a pytree)."""
+
+    def cache_axes(self) -> Any:
+        """Logical axis names of init_cache's arrays: the same pytree with a tuple per array."""
+
+    def param_axes(self) -> dict:
+        """Logical axis names of every parameter: a pure dict like nnx.to_pure_dict(params), a tuple
+        of names (`embed`, `mlp`, `heads`, `vocab`, ... or None) per array."""
+
+    def decay_mask(self) -> dict:
+        """Which parameters get weight decay: the same pure dict with a bool per array."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of one training step (forward + backward) per token at this sequence length."""
+
+    def save_hf(self, path: str) -> None:
+        """Writes a checkpoint that transformers.AutoModelForCausalLM loads; every process calls it.
+        A model whose family has no HF export raises NotImplementedError with the reason."""

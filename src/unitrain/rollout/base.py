@@ -1,0 +1,63 @@
+"""The sampler interface: how rollouts and evaluations get completions, wherever they come from.
+
+    sampler.update_weights(params, version)       # the policy to sample from from now on
+    out = sampler.generate(prompt_ids, sampling, key)   # -> Completions
+
+The colocated JAX sampler (rollout/colocated.py) samples with the training parameters themselves;
+a sampler on its own devices or an external engine (vLLM, SGLang) is one more implementation,
+named in the config as `sampler: pkg.module:factory` with factory(run: RunContext) -> Sampler.
+Nothing downstream depends on where the tokens came from: the trainer recomputes the logprobs it
+needs and `Completions.version` says which policy produced them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0.0 = greedy (argmax)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    stop_token_ids: tuple[int, ...] = ()  # EOS and other stop ids; a row stops after emitting one
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completions:
+    """One row per prompt, numpy, on every process."""
+
+    tokens: np.ndarray  # [B, N] int32, pad after the stop token
+    mask: np.ndarray  # [B, N] int32, 1 for generated tokens up to and including the stop token
+    logprobs: np.ndarray  # [B, N] float32, log-prob under the distribution each token was drawn from
+    lengths: np.ndarray  # [B] int32
+    version: int  # the policy version (update_weights) that produced them
+
+    def __getitem__(self, rows) -> "Completions":
+        return Completions(self.tokens[rows], self.mask[rows], self.logprobs[rows], self.lengths[rows],
+                           self.version)
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    def update_weights(self, params: Any, version: int) -> None:
+        """Sample from these parameters (a pure dict in the trainer's shardings) from now on."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
+        """`sampling.max_new_tokens` tokens after each prompt. Every process passes the same prompts
+        and key and gets the whole result."""

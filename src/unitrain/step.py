@@ -1,0 +1,191 @@
+"""The step machinery every mode shares: the train state and its shardings, the exact-accumulation
+train step over any loss, the jitted and donated update, the run's one ahead-of-time compile cache,
+and the moves of rows between host and global arrays.
+
+    state = init_state(params, optimizer, mesh)                       # {params, opt_state, step}
+    update = make_train_step(task.loss, cfg, optimizer, state_shardings, task.batch_shardings())
+    state, metrics = programs("train_step", update, state, batch)     # compiled once per batch shape
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from unitrain import sharding
+from unitrain.optimizer import learning_rate_schedule
+
+log = logging.getLogger("unitrain")
+
+
+# ---------------------------------------------------------------- state
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
+    """Shardings of optimizer.init(params): each moment takes its parameter's sharding, everything
+    else (step counts) is replicated over the mesh. `params` may be concrete or abstract."""
+    return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
+                                 param_shardings, transform_non_params=lambda _: sharding.replicated(mesh))
+
+
+def init_state(params: dict, optimizer: optax.GradientTransformation, mesh, opt_host_offload: bool = False) -> dict:
+    """{params, opt_state, step}, every array in its sharding (the optimizer state optionally in
+    pinned host memory, brought to the device inside each step)."""
+    shardings = opt_state_shardings(optimizer, params, jax.tree.map(lambda x: x.sharding, params), mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings)(params)
+    if opt_host_offload:
+        opt_state = sharding.with_memory_kind(opt_state, "pinned_host")
+    step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(mesh))
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def frozen_copy(params: dict, host_offload: bool = False) -> dict:
+    """A copy of the parameters that training never touches (a reference policy), optionally kept
+    in pinned host memory between uses."""
+    copy = jax.tree.map(jnp.copy, params)
+    return sharding.with_memory_kind(copy, "pinned_host") if host_offload else copy
+
+
+def on_device(params: dict) -> dict:
+    """Inside a jitted function: the parameters in device memory (a no-op for device arrays)."""
+    return jax.device_put(params, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), params))
+
+
+# ---------------------------------------------------------------- the step
+
+def train_step(loss_fn, cfg, optimizer, state, batch, *, opt_device_shardings=None):
+    """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level.
+
+    loss_fn(params, micro_batch) -> (loss_sum, (denominator, {metric: (sum, count)})). Gradients of
+    the summed losses are added up over micro-batches and divided once by the total denominator;
+    each metric likewise ends as its total sum over its total count. With the optimizer state
+    offloaded to host memory, `opt_device_shardings` brings it to the device for the update (the
+    step's out_shardings send it back).
+    """
+    k = cfg.gradient_accumulation_steps
+    # Row i*k + j goes to micro-batch j: each device's contiguous rows stay on that device.
+    micro = jax.tree.map(lambda x: x.reshape(-1, k, *x.shape[1:]).swapaxes(0, 1), batch)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    shapes = jax.eval_shape(grad_fn, state["params"], jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+
+    def accumulate(carry, mb):
+        return jax.tree.map(lambda c, x: c + x.astype(jnp.float32), carry, grad_fn(state["params"], mb)), None
+
+    ((loss_sum, (denom, sums)), grads), _ = jax.lax.scan(accumulate, zeros, micro)
+    denom = jnp.maximum(denom, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state["params"])
+    grad_norm = optax.tree.norm(grads)
+    opt_state = state["opt_state"]
+    if opt_device_shardings is not None:
+        opt_state = jax.device_put(opt_state, opt_device_shardings)
+    updates, opt_state = optimizer.update(grads, opt_state, state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    clipped = jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm
+    step_metrics = {
+        "loss": loss_sum / denom, "grad_norm": grad_norm, "grad_norm_clipped": clipped,
+        "learning_rate": learning_rate_schedule(cfg)(state["step"]), "loss_denominator": denom,
+        **{name: total / jnp.maximum(count, 1.0) for name, (total, count) in sums.items()},
+    }
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
+
+
+def make_train_step(loss_fn, cfg, optimizer, state_shardings, batch_shardings):
+    """train_step jitted with explicit shardings and the state donated."""
+    opt_device = (jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
+                  if cfg.optimizer_host_offload else None)
+    return jax.jit(functools.partial(train_step, loss_fn, cfg, optimizer, opt_device_shardings=opt_device),
+                   in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, None),
+                   donate_argnums=0)
+
+
+# ---------------------------------------------------------------- compilation
+
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)), getattr(x, "sharding", None))
+                          for x in leaves)
+
+
+class CompileCache:
+    """The run's one ahead-of-time compile cache: every jitted program (train step, eval, logprobs,
+    the sampler) is lowered and compiled once per (name, static choices, argument shapes, dtypes
+    and shardings), inside the run's mesh, and every compilation is logged with its time and
+    memory. Rows are bucketed upstream, so a run compiles a bounded number of times.
+    """
+
+    def __init__(self, mesh=None):
+        self.mesh = mesh
+        self._compiled: dict = {}
+
+    def __call__(self, name: str, jitted: Callable | None, *args, static: Any = (), build: Callable | None = None):
+        """Runs the program `name` on `args`, compiling it first if this signature is new. `build`
+        (called only then) makes the jitted function when it depends on the `static` choices."""
+        return self.compiled(name, jitted, *args, static=static, build=build)(*args)
+
+    def compiled(self, name: str, jitted: Callable | None, *args, static: Any = (), build: Callable | None = None):
+        key = (name, static, _signature(args))
+        program = self._compiled.get(key)
+        if program is None:
+            program = self._compile(name, build() if build is not None else jitted, args)
+            self._compiled[key] = program
+        return program if self.mesh is None else _in_mesh(program, self.mesh)
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def _compile(self, name, jitted, args):
+        start = time.perf_counter()
+        if self.mesh is not None:
+            with jax.set_mesh(self.mesh):
+                compiled = jitted.lower(*args).compile()
+        else:
+            compiled = jitted.lower(*args).compile()
+        log.info("compiled %s in %.1f s", name, time.perf_counter() - start)
+        memory = compiled.memory_analysis()
+        if memory is not None:
+            log.info("%s memory per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB", name,
+                     memory.argument_size_in_bytes / 2**20, memory.output_size_in_bytes / 2**20,
+                     memory.temp_size_in_bytes / 2**20)
+        return compiled
+
+
+def _in_mesh(program, mesh):
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return program(*args)
+    call.memory_analysis, call.cost_analysis = program.memory_analysis, program.cost_analysis
+    return call
+
+
+# ---------------------------------------------------------------- rows between host and device
+
+def local_rows_to_global(batch: dict, shardings) -> dict:
+    """This process's rows -> global arrays (SFT data: each process reads its own rows)."""
+    shardings = _per_key(batch, shardings)
+    return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in batch.items()}
+
+
+def full_rows_to_global(batch: dict, shardings) -> dict:
+    """Rows every process holds in full -> global arrays; each device takes its slice (rollouts:
+    every process computes the same batch)."""
+    shardings = _per_key(batch, shardings)
+    return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx]) for k, v in batch.items()}
+
+
+def _per_key(batch: dict, shardings) -> dict:
+    return shardings if isinstance(shardings, dict) else {k: shardings for k in batch}
+
+
+def to_host(x) -> np.ndarray:
+    """A global array as one numpy array on every process (gathered when it spans processes)."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
