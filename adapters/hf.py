@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (config.json + safetensors) <-> unitrain Decoder.
+"""Hugging Face checkpoints (config.json + safetensors) <-> unitrain's decoder (models/decoder.py).
 
     model = unitrain.adapters.hf.load(path, dtype="bfloat16", mesh=mesh)
     unitrain.adapters.hf.save(model, out_dir)      # loads with AutoModelForCausalLM.from_pretrained
@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from unitrain import model as model_lib
+from unitrain.models import decoder as model_lib
 from unitrain import sharding
 from unitrain.config import ConfigError
 

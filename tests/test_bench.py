@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from unitrain import metrics
-from unitrain import model as model_lib
+from unitrain.models import decoder
 from unitrain.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def test_bench_tiny_prints_json_with_mfu(tmp_path):
         assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["step_time_min"] <= result["step_time_median"] <= result["step_time_max"]
     cfg = load_config(["configs/base.yml", *OVERRIDES])
-    expected = metrics.train_flops_per_token(model_lib.ModelConfig.from_config(cfg), 32)
+    expected = decoder.create(decoder.ModelConfig.from_config(cfg)).flops_per_token(32)
     assert result["model_flops_per_token"] == expected
     assert result["config"]["num_devices"] == 8 and result["config"]["global_batch_rows"] == 16
     assert result["num_params"] > 0
@@ -67,18 +67,14 @@ def test_compile_only_tiny_fsdp8_reports_sharded_memory():
 def test_abstract_state_matches_init_state():
     """The abstract state --compile-only compiles for has the shapes, dtypes and shardings of the real one."""
     import jax
-    from flax import nnx
 
     import bench
     from unitrain import sharding
-    from unitrain.optimizer import make_optimizer
-    from unitrain.train import build_model, init_state
+    from unitrain.run import build_run
 
     cfg = load_config(["configs/base.yml", "model_name=tiny", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
-    mesh = sharding.mesh_from_config(cfg)
-    optimizer = make_optimizer(cfg)
-    real = init_state(nnx.to_pure_dict(nnx.state(build_model(cfg, mesh))), optimizer, mesh)
-    abstract = bench.abstract_state(cfg, optimizer, mesh, sharding.rules_from_config(cfg.logical_axis_rules))
+    _, real = build_run(cfg)
+    _, abstract = bench.abstract_run(cfg)
     assert jax.tree.structure(real) == jax.tree.structure(abstract)
     for r, a in zip(jax.tree.leaves(real), jax.tree.leaves(abstract)):
         assert (r.shape, r.dtype) == (a.shape, a.dtype)

@@ -1,6 +1,5 @@
 """mode=grpo: rollout rows, dynamic sampling, first-iteration gradient, pass@k, resume, GSM8K path."""
 
-import functools
 import json
 import math
 from itertools import combinations
@@ -9,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from unitrain import data, evals, grpo, losses, rewards, sharding, train
+from unitrain import evals, losses, run, tasks, train
+from unitrain.rollout.groups import Group, nonzero_std, select_groups
+from unitrain.tasks import grpo
 from unitrain.config import ConfigError, load_config
 
 from conftest import REPO, sigterm_after_step
@@ -27,26 +27,23 @@ def config(tmp_path, *overrides):
 
 
 def make_step(cfg):
-    mesh = sharding.mesh_from_config(cfg)
-    rules = sharding.rules_from_config(cfg.logical_axis_rules)
-    tokenizer = data.load_tokenizer(cfg.tokenizer_path)
-    graphdef, params = nnx.split(train.build_model(cfg, mesh))
-    params = nnx.to_pure_dict(params)
-    step = grpo.GRPOStep(cfg, tokenizer, graphdef, mesh, rules, rewards.make_reward_fn(cfg), None, None,
-                         sharding.batch_sharding(mesh, rules))
-    return step, graphdef, params, mesh
+    built, state = run.build_run(cfg)
+    task = tasks.create(built)
+    task.sampler.update_weights(state["params"], 0)
+    return task, built.graphdef, state["params"], built.mesh
 
 
 def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
     cfg = config(tmp_path)
     step, graphdef, params, mesh = make_step(cfg)
-    groups, stats = step.sample_groups(params, 0)
+    groups, stats = step.sample_groups(0)
     assert len(groups) == 4 and stats["sampling_rounds"] == 1
     rows = step.to_rows(groups)
     r = 0
     for g in groups:
-        prompt = list(g["prompt"].ids)
-        for tokens, length, logprobs in zip(g["tokens"], g["lengths"], g["logprobs"]):
+        prompt = list(g.prompt.ids)
+        c = g.completions
+        for tokens, length, logprobs in zip(c.tokens, c.lengths, c.logprobs):
             seq = prompt + list(tokens[:length])
             mask = rows["loss_mask"][r].astype(bool)
             assert list(rows["inputs"][r, :len(seq)]) == seq and rows["inputs_segmentation"][r, len(seq):].sum() == 0
@@ -55,24 +52,23 @@ def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
             r += 1
     # The trainer's recomputed logprobs equal the sampler's (same params, no top-k/top-p).
     batch = {k: v for k, v in rows.items() if k != "sampler_logprobs"}
-    old = step.logprobs(params, batch)
+    old = step.logprobs(step.logprob_fn, params, batch)
     np.testing.assert_allclose(old[rows["loss_mask"] > 0], rows["sampler_logprobs"][rows["loss_mask"] > 0], atol=2e-4)
 
 
 def test_select_groups_drops_exactly_the_zero_std_groups():
-    rng = np.random.default_rng(0)
-    sampled = [{"reward": r} for r in ([1, 1, 1], [0, 1, 0], [0, 0, 0], [0.5, 0.5, 0.5], [1, 0, 0], [2, 3, 2])]
-    sampled = [{"reward": np.asarray(g["reward"], np.float32), "id": i} for i, g in enumerate(sampled)]
-    kept = [g for g in sampled if grpo.nonzero_std(g["reward"])]
-    dropped = [g for g in sampled if not grpo.nonzero_std(g["reward"])]
-    assert [g["id"] for g in kept] == [1, 4, 5] and [g["id"] for g in dropped] == [0, 2, 3]
-    groups, discarded, refilled = grpo.select_groups(kept, dropped, 3)
-    assert [g["id"] for g in groups] == [1, 4, 5] and (discarded, refilled) == (3, 0)
-    groups, discarded, refilled = grpo.select_groups(kept, dropped, 4)  # rounds ran out: top up
-    assert [g["id"] for g in groups] == [1, 4, 5, 0] and (discarded, refilled) == (2, 1)
+    rewards_ = ([1, 1, 1], [0, 1, 0], [0, 0, 0], [0.5, 0.5, 0.5], [1, 0, 0], [2, 3, 2])
+    sampled = [Group(prompt=i, completions=None, texts=[], rewards=np.asarray(r, np.float32), per_reward={})
+               for i, r in enumerate(rewards_)]
+    kept = [g for g in sampled if nonzero_std(g)]
+    dropped = [g for g in sampled if not nonzero_std(g)]
+    assert [g.prompt for g in kept] == [1, 4, 5] and [g.prompt for g in dropped] == [0, 2, 3]
+    groups, discarded, refilled = select_groups(kept, dropped, 3)
+    assert [g.prompt for g in groups] == [1, 4, 5] and (discarded, refilled) == (3, 0)
+    groups, discarded, refilled = select_groups(kept, dropped, 4)  # rounds ran out: top up
+    assert [g.prompt for g in groups] == [1, 4, 5, 0] and (discarded, refilled) == (2, 1)
     with pytest.raises(ConfigError):
-        grpo.select_groups(kept, dropped, 7)
-    del rng
+        select_groups(kept, dropped, 7)
 
 
 def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
@@ -83,8 +79,8 @@ def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
     cfg = config(tmp_path, "reward=parity_reward:score", "dynamic_sampling_filter=nonzero_std",
                  "over_sampling_batch_size=8", "max_sampling_rounds=3", "rollout_temperature=2.0")
     step, graphdef, params, mesh = make_step(cfg)
-    groups, stats = step.sample_groups(params, 0)
-    kept = [g for g in groups if np.std(g["reward"]) > 0]
+    groups, stats = step.sample_groups(0)
+    kept = [g for g in groups if np.std(g.rewards) > 0]
     assert len(groups) == 4
     assert stats["groups_refilled"] == 4 - len(kept)
     total = stats["sampling_rounds"] * 8
@@ -94,15 +90,15 @@ def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
 def test_first_iteration_ratio_is_one_and_gradient_is_plain_policy_gradient(tmp_path):
     cfg = config(tmp_path, "rollout_temperature=1.0", "loss_agg_mode=token-mean")
     step, graphdef, params, mesh = make_step(cfg)
-    groups, _ = step.sample_groups(params, 0)
+    groups, _ = step.sample_groups(0)
     rows = step.to_rows(groups)
     batch = {k: v for k, v in rows.items() if k != "sampler_logprobs"}
-    batch["old_logprobs"] = step.logprobs(params, batch)
-    rewards_ = np.concatenate([g["reward"] for g in groups]) + np.arange(16) * 0.1  # nonzero advantages
+    batch["old_logprobs"] = step.logprobs(step.logprob_fn, params, batch)
+    rewards_ = np.concatenate([g.rewards for g in groups]) + np.arange(16) * 0.1  # nonzero advantages
     group_ids = np.repeat(np.arange(4), 4)
     batch["advantages"] = np.asarray(losses.compute_advantages(rewards_, group_ids, 4, "grpo"))
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    (loss, (denom, m)), grads = jax.value_and_grad(functools.partial(grpo.grpo_loss, graphdef, cfg), has_aux=True)(
+    (loss, (denom, m)), grads = jax.value_and_grad(step.loss, has_aux=True)(
         params, batch)
     assert float(m["ratio"][0] / m["ratio"][1]) == pytest.approx(1.0, abs=1e-6)
     assert float(m["pg_clipfrac"][0]) == 0.0

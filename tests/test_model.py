@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import model as model_lib
+from unitrain.models import decoder as model_lib
 
 CFG = model_lib.ModelConfig(vocab_size=128, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
                             num_kv_heads=2, head_dim=8, qkv_bias=True, qk_norm=True)

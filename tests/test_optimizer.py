@@ -9,7 +9,10 @@ import optax
 import pytest
 
 from unitrain.config import load_config
-from unitrain.optimizer import decay_mask, learning_rate_schedule, make_optimizer
+from flax import nnx
+
+from unitrain.models import decoder
+from unitrain.optimizer import learning_rate_schedule, make_optimizer
 
 from conftest import REPO
 
@@ -33,12 +36,16 @@ def test_schedules_by_hand(kind):
 
 
 def test_weight_decay_spares_norms_and_biases():
-    params = {"embed": jnp.ones((4, 2)), "final_norm": jnp.ones(2),
-              "layers": {"wq": jnp.ones((1, 2, 2, 2)), "attn_norm": jnp.ones((1, 2)), "bq": jnp.ones((1, 2, 2))}}
-    mask = decay_mask(params)
-    assert mask == {"embed": True, "final_norm": False, "layers": {"wq": True, "attn_norm": False, "bq": False}}
+    model = decoder.create(decoder.ModelConfig(vocab_size=4, emb_dim=2, mlp_dim=2, num_decoder_layers=1,
+                                               num_query_heads=1, num_kv_heads=1, head_dim=2, qkv_bias=True, qk_norm=True))
+    mask = model.decay_mask()
+    assert mask == {"embed": True, "final_norm": False, "lm_head": True,
+                    "layers": {"wq": True, "wk": True, "wv": True, "wo": True, "w_gate": True, "w_up": True,
+                               "w_down": True, "attn_norm": False, "mlp_norm": False, "q_norm": False,
+                               "k_norm": False, "bq": False, "bk": False, "bv": False}}
+    params = jax.tree.map(jnp.ones_like, nnx.to_pure_dict(nnx.state(model)))
     c = cfg("warmup_steps=0", "lr_schedule=constant", "weight_decay=0.5", "max_grad_norm=0")
-    optimizer = make_optimizer(c)
+    optimizer = make_optimizer(c, mask)
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = optimizer.update(zeros, optimizer.init(params), params)
     new = optax.apply_updates(params, updates)  # zero gradients: only the decoupled decay moves params
@@ -50,7 +57,7 @@ def test_weight_decay_spares_norms_and_biases():
 
 def test_gradient_clipping_caps_the_global_norm():
     c = cfg("warmup_steps=0", "lr_schedule=constant", "weight_decay=0", "max_grad_norm=1.0", "adam_b1=0")
-    optimizer = make_optimizer(c)
+    optimizer = make_optimizer(c, {"embed": True})
     params = {"embed": jnp.zeros(3)}
     grads = {"embed": jnp.asarray([30.0, 40.0, 0.0])}  # norm 50 -> clipped to norm 1
     clipped, _ = optax.clip_by_global_norm(1.0).update(grads, optax.clip_by_global_norm(1.0).init(params))

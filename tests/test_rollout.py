@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import model as model_lib
+from unitrain.models import decoder as model_lib
 from unitrain import rollout, sharding
+from unitrain.rollout import colocated
 
 CFG = model_lib.ModelConfig(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
                             num_kv_heads=2, head_dim=8)
@@ -51,67 +52,71 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def generate(model, prompts, sampling, key, mesh=None, rules=None):
+    return colocated.ColocatedSampler(model, mesh=mesh, rules=rules).generate(prompts, sampling, key)
+
+
 def greedy(model, prompts, n=6, **kw):
-    return rollout.generate(model, prompts, rollout.SamplingParams(max_new_tokens=n, temperature=0.0, **kw),
+    return generate(model, prompts, rollout.SamplingParams(max_new_tokens=n, temperature=0.0, **kw),
                             jax.random.key(0))
 
 
 def test_greedy_equals_argmax_of_full_forward_step_by_step():
     model = tiny_model()
     out = greedy(model, PROMPTS)
-    assert out["tokens"].shape == (4, 6) and out["tokens"].dtype == np.int32
-    np.testing.assert_array_equal(out["mask"], 1)
-    np.testing.assert_array_equal(out["lengths"], 6)
+    assert out.tokens.shape == (4, 6) and out.tokens.dtype == np.int32
+    np.testing.assert_array_equal(out.mask, 1)
+    np.testing.assert_array_equal(out.lengths, 6)
     for b, prompt in enumerate(PROMPTS):
-        generated = list(out["tokens"][b])
+        generated = list(out.tokens[b])
         for j, token in enumerate(generated):
             logits = full_logits(model, prompt + generated[:j])[-1]
             assert np.argmax(logits) == token, (b, j)
-            np.testing.assert_allclose(out["logprobs"][b, j], log_softmax(logits)[token], atol=1e-4)
+            np.testing.assert_allclose(out.logprobs[b, j], log_softmax(logits)[token], atol=1e-4)
     # Not a degenerate model: rows differ and tokens vary along a row.
-    assert len({tuple(r) for r in out["tokens"]}) > 1 and len(set(out["tokens"].ravel())) > 3
+    assert len({tuple(r) for r in out.tokens}) > 1 and len(set(out.tokens.ravel())) > 3
 
 
 def test_stop_token_ends_only_its_row():
     model = tiny_model()
     reference = greedy(model, PROMPTS)
-    stop = int(reference["tokens"][0, 2])
+    stop = int(reference.tokens[0, 2])
     out = greedy(model, PROMPTS, stop_token_ids=(stop,))
     # Each row stops at its first emission of `stop` (row 0: step 2 at the latest); others run to N.
-    first_stop = [int(np.argmax(r == stop)) if (r == stop).any() else 5 for r in reference["tokens"]]
+    first_stop = [int(np.argmax(r == stop)) if (r == stop).any() else 5 for r in reference.tokens]
     assert first_stop[0] <= 2 and any(k == 5 for k in first_stop[1:])
     for b in range(len(PROMPTS)):
         length = first_stop[b] + 1
-        assert out["lengths"][b] == length
-        np.testing.assert_array_equal(out["tokens"][b, :length], reference["tokens"][b, :length])
-        np.testing.assert_array_equal(out["tokens"][b, length:], 0)
-        np.testing.assert_array_equal(out["mask"][b], np.arange(6) < length)
-        np.testing.assert_array_equal(out["logprobs"][b, length:], 0.0)
-    assert out["tokens"][0, out["lengths"][0] - 1] == stop
+        assert out.lengths[b] == length
+        np.testing.assert_array_equal(out.tokens[b, :length], reference.tokens[b, :length])
+        np.testing.assert_array_equal(out.tokens[b, length:], 0)
+        np.testing.assert_array_equal(out.mask[b], np.arange(6) < length)
+        np.testing.assert_array_equal(out.logprobs[b, length:], 0.0)
+    assert out.tokens[0, out.lengths[0] - 1] == stop
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_equal_full_forward(temperature):
     model = tiny_model()
     params = rollout.SamplingParams(max_new_tokens=5, temperature=temperature)
-    out = rollout.generate(model, PROMPTS, params, jax.random.key(1))
-    assert out["logprobs"].dtype == np.float32
+    out = generate(model, PROMPTS, params, jax.random.key(1))
+    assert out.logprobs.dtype == np.float32
     for b, prompt in enumerate(PROMPTS):
-        generated = [int(t) for t in out["tokens"][b]]
+        generated = [int(t) for t in out.tokens[b]]
         logits = full_logits(model, prompt + generated)
         for j, token in enumerate(generated):
             expected = log_softmax(logits[len(prompt) + j - 1] / temperature)[token]
-            np.testing.assert_allclose(out["logprobs"][b, j], expected, atol=1e-4)
+            np.testing.assert_allclose(out.logprobs[b, j], expected, atol=1e-4)
 
 
 def test_top_k_samples_only_the_top_k():
     model = tiny_model()
     prompt = PROMPTS[1]
     params = rollout.SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3)
-    out = rollout.generate(model, [prompt] * 64, params, jax.random.key(2))
+    out = generate(model, [prompt] * 64, params, jax.random.key(2))
     top3 = set(np.argsort(full_logits(model, prompt)[-1])[-3:].tolist())
-    assert set(out["tokens"][:, 0].tolist()) == top3
-    for row in out["tokens"]:  # the second token: top 3 after that row's own first token
+    assert set(out.tokens[:, 0].tolist()) == top3
+    for row in out.tokens:  # the second token: top 3 after that row's own first token
         allowed = np.argsort(full_logits(model, prompt + [int(row[0])])[-1])[-3:]
         assert int(row[1]) in allowed
 
@@ -127,11 +132,11 @@ def test_top_p_samples_only_the_nucleus():
     model = tiny_model()
     prompt = PROMPTS[0]
     params = rollout.SamplingParams(max_new_tokens=3, top_p=0.5)
-    out = rollout.generate(model, [prompt] * 64, params, jax.random.key(3))
+    out = generate(model, [prompt] * 64, params, jax.random.key(3))
     first = nucleus(full_logits(model, prompt)[-1], 0.5)
-    assert set(out["tokens"][:, 0].tolist()) == first  # 64 draws see every member of a small nucleus
+    assert set(out.tokens[:, 0].tolist()) == first  # 64 draws see every member of a small nucleus
     assert len(first) < CFG.vocab_size // 4
-    for row in out["tokens"]:
+    for row in out.tokens:
         for j in range(1, 3):
             logits = full_logits(model, prompt + [int(t) for t in row[:j]])[-1]
             assert int(row[j]) in nucleus(logits, 0.5)
@@ -139,15 +144,16 @@ def test_top_p_samples_only_the_nucleus():
 
 def test_prompts_in_one_bucket_compile_once(caplog):
     model = tiny_model()
-    params = rollout.SamplingParams(max_new_tokens=7, temperature=0.0)  # N unused elsewhere: fresh key
+    params = rollout.SamplingParams(max_new_tokens=7, temperature=0.0)
+    sampler = colocated.ColocatedSampler(model)
     with caplog.at_level(logging.INFO, logger="unitrain"):
-        a = rollout.generate(model, [list(range(1, 6))] * 3, params, jax.random.key(0))
-        b = rollout.generate(model, [list(range(1, 10))] * 4, params, jax.random.key(0))
-    compiles = [r.getMessage() for r in caplog.records if "compiling generate" in r.getMessage()]
-    assert compiles == ["compiling generate for batch=4 prompt=16 new=7"]
-    assert a["tokens"].shape == (3, 7) and b["tokens"].shape == (4, 7)
-    assert rollout.bucket_prompt_length(17) == 32 and rollout.bucket_batch_size(3, 8) == 8
-    assert rollout.bucket_batch_size(9, 8) == 16 and rollout.bucket_batch_size(3, 6) == 6
+        a = sampler.generate([list(range(1, 6))] * 3, params, jax.random.key(0))
+        b = sampler.generate([list(range(1, 10))] * 4, params, jax.random.key(0))
+    compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled generate")]
+    assert len(compiles) == 1 and compiles[0].startswith("compiled generate (batch=4 prompt=16 new=7)")
+    assert a.tokens.shape == (3, 7) and b.tokens.shape == (4, 7)
+    assert colocated.bucket_prompt_length(17) == 32 and colocated.bucket_batch_size(3, 8) == 8
+    assert colocated.bucket_batch_size(9, 8) == 16 and colocated.bucket_batch_size(3, 6) == 6
 
 
 def test_sharded_greedy_equals_unsharded():
@@ -156,8 +162,8 @@ def test_sharded_greedy_equals_unsharded():
     model = scaled(sharding.init_sharded(lambda: model_lib.create(cfg), mesh, sharding.DEFAULT_RULES))
     assert model.embed[...].addressable_shards[0].data.shape == (64, 32 // 8)
     params = rollout.SamplingParams(max_new_tokens=6, temperature=0.0)
-    out = rollout.generate(model, PROMPTS, params, jax.random.key(0), mesh=mesh, rules=sharding.DEFAULT_RULES)
+    out = generate(model, PROMPTS, params, jax.random.key(0), mesh=mesh, rules=sharding.DEFAULT_RULES)
     reference = greedy(tiny_model(), PROMPTS)
     for k in ("tokens", "mask", "lengths"):
-        np.testing.assert_array_equal(out[k], reference[k])
-    np.testing.assert_allclose(out["logprobs"], reference["logprobs"], atol=1e-4)
+        np.testing.assert_array_equal(getattr(out, k), getattr(reference, k))
+    np.testing.assert_allclose(out.logprobs, reference.logprobs, atol=1e-4)

@@ -1,7 +1,6 @@
 """Scale-out on one process: meshes vs one device, offloading, the replicated-parameter guard,
 and the multi-host start decision."""
 
-import functools
 import json
 import os
 import subprocess
@@ -10,12 +9,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from flax import nnx
 
-from unitrain import distributed, grpo, sharding, train
+from unitrain import distributed, models, run, sharding, tasks, train
+from unitrain import step as step_lib
 from unitrain.config import ConfigError, load_config
-from unitrain.optimizer import make_optimizer
 
 from conftest import REPO
 
@@ -56,17 +55,11 @@ def test_sft_loss_curve_on_each_mesh_equals_one_device(tmp_path, mesh, one_devic
 
 def grpo_update(cfg, batch_np):
     """One GRPO optimizer update of `cfg`'s mesh on a fixed rollout batch; returns loss and params."""
-    mesh = sharding.mesh_from_config(cfg)
-    rules = sharding.rules_from_config(cfg.logical_axis_rules)
-    graphdef, params = nnx.split(train.build_model(cfg, mesh))
-    optimizer = make_optimizer(cfg)
-    state = train.init_state(nnx.to_pure_dict(params), optimizer, mesh)
-    shardings = train._grpo_batch_shardings(cfg, mesh, rules)
-    step_fn = train.make_step_fn(functools.partial(grpo.grpo_loss, graphdef, cfg), cfg, optimizer,
-                                 jax.tree.map(lambda x: x.sharding, state), shardings)
+    built, state = run.build_run(cfg)
+    task = tasks.create(built)
+    shardings = task.batch_shardings()
     batch = {k: jax.device_put(v, shardings[k]) for k, v in batch_np.items()}
-    with jax.set_mesh(mesh):
-        state, m = step_fn(state, batch)
+    state, m = built.programs("grpo_update", task.update_fn, state, batch)
     return float(m["loss"]), jax.device_get(state["params"])
 
 
@@ -115,7 +108,7 @@ def test_optimizer_offload_keeps_the_curve_and_lives_on_host(tmp_path):
     np.testing.assert_allclose(losses_of(offloaded), losses_of(plain), rtol=1e-6)
     mesh = sharding.mesh_from_config(offloaded)
     params = {"w": jax.device_put(jnp.ones((8, 4)), sharding.replicated(mesh))}
-    state = train.init_state(params, make_optimizer(offloaded), mesh)
+    state = step_lib.init_state(params, optax.adam(1e-3), mesh)
     moved = sharding.with_memory_kind(state["opt_state"], "pinned_host")
     assert {x.sharding.memory_kind for x in jax.tree.leaves(moved)} == {"pinned_host"}
 
@@ -127,9 +120,9 @@ def test_a_large_replicated_parameter_stops_the_run(tmp_path):
     cfg = config(tmp_path, *SFT, "per_device_batch_size=1", f"logical_axis_rules={rules}",
                  "max_replicated_param_mib=0.01")
     with pytest.raises(ConfigError, match=r"parameter .* would be fully replicated on all 8 devices"):
-        train.build_model(cfg, sharding.mesh_from_config(cfg))
+        models.build(cfg, sharding.mesh_from_config(cfg))
     ok = config(tmp_path, *SFT, "per_device_batch_size=1", "max_replicated_param_mib=0.01")
-    train.build_model(ok, sharding.mesh_from_config(ok))  # the default rules shard every matrix
+    models.build(ok, sharding.mesh_from_config(ok))  # the default rules shard every matrix
 
 
 def test_distributed_start_decision(monkeypatch):

@@ -7,7 +7,7 @@ import yaml
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from unitrain import model as model_lib
+from unitrain.models import decoder as model_lib
 from unitrain import sharding
 from unitrain.adapters import hf
 

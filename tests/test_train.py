@@ -16,10 +16,10 @@ import torch
 import transformers
 from flax import nnx
 
-from unitrain import checkpoint, data, sharding, train
+from unitrain import checkpoint, data, run, sharding, tasks, train
+from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.config import load_config
-from unitrain.optimizer import make_optimizer
 
 from conftest import REPO, sigterm_after_step
 
@@ -42,10 +42,8 @@ def saved_params(cfg, step, like):
 
 
 def setup(cfg):
-    mesh = sharding.mesh_from_config(cfg)
-    graphdef, params = nnx.split(train.build_model(cfg, mesh))
-    tokenizer = data.load_tokenizer(cfg.tokenizer_path)
-    return mesh, graphdef, nnx.to_pure_dict(params), tokenizer
+    built, _ = run.build_run(cfg)
+    return built.mesh, built.graphdef, built.init_params, built.tokenizer
 
 
 def test_builtin_run_evaluates_logs_and_checkpoints(tmp_path):
@@ -62,11 +60,12 @@ def test_builtin_run_evaluates_logs_and_checkpoints(tmp_path):
 
 def test_loss_equals_numpy_on_a_packed_batch(tmp_path):
     cfg = config(tmp_path, "z_loss_weight=0.01")
-    mesh, graphdef, params, tokenizer = setup(cfg)
-    batch = next(data.make_sft_iterator(cfg, tokenizer, 8))
+    built, state = run.build_run(cfg)
+    graphdef, params = built.graphdef, state["params"]
+    batch = next(data.make_sft_iterator(cfg, built.tokenizer, 8))
     batch.pop("num_truncated")
     assert (batch["inputs_segmentation"].max(axis=1) > 1).any(), "the batch must hold packed rows"
-    loss_sum, (count, aux) = jax.jit(lambda p, b: train.sft_loss(graphdef, cfg, p, b))(params, batch)
+    loss_sum, (count, aux) = jax.jit(tasks.create(built).loss)(params, batch)
     nll_sum = aux["nll"][0]
     logits, _ = nnx.merge(graphdef, params)(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     logits = np.asarray(logits, np.float64)
@@ -81,16 +80,14 @@ def test_loss_equals_numpy_on_a_packed_batch(tmp_path):
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     big = config(tmp_path, "per_device_batch_size=2", "gradient_accumulation_steps=1")
     small = config(tmp_path, "per_device_batch_size=1", "gradient_accumulation_steps=2")
-    mesh, graphdef, params, tokenizer = setup(big)
-    batch = next(data.make_sft_iterator(big, tokenizer, 16))
-    batch.pop("num_truncated")
     results = []
     for cfg in (big, small):
-        optimizer = make_optimizer(cfg)
-        state = train.init_state(jax.tree.map(jnp.copy, params), optimizer, mesh)
-        with jax.set_mesh(mesh):
-            loss_fn = functools.partial(train.sft_loss, graphdef, cfg)
-            state, m = jax.jit(lambda s, b: train.train_step(loss_fn, cfg, optimizer, s, b))(state, batch)
+        built, state = run.build_run(cfg)
+        batch = next(data.make_sft_iterator(big, built.tokenizer, 16))
+        batch.pop("num_truncated")
+        loss_fn = tasks.create(built).loss
+        with jax.set_mesh(built.mesh):
+            state, m = jax.jit(lambda s, b: step_lib.train_step(loss_fn, cfg, built.optimizer, s, b))(state, batch)
         results.append((state, m))
     (a, ma), (b, mb) = results
     np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-6)

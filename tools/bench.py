@@ -3,7 +3,7 @@
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
     python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--out mem.json]
 
-The mesh, model, optimizer state and step are built by unitrain.train's own functions from the config
+The mesh, model, optimizer state and step are built by unitrain.run.build_run and the SFT task from the config
 (default configs/base.yml; key=value are ordinary config overrides). Each step sees the configured
 global batch (global_batch_size * gradient_accumulation_steps rows of max_target_length): random
 tokens, one segment per row, every target weighted, placed on device once, so no data loading is
@@ -33,7 +33,6 @@ Exit 2 with `bench: <message>` for a config mistake.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import statistics
@@ -45,12 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import metrics, sharding
-from unitrain import model as model_lib
+from unitrain import metrics, models, sharding, tasks
+from unitrain import step as step_lib
 from unitrain.config import ConfigError, load_config
+from unitrain.data import load_tokenizer
 from unitrain.optimizer import make_optimizer
-from unitrain.train import (_to_global, build_model, compile_logged, init_state, make_step_fn,
-                            opt_state_shardings, sft_loss)
+from unitrain.run import RunContext, build_run
 
 
 def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
@@ -64,7 +63,6 @@ def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
             "targets": tokens[:, 1:], "targets_segmentation": ones.copy()}
 
 
-BATCH_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
 CONFIG_KEYS = ("model_name", "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers",
                "num_query_heads", "num_kv_heads", "head_dim", "dtype", "weight_dtype", "remat_policy",
                "scan_layers", "per_device_batch_size", "gradient_accumulation_steps", "max_target_length")
@@ -74,25 +72,27 @@ def _abstract(shapes, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
-def abstract_model(cfg):
-    """(graphdef, abstract parameter state) of the config's decoder; nothing is allocated."""
-    model_cfg = model_lib.ModelConfig.from_config(cfg)
-    return nnx.split(nnx.eval_shape(lambda: model_lib.create(model_cfg, cfg.seed)))
-
-
-def abstract_state(cfg, optimizer, mesh, rules) -> dict:
-    """{params, opt_state, step} as ShapeDtypeStructs carrying the shardings init_state gives them;
-    nothing is allocated."""
-    _, shapes = abstract_model(cfg)
+def abstract_run(cfg) -> tuple[RunContext, dict]:
+    """The run of `cfg` with every array abstract (ShapeDtypeStructs carrying the shardings
+    build_run would give them): nothing is allocated and no weights are read."""
+    mesh = sharding.mesh_from_config(cfg)
+    rules = sharding.rules_from_config(cfg.logical_axis_rules)
+    model = nnx.eval_shape(lambda: models.build(cfg.replace(load_parameters_path=""), mesh))
+    graphdef, shapes = nnx.split(model)
     try:
-        param_shardings = nnx.to_pure_dict(sharding.state_shardings(shapes, mesh, rules))
+        param_shardings = sharding.logical_shardings(model.param_axes(), mesh, rules)
     except ValueError as e:  # a dimension that does not divide over its mesh axes: a config mistake
         raise ConfigError(str(e)) from None
     params = _abstract(nnx.to_pure_dict(shapes), param_shardings)
+    optimizer = make_optimizer(cfg, model.decay_mask())
     opt_state = _abstract(jax.eval_shape(optimizer.init, params),
-                          opt_state_shardings(optimizer, params, param_shardings, mesh))
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))
-    return {"params": params, "opt_state": opt_state, "step": step}
+                          step_lib.opt_state_shardings(optimizer, params, param_shardings, mesh))
+    state = {"params": params, "opt_state": opt_state,
+             "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))}
+    run = RunContext(cfg=cfg, mesh=mesh, rules=rules, tokenizer=load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code),
+                     model=model, graphdef=graphdef, init_params=params, optimizer=optimizer,
+                     state_shardings=jax.tree.map(lambda x: x.sharding, state), programs=step_lib.CompileCache(mesh))
+    return run, state
 
 
 def bytes_per_device(tree) -> int:
@@ -103,21 +103,13 @@ def bytes_per_device(tree) -> int:
 
 def compile_only(cfg) -> dict:
     """Compiles the SFT step on abstract state and batch; returns the compiler's per-device memory."""
-    mesh = sharding.mesh_from_config(cfg)
-    rules = sharding.rules_from_config(cfg.logical_axis_rules)
-    graphdef, _ = abstract_model(cfg)
-    optimizer = make_optimizer(cfg)
-    state = abstract_state(cfg, optimizer, mesh, rules)
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    batch_sharding_ = sharding.batch_sharding(mesh, rules)
+    run, state = abstract_run(cfg.replace(eval_interval=0))
+    mesh, task = run.mesh, tasks.create(run)
     rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
-    batch = {k: jax.ShapeDtypeStruct((rows, cfg.max_target_length), jnp.int32, sharding=batch_sharding_)
-             for k in BATCH_KEYS}
-    step_fn = make_step_fn(functools.partial(sft_loss, graphdef, cfg), cfg, optimizer, state_shardings,
-                           batch_sharding_)
+    batch = {k: jax.ShapeDtypeStruct((rows, cfg.max_target_length), jnp.int32, sharding=s)
+             for k, s in task.batch_shardings().items()}
     start = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = compile_logged("train_step", step_fn, state, batch)
+    compiled = run.programs.compiled("train_step", task.update, state, batch)
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     per_device = None
@@ -140,8 +132,8 @@ def compile_only(cfg) -> dict:
         "opt_state_bytes_per_device": bytes_per_device(state["opt_state"]),
         "memory_per_device": per_device,
         "cost_analysis_flops": float(flops) if flops is not None else None,
-        "model_flops_per_device": metrics.train_flops_per_token(model_lib.ModelConfig.from_config(cfg), cfg.max_target_length)
-        * rows * cfg.max_target_length / mesh.size,
+        "model_flops_per_device": run.model.flops_per_token(cfg.max_target_length) * rows * cfg.max_target_length
+        / mesh.size,
         "compile_seconds": compile_seconds,
         "config": {k: cfg[k] for k in CONFIG_KEYS}
         | {"global_batch_rows": rows, "mesh_shape": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
@@ -150,30 +142,21 @@ def compile_only(cfg) -> dict:
 
 
 def bench(cfg, steps: int, warmup: int) -> dict:
-    mesh = sharding.mesh_from_config(cfg)
-    rules = sharding.rules_from_config(cfg.logical_axis_rules)
-    model = build_model(cfg, mesh)
-    graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(cfg)
-    state = init_state(nnx.to_pure_dict(params), optimizer, mesh)
+    run, state = build_run(cfg.replace(eval_interval=0))
+    mesh, task = run.mesh, tasks.create(run)
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    batch_sharding_ = sharding.batch_sharding(mesh, rules)
     rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
-    batch = _to_global(synthetic_batch(cfg, rows), batch_sharding_)
-    step_fn = make_step_fn(functools.partial(sft_loss, graphdef, cfg), cfg, optimizer, state_shardings,
-                           batch_sharding_)
+    batch = step_lib.local_rows_to_global(synthetic_batch(cfg, rows), task.batch_shardings())
+    compiled = run.programs.compiled("train_step", task.update, state, batch)
     times = []
-    with jax.set_mesh(mesh):
-        compiled = compile_logged("train_step", step_fn, state, batch)
-        for i in range(warmup + steps):
-            start = time.perf_counter()
-            state, step_metrics = compiled(state, batch)
-            jax.block_until_ready(step_metrics)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, step_metrics = compiled(state, batch)
+        jax.block_until_ready(step_metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
     peak = metrics.peak_flops_per_device(cfg)
-    flops_per_token = metrics.train_flops_per_token(model.cfg, cfg.max_target_length)
+    flops_per_token = run.model.flops_per_token(cfg.max_target_length)
     median = statistics.median(times)
     tokens_per_sec = rows * cfg.max_target_length / median
     return {

@@ -20,10 +20,10 @@ import sys
 
 import jax
 
-from unitrain import rollout, sharding
+from unitrain import models, rollout, sharding
 from unitrain.config import ConfigError, load_config
 from unitrain.data.tokenizer import load_tokenizer
-from unitrain.train import build_model
+from unitrain.rollout.colocated import ColocatedSampler
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -69,13 +69,12 @@ def run(args) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     mesh = sharding.mesh_from_config(cfg)
-    model = build_model(cfg, mesh)
+    sampler = ColocatedSampler(models.build(cfg, mesh), pad_id=tok.pad_id, mesh=mesh, rules=cfg.logical_axis_rules)
     rows = [p for p in ids for _ in range(args.n)]
-    out = rollout.generate(model, rows, params, jax.random.key(args.seed), pad_id=tok.pad_id, mesh=mesh,
-                           rules=cfg.logical_axis_rules)
+    out = sampler.generate(rows, params, jax.random.key(args.seed))
     if jax.process_index() != 0:
         return
-    for r, (tokens, n, logprobs) in enumerate(zip(out["tokens"], out["lengths"], out["logprobs"])):
+    for r, (tokens, n, logprobs) in enumerate(zip(out.tokens, out.lengths, out.logprobs)):
         prompt, sample, toks = prompts[r // args.n], r % args.n, [int(t) for t in tokens[:n]]
         text, lp = tok.decode(toks, skip_special_tokens=False), float(logprobs[:n].sum())
         if args.json:

@@ -24,6 +24,12 @@ from typing import Any, Callable, NamedTuple
 
 import yaml
 
+# The choice lists live beside their implementations; these modules import nothing heavy.
+from unitrain.losses import ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES
+from unitrain.models import SOURCES
+from unitrain.rollout import FILTERS, SAMPLERS
+from unitrain.tasks import MODES
+
 
 class ConfigError(Exception):
     """A mistake in the config; the entry prints the message (one sentence) and exits with status 2."""
@@ -94,7 +100,11 @@ RULES: dict[str, Rule] = {
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
     **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn") for axis in MESH_AXES},
-    "mode": choices("sft", "grpo"),
+    "mode": builtin_or_plugin(MODES),
+    "model_source": builtin_or_plugin(SOURCES),
+    "sampler": builtin_or_plugin(SAMPLERS),
+    "dynamic_sampling_filter": Rule(lambda v: v == "" or builtin_or_plugin(FILTERS).test(v),
+                                    '"" (keep all), ' + builtin_or_plugin(FILTERS).expected),
     "steps": POSITIVE_INT,
     "gradient_accumulation_steps": POSITIVE_INT,
     "learning_rate": NON_NEGATIVE,
@@ -144,13 +154,13 @@ RULES: dict[str, Rule] = {
     "rollout_temperature": POSITIVE,
     "rollout_top_p": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
     "rollout_top_k": NON_NEGATIVE,
-    "advantage_estimator": choices("grpo", "drgrpo", "rloo", "reinforce_pp"),
+    "advantage_estimator": choices(*ADV_ESTIMATORS),
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),
     "eps_clip_c": optional(Rule(lambda v: _is_num(v) and v > 1, "a number > 1")),
-    "loss_agg_mode": choices("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "loss_agg_mode": choices(*LOSS_AGG_MODES),
     "kl_coef": NON_NEGATIVE,
-    "kl_type": choices("k1", "k2", "k3", "low_var_kl"),
+    "kl_type": choices(*KL_TYPES),
     "entropy_coef": NON_NEGATIVE,
     "num_iterations": POSITIVE_INT,
     "eval_pass_k": POSITIVE_INT,
@@ -160,6 +170,10 @@ RULES: dict[str, Rule] = {
     "num_processes": POSITIVE_INT,
     "process_id": NON_NEGATIVE,
     "max_replicated_param_mib": NON_NEGATIVE,
+    "dpo_beta": POSITIVE,
+    "dpo_label_smoothing": Rule(lambda v: _is_num(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
+    "chosen_key": NAME,
+    "rejected_key": NAME,
 }
 
 # The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without

@@ -9,9 +9,10 @@ import math
 
 import jax
 import numpy as np
-from flax import nnx
 
-from unitrain import data, rollout
+from unitrain import data
+from unitrain.rollout import SamplingParams
+from unitrain.rollout.groups import collect_groups
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -22,28 +23,24 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class TaskEvaluator:
-    def __init__(self, cfg, tokenizer, graphdef, mesh, rules, reward_fn):
-        self.cfg, self.tokenizer, self.graphdef, self.mesh, self.rules = cfg, tokenizer, graphdef, mesh, rules
-        self.reward_fn = reward_fn
+    def __init__(self, cfg, tokenizer, sampler, reward_fn):
+        self.cfg, self.tokenizer, self.sampler, self.reward_fn = cfg, tokenizer, sampler, reward_fn
         self.prompts = data.eval_prompts(cfg, tokenizer, cfg.eval_num_samples)
 
-    def correct(self, model, prompts, sampling, key) -> np.ndarray:
-        out = rollout.generate(model, [list(p.ids) for p in prompts], sampling, key, pad_id=self.tokenizer.pad_id,
-                               mesh=self.mesh, rules=self.rules)
-        texts = [self.tokenizer.decode(t[:l]) for t, l in zip(out["tokens"], out["lengths"])]
-        _, per_reward = self.reward_fn([p.text for p in prompts], texts, [p.label for p in prompts])
-        return per_reward[self.reward_fn.names[0]] >= 1.0
+    def correct(self, n: int, sampling: SamplingParams, key) -> np.ndarray:
+        """[prompts, n] bool: which samples the task reward scores 1."""
+        groups = collect_groups(self.sampler, self.prompts, n, sampling, key, self.tokenizer, self.reward_fn)
+        return np.stack([g.per_reward[self.reward_fn.names[0]] >= 1.0 for g in groups])
 
-    def __call__(self, params) -> dict:
-        cfg, model = self.cfg, nnx.merge(self.graphdef, params)
-        stop = (self.tokenizer.eos_id,)
-        greedy = rollout.SamplingParams(cfg.rollout_max_response_len, temperature=0.0, stop_token_ids=stop)
-        result = {"eval_accuracy": float(self.correct(model, self.prompts, greedy, jax.random.key(0)).mean())}
+    def __call__(self, params, step: int) -> dict:
+        cfg, stop = self.cfg, (self.tokenizer.eos_id,)
+        self.sampler.update_weights(params, step)
+        greedy = SamplingParams(cfg.rollout_max_response_len, temperature=0.0, stop_token_ids=stop)
+        result = {"eval_accuracy": float(self.correct(1, greedy, jax.random.key(0)).mean())}
         if cfg.eval_n_samples:
-            n = cfg.eval_n_samples
-            sampled = rollout.SamplingParams(cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
-                                             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=stop)
-            ok = self.correct(model, [p for p in self.prompts for _ in range(n)], sampled, jax.random.key(1))
-            counts = ok.reshape(len(self.prompts), n).sum(axis=1)
-            result[f"eval_pass@{cfg.eval_pass_k}"] = float(np.mean([pass_at_k(n, c, cfg.eval_pass_k) for c in counts]))
+            sampled = SamplingParams(cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
+                                     top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=stop)
+            counts = self.correct(cfg.eval_n_samples, sampled, jax.random.key(1)).sum(axis=1)
+            result[f"eval_pass@{cfg.eval_pass_k}"] = float(np.mean(
+                [pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in counts]))
         return result

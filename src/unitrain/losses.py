@@ -244,3 +244,62 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, ep
     if entropy is not None:
         metrics["entropy"] = tok(entropy)
     return loss_sum, denom, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence log-probabilities and preference losses (DPO).
+# ----------------------------------------------------------------------------------------------
+
+def token_logprobs(logits, targets):
+    """log softmax(logits) at `targets`: [B,T,V] (any float dtype) and [B,T] int -> [B,T] float32."""
+    logits = jnp.asarray(logits, jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z
+
+
+def sequence_logprobs(logits, targets, weights):
+    """Summed log-probabilities of the weighted target tokens of each row: [B,T,V], [B,T], [B,T] {0,1}
+    -> [B] float32. Positions with weight 0 contribute exactly 0 (even a non-finite logit there)."""
+    return jnp.where(weights > 0, token_logprobs(logits, targets), 0.0).sum(axis=-1)
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float,
+             label_smoothing: float = 0.0, weights=None):
+    """Direct Preference Optimization, sigmoid loss (Rafailov et al. 2023; TRL DPOTrainer
+    loss_type="sigmoid", with label smoothing = conservative DPO), in train_step's loss_fn form.
+
+    Inputs [P] (one entry per pair): summed log-probs of the chosen / rejected completion under the
+    policy and under the frozen reference; `weights` [P] {0,1} marks real pairs (None = all real;
+    padding rows of an eval batch get 0). With
+        rewards_c = beta * (pi_c - ref_c),   rewards_r = beta * (pi_r - ref_r),
+        z = rewards_c - rewards_r,
+        loss = -(1 - label_smoothing) * log sigmoid(z) - label_smoothing * log sigmoid(-z)
+    returns (sum of loss over pairs, (number of pairs, metrics)), metrics name -> (sum, count) with
+    stop_gradient, so that micro-batches and devices add up exactly (sum(sums) / sum(counts)):
+      rewards/chosen, rewards/rejected   the implicit rewards
+      rewards/accuracy                   rewards_c > rewards_r (strict: a tie counts as wrong)
+      rewards/margin                     rewards_c - rewards_r
+      logps/chosen, logps/rejected       pi_c, pi_r
+    """
+    pi_c, pi_r, ref_c, ref_r = (jnp.asarray(x, jnp.float32) for x in (policy_chosen, policy_rejected,
+                                                                       ref_chosen, ref_rejected))
+    w = jnp.ones_like(pi_c) if weights is None else jnp.asarray(weights, jnp.float32)
+    rewards_c = beta * (pi_c - ref_c)
+    rewards_r = beta * (pi_r - ref_r)
+    z = rewards_c - rewards_r
+    per_pair = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
+    pairs = w.sum()
+    sg = jax.lax.stop_gradient
+
+    def mean_of(x):
+        return sg(jnp.where(w > 0, x, 0.0).sum()), sg(pairs)
+
+    metrics = {
+        "rewards/chosen": mean_of(rewards_c),
+        "rewards/rejected": mean_of(rewards_r),
+        "rewards/accuracy": mean_of((rewards_c > rewards_r).astype(jnp.float32)),
+        "rewards/margin": mean_of(z),
+        "logps/chosen": mean_of(pi_c),
+        "logps/rejected": mean_of(pi_r),
+    }
+    return jnp.where(w > 0, per_pair, 0.0).sum(), (pairs, metrics)

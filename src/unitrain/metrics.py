@@ -1,4 +1,4 @@
-"""Run logs: metrics.jsonl + TensorBoard scalars/text, the progress line, FLOP accounting, MFU, profiling.
+"""Run logs: metrics.jsonl + TensorBoard scalars/text, the progress line, MFU (the model counts its own FLOPs), profiling.
 
 Only the primary process (jax.process_index() == 0) writes anything; the others accept the same calls
 and do nothing, so the training loop needs no `if primary:` branches.
@@ -150,32 +150,7 @@ def _keep_steps_before(path: Path, resume_step: int) -> None:
     os.replace(tmp, path)
 
 
-# ---------------------------------------------------------------- FLOPs and MFU
-
-def train_flops_per_token(model_cfg, seq_len: int) -> float:
-    """Model FLOPs of one training step (forward + backward) per token, as MaxText and PaLM count them.
-
-    Matmuls: a [tokens, n] x [n, m] product costs 2*n*m FLOPs per token forward and twice that backward
-    (input and weight gradients), so 6 * (matmul parameters) per token. Per layer those parameters are
-        q: E*H*D, k and v: E*K*D each, o: H*D*E, SwiGLU gate, up and down: 3*E*M,
-    plus the lm_head E*V once, tied or not: the logits matmul runs either way. The embedding lookup is
-    a gather, not a matmul, and norms, RoPE, biases and softmax are elementwise: none are counted.
-    Attention: QK^T and PV each cost 2*H*D*T FLOPs per query token forward, i.e. 4*L*H*D*T, times 3 for
-    fwd+bwd = 12*L*H*D*T. T is the full sequence length: no halving for the causal mask (the kernel
-    computes the masked half anyway) and no reduction for a sliding window.
-    """
-    c = model_cfg
-    E, M, H, K, D = c.emb_dim, c.mlp_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
-    per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * M
-    matmul_params = c.num_decoder_layers * per_layer + E * c.vocab_size
-    attention = 12 * c.num_decoder_layers * H * D * seq_len
-    return float(6 * matmul_params + attention)
-
-
-def forward_flops_per_token(model_cfg, seq_len: int) -> float:
-    """Forward-only FLOPs per token (inference, rollouts): one third of the training count."""
-    return train_flops_per_token(model_cfg, seq_len) / 3
-
+# ---------------------------------------------------------------- MFU
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: float, num_devices: int) -> float:
     """Model FLOPs utilisation as a fraction. tokens_per_sec is global and counts every position of the

@@ -1,12 +1,9 @@
-"""optax AdamW with warmup then cosine/linear/constant decay, global-norm clipping and a weight-decay
-mask that spares norms and biases."""
+"""optax AdamW with warmup then cosine/linear/constant decay, global-norm clipping and the model's
+weight-decay mask (models/base.py: decay_mask)."""
 
 from __future__ import annotations
 
-import jax
 import optax
-
-_NO_DECAY = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "bk", "bv")
 
 
 def learning_rate_schedule(cfg) -> optax.Schedule:
@@ -23,12 +20,8 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
-def decay_mask(params):
-    """True for the matrices that weight decay applies to (not norms, not biases)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in _NO_DECAY, params)
-
-
-def make_optimizer(cfg) -> optax.GradientTransformation:
+def make_optimizer(cfg, decay_mask) -> optax.GradientTransformation:
+    """decay_mask: a pytree of bools shaped like the parameters (True = weight decay applies)."""
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                         weight_decay=cfg.weight_decay, mask=decay_mask)
     if cfg.max_grad_norm > 0:

@@ -14,8 +14,6 @@ the host, one sample at a time. Built-ins:
 """
 from __future__ import annotations
 
-import difflib
-import importlib
 import logging
 import math
 import numbers
@@ -27,6 +25,8 @@ from typing import Callable
 import numpy as np
 
 from unitrain.config import ConfigError
+from unitrain import plugins
+from unitrain.plugins import did_you_mean, one_line
 
 log = logging.getLogger("unitrain")
 
@@ -128,35 +128,12 @@ BUILTINS: dict[str, Callable[..., Reward]] = {
 
 # ---------------------------------------------------------------- resolution and the reward function
 
-def _plugin(name: str) -> Reward:
-    """`pkg.module:function` (the function may be dotted, e.g. module:Class.method), imported now."""
-    module_name, _, attr = name.partition(":")
-    where = f"config key 'reward' names plugin '{name}'"
-    if not module_name or not attr:
-        raise ConfigError(f"{where}, which is not of the form pkg.module:function")
-    try:
-        obj = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ConfigError(f"{where} but module '{e.name}' is not found on the Python path") from None
-        raise ConfigError(f"{where} but importing '{module_name}' failed: {_one_line(e)}") from None
-    except Exception as e:  # a plugin with a bug at import time
-        raise ConfigError(f"{where} but importing '{module_name}' failed: {_one_line(e)}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{where} but module '{module_name}' has no attribute '{attr}'{_did_you_mean(part, dir(obj))}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{where} but '{attr}' is a {type(obj).__name__}, not a function (prompt, completion, label) -> float")
-    return obj
-
-
 def _resolve(name: str, cfg) -> Reward:
     if name in BUILTINS:
         return BUILTINS[name](cfg)
     if ":" in name:
-        return _plugin(name)
-    raise ConfigError(f"config key 'reward' names unknown reward '{name}'{_did_you_mean(name, BUILTINS)} "
+        return plugins.load(name, "reward", "a function (prompt, completion, label) -> float")
+    raise ConfigError(f"config key 'reward' names unknown reward '{name}'{did_you_mean(name, BUILTINS)} "
                       f"(built-ins: {', '.join(BUILTINS)}; a plugin is written pkg.module:function)")
 
 
@@ -188,10 +165,10 @@ class RewardFn:
             try:
                 value = fn(*sample)
             except Exception as e:
-                raise RewardError(_sample_error(name, f"raised {_one_line(e)}", sample)) from e
+                raise RewardError(_sample_error(name, f"raised {one_line(e)}", sample)) from e
             # A NaN or a string would silently poison the advantages: stop at the sample that made it.
             if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise RewardError(_sample_error(name, f"returned {_one_line(repr(value))}, not a finite number", sample))
+                raise RewardError(_sample_error(name, f"returned {one_line(repr(value))}, not a finite number", sample))
             values[i] = value
         return values
 
@@ -218,14 +195,3 @@ def _sample_error(name: str, what: str, sample: tuple[str, str, str]) -> str:
 def _clip(text, limit: int = 200) -> str:
     text = str(text)
     return repr(text[:limit] + "...") if len(text) > limit else repr(text)
-
-
-def _one_line(e) -> str:
-    text = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else str(e)
-    text = " ".join(text.split())
-    return text[:300] + "..." if len(text) > 300 else text
-
-
-def _did_you_mean(name: str, known) -> str:
-    hint = difflib.get_close_matches(name, list(known), n=1)
-    return f"; did you mean '{hint[0]}'?" if hint else ""

@@ -10,9 +10,12 @@ import math
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from unitrain.config import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -93,6 +96,12 @@ def state_shardings(state, mesh: Mesh, rules: Rules):
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
 
 
+def logical_shardings(axes_tree, mesh: Mesh, rules: Rules):
+    """NamedShardings for a pytree of logical-axis tuples (a model's param_axes()), shapes unchecked."""
+    return jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes, rules)), axes_tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
 def _check_divisible(name: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:
     for dim, (size, axes) in enumerate(zip(shape, spec)):
         if axes is None:
@@ -103,6 +112,27 @@ def _check_divisible(name: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:
             raise ValueError(
                 f"parameter {name} dimension {dim} (size {size}) cannot be split over mesh axes {axes} "
                 f"({parts} devices); change logical_axis_rules or the *_parallelism sizes")
+
+
+def param_axes(state) -> dict:
+    """The logical axes of every Variable of an NNX state, as a pure dict (nnx.to_pure_dict's layout)."""
+    return nnx.to_pure_dict(jax.tree.map(lambda var: var.replace(logical_axes_of(var)), state, is_leaf=_is_variable))
+
+
+def check_not_replicated(abstract_state, mesh: Mesh, rules: Rules, limit_mib: float) -> None:
+    """A large parameter copied whole onto every device is almost always a wrong axis rule: stop
+    before anything is materialised."""
+    if mesh.size == 1:
+        return
+    shardings = state_shardings(abstract_state, mesh, rules)
+    for (path, var), (_, s) in zip(nnx.to_flat_state(abstract_state), nnx.to_flat_state(shardings)):
+        mib = math.prod(var.shape) * np.dtype(var.dtype).itemsize / 2**20
+        if s.get_value().is_fully_replicated and mib > limit_mib:
+            name = ".".join(map(str, path))
+            raise ConfigError(
+                f"parameter {name} ({mib:.0f} MiB, logical axes {logical_axes_of(var)}) would be fully "
+                f"replicated on all {mesh.size} devices; map one of its axes to a mesh axis in logical_axis_rules "
+                f"or raise max_replicated_param_mib")
 
 
 def init_sharded(make_module: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> nnx.Module:

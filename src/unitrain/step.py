@@ -52,9 +52,10 @@ def frozen_copy(params: dict, host_offload: bool = False) -> dict:
     return sharding.with_memory_kind(copy, "pinned_host") if host_offload else copy
 
 
-def on_device(params: dict) -> dict:
-    """Inside a jitted function: the parameters in device memory (a no-op for device arrays)."""
-    return jax.device_put(params, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), params))
+def device_shardings(params: dict) -> dict:
+    """The shardings of `params` in device memory: `jax.device_put(p, these)` inside a jitted
+    function brings a host-offloaded copy over (a no-op for parameters already on the device)."""
+    return jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), params)
 
 
 # ---------------------------------------------------------------- the step

@@ -3,10 +3,10 @@
 A mode is a Task subclass registered in tasks/__init__.py (or named in the config as
 `mode: pkg.module:Class`). The loop knows nothing else of it:
 
-    task = Mode(run)                         # run: the RunContext train.py built
+    task = Mode(run)                         # run: the RunContext of run.build_run
     state, metrics = task.step(state, step)  # one optimizer step (or several, for RL): data -> update
     task.data_iterator                       # get_state()/set_state(): checkpointed with the state
-    task.evaluate(params) -> {name: value}   # every eval_interval steps ({} = nothing to report)
+    task.evaluate(params, step) -> {name: value}   # every eval_interval steps ({} = nothing to report)
     task.samples_text(step) -> str           # extra logs (sampled text for TensorBoard), "" = none
 
 `loss(params, batch)` is the mode's loss in train_step's form (sum, (denominator, metrics)) and
@@ -17,28 +17,9 @@ donated update, and `run.programs` compiles it once per batch shape.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Any
 
-import optax
-from jax.sharding import Mesh
-
-from unitrain.step import CompileCache
-
-
-@dataclasses.dataclass
-class RunContext:
-    """Everything built once for a run, handed to the mode."""
-
-    cfg: Any  # the frozen Config
-    mesh: Mesh
-    rules: tuple  # logical axis rules
-    tokenizer: Any  # unitrain.data.Tokenizer
-    model: Any  # the Model (models/base.py) with its initial parameters placed
-    graphdef: Any  # nnx graph of the model: nnx.merge(graphdef, params) is callable
-    optimizer: optax.GradientTransformation
-    state_shardings: dict  # shardings of {params, opt_state, step}
-    programs: CompileCache  # the run's one ahead-of-time compile cache
+from unitrain.run import RunContext
 
 
 class Task(abc.ABC):
@@ -60,7 +41,8 @@ class Task(abc.ABC):
     def step(self, state: dict, step: int) -> tuple[dict, dict]:
         """One training step: (state, step index) -> (new state, metrics as arrays or numbers)."""
 
-    def evaluate(self, params) -> dict:
+    def evaluate(self, params, step: int) -> dict:
+        """Eval metrics of these parameters (after `step` steps); {} = this mode has nothing to evaluate."""
         return {}
 
     def samples_text(self, step: int) -> str:

@@ -1,4 +1,5 @@
-"""The decoder: one Flax NNX module for the Llama, Qwen2/2.5, Qwen3 and Mistral families.
+"""unitrain's own decoder: one Flax NNX module for the Llama, Qwen2/2.5, Qwen3 and Mistral families,
+implementing the model interface of models/base.py (`model_source: unitrain`, the default).
 
 Every caller (train step, sampler, losses) sees only the common call signature:
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -22,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from unitrain import sharding
+from unitrain import checkpoint, sharding
+from unitrain.config import ConfigError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 REMAT_POLICIES = {
@@ -135,6 +138,10 @@ class DecoderLayers(nnx.Module):
         self.w_down = p(_normal, (M, E), ("mlp", "embed"))
 
 
+# Norms and biases are spared weight decay.
+_NO_DECAY = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "bk", "bv")
+
+
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -143,6 +150,47 @@ class Decoder(nnx.Module):
         self.final_norm = _param(rngs, _ones, (cfg.emb_dim,), ("norm",), cfg.weight_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, _normal, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), cfg.weight_dtype)
+
+    # -- the model interface beside the call (models/base.py)
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def init_cache(self, batch_size: int, max_length: int) -> "KVCache":
+        return init_cache(self.cfg, batch_size, max_length)
+
+    def cache_axes(self) -> "KVCache":
+        return CACHE_AXES
+
+    def param_axes(self) -> dict:
+        return sharding.param_axes(nnx.state(self, nnx.Param))
+
+    def decay_mask(self) -> dict:
+        return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in _NO_DECAY,
+                                                nnx.to_pure_dict(nnx.state(self, nnx.Param)))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of one training step (forward + backward) per token, as MaxText and PaLM count them.
+
+        Matmuls: a [tokens, n] x [n, m] product costs 2*n*m FLOPs per token forward and twice that
+        backward (input and weight gradients), so 6 * (matmul parameters) per token. Per layer those
+        parameters are q: E*H*D, k and v: E*K*D each, o: H*D*E, SwiGLU gate, up and down: 3*E*M,
+        plus the lm_head E*V once, tied or not: the logits matmul runs either way. The embedding
+        lookup is a gather and norms, RoPE, biases and softmax are elementwise: none are counted.
+        Attention: QK^T and PV each cost 2*H*D*T FLOPs per query token forward, times 3 for
+        fwd+bwd = 12*L*H*D*T; T is the full sequence length (no halving for the causal mask, no
+        reduction for a sliding window).
+        """
+        c = self.cfg
+        E, M, H, K, D = c.emb_dim, c.mlp_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
+        per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * M
+        matmul_params = c.num_decoder_layers * per_layer + E * c.vocab_size
+        return float(6 * matmul_params + 12 * c.num_decoder_layers * H * D * seq_len)
+
+    def save_hf(self, path: str) -> None:
+        from unitrain.adapters import hf  # the adapter imports this module
+
+        hf.save(self, path)
 
     def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
         cfg = self.cfg
@@ -297,5 +345,37 @@ def _constrain(cfg: ModelConfig, x, logical_axes):
 
 
 def create(cfg: ModelConfig, seed: int = 0) -> Decoder:
-    """A randomly initialised model (unsharded); see sharding.create_sharded for the sharded path."""
+    """A randomly initialised model (unsharded); see sharding.init_sharded for the sharded path."""
     return Decoder(cfg, rngs=nnx.Rngs(params=seed))
+
+
+# ---------------------------------------------------------------- the model source
+
+def source(cfg, mesh) -> Decoder:
+    """The decoder of the config with its parameters placed in their shardings: random init, HF
+    weights, or the parameters of a unitrain checkpoint (`load_parameters_path`)."""
+    model_cfg = ModelConfig.from_config(cfg)
+    rules = model_cfg.logical_axis_rules
+    # Checked on the abstract model, before any parameter is materialised.
+    sharding.check_not_replicated(nnx.state(nnx.eval_shape(lambda: create(model_cfg))), mesh, rules,
+                                  cfg.max_replicated_param_mib)
+    path = cfg.load_parameters_path
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        from unitrain.adapters import hf
+
+        _check_dims_match(cfg, hf.model_config_from_hf(path, cfg.trust_remote_code), path)
+        execution = {k: getattr(model_cfg, k) for k in ("weight_dtype", "remat_policy", "scan_layers")}
+        return hf.load(path, model_cfg.dtype, mesh, rules=rules, trust_remote_code=cfg.trust_remote_code, **execution)
+    model = sharding.init_sharded(lambda: create(model_cfg, cfg.seed), mesh, rules)
+    if path:
+        graphdef, params = nnx.split(model)
+        model = nnx.merge(graphdef, checkpoint.load_params(path, nnx.to_pure_dict(params)))
+    return model
+
+
+def _check_dims_match(cfg, hf_cfg: ModelConfig, path: str) -> None:
+    for key in ("model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads",
+                "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings"):
+        if getattr(hf_cfg, key) != cfg[key]:
+            raise ConfigError(f"load_parameters_path {path} has {key}={getattr(hf_cfg, key)} but the config says "
+                              f"{key}={cfg[key]}; set model_name to the matching model (or override {key})")

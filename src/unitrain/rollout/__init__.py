@@ -1,0 +1,26 @@
+"""Rollouts: the sampler interface (base.py), the colocated JAX sampler (colocated.py), and the one
+path from prompts to scored, filtered groups that GRPO and the evaluations share (groups.py).
+`sampler` picks the engine:
+
+    colocated        the training parameters, sampled in-process (default)
+    pkg.module:fn    any fn(run) -> Sampler (another mesh, an external engine)
+"""
+
+from __future__ import annotations
+
+from unitrain.rollout.base import Completions, Sampler, SamplingParams
+
+# Short names of the built-in samplers and dynamic-sampling filters ("module:symbol", imported
+# only when chosen).
+SAMPLERS = {"colocated": "unitrain.rollout.colocated:from_run"}
+FILTERS = {"nonzero_std": "unitrain.rollout.groups:nonzero_std"}
+
+
+def make_sampler(run) -> Sampler:
+    """The configured sampler for this run."""
+    from unitrain import plugins
+
+    return plugins.resolve(run.cfg.sampler, SAMPLERS, "sampler", "a sampler factory (run) -> Sampler")(run)
+
+
+__all__ = ["FILTERS", "SAMPLERS", "Completions", "Sampler", "SamplingParams", "make_sampler"]

@@ -1,0 +1,211 @@
+"""The colocated JAX sampler: samples with the training parameters themselves (no copy), prefill
+of a left-padded prompt block, then decode in one `lax.while_loop`.
+
+    sampler = ColocatedSampler(model, pad_id=tok.pad_id, mesh=mesh, rules=rules)
+    sampler.update_weights(state["params"], version=step)
+    out = sampler.generate(prompts, SamplingParams(max_new_tokens=64, temperature=1.0), key)
+    out.tokens, out.mask, out.logprobs, out.lengths, out.version   # numpy, one row per prompt
+
+Everything from prefill to the last token runs inside one jitted function (no Python loop over
+tokens, no host sync). Shapes are bucketed so that a run compiles a bounded number of times:
+
+  - prompt block P: the longest prompt rounded up to a power of two, at least `MIN_PROMPT_BUCKET`;
+  - batch B: the number of prompts rounded up to a power of two, then (under a mesh) up to a
+    multiple of the number of devices the `batch` axis is split over; pad rows are dropped;
+  - N = max_new_tokens is used as given.
+
+Programs are compiled through the run's CompileCache, keyed by the graph, B, P, N, the static
+sampling choices and the parameter shapes and shardings; every compile is logged. Temperature,
+top-p and the stop ids are runtime values: changing them does not recompile (only greedy vs
+sampling, top-k, top-p on/off and the number of stop ids are static). The model is used only
+through the model interface (call, init_cache, cache_axes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from unitrain import sharding
+from unitrain.rollout.base import Completions, SamplingParams
+from unitrain.step import CompileCache, full_rows_to_global, to_host
+
+log = logging.getLogger("unitrain")
+
+MIN_PROMPT_BUCKET = 16
+
+
+def bucket_prompt_length(n: int) -> int:
+    """Smallest power of two >= n, at least MIN_PROMPT_BUCKET."""
+    return max(MIN_PROMPT_BUCKET, _next_pow2(n))
+
+
+def bucket_batch_size(n: int, multiple: int = 1) -> int:
+    """Smallest power of two >= n, then rounded up to a multiple of `multiple` (data-parallel size)."""
+    b = _next_pow2(n)
+    return -(-b // multiple) * multiple
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def batch_parallelism(mesh, rules) -> int:
+    """How many devices the logical `batch` axis is split over under these rules."""
+    axes = sharding.logical_to_spec(("batch",), rules)[0]
+    if axes is None:
+        return 1
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling from one step's logits
+
+
+def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool):
+    """-> (token [B] int32, logprob [B] float32) of the token under the distribution it came from."""
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        token = jnp.argmax(logits, axis=-1)
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        if top_k:
+            kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+            scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+        if use_top_p:
+            ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+            probs = jax.nn.softmax(ordered, axis=-1)
+            mass_before = jnp.cumsum(probs, axis=-1) - probs
+            # Keep the smallest prefix whose mass reaches top_p; the top-1 always has mass_before 0.
+            keep = (mass_before < top_p).at[:, 0].set(True)
+            threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+            scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
+        logprobs = jax.nn.log_softmax(scaled, axis=-1)
+        token = jax.random.categorical(key, scaled, axis=-1)
+    token = token.astype(jnp.int32)
+    return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The jitted program
+
+
+def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: int, use_top_p: bool, cache_rules):
+    def run(params, tokens, positions, segments, prompt_lens, stop_ids, temperature, top_p, rng):
+        model = nnx.merge(graphdef, params)
+        cache = model.init_cache(B, P + N)
+        if cache_rules is not None:
+            specs = jax.tree.map(lambda axes: sharding.logical_to_spec(axes, cache_rules), model.cache_axes(),
+                                 is_leaf=lambda x: isinstance(x, tuple))
+            cache = jax.lax.with_sharding_constraint(cache, specs)
+        sample = lambda logits, i: _sample(logits, jax.random.fold_in(rng, i), temperature, top_p,
+                                           greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+        is_stop = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
+
+        logits, cache = model(tokens, positions, segments, cache)
+        # Left padding: every real row's last prompt token sits in the last column.
+        token, logprob = sample(logits[:, -1], 0)
+        done = prompt_lens == 0  # batch-padding rows never emit
+        emit = ~done
+        out_tokens = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(jnp.where(emit, token, pad_id))
+        out_mask = jnp.zeros((B, N), jnp.int32).at[:, 0].set(emit.astype(jnp.int32))
+        out_logprobs = jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(emit, logprob, 0.0))
+        done = done | is_stop(token)
+
+        def cond(carry):
+            i, _, _, _, _, done, _ = carry
+            return (i < N) & ~jnp.all(done)
+
+        def body(carry):
+            i, cache, out_tokens, out_mask, out_logprobs, done, last = carry
+            pos = (prompt_lens + i - 1)[:, None]
+            logits, cache = model(last[:, None], pos, jnp.ones((B, 1), jnp.int32), cache)
+            token, logprob = sample(logits[:, 0], i)
+            emit = ~done
+            token = jnp.where(emit, token, pad_id)
+            col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None].astype(a.dtype), i, axis=1)
+            out_tokens = col(out_tokens, token)
+            out_mask = col(out_mask, emit)
+            out_logprobs = col(out_logprobs, jnp.where(emit, logprob, 0.0))
+            done = done | is_stop(token)
+            return i + 1, cache, out_tokens, out_mask, out_logprobs, done, token
+
+        carry = (jnp.int32(1), cache, out_tokens, out_mask, out_logprobs, done, jnp.where(emit, token, pad_id))
+        _, _, out_tokens, out_mask, out_logprobs, _, _ = jax.lax.while_loop(cond, body, carry)
+        return {"tokens": out_tokens, "mask": out_mask, "logprobs": out_logprobs,
+                "lengths": out_mask.sum(axis=1, dtype=jnp.int32)}
+
+    return jax.jit(run)
+
+
+class ColocatedSampler:
+    """The sampler interface (rollout/base.py) over parameters that live where training keeps them.
+
+    Under a mesh the parameters must already be sharded; the prompt block is split over the
+    logical `batch` axis of `rules`. With several processes every process passes the same prompts
+    and gets the whole result back. Top-k keeps every token tied with the k-th largest logit.
+    """
+
+    def __init__(self, model, *, pad_id: int = 0, mesh=None, rules=None, programs: CompileCache | None = None):
+        self.graphdef, params = nnx.split(model)
+        self.params, self.version = nnx.to_pure_dict(params), 0
+        self.vocab_size, self.pad_id, self.mesh = model.vocab_size, pad_id, mesh
+        self.rules = sharding.rules_from_config(rules or sharding.DEFAULT_RULES) if mesh is not None else None
+        self.programs = programs if programs is not None else CompileCache(mesh)
+
+    def update_weights(self, params, version: int) -> None:
+        self.params, self.version = params, version  # colocated: the trainer's own arrays, no copy
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
+        """`logprobs` is each sampled token's log-prob under the temperature-scaled, top-k/top-p
+        filtered distribution it was drawn from (greedy: log-softmax of the raw logits)."""
+        if not prompt_ids:
+            raise ValueError("generate needs at least one prompt")
+        lens = np.asarray([len(p) for p in prompt_ids], np.int32)
+        if lens.min() < 1:
+            raise ValueError("every prompt needs at least one token")
+        n_real, N = len(prompt_ids), sampling.max_new_tokens
+        B = bucket_batch_size(n_real, batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1)
+        P = bucket_prompt_length(int(lens.max()))
+        block = _left_padded(prompt_ids, B, P, self.pad_id)
+        greedy = sampling.temperature == 0.0
+        top_k = 0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k
+        use_top_p = not greedy and sampling.top_p < 1.0
+        stop_ids = np.asarray(sampling.stop_token_ids, np.int32).reshape(-1)
+        if self.mesh is not None:
+            rows2d = sharding.batch_sharding(self.mesh, self.rules)
+            block = full_rows_to_global(block, {"tokens": rows2d, "positions": rows2d, "segments": rows2d,
+                                                "prompt_lens": sharding.batch_sharding(self.mesh, self.rules, ("batch",))})
+            stop_ids = full_rows_to_global({"stop": stop_ids}, sharding.replicated(self.mesh))["stop"]
+        args = (self.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"], stop_ids,
+                np.float32(sampling.temperature if not greedy else 1.0), np.float32(sampling.top_p), key)
+        static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules)
+        out = self.programs(f"generate (batch={B} prompt={P} new={N})", None, *args, static=static,
+                            build=lambda: _build(self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules))
+        out = {k: to_host(v)[:n_real] for k, v in out.items()}
+        return Completions(out["tokens"], out["mask"], out["logprobs"], out["lengths"], self.version)
+
+
+def _left_padded(prompt_ids: list[list[int]], B: int, P: int, pad_id: int) -> dict:
+    """The prompt block: each prompt ends in the last column; rows past the prompts are all padding."""
+    block = {"tokens": np.full((B, P), pad_id, np.int32), "positions": np.zeros((B, P), np.int32),
+             "segments": np.zeros((B, P), np.int32), "prompt_lens": np.zeros((B,), np.int32)}
+    for b, p in enumerate(prompt_ids):
+        n = len(p)
+        block["tokens"][b, P - n:] = p
+        block["positions"][b, P - n:] = np.arange(n)
+        block["segments"][b, P - n:] = 1
+        block["prompt_lens"][b] = n
+    return block
+
+
+def from_run(run) -> ColocatedSampler:
+    """The sampler factory of `sampler: colocated`."""
+    return ColocatedSampler(run.model, pad_id=run.tokenizer.pad_id, mesh=run.mesh, rules=run.rules,
+                            programs=run.programs)

@@ -1,0 +1,66 @@
+"""From prompts to scored groups: the one path GRPO's rollouts and the task evaluations share.
+
+    groups = collect_groups(sampler, prompts, n, sampling, key, tokenizer, reward_fn)
+    kept = [g for g in groups if keep(g)]           # a dynamic-sampling filter sees whole groups
+
+A group is one prompt's n completions with their decoded texts and rewards. Filters are
+`dynamic_sampling_filter`: a built-in name from rollout.FILTERS or a plugin `pkg.module:fn(group) -> bool`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from unitrain import plugins
+from unitrain.config import ConfigError
+from unitrain.rollout import FILTERS
+from unitrain.rollout.base import Completions, Sampler, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    prompt: object  # unitrain.data.Prompt: ids, text, label
+    completions: Completions  # n rows
+    texts: list[str]  # decoded completions
+    rewards: np.ndarray  # [n] float32, the weighted total
+    per_reward: dict[str, np.ndarray]  # each reward's raw [n] values
+
+
+def collect_groups(sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array,
+                   tokenizer, reward_fn) -> list[Group]:
+    """n completions of every prompt in one generate call, decoded and scored."""
+    rows = [p for p in prompts for _ in range(n)]
+    out = sampler.generate([list(p.ids) for p in rows], sampling, key)
+    texts = [tokenizer.decode(t[:l]) for t, l in zip(out.tokens, out.lengths)]
+    total, per_reward = reward_fn([p.text for p in rows], texts, [p.label for p in rows])
+    groups = []
+    for g, prompt in enumerate(prompts):
+        r = slice(g * n, (g + 1) * n)
+        groups.append(Group(prompt, out[r], texts[r], total[r], {k: v[r] for k, v in per_reward.items()}))
+    return groups
+
+
+def nonzero_std(group: Group) -> bool:
+    """Keep a group only if its rewards differ: equal rewards give zero advantage, hence no signal."""
+    return bool(np.std(group.rewards) > 0)
+
+
+def make_filter(spec: str):
+    """"" (keep every group), a FILTERS name or a plugin `pkg.module:fn(group) -> bool`."""
+    if spec == "":
+        return None
+    return plugins.resolve(spec, FILTERS, "dynamic_sampling_filter", "a function (group) -> bool")
+
+
+def select_groups(kept: list, dropped: list, batch_size: int) -> tuple[list, int, int]:
+    """The step's groups: those that passed the filter, topped up with dropped ones when the
+    sampling rounds ran out (shapes stay static; a zero-std group only adds zero advantages).
+    Returns (groups, number discarded, number refilled)."""
+    refilled = min(max(0, batch_size - len(kept)), len(dropped))
+    groups = (kept + dropped[:refilled])[:batch_size]
+    if len(groups) < batch_size:
+        raise ConfigError("the prompt stream ran out before a rollout batch was full; raise num_epochs")
+    return groups, len(dropped) - refilled, refilled

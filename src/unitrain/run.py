@@ -1,0 +1,56 @@
+"""A run: everything built once from the config (mesh, tokenizer, model, optimizer, train state,
+the compile cache) and handed to the mode. Used by the entry (train.py) and the tools alike.
+
+    run, state = build_run(cfg)
+    task = tasks.create(run)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from unitrain import data, models, sharding
+from unitrain import step as step_lib
+from unitrain.config import ConfigError
+from unitrain.optimizer import make_optimizer
+
+
+@dataclasses.dataclass
+class RunContext:
+    """Everything built once for a run, handed to the mode."""
+
+    cfg: Any  # the frozen Config
+    mesh: Mesh
+    rules: tuple  # logical axis rules
+    tokenizer: Any  # unitrain.data.Tokenizer
+    model: Any  # the Model (models/base.py) with its initial parameters placed
+    graphdef: Any  # nnx graph of the model: nnx.merge(graphdef, params) is callable
+    init_params: dict  # the starting parameters; the first step donates them: copy what you keep
+    optimizer: optax.GradientTransformation
+    state_shardings: dict  # shardings of {params, opt_state, step}
+    programs: step_lib.CompileCache  # the run's one ahead-of-time compile cache
+
+
+def build_run(cfg) -> tuple[RunContext, dict]:
+    """The mesh, tokenizer, model, optimizer and train state of a run; the state is {params,
+    opt_state, step} with every array in its sharding."""
+    mesh = sharding.mesh_from_config(cfg)
+    rules = sharding.rules_from_config(cfg.logical_axis_rules)
+    tokenizer = data.load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
+    model = models.build(cfg, mesh)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(f"tokenizer_path has {tokenizer.vocab_size} tokens but the model has {model.vocab_size}")
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    optimizer = make_optimizer(cfg, model.decay_mask())
+    state = step_lib.init_state(params, optimizer, mesh, cfg.optimizer_host_offload)
+    run = RunContext(cfg=cfg, mesh=mesh, rules=rules, tokenizer=tokenizer, model=model, graphdef=graphdef,
+                     init_params=params, optimizer=optimizer, state_shardings=jax.tree.map(lambda x: x.sharding, state),
+                     programs=step_lib.CompileCache(mesh))
+    return run, state
