@@ -21,12 +21,15 @@ FAMILY_VARIANTS = {
     "qwen2": dict(tie=True),
     "qwen3": dict(),
     "mistral": dict(sliding_window=64),
+    # Every 6th layer global, the others sliding over 64 positions; linear RoPE scaling on the global ones.
+    "gemma3": dict(tie=True, layers=6, sliding_window=64, rope_scaling="linear"),
 }
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    """tiny_checkpoint(family) -> dir of a random tiny HF checkpoint made by tools/make_tiny_model.py.
+    """tiny_checkpoint(family, **variant) -> dir of a random tiny HF checkpoint made by
+    tools/make_tiny_model.py, with `variant` (make_tiny_model's keywords) or else FAMILY_VARIANTS[family].
 
     A large init std makes attention sharp, so a wrong mask or RoPE changes logits visibly.
     """
@@ -34,11 +37,12 @@ def tiny_checkpoint(tmp_path_factory):
 
     made = {}
 
-    def get(family: str):
-        if family not in made:
-            made[family] = make_tiny_model(tmp_path_factory.mktemp(f"hf_{family}"), family, init_std=0.25,
-                                           **FAMILY_VARIANTS[family])
-        return made[family]
+    def get(family: str, **variant):
+        key = (family, tuple(sorted(variant.items())))
+        if key not in made:
+            made[key] = make_tiny_model(tmp_path_factory.mktemp(f"hf_{family}"), family, init_std=0.25,
+                                        **(variant or FAMILY_VARIANTS[family]))
+        return made[key]
 
     return get
 

@@ -21,7 +21,7 @@ TOY = textwrap.dedent('''
 
     from unitrain import sharding
     from unitrain import step as step_lib
-    from unitrain.rollout import Completions
+    from unitrain.rollout.base import Completions
     from unitrain.tasks.base import Task
 
     TARGET = 7
@@ -150,12 +150,12 @@ def test_a_toy_sampler_from_outside_the_package_feeds_grpo(tmp_path, toy):
 @pytest.mark.parametrize("override, message", [
     ("mode=spt", "config key 'mode' expects one of sft | grpo | dpo or pkg.module:symbol"),
     ("mode=no_such_module:Task", "config key 'mode' names 'no_such_module:Task' but module 'no_such_module' is not found"),
-    ("sampler=unitrain.rollout:NoSuch", "config key 'sampler' names 'unitrain.rollout:NoSuch' but module 'unitrain.rollout' has no attribute 'NoSuch'"),
+    ("mode=grpo sampler=unitrain.rollout:NoSuch", "config key 'sampler' names 'unitrain.rollout:NoSuch' but module 'unitrain.rollout' has no attribute 'NoSuch'"),
     ("model_source=unitrain.models:SOURCES", "config key 'model_source' names 'unitrain.models:SOURCES' but 'SOURCES' is a dict"),
     ("dynamic_sampling_filter=nonzero", "config key 'dynamic_sampling_filter' expects"),
 ])
 def test_plugin_mistakes_are_one_line_and_exit_2(tmp_path, capsys, override, message):
-    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, "steps=1", override]
+    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, "steps=1", *override.split()]
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
@@ -169,7 +169,7 @@ def test_choice_lists_come_from_the_registries():
     base = str(REPO / "configs" / "base.yml")
     for key, table in (("mode", MODES), ("model_source", SOURCES), ("sampler", SAMPLERS)):
         for name in table:
-            assert load_config([base, f"{key}={name}"])[key] == name
+            assert load_config([base, f"{key}={name}", "per_device_batch_size=1"])[key] == name
     assert load_config([base, f"dynamic_sampling_filter={next(iter(FILTERS))}"])
     with pytest.raises(ConfigError, match="one of sft | grpo | dpo"):
         load_config([base, "mode=rl"])

@@ -195,12 +195,12 @@ def test_plugin_is_used_and_only_named_modules_are_imported(plugin_dir):
 
 
 def test_plugin_name_errors(plugin_dir):
-    assert "config key 'reward' names plugin 'nosuchmod_xyz:f' but module 'nosuchmod_xyz' is not found" in config_error("reward=nosuchmod_xyz:f")
+    assert "config key 'reward' names 'nosuchmod_xyz:f' but module 'nosuchmod_xyz' is not found" in config_error("reward=nosuchmod_xyz:f")
     assert "has no attribute 'scor'; did you mean 'score'?" in config_error("reward=myplug:scor")
     assert "'CONSTANT' is a int, not a function" in config_error("reward=myplug:CONSTANT")
     msg = config_error("reward=brokenplug:f")
     assert "importing 'brokenplug' failed: ModuleNotFoundError" in msg and "no_such_dependency_xyz" in msg
-    assert "not of the form pkg.module:function" in config_error("reward=myplug:")
+    assert "not of the form pkg.module:symbol" in config_error("reward=myplug:")
 
 
 def test_unknown_builtin_did_you_mean():

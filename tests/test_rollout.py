@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from unitrain.models import decoder as model_lib
-from unitrain import rollout, sharding
+from unitrain import sharding
 from unitrain.rollout import colocated
+from unitrain.rollout.base import SamplingParams
 
 CFG = model_lib.ModelConfig(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
                             num_kv_heads=2, head_dim=8)
@@ -57,7 +58,7 @@ def generate(model, prompts, sampling, key, mesh=None, rules=None):
 
 
 def greedy(model, prompts, n=6, **kw):
-    return generate(model, prompts, rollout.SamplingParams(max_new_tokens=n, temperature=0.0, **kw),
+    return generate(model, prompts, SamplingParams(max_new_tokens=n, temperature=0.0, **kw),
                             jax.random.key(0))
 
 
@@ -98,7 +99,7 @@ def test_stop_token_ends_only_its_row():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_equal_full_forward(temperature):
     model = tiny_model()
-    params = rollout.SamplingParams(max_new_tokens=5, temperature=temperature)
+    params = SamplingParams(max_new_tokens=5, temperature=temperature)
     out = generate(model, PROMPTS, params, jax.random.key(1))
     assert out.logprobs.dtype == np.float32
     for b, prompt in enumerate(PROMPTS):
@@ -112,7 +113,7 @@ def test_logprobs_equal_full_forward(temperature):
 def test_top_k_samples_only_the_top_k():
     model = tiny_model()
     prompt = PROMPTS[1]
-    params = rollout.SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3)
+    params = SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3)
     out = generate(model, [prompt] * 64, params, jax.random.key(2))
     top3 = set(np.argsort(full_logits(model, prompt)[-1])[-3:].tolist())
     assert set(out.tokens[:, 0].tolist()) == top3
@@ -131,7 +132,7 @@ def nucleus(logits, p):
 def test_top_p_samples_only_the_nucleus():
     model = tiny_model()
     prompt = PROMPTS[0]
-    params = rollout.SamplingParams(max_new_tokens=3, top_p=0.5)
+    params = SamplingParams(max_new_tokens=3, top_p=0.5)
     out = generate(model, [prompt] * 64, params, jax.random.key(3))
     first = nucleus(full_logits(model, prompt)[-1], 0.5)
     assert set(out.tokens[:, 0].tolist()) == first  # 64 draws see every member of a small nucleus
@@ -144,7 +145,7 @@ def test_top_p_samples_only_the_nucleus():
 
 def test_prompts_in_one_bucket_compile_once(caplog):
     model = tiny_model()
-    params = rollout.SamplingParams(max_new_tokens=7, temperature=0.0)
+    params = SamplingParams(max_new_tokens=7, temperature=0.0)
     sampler = colocated.ColocatedSampler(model)
     with caplog.at_level(logging.INFO, logger="unitrain"):
         a = sampler.generate([list(range(1, 6))] * 3, params, jax.random.key(0))
@@ -161,7 +162,7 @@ def test_sharded_greedy_equals_unsharded():
     cfg = dataclasses.replace(CFG, logical_axis_rules=sharding.DEFAULT_RULES)
     model = scaled(sharding.init_sharded(lambda: model_lib.create(cfg), mesh, sharding.DEFAULT_RULES))
     assert model.embed[...].addressable_shards[0].data.shape == (64, 32 // 8)
-    params = rollout.SamplingParams(max_new_tokens=6, temperature=0.0)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
     out = generate(model, PROMPTS, params, jax.random.key(0), mesh=mesh, rules=sharding.DEFAULT_RULES)
     reference = greedy(tiny_model(), PROMPTS)
     for k in ("tokens", "mask", "lengths"):

@@ -20,9 +20,10 @@ import sys
 
 import jax
 
-from unitrain import models, rollout, sharding
+from unitrain import models, sharding
 from unitrain.config import ConfigError, load_config
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import ColocatedSampler
 
 
@@ -65,7 +66,7 @@ def run(args) -> None:
     bos = [] if args.chat or tok.bos_id is None else [tok.bos_id]  # a chat template owns its specials
     ids = [bos + tok.encode(t) for t in texts]
     try:
-        params = rollout.SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, (tok.eos_id,))
+        params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, (tok.eos_id,))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     mesh = sharding.mesh_from_config(cfg)

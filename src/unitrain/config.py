@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import os
 import posixpath
@@ -25,7 +26,6 @@ from typing import Any, Callable, NamedTuple
 import yaml
 
 # The choice lists live beside their implementations; these modules import nothing heavy.
-from unitrain.losses import ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES
 from unitrain.models import SOURCES
 from unitrain.rollout import FILTERS, SAMPLERS
 from unitrain.tasks import MODES
@@ -59,6 +59,23 @@ def is_plugin_spec(value) -> bool:
 def builtin_or_plugin(table) -> Rule:
     """A short name of a built-in in `table` (the registry beside the implementations) or a plugin."""
     return Rule(lambda v: v in table or is_plugin_spec(v), "one of " + " | ".join(table) + " or pkg.module:symbol")
+
+
+class _Later:
+    """Text computed when first shown: the choices of a module that imports JAX, which importing
+    this module must not do."""
+
+    def __init__(self, text: Callable[[], str]):
+        self.text = text
+
+    def __str__(self):
+        return self.text()
+
+
+def choices_of(module: str, name: str) -> Rule:
+    """One of the names in `module.name`, a tuple kept beside the implementations, read at validation."""
+    table = lambda: getattr(importlib.import_module(module), name)
+    return Rule(lambda v: v in table(), _Later(lambda: "one of " + " | ".join(table())))
 
 
 def optional(rule: Rule) -> Rule:
@@ -154,13 +171,13 @@ RULES: dict[str, Rule] = {
     "rollout_temperature": POSITIVE,
     "rollout_top_p": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
     "rollout_top_k": NON_NEGATIVE,
-    "advantage_estimator": choices(*ADV_ESTIMATORS),
+    "advantage_estimator": choices_of("unitrain.losses", "ADV_ESTIMATORS"),
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),
     "eps_clip_c": optional(Rule(lambda v: _is_num(v) and v > 1, "a number > 1")),
-    "loss_agg_mode": choices(*LOSS_AGG_MODES),
+    "loss_agg_mode": choices_of("unitrain.losses", "LOSS_AGG_MODES"),
     "kl_coef": NON_NEGATIVE,
-    "kl_type": choices(*KL_TYPES),
+    "kl_type": choices_of("unitrain.losses", "KL_TYPES"),
     "entropy_coef": NON_NEGATIVE,
     "num_iterations": POSITIVE_INT,
     "eval_pass_k": POSITIVE_INT,

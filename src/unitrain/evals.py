@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from unitrain import data
-from unitrain.rollout import SamplingParams
+from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.groups import collect_groups
 
 

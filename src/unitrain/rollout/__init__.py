@@ -1,5 +1,7 @@
-"""Rollouts: the sampler interface (base.py), the colocated JAX sampler (colocated.py), and the one
-path from prompts to scored, filtered groups that GRPO and the evaluations share (groups.py).
+"""Rollouts: the sampler interface (base.py: Sampler, SamplingParams, Completions), the colocated
+JAX sampler (colocated.py), and the one path from prompts to scored, filtered groups that GRPO and
+the evaluations share (groups.py). This file holds only the registries (config validation reads
+them without importing JAX) and the factory.
 `sampler` picks the engine:
 
     colocated        the training parameters, sampled in-process (default)
@@ -8,19 +10,14 @@ path from prompts to scored, filtered groups that GRPO and the evaluations share
 
 from __future__ import annotations
 
-from unitrain.rollout.base import Completions, Sampler, SamplingParams
-
 # Short names of the built-in samplers and dynamic-sampling filters ("module:symbol", imported
 # only when chosen).
 SAMPLERS = {"colocated": "unitrain.rollout.colocated:from_run"}
 FILTERS = {"nonzero_std": "unitrain.rollout.groups:nonzero_std"}
 
 
-def make_sampler(run) -> Sampler:
+def make_sampler(run):
     """The configured sampler for this run."""
     from unitrain import plugins
 
     return plugins.resolve(run.cfg.sampler, SAMPLERS, "sampler", "a sampler factory (run) -> Sampler")(run)
-
-
-__all__ = ["FILTERS", "SAMPLERS", "Completions", "Sampler", "SamplingParams", "make_sampler"]

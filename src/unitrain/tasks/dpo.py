@@ -120,9 +120,9 @@ class DPOTask(Task):
     def evaluate(self, params, step) -> dict:
         if not self.eval_batches:
             return {}
+        outs = [self.run.programs("dpo_eval", self.eval_fn, params, self.ref_params, b) for b in self.eval_batches]
         totals: dict = {}
-        for batch in self.eval_batches:
-            sums = jax.device_get(self.run.programs("dpo_eval", self.eval_fn, params, self.ref_params, batch))
+        for sums in jax.device_get(outs):  # one fetch after every batch is dispatched
             for name, (total, count) in sums.items():
                 t, c = totals.get(name, (0.0, 0.0))
                 totals[name] = (t + float(total), c + float(count))

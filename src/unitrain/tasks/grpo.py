@@ -30,6 +30,7 @@ from flax import nnx
 from unitrain import data, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.evals import TaskEvaluator
+from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import bucket_prompt_length
 from unitrain.rollout.groups import collect_groups, make_filter, select_groups
 from unitrain.tasks.base import RunContext, Task
@@ -53,7 +54,7 @@ class GRPOTask(Task):
         # Every process samples the same prompts with the same key (the sampler wants identical
         # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
         self.data_iterator = data.make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
-        self.sampling = rollout.SamplingParams(
+        self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
         self.max_length = cfg.max_prompt_length + cfg.rollout_max_response_len
