@@ -76,3 +76,19 @@ def sigterm_after_step(monkeypatch, step: int):
         yield
     finally:
         monkeypatch.setattr(metrics.MetricsWriter, "write", original)
+
+
+@contextlib.contextmanager
+def only_first_device():
+    """Makes mesh_from_config build a 1-device mesh inside an 8-device process: the reference run."""
+    import jax
+
+    from unitrain import sharding
+
+    original = sharding.mesh_from_config
+    ones = dict(data=1, fsdp=1, tensor=1)
+    sharding.mesh_from_config = lambda cfg: sharding.create_mesh(ones, ones, jax.devices()[:1])
+    try:
+        yield
+    finally:
+        sharding.mesh_from_config = original

@@ -16,7 +16,7 @@ from unitrain import distributed, models, run, sharding, tasks, train
 from unitrain import step as step_lib
 from unitrain.config import ConfigError, load_config
 
-from conftest import REPO
+from conftest import REPO, only_first_device
 
 SFT = ["max_target_length=32", "eval_interval=0", "peak_flops_per_device=1e12", "log_period=1",
        "builtin_task_digits=2", "warmup_steps=2", "steps=5"]
@@ -78,27 +78,13 @@ def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
     common = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "kl_coef=0.1", "eps_clip_c=3.0",
               "loss_agg_mode=seq-mean-token-sum-norm", "rollout_max_response_len=24"]
     # The 1-device reference: the same config (8 rows per update) on a mesh of the first device only.
-    with _only_first_device():
+    with only_first_device():
         reference = grpo_update(config(tmp_path, *common, "per_device_batch_size=1"), batch)
     for mesh in MESHES.values():
         loss, params = grpo_update(config(tmp_path, *common, "per_device_batch_size=1", *mesh), batch)
         assert loss == pytest.approx(reference[0], rel=1e-5)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference[1])):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
-class _only_first_device:
-    """Makes mesh_from_config build a 1-device mesh inside an 8-device process."""
-
-    def __init__(self):
-        self.original = sharding.mesh_from_config
-
-    def __enter__(self):
-        ones = dict(data=1, fsdp=1, tensor=1)
-        sharding.mesh_from_config = lambda cfg: sharding.create_mesh(ones, ones, jax.devices()[:1])
-
-    def __exit__(self, *exc):
-        sharding.mesh_from_config = self.original
 
 
 def test_optimizer_offload_keeps_the_curve_and_lives_on_host(tmp_path):

@@ -3,6 +3,7 @@ against transformers' PyTorch forward of the same random HF checkpoint, per fami
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -256,6 +257,35 @@ def test_source_builds_from_the_config(families):
     assert isinstance(model, tunix.TunixModel) and len(model.net.embedder.input_embedding.get_value().devices()) == 8
     with pytest.raises(ConfigError, match="load_parameters_path"):
         tunix.source(make_cfg(model_source="tunix"), mesh)
+
+
+# ---------------------------------------------------------------- the unchanged trainer
+
+@pytest.mark.parametrize("mode", ["sft", "grpo"])
+def test_trainer_with_model_source_tunix_sharded_equals_one_device(families, tmp_path, mode):
+    """model_source=tunix through train.train: fsdp=4 x tensor=2 gives the losses of one device."""
+    from conftest import make_cfg, only_first_device
+    from unitrain import train
+
+    path = str(families("qwen2").path)
+    common = dict(model_source="tunix", load_parameters_path=path, tokenizer_path=path, mode=mode, steps=3,
+                  eval_interval=0, log_period=1, warmup_steps=0, learning_rate="1e-3", max_target_length=32,
+                  per_device_batch_size=1, base_output_directory=tmp_path, peak_flops_per_device="1e12",
+                  builtin_task_digits=1, rollout_batch_size=4, n_samples_per_prompt=2, rollout_max_response_len=4,
+                  max_prompt_length=32, reward="format", format_reward_pattern="[aeiou]", rollout_temperature=2.0)
+    with only_first_device():
+        one = make_cfg(**common, run_name="one")  # the config still counts 8 devices: the same 8 rows per step
+        assert train.train(one) == 0
+    sharded = make_cfg(**common, run_name="sharded", ici_fsdp_parallelism=4, ici_tensor_parallelism=2)
+    assert train.train(sharded) == 0
+
+    def curve(cfg):  # grpo: completions are sampled, so equal losses also mean equal rollouts
+        keys = ("loss", "grad_norm") + (("reward_mean", "entropy") if mode == "grpo" else ())
+        return [[l[k] for k in keys] for l in map(json.loads, open(cfg.metrics_file)) if "loss" in l]
+
+    a, b = np.asarray(curve(one)), np.asarray(curve(sharded))
+    assert a.shape[0] == 3 and a[:, 1].max() > 0  # real updates, not a run of zero advantages
+    np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------- negative controls
