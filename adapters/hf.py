@@ -83,15 +83,21 @@ def _field(hf_cfg, name, path):
     return value
 
 
-def model_config_from_hf(path: str | Path, trust_remote_code: bool = False, **execution) -> model_lib.ModelConfig:
-    """ModelConfig from an HF checkpoint dir; `execution` sets dtype, weight_dtype, remat_policy, ..."""
+def read_hf_config(path: str | Path, trust_remote_code: bool = False) -> transformers.PreTrainedConfig:
+    """An HF checkpoint dir's config.json; a missing or unreadable one is a one-line ConfigError."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{path}: not an HF checkpoint directory (no config.json)")
     try:
-        hf = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
         raise ConfigError(f"{config_file}: cannot be read as an HF config ({str(e).splitlines()[0]})") from None
+
+
+def model_config_from_hf(path: str | Path, trust_remote_code: bool = False, **execution) -> model_lib.ModelConfig:
+    """ModelConfig from an HF checkpoint dir; `execution` sets dtype, weight_dtype, remat_policy, ..."""
+    config_file = Path(path) / "config.json"
+    hf = read_hf_config(path, trust_remote_code)
     if hf.model_type not in MODEL_TYPES:
         raise ConfigError(f"{config_file}: field 'model_type' is '{hf.model_type}'; supported: {', '.join(MODEL_TYPES)}")
     if getattr(hf, "hidden_act", "silu") != "silu":

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import transformers
 from flax import nnx, struct
 from jax.experimental import multihost_utils
 from safetensors import safe_open
@@ -51,6 +49,7 @@ from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
 
 from unitrain import sharding
+from unitrain.adapters.hf import read_hf_config
 from unitrain.config import ConfigError
 
 # unitrain remat_policy -> Tunix RematConfig member; Tunix remats a whole layer saving nothing, or not at all.
@@ -232,12 +231,7 @@ FAMILIES = {
 
 def _read_hf_config(path: Path, trust_remote_code: bool):
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"{path}: not an HF checkpoint directory (no config.json)")
-    try:
-        hf = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{config_file}: cannot be read as an HF config ({str(e).splitlines()[0]})") from None
+    hf = read_hf_config(path, trust_remote_code)
     why = f"model_source tunix supports {', '.join(FAMILIES)}"
     if hf.model_type == "gemma3":
         why += " (multimodal Gemma3 is not supported: use a text-only Gemma3ForCausalLM checkpoint)"

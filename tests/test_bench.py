@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unitrain import metrics
+
 from unitrain.models import decoder
 from unitrain.config import load_config
 

@@ -1,6 +1,5 @@
 """The SFT path end to end: loss, exact accumulation, resume, signals, sharding, NaN, CLI errors."""
 
-import functools
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ import torch
 import transformers
 from flax import nnx
 
-from unitrain import checkpoint, data, run, sharding, tasks, train
+from unitrain import checkpoint, data, run, tasks, train
 from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.config import load_config

@@ -35,7 +35,7 @@ from unitrain.config import ConfigError
 from unitrain.data.builtin import NUM_PROBLEMS, SPLITS, builtin_problem, max_builtin_length
 from unitrain.data.errors import DataError
 from unitrain.data.sft import BATCH_FIELDS, CountDropped, example_arrays, split_path
-from unitrain.data.shards import ShardedIterator, local_shards, shard_seed
+from unitrain.data.shards import ShardedIterator, shard_seed, sharded_iterator
 from unitrain.data.sources import iter_rows
 
 SIDES = ("chosen", "rejected")
@@ -208,15 +208,8 @@ def make_preference_iterator(cfg, tokenizer, global_batch_size: int, process_ind
     """This process's rows (pairs) of each global batch of `global_batch_size` pairs, drawn from
     cfg.data_shards virtual shards: the same global batches for any process count, and
     get_state()/set_state() restore the position exactly (as make_sft_iterator)."""
-    num_shards = cfg.data_shards
-    if global_batch_size % process_count:
-        raise ConfigError(f"the global batch size {global_batch_size} does not divide among {process_count} processes")
-    if global_batch_size % num_shards:
-        raise ConfigError(f"data_shards={num_shards} does not divide the global batch of {global_batch_size} rows")
-    local, part, parts = local_shards(num_shards, process_index, process_count)
-    rows = global_batch_size // num_shards
-    shards = {s: iter(make_preference_dataset(cfg, tokenizer, rows, s, num_shards)) for s in local}
-    return ShardedIterator(shards, num_shards, part, parts)
+    return sharded_iterator(cfg.data_shards, global_batch_size, process_index, process_count,
+                            lambda rows, s: make_preference_dataset(cfg, tokenizer, rows, s, cfg.data_shards))
 
 
 def eval_pair_batches(cfg, tokenizer, rows: int, max_batches: int) -> list[dict]:

@@ -25,7 +25,7 @@ import numpy as np
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.config import ConfigError
 from unitrain.data.errors import DataError
-from unitrain.data.shards import ShardedIterator, local_shards, shard_seed
+from unitrain.data.shards import ShardedIterator, shard_seed, sharded_iterator
 from unitrain.data.sources import read_records
 
 BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
@@ -199,15 +199,8 @@ def make_sft_iterator(cfg, tokenizer, global_batch_size: int, split: str = "trai
     cfg.data_shards virtual shards (unitrain.data.shards): the global batch does not depend on the
     process count. get_state()/set_state() save and restore the position exactly, and the state
     of every shard, merged over processes (shards.merge_states), restores on any process count."""
-    num_shards = cfg.data_shards
-    if global_batch_size % process_count:
-        raise ConfigError(f"the global batch size {global_batch_size} does not divide among {process_count} processes")
-    if global_batch_size % num_shards:
-        raise ConfigError(f"data_shards={num_shards} does not divide the global batch of {global_batch_size} rows")
-    local, part, parts = local_shards(num_shards, process_index, process_count)
-    rows = global_batch_size // num_shards
-    shards = {s: iter(make_sft_dataset(cfg, tokenizer, rows, split, s, num_shards)) for s in local}
-    return ShardedIterator(shards, num_shards, part, parts)
+    return sharded_iterator(cfg.data_shards, global_batch_size, process_index, process_count,
+                            lambda rows, s: make_sft_dataset(cfg, tokenizer, rows, split, s, cfg.data_shards))
 
 
 def _check_not_empty(examples: grain.MapDataset, where: str, max_len: int) -> None:

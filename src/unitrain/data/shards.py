@@ -126,3 +126,16 @@ def merge_states(states: Sequence[Any]) -> Any:
                 raise ValueError(f"two processes running data shard {s} disagree on its position")
             shards[s] = value
     return {**rest, "shards": dict(sorted(shards.items(), key=lambda kv: int(kv[0])))}
+
+
+def sharded_iterator(num_shards: int, global_batch_size: int, process_index: int, process_count: int,
+                     make_shard) -> ShardedIterator:
+    """This process's rows of each global batch, drawn from `num_shards` virtual shards;
+    make_shard(rows_per_shard, shard) -> a dataset of batches of that shard."""
+    if global_batch_size % process_count:
+        raise ConfigError(f"the global batch size {global_batch_size} does not divide among {process_count} processes")
+    if global_batch_size % num_shards:
+        raise ConfigError(f"data_shards={num_shards} does not divide the global batch of {global_batch_size} rows")
+    local, part, parts = local_shards(num_shards, process_index, process_count)
+    rows = global_batch_size // num_shards
+    return ShardedIterator({s: iter(make_shard(rows, s)) for s in local}, num_shards, part, parts)
