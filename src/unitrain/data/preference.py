@@ -35,7 +35,7 @@ from unitrain.config import ConfigError
 from unitrain.data.builtin import NUM_PROBLEMS, SPLITS, builtin_problem, max_builtin_length
 from unitrain.data.errors import DataError
 from unitrain.data.sft import BATCH_FIELDS, CountDropped, example_arrays, split_path
-from unitrain.data.shards import ShardedIterator, shard_seed, sharded_iterator
+from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import iter_rows
 
 SIDES = ("chosen", "rejected")
@@ -184,12 +184,7 @@ def make_preference_dataset(cfg, tokenizer, rows: int, shard: int = 0, num_shard
     """The grain pipeline of one virtual data shard of the train split: records[shard::num_shards],
     shuffled with the shard's seed (when `shuffle`), repeated `num_epochs` times, `rows` pairs a batch."""
     max_len, path = cfg.max_target_length, split_path(cfg, "train")
-    records = _records(cfg, tokenizer, "train", path)
-    usable = len(records) - len(records) % num_shards  # equal, disjoint shares (as in data/sft.py)
-    records_of_shard = records[:usable][shard::num_shards]
-    where = repr(path) if num_shards == 1 else f"{path!r} (data shard {shard} of data_shards={num_shards})"
-    if len(records_of_shard) == 0:
-        raise DataError(f"dataset {path!r} has {len(records)} records, too few for data_shards={num_shards}")
+    records_of_shard, where = shard_records(_records(cfg, tokenizer, "train", path), path, shard, num_shards)
     to_pair = pair_fn(tokenizer, max_len, cfg.truncation)
     _check_not_empty(records_of_shard.map(to_pair), where, max_len)
 

@@ -25,7 +25,7 @@ import numpy as np
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.config import ConfigError
 from unitrain.data.errors import DataError
-from unitrain.data.shards import ShardedIterator, shard_seed, sharded_iterator
+from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import read_records
 
 BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
@@ -160,14 +160,7 @@ def make_sft_dataset(cfg, tokenizer, rows: int, split: str = "train", shard: int
             f"{cfg.builtin_task_digits}; it needs {max_builtin_length(cfg.builtin_task_digits)}"
         )
 
-    records = _records(cfg, tokenizer, split, path)
-    # Every shard keeps an equal, disjoint share of the records (the few left over are skipped), so
-    # that all shards see the same number of examples per epoch.
-    usable = len(records) - len(records) % num_shards
-    records_of_shard = records[:usable][shard::num_shards]
-    where = repr(path) if num_shards == 1 else f"{path!r} (data shard {shard} of data_shards={num_shards})"
-    if len(records_of_shard) == 0:
-        raise DataError(f"dataset {path!r} has {len(records)} records, too few for data_shards={num_shards}")
+    records_of_shard, where = shard_records(_records(cfg, tokenizer, split, path), path, shard, num_shards)
     to_example = _example_fn(tokenizer, max_len, cfg.truncation)
     _check_not_empty(records_of_shard.map(to_example), where, max_len)
 

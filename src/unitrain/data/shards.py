@@ -21,6 +21,7 @@ import grain
 import numpy as np
 
 from unitrain.config import ConfigError
+from unitrain.data.errors import DataError
 
 
 def local_shards(num_shards: int, process_index: int, process_count: int) -> tuple[range, int, int]:
@@ -139,3 +140,14 @@ def sharded_iterator(num_shards: int, global_batch_size: int, process_index: int
     local, part, parts = local_shards(num_shards, process_index, process_count)
     rows = global_batch_size // num_shards
     return ShardedIterator({s: iter(make_shard(rows, s)) for s in local}, num_shards, part, parts)
+
+
+def shard_records(records, path: str, shard: int, num_shards: int):
+    """(records of this shard, where: its name for error messages). Every shard keeps an equal,
+    disjoint share (the few left over are skipped), so all shards see as many examples per epoch."""
+    usable = len(records) - len(records) % num_shards
+    records_of_shard = records[:usable][shard::num_shards]
+    where = repr(path) if num_shards == 1 else f"{path!r} (data shard {shard} of data_shards={num_shards})"
+    if len(records_of_shard) == 0:
+        raise DataError(f"dataset {path!r} has {len(records)} records, too few for data_shards={num_shards}")
+    return records_of_shard, where
