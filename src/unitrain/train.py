@@ -19,9 +19,8 @@ import time
 import traceback
 
 import jax
-from flax import nnx
 
-from unitrain import checkpoint, distributed, metrics, tasks
+from unitrain import checkpoint, distributed, export, metrics, tasks
 from unitrain.config import ConfigError, load_config, write_config
 from unitrain.run import RunContext, build_run
 from unitrain.tasks.base import Task
@@ -128,7 +127,7 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
             log.warning("SIGTERM: saved a checkpoint at step %d; stopping", last_good)
             return EXIT_SIGTERM
         if cfg.export_hf_path:
-            nnx.merge(run.graphdef, state["params"]).save_hf(cfg.export_hf_path)
+            export.export_hf(run, state["params"], cfg.export_hf_path)
             log.info("exported the model to %s", cfg.export_hf_path)
         return 0
     except NonFiniteLoss as e:
