@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from unitrain.config import ConfigError, load_config
-from unitrain.rewards import RewardError, make_reward_fn
+from unitrain.rewards import RewardError, final_answer, make_reward_fn
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl"
@@ -47,16 +47,61 @@ def test_defaults():
     ("\\sqrt{2}/2", "$\\boxed{\\frac{1}{\\sqrt{2}}}$", 1.0),
     ("3\\sqrt{3}", "so $\\boxed{\\sqrt{27}}$", 1.0),
     ("3\\sqrt{3}", "so $\\boxed{3}$", 0.0),
-    ("$\\boxed{\\pi}$", "It is $\\pi$.", 1.0),
+    ("$\\boxed{\\pi}$", "The answer is $\\pi$.", 1.0),
     ("\\frac{1}{2}", "I do not know.", 0.0),
     # GSM8K labels count by their final answer only.
-    ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "48 + 24 = 72 clips, so 72", 1.0),
+    ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "48 + 24 = 72 clips, so the answer is 72", 1.0),
     ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "#### 72", 1.0),
     ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "#### 24", 0.0),
     ("... #### 1,000", "The answer is 1000", 1.0),
 ])
 def test_math(label, completion, expected):
     assert score(rewards("reward=math"), completion, label) == expected
+
+
+# Adversarial completions: only the final answer counts (the last \\boxed{}, "####" line or "the
+# answer is"); an intermediate result equal to the gold one is no answer. Each reward sees them all.
+ADVERSARIAL = [
+    # no final answer at all: the gold number only as an intermediate result
+    ("We compute 5*4=20 and then we are not sure about the rest", "20", 0.0),
+    ("48 + 24 = 72 clips, so 72", "#### 72", 0.0),
+    ("Let me find the answer: 5*4=20, then I add 3 and get something.", "20", 0.0),
+    # several boxed answers: the last one counts
+    ("First $\\boxed{20}$, no wait, the result is $\\boxed{23}$", "20", 0.0),
+    ("First $\\boxed{23}$, no wait, the result is $\\boxed{20}$", "20", 1.0),
+    # the final answer wrong, the gold one met on the way
+    ("5*4=20, and 20+3=23.\n#### 23", "20", 0.0),
+    ("The answer is 17, since 4*5=20.", "20", 0.0),
+    # trailing chatter after the final answer does not move it
+    ("So 4*5=20.\n#### 20\nLet me double-check: 4*5 is 20, minus 3 is 17, plus 1 is 18.", "20", 1.0),
+    ("The answer is 20. To check: 20-3=17, 17+1=18", "20", 1.0),
+    ("\\boxed{20}. I double-checked, and the answer is indeed right; 9 + 9 = 18.", "20", 1.0),
+    # a completion that is nothing but its answer states it
+    ("20", "20", 1.0),
+    ("20.", "#### 20", 1.0),
+    # an unclosed box states nothing
+    ("5*4 = 20 so \\boxed{20", "20", 0.0),
+]
+
+
+@pytest.mark.parametrize("reward", ["math", "gsm8k"])
+@pytest.mark.parametrize("completion, label, expected", ADVERSARIAL)
+def test_only_the_final_answer_counts(reward, completion, label, expected):
+    assert score(rewards(f"reward={reward}"), completion, label) == expected
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("72", "72"), ("1,000.", "1,000"), ("$\\frac12$", "$\\frac12$"),
+    ("I think 72", None), ("To get the answer: 5*4=20", None),
+    ("The answer is $\\boxed{0.5}$", "0.5"),
+    ("$\\boxed{\\frac{1}{2}}$ is the answer", "\\frac{1}{2}"),
+    ("#### $1,000 dollars", "$1,000"),
+    ("The answer is $13.", "$13"),
+    ("Answer: $x = 5$ and more", "$x = 5$"),
+    ("Final Answer: The final answer is $\\frac{1}{2}$. I hope it is correct.", "$\\frac{1}{2}$"),
+])
+def test_final_answer(completion, expected):
+    assert final_answer(completion) == expected
 
 
 def test_math_unparseable_label_scores_zero_and_warns(caplog):
@@ -90,12 +135,14 @@ def test_gsm8k_on_real_lines():
         head, _, gold = a.rpartition("####")
         wrong.append(f"{head}#### {int(gold.strip().replace(',', '')) + 1}")
     assert fn([""] * 50, wrong, answers)[0].tolist() == [0.0] * 50
-    # Without a #### line the last number counts.
-    assert score(fn, f"So she makes {answers[0].rpartition('####')[2].strip()} dollars.", answers[0]) == 1.0
+    # Without a #### line only a stated answer counts, not the last number of the reasoning.
+    gold = answers[0].rpartition('####')[2].strip()
+    assert score(fn, f"So she makes {gold} dollars.", answers[0]) == 0.0
+    assert score(fn, f"So the answer is {gold} dollars.", answers[0]) == 1.0
 
 
 @pytest.mark.parametrize("completion, label, expected", [
-    ("so the total is 1,000 dollars", "... #### 1,000", 1.0),
+    ("so the answer is 1,000 dollars", "... #### 1,000", 1.0),
     ("#### 1000", "... #### 1,000", 1.0),
     ("#### 1,000", "... #### 1000", 1.0),
     ("#### 1,000.", "#### 1000", 1.0),

@@ -5,12 +5,17 @@ RewardFn; `reward_fn(prompts, completions, labels)` gives the weighted total per
 reward's raw values. Every reward is a plain `f(prompt, completion, label) -> float`, evaluated on
 the host, one sample at a time. Built-ins:
 
-  math         1.0 if math-verify finds the completion's answer equal to the label (LaTeX, \\boxed{},
-               plain numbers and expressions); a GSM8K label "... #### 72" counts as "72"
-  gsm8k        1.0 if the completion's number (after its last ####, else its last number) equals the
-               label's #### number; commas ignored
+  math         1.0 if math-verify finds the completion's final answer equal to the label (LaTeX,
+               \\boxed{}, plain numbers and expressions); a GSM8K label "... #### 72" counts as "72"
+  gsm8k        1.0 if the number of the completion's final answer equals the label's #### number
+               (or its last number); commas ignored
   exact_match  1.0 if completion.strip() == label.strip()
   format       1.0 if re.search(format_reward_pattern, completion, re.DOTALL) matches
+
+The final answer (`final_answer`) is what the completion states last of: a \\boxed{...}, a
+"#### ..." line, "the answer is ..." / "Answer: ..."; or the whole completion when it is nothing but
+a number or one math expression. A completion that states none scores 0 with math and gsm8k,
+whatever numbers its reasoning holds: an intermediate "= 20" is no answer.
 """
 from __future__ import annotations
 
@@ -37,6 +42,51 @@ class RewardError(ConfigError):
     """A reward failed on a sample; a ConfigError so that the entry prints one line and exits 2."""
 
 
+# ---------------------------------------------------------------- the final answer
+
+# Where a completion states its answer; only these count, so a number met on the way is no answer.
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_HASHES = re.compile(r"####")
+_ANSWER_PHRASE = re.compile(r"(?:final answer|the answer) is\s*:?|^[ \t]*(?:final )?answer\s*:", re.I | re.M)
+# A stated answer is one math environment, or runs until its sentence, its line or prose goes on
+# (a word of two letters or more that is no LaTeX command): "is 17, since 4*5=20" states 17.
+_MATH_ENV = re.compile(r"\$\$?.+?\$\$?|\\\(.+?\\\)|\\\[.+?\\\]", re.S)
+_ANSWER_END = re.compile(r"\n|[.;!?](?=\s|$)|,\s|(?<![\\A-Za-z])[A-Za-z]{2,}")
+# A completion that is nothing but its answer: one number or one math environment.
+_BARE = re.compile(r"\s*(?:-?[\d,]*\.?\d+|\$[^$]+\$|\\\(.+?\\\)|\\\[.+?\\\])\s*\.?\s*", re.S)
+
+
+def final_answer(completion: str) -> str | None:
+    """The text of the answer the completion states last (see the module docstring); None = none."""
+    if _BARE.fullmatch(completion):
+        return completion.strip().rstrip(".")
+    markers = [(m.start(), m.end(), True) for m in _BOXED.finditer(completion)]
+    markers += [(m.start(), m.end(), False) for pattern in (_HASHES, _ANSWER_PHRASE) for m in pattern.finditer(completion)]
+    for _, end, boxed in sorted(markers, reverse=True):  # the last one that states something
+        answer = _braced(completion, end) if boxed else _stated(completion[end:])
+        if answer:
+            return answer
+    return None
+
+
+def _braced(text: str, start: int) -> str | None:
+    """The text from `start` to the brace that closes the one just before it; None if none does."""
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i].strip()
+    return None
+
+
+def _stated(text: str) -> str:
+    text = text.lstrip()
+    if env := _MATH_ENV.match(text):
+        return env.group(0)
+    end = _ANSWER_END.search(text)
+    return text[:end.start() if end else len(text)].strip()
+
+
 # ---------------------------------------------------------------- gsm8k
 
 # A number as GSM8K writes it: optional minus, thousands commas, optional decimals ("-1,234.5", ".5").
@@ -57,7 +107,8 @@ def gsm8k_reward(prompt: str, completion: str, label: str) -> float:
     gold = _final_number(label)
     if gold is None:  # a wrong data set or label key, not a bad sample: stop rather than train on zeros
         raise ValueError("the label has no number (a GSM8K label ends with '#### <number>')")
-    answer = _final_number(completion)
+    stated = final_answer(completion)
+    answer = None if stated is None else _final_number(stated)
     return float(answer is not None and math.isclose(answer, gold, rel_tol=1e-9, abs_tol=1e-9))
 
 
@@ -66,16 +117,21 @@ def gsm8k_reward(prompt: str, completion: str, label: str) -> float:
 _LATEX_ENV = ("$", "\\(", "\\[", "\\boxed", "\\begin")
 
 
-@lru_cache(maxsize=4096)  # a group of G completions shares one label: parse it once
-def _parse_gold(label: str, timeout: int | None) -> tuple:
+def _parse_math(text: str, timeout: int | None) -> list:
+    """math-verify's parse of a label or a stated answer: [] when nothing parses."""
     from math_verify import parse
 
-    if "####" in label:  # GSM8K: only the final answer, without thousands commas
-        label = label.rpartition("####")[2].strip().replace(",", "")
     # math-verify extracts LaTeX only inside a math environment: a bare "\sqrt{2}/2" or "3\sqrt{3}"
     # parses to nothing or to "3" unless wrapped; plain text that fails wrapped is parsed as is.
-    wrapped = label if any(env in label for env in _LATEX_ENV) else f"${label}$"
-    gold = parse(wrapped, parsing_timeout=timeout) or parse(label, parsing_timeout=timeout)
+    wrapped = text if any(env in text for env in _LATEX_ENV) else f"${text}$"
+    return parse(wrapped, parsing_timeout=timeout) or parse(text, parsing_timeout=timeout)
+
+
+@lru_cache(maxsize=4096)  # a group of G completions shares one label: parse it once
+def _parse_gold(label: str, timeout: int | None) -> tuple:
+    if "####" in label:  # GSM8K: only the final answer, without thousands commas
+        label = label.rpartition("####")[2].strip().replace(",", "")
+    gold = _parse_math(label, timeout)
     if not gold:
         log.warning("math reward: math-verify cannot parse the label %r; its samples score 0", label[:200])
     return tuple(gold)
@@ -90,10 +146,10 @@ def make_math_reward(cfg) -> Reward:
 
     def math_reward(prompt: str, completion: str, label: str) -> float:
         timeout = limit if threading.current_thread() is threading.main_thread() else None
-        gold = _parse_gold(label, timeout)
-        if not gold:
+        gold, stated = _parse_gold(label, timeout), final_answer(completion)
+        if not gold or stated is None:
             return 0.0
-        answer = math_verify.parse(completion, parsing_timeout=timeout)  # [] when nothing parses
+        answer = _parse_math(stated, timeout)
         return float(math_verify.verify(list(gold), answer, timeout_seconds=timeout))  # gold first: not symmetric
 
     return math_reward
