@@ -22,12 +22,11 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from unitrain.adapters import hf_config
 from unitrain.models import decoder as model_lib
 from unitrain import sharding
 from unitrain.config import ConfigError
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-ROPE_TYPES = ("default", "linear", "llama3")
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
@@ -76,66 +75,9 @@ def _mappings(cfg: model_lib.ModelConfig) -> dict[str, _Mapping]:
 
 # ---------------------------------------------------------------- config.json <-> ModelConfig
 
-def _field(hf_cfg, name, path):
-    value = getattr(hf_cfg, name, None)
-    if value is None:
-        raise ConfigError(f"{path}: config.json has no '{name}' field, which a {hf_cfg.model_type} model needs")
-    return value
-
-
-def read_hf_config(path: str | Path, trust_remote_code: bool = False) -> transformers.PreTrainedConfig:
-    """An HF checkpoint dir's config.json; a missing or unreadable one is a one-line ConfigError."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"{path}: not an HF checkpoint directory (no config.json)")
-    try:
-        return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{config_file}: cannot be read as an HF config ({str(e).splitlines()[0]})") from None
-
-
 def model_config_from_hf(path: str | Path, trust_remote_code: bool = False, **execution) -> model_lib.ModelConfig:
     """ModelConfig from an HF checkpoint dir; `execution` sets dtype, weight_dtype, remat_policy, ..."""
-    config_file = Path(path) / "config.json"
-    hf = read_hf_config(path, trust_remote_code)
-    if hf.model_type not in MODEL_TYPES:
-        raise ConfigError(f"{config_file}: field 'model_type' is '{hf.model_type}'; supported: {', '.join(MODEL_TYPES)}")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
-    if getattr(hf, "mlp_bias", False):
-        raise ConfigError(f"{config_file}: field 'mlp_bias' is true; MLP biases are not supported")
-    if hf.model_type in ("llama", "mistral", "qwen3") and getattr(hf, "attention_bias", False):
-        raise ConfigError(f"{config_file}: field 'attention_bias' is true; only Qwen2 has attention biases here")
-    if getattr(hf, "use_sliding_window", False):
-        raise ConfigError(f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported")
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"{config_file}: field 'rope_scaling.rope_type' is '{rope_type}'; supported: {', '.join(ROPE_TYPES)}")
-    heads = _field(hf, "num_attention_heads", config_file)
-    emb = _field(hf, "hidden_size", config_file)
-    return model_lib.ModelConfig(
-        model_family=hf.model_type,
-        vocab_size=_field(hf, "vocab_size", config_file),
-        emb_dim=emb,
-        mlp_dim=_field(hf, "intermediate_size", config_file),
-        num_decoder_layers=_field(hf, "num_hidden_layers", config_file),
-        num_query_heads=heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf, "head_dim", None) or emb // heads,
-        rms_norm_eps=float(_field(hf, "rms_norm_eps", config_file)),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_scaling_type="none" if rope_type == "default" else rope_type,
-        rope_scaling_factor=float(rope.get("factor", 1.0)),
-        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
-        qkv_bias=hf.model_type == "qwen2",
-        qk_norm=hf.model_type == "qwen3",
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        sliding_window=getattr(hf, "sliding_window", None) if hf.model_type == "mistral" else None,
-        **execution,
-    )
+    return model_lib.ModelConfig(**hf_config.model_keys(path, trust_remote_code), **execution)
 
 
 def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedConfig:
@@ -242,14 +184,19 @@ def _single_device_mesh():
 
 
 def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.DEFAULT_RULES,
-         trust_remote_code: bool = False, **execution) -> model_lib.Decoder:
+         trust_remote_code: bool = False, model_cfg: model_lib.ModelConfig | None = None,
+         **execution) -> model_lib.Decoder:
     """An HF checkpoint dir as a unitrain Decoder whose parameters are placed in their shardings.
 
-    `execution` takes the ModelConfig execution fields (weight_dtype, remat_policy, scan_layers).
+    The architecture is `model_cfg` (a run's, already reconciled with config.json by the config
+    loader) or else read from config.json with `dtype`, `rules` and the ModelConfig execution fields
+    in `execution` (weight_dtype, remat_policy, scan_layers).
     """
     path = Path(path)
-    execution.setdefault("weight_dtype", dtype)
-    cfg = model_config_from_hf(path, trust_remote_code, dtype=dtype, logical_axis_rules=rules, **execution)
+    if model_cfg is None:
+        execution.setdefault("weight_dtype", dtype)
+        model_cfg = model_config_from_hf(path, trust_remote_code, dtype=dtype, logical_axis_rules=rules, **execution)
+    cfg, rules = model_cfg, model_cfg.logical_axis_rules
     mesh = mesh or _single_device_mesh()
     index = _TensorIndex(path)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg)))

@@ -49,7 +49,7 @@ from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
 
 from unitrain import sharding
-from unitrain.adapters.hf import read_hf_config
+from unitrain.adapters.hf_config import read_hf_config
 from unitrain.config import ConfigError
 
 # unitrain remat_policy -> Tunix RematConfig member; Tunix remats a whole layer saving nothing, or not at all.

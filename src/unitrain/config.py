@@ -239,6 +239,10 @@ CHECKS: list[Callable[[dict], str | None]] = [
     f"process_id ({c['process_id']}) must be below num_processes ({c['num_processes']})",
     lambda c: None if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"] else
     f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})",
+    lambda c: None if not (c["export_hf_path"] and c["tokenizer_path"].endswith(".model")) else
+    f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
+    "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "
+    "directory or export_hf_path=\"\"",
 ]
 
 
@@ -357,13 +361,14 @@ class Config(Mapping):
         inputs, origin = dict(self._inputs), {}
         for key, value in changes.items():
             _set(inputs, origin, self._schema, key, value, "from replace()")
-        return _build(inputs, self._schema, origin)
+        return _build(inputs, self._schema, origin, set(changes))
 
 
 _RESERVED = {name for name in dir(Config) if not name.startswith("_")}  # keys that attributes would hide
 
 
-def _build(inputs: dict, schema: dict, origin: dict, before_derive=None) -> Config:
+def _build(inputs: dict, schema: dict, origin: dict, explicit: set, before_derive=None) -> Config:
+    _take_checkpoint_architecture(inputs, origin, explicit)
     for key, rule in RULES.items():
         if key in inputs and not rule.test(inputs[key]):
             raise ConfigError(f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, 'from replace()')})")
@@ -392,7 +397,9 @@ def load_config(argv: list[str], before_derive=None) -> Config:
         raise ConfigError(f"config key '{sorted(clash)[0]}' in {_show_path(root)} is reserved (a Config method); rename it")
     inputs = dict(schema)
     origin = {k: f"from {_show_path(root)} line {root_lines.get(k)}" for k in schema}
+    explicit = set()  # keys a user chose (not base.yml's defaults): a checkpoint may not contradict them
     for path, data, lines in reversed(chain[:-1]):
+        explicit |= set(data)
         for key, value in data.items():
             _set(inputs, origin, schema, key, value, f"from {_show_path(path)} line {lines.get(key)}")
     cli = {}
@@ -408,9 +415,52 @@ def load_config(argv: list[str], before_derive=None) -> Config:
             raise ConfigError(f"model_name cannot change when loading the resolved config {_show_path(chain[0][0])}; start from configs/base.yml instead")
     else:
         _apply_model(inputs, origin, schema, root.parent / "models")
+        if "model_name" in explicit or "model_name" in cli:
+            explicit |= set(MODEL_KEYS)
     for key, raw in cli.items():
         _set(inputs, origin, schema, key, None, "from command line", raw=raw)
-    return _build(inputs, schema, origin, before_derive)
+    return _build(inputs, schema, origin, explicit | set(cli), before_derive)
+
+
+def _take_checkpoint_architecture(inputs: dict, origin: dict, explicit: set) -> None:
+    """With load_parameters_path, the architecture keys are the checkpoint's: those the user left at
+    their defaults take its values, and one the user set to something else is an error. So the
+    model built, the config.yml written and the checkpoint always agree."""
+    path = inputs["load_parameters_path"]
+    found = checkpoint_architecture(path, inputs) if path else None
+    if found is None:
+        return
+    arch, where = found
+    if not arch and (chosen := sorted(explicit & set(MODEL_KEYS))):
+        raise ConfigError(f"config key '{chosen[0]}' is set ({origin.get(chosen[0], 'from replace()')}) but model_source "
+                          f"{inputs['model_source']} takes the architecture from {where}; drop the architecture keys")
+    for key, value in arch.items():
+        ours = inputs[key]
+        if key in explicit and ours is not None and ours != value:
+            raise ConfigError(f"config key '{key}' is {_show(ours)} ({origin.get(key, 'from replace()')}) but the "
+                              f"checkpoint at load_parameters_path has {key}={_show(value)} ({where}); drop the key to "
+                              "take the checkpoint's value")
+        inputs[key], origin[key] = value, f"from {where}"
+
+
+def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | None:
+    """(architecture keys, where they were read) of the checkpoint at `path`: an HF folder's
+    config.json, or the config.yml of the unitrain run that wrote the orbax checkpoint directory (or
+    step directory) `path`; no keys for an HF folder that a model source other than unitrain's reads
+    itself; None when `path` holds neither."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from unitrain.adapters import hf_config
+
+        if inputs["model_source"] != "unitrain" and hf_config.read_hf_config(
+                path, inputs["trust_remote_code"]).model_type not in hf_config.MODEL_TYPES:
+            return {}, os.path.join(path, "config.json")
+        return hf_config.model_keys(path, inputs["trust_remote_code"]), os.path.join(path, "config.json")
+    for run_config in (os.path.join(path, os.pardir, "config.yml"), os.path.join(path, os.pardir, os.pardir, "config.yml")):
+        if os.path.isdir(path) and os.path.isfile(run_config):
+            data, _ = _read_yml(Path(run_config))
+            where = _show_path(Path(os.path.normpath(run_config)))
+            return {k: data[k] for k in MODEL_KEYS if k in data}, where
+    return None
 
 
 def _apply_model(inputs: dict, origin: dict, schema: dict, models: Path) -> None:

@@ -14,6 +14,7 @@ from unitrain.data.errors import DataError
 # enough for the built-in arithmetic task and for any plain-ASCII toy text.
 BUILTIN_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 BUILTIN_CHARS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
+_PROBE = "The answer is 42."  # any usable tokenizer encodes this to at least one token
 
 
 class Tokenizer:
@@ -34,6 +35,10 @@ class Tokenizer:
             self.bos_id, self.eos_id, self.pad_id = (
                 i if i >= 0 else None for i in (spm.bos_id(), spm.eos_id(), spm.pad_id())
             )
+        if not self.encode(_PROBE):
+            raise ConfigError(f"tokenizer_path={path!r}: the tokenizer encodes ordinary text to no tokens (a folder without "
+                              "tokenizer files, such as a bare export, loads as an empty tokenizer); point it at a "
+                              "folder with tokenizer.json / tokenizer_config.json or a SentencePiece .model file")
         if self.eos_id is None:
             raise ConfigError(f"tokenizer_path={path!r}: the tokenizer has no EOS token, which SFT needs to end completions")
         if self.pad_id is None:
@@ -83,6 +88,11 @@ class Tokenizer:
         if not self.has_chat_template:
             raise ConfigError(f"tokenizer_path={self.path!r} has no chat template, so it cannot render prompts as chat messages")
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def save(self, path: str) -> None:
+        """Writes the tokenizer, chat template included, as AutoTokenizer.from_pretrained(path) loads it
+        (an HF tokenizer only: config.py stops an export with a SentencePiece file before the run)."""
+        self._hf.save_pretrained(path)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Tokenizer:

@@ -25,7 +25,6 @@ import numpy as np
 from flax import nnx, struct
 
 from unitrain import checkpoint, sharding
-from unitrain.config import ConfigError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 REMAT_POLICIES = {
@@ -363,19 +362,9 @@ def source(cfg, mesh) -> Decoder:
     if path and os.path.isfile(os.path.join(path, "config.json")):
         from unitrain.adapters import hf
 
-        _check_dims_match(cfg, hf.model_config_from_hf(path, cfg.trust_remote_code), path)
-        execution = {k: getattr(model_cfg, k) for k in ("weight_dtype", "remat_policy", "scan_layers")}
-        return hf.load(path, model_cfg.dtype, mesh, rules=rules, trust_remote_code=cfg.trust_remote_code, **execution)
+        return hf.load(path, mesh=mesh, model_cfg=model_cfg)
     model = sharding.init_sharded(lambda: create(model_cfg, cfg.seed), mesh, rules)
     if path:
         graphdef, params = nnx.split(model)
         model = nnx.merge(graphdef, checkpoint.load_params(path, nnx.to_pure_dict(params)))
     return model
-
-
-def _check_dims_match(cfg, hf_cfg: ModelConfig, path: str) -> None:
-    for key in ("model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads",
-                "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings"):
-        if getattr(hf_cfg, key) != cfg[key]:
-            raise ConfigError(f"load_parameters_path {path} has {key}={getattr(hf_cfg, key)} but the config says "
-                              f"{key}={cfg[key]}; set model_name to the matching model (or override {key})")

@@ -12,6 +12,7 @@ from flax import nnx
 
 from unitrain import data, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
+from unitrain.config import ConfigError
 from unitrain.evals import TaskEvaluator
 from unitrain.tasks.base import RunContext, Task
 
@@ -28,6 +29,7 @@ class SFTTask(Task):
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.eval_interval else []
         self.task_eval = None
+        self._seen_loss_tokens = False
         if cfg.eval_interval and cfg.dataset_path == "builtin" and cfg.eval_num_samples:
             self.task_eval = TaskEvaluator(cfg, run.tokenizer, rollout.make_sampler(run), rewards.make_reward_fn(cfg))
 
@@ -44,6 +46,11 @@ class SFTTask(Task):
     def step(self, state, step):
         batch = next(self.data_iterator)
         truncated = int(batch.pop("num_truncated"))
+        if not self._seen_loss_tokens:  # the first batch of the run, checked on the host: no device sync
+            self._seen_loss_tokens = bool(batch["targets_segmentation"].any())
+            if not self._seen_loss_tokens:
+                raise ConfigError(f"step {step}: the batch has no completion tokens to train on (check tokenizer_path, "
+                                  f"{self.cfg.completion_key!r}/{self.cfg.messages_key!r} in {self.cfg.dataset_path})")
         batch = step_lib.local_rows_to_global(batch, self.batch_shardings())
         state, metrics = self.run.programs("train_step", self.update, state, batch)
         return state, {**metrics, "num_truncated": truncated}

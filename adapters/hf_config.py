@@ -1,0 +1,82 @@
+"""An HF checkpoint's config.json as unitrain's architecture keys (the model section of base.yml).
+
+Imports neither JAX nor the model: config loading uses it to take a checkpoint's architecture as the
+run's, so the model that is built, the `config.yml` that is written and the checkpoint agree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from unitrain.config import ConfigError
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def read_hf_config(path: str | Path, trust_remote_code: bool = False):
+    """An HF checkpoint dir's config.json; a missing or unreadable one is a one-line ConfigError."""
+    import transformers  # here: only runs that load an HF checkpoint pay for the import
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{path}: not an HF checkpoint directory (no config.json)")
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_file}: cannot be read as an HF config ({str(e).splitlines()[0]})") from None
+
+
+def _field(hf, name, config_file):
+    value = getattr(hf, name, None)
+    if value is None:
+        raise ConfigError(f"{config_file}: config.json has no '{name}' field, which a {hf.model_type} model needs")
+    return value
+
+
+def _check_supported(hf, config_file) -> None:
+    if hf.model_type not in MODEL_TYPES:
+        raise ConfigError(f"{config_file}: field 'model_type' is '{hf.model_type}'; supported: {', '.join(MODEL_TYPES)}")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
+    if getattr(hf, "mlp_bias", False):
+        raise ConfigError(f"{config_file}: field 'mlp_bias' is true; MLP biases are not supported")
+    if hf.model_type in ("llama", "mistral", "qwen3") and getattr(hf, "attention_bias", False):
+        raise ConfigError(f"{config_file}: field 'attention_bias' is true; only Qwen2 has attention biases here")
+    if getattr(hf, "use_sliding_window", False):
+        raise ConfigError(f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported")
+
+
+def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
+    """The architecture keys of base.yml (config.MODEL_KEYS) that describe the checkpoint at `path`."""
+    config_file = Path(path) / "config.json"
+    hf = read_hf_config(path, trust_remote_code)
+    _check_supported(hf, config_file)
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{config_file}: field 'rope_scaling.rope_type' is '{rope_type}'; supported: {', '.join(ROPE_TYPES)}")
+    heads = _field(hf, "num_attention_heads", config_file)
+    emb = _field(hf, "hidden_size", config_file)
+    return dict(
+        model_family=hf.model_type,
+        vocab_size=_field(hf, "vocab_size", config_file),
+        emb_dim=emb,
+        mlp_dim=_field(hf, "intermediate_size", config_file),
+        num_decoder_layers=_field(hf, "num_hidden_layers", config_file),
+        num_query_heads=heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or emb // heads,
+        rms_norm_eps=float(_field(hf, "rms_norm_eps", config_file)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling_type="none" if rope_type == "default" else rope_type,
+        rope_scaling_factor=float(rope.get("factor", 1.0)),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+        qkv_bias=hf.model_type == "qwen2",
+        qk_norm=hf.model_type == "qwen3",
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        sliding_window=getattr(hf, "sliding_window", None) if hf.model_type == "mistral" else None,
+    )
