@@ -12,7 +12,7 @@ counted like the SFT pipeline's: pairs truncated or dropped while the batch was 
 counted once whichever of its sequences was over-long. The records are split into `data_shards`
 virtual shards (unitrain.data.shards), so the global batches do not depend on the process count.
 
-Records (.jsonl/.parquet, read by data/sources.py; errors name file:line), TRL's formats:
+Records (any format of data/sources.py; errors name file:line), TRL's formats:
   standard:        {prompt_key: str, chosen_key: str, rejected_key: str}; the sequences are
                    [BOS] + prompt + completion + [EOS], the texts concatenated verbatim (like SFT);
   conversational:  chosen_key and rejected_key hold [{role, content}] messages, the prompt either
@@ -112,7 +112,7 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
         return grain.MapDataset.range(NUM_PROBLEMS).map(lambda i: builtin_pair(int(i), split, digits))
     if path == "synthetic":
         key = "dataset_path" if split == "train" else "eval_dataset_path"
-        raise ConfigError(f"{key}=synthetic has no preference pairs; use builtin or .jsonl/.parquet files with "
+        raise ConfigError(f"{key}=synthetic has no preference pairs; use builtin or data files with "
                           "prompt_key, chosen_key and rejected_key")
     records = read_preference_records(path, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
     if not tokenizer.has_chat_template and any("prompt_messages" in r for r in records):

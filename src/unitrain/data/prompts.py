@@ -7,7 +7,7 @@ num_dropped works like the SFT pipeline's num_truncated: sum it over steps for a
 a finite stream, drops after the last kept prompt are not counted). Each prompt appears once per
 epoch here; the trainer samples its n completions itself.
 
-Sources: `builtin` (the arithmetic task: text "12+3=", label "15"), or .jsonl/.parquet files with the
+Sources: `builtin` (the arithmetic task: text "12+3=", label "15"), or data files (data/sources.py) with the
 prompt text under `prompt_key` and the gold answer under `label_key` (GSM8K: question / answer, the
 label being the whole answer text that ends in "#### 72"; the reward extracts what it needs).
 
@@ -77,7 +77,7 @@ def _records(cfg, split: str, path: str) -> grain.MapDataset:
     if path == "synthetic":
         key = "dataset_path" if split == "train" else "eval_dataset_path"
         raise ConfigError(f"{key}=synthetic has no prompts or labels for rollouts; use builtin or "
-                          ".jsonl/.parquet files with prompt_key and label_key")
+                          "data files with prompt_key and label_key")
     return grain.MapDataset.source(read_prompt_records(path, cfg.prompt_key, cfg.label_key))
 
 

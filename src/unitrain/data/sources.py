@@ -1,43 +1,52 @@
-"""Reading local .jsonl / .parquet files into validated records.
+"""Reading local data files into validated records.
+
+Formats: .jsonl (one JSON object a line), .csv (a header line, then one record a row), .parquet,
+.arrow (Arrow IPC stream or file, as Hugging Face `datasets` writes them) and a folder made by
+`datasets.Dataset.save_to_disk` (its arrow files, in the order its state.json lists them).
 
 Files are read whole and checked eagerly, so that a bad line stops the run before any compilation
-with its `file:line`, instead of hours into training. Each record is either prompt/completion text
-(the names come from `prompt_key`/`completion_key`) or a chat under `messages_key`.
+with its `file:line` (`file:row N` for the columnar formats), instead of hours into training. Each
+record is either prompt/completion text (the names come from `prompt_key`/`completion_key`) or a
+chat under `messages_key`.
 """
 from __future__ import annotations
 
+import csv
 import glob
+import io
 import json
 import os
 
 from unitrain.data.errors import DataError
 
+FORMATS = ".jsonl, .csv, .parquet, .arrow or a datasets save_to_disk folder"
+
 
 def resolve_paths(spec: str) -> list[str]:
-    """A path, a comma-separated list, or glob patterns -> the sorted files they name."""
+    """A path, a comma-separated list, or glob patterns -> the sorted files they name; a
+    `save_to_disk` folder stands for its arrow files."""
     paths = []
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
         matches = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
-        if not matches or not all(os.path.isfile(m) for m in matches):
-            missing = part if not matches else next(m for m in matches if not os.path.isfile(m))
+        if not matches or not all(os.path.exists(m) for m in matches):
+            missing = part if not matches else next(m for m in matches if not os.path.exists(m))
             raise DataError(f"data file {missing!r} does not exist (from dataset path {spec!r})")
-        paths.extend(matches)
+        for match in matches:
+            paths.extend(_saved_dataset_files(match) if os.path.isdir(match) else [match])
     if not paths:
         raise DataError(f"dataset path {spec!r} names no file")
     return paths
 
 
 def iter_rows(spec: str):
-    """(where, row) for every row of the .jsonl/.parquet files named by `spec`; `where` is file:line."""
+    """(where, row) for every row of the files named by `spec`; `where` is file:line or file:row N."""
     for path in resolve_paths(spec):
-        if path.endswith(".parquet"):
-            yield from _parquet_rows(path)
-        elif path.endswith((".jsonl", ".json")):
-            yield from _jsonl_rows(path)
-        else:
-            raise DataError(f"data file {path!r} is neither .jsonl nor .parquet")
+        reader = next((read for suffixes, read in _READERS if path.endswith(suffixes)), None)
+        if reader is None:
+            raise DataError(f"data file {path!r} is not one of {FORMATS}")
+        yield from reader(path)
 
 
 def read_records(spec: str, prompt_key: str, completion_key: str, messages_key: str) -> list[dict]:
@@ -48,27 +57,100 @@ def read_records(spec: str, prompt_key: str, completion_key: str, messages_key: 
     return records
 
 
-def _jsonl_rows(path: str):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # tolerate blank lines, e.g. a trailing newline pair
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            yield f"{path}:{lineno}", row
-
-
-def _parquet_rows(path: str):
-    import pyarrow.parquet as pq
-
+def _saved_dataset_files(folder: str) -> list[str]:
+    """The arrow files of a `datasets` save_to_disk folder, in the dataset's order."""
+    state = os.path.join(folder, "state.json")
+    if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
+        splits = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, "state.json")))
+        raise DataError(f"{folder!r} is a datasets DatasetDict; name one of its splits' folders "
+                        f"({', '.join(os.path.join(folder, s) for s in splits)})")
+    if not os.path.isfile(state):
+        raise DataError(f"{folder!r} is a folder but not one made by datasets' save_to_disk (no state.json); "
+                        f"name its files instead ({FORMATS})")
     try:
-        table = pq.read_table(path)
+        with open(state, encoding="utf-8") as f:
+            files = [entry["filename"] for entry in json.load(f)["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{state}: not a datasets state file ({type(e).__name__}: {e})") from None
+    return [os.path.join(folder, name) for name in files]
+
+
+def _text(path: str) -> str:
+    """The file's text; bytes that are not UTF-8 are reported with their line (a BOM is dropped)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); re-encode the file as "
+                        "UTF-8") from None
+
+
+def _jsonl_rows(path: str):
+    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line separators.
+    for lineno, line in enumerate(_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue  # tolerate blank lines, e.g. a trailing newline pair
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        yield f"{path}:{lineno}", row
+
+
+def _csv_rows(path: str):
+    """Each row as {header: text}; a quoted field may span lines, so `where` is the row's first line."""
+    reader = csv.reader(io.StringIO(_text(path), newline=""), strict=True)
+    try:
+        header = next(reader, None)
+        if header is None:
+            return
+        if len(set(header)) < len(header):
+            raise DataError(f"{path}:1: the header names a column twice ({', '.join(header)})")
+        start = reader.line_num + 1
+        for fields in reader:
+            if fields:  # a blank line is no record
+                if len(fields) != len(header):
+                    raise DataError(f"{path}:{start}: the row has {len(fields)} field(s), the header {len(header)} "
+                                    f"({', '.join(header)})")
+                yield f"{path}:{start}", dict(zip(header, fields))
+            start = reader.line_num + 1
+    except csv.Error as e:
+        raise DataError(f"{path}:{reader.line_num}: not valid CSV ({e})") from None
+
+
+def _table_rows(path: str, read_table):
+    try:
+        table = read_table(path)
     except Exception as e:  # pyarrow raises several types for unreadable files
-        raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        raise DataError(f"{path}: not a readable {os.path.splitext(path)[1][1:]} file ({e})") from None
     for i, row in enumerate(table.to_pylist()):
         yield f"{path}:row {i}", row
+
+
+def _read_parquet(path: str):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path)
+
+
+def _read_arrow(path: str):
+    """Arrow IPC in either framing: the stream format (what `datasets` writes) or the file format."""
+    import pyarrow as pa
+
+    with open(path, "rb") as f:
+        is_file_format = f.read(6) == b"ARROW1"
+    with pa.memory_map(path) as source:
+        return (pa.ipc.open_file if is_file_format else pa.ipc.open_stream)(source).read_all()
+
+
+_READERS = (
+    ((".jsonl", ".json"), _jsonl_rows),
+    ((".csv",), _csv_rows),
+    ((".parquet",), lambda path: _table_rows(path, _read_parquet)),
+    ((".arrow",), lambda path: _table_rows(path, _read_arrow)),
+)
 
 
 def _normalize(row, where: str, prompt_key: str, completion_key: str, messages_key: str) -> dict:
