@@ -16,6 +16,7 @@ needs. Any iterator whose get_state() is JSON-serialisable works.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -24,6 +25,8 @@ import orbax.checkpoint as ocp
 
 from unitrain.config import ConfigError
 from unitrain.data.shards import merge_states
+
+log = logging.getLogger("unitrain")
 
 
 def abstract_like(tree):
@@ -39,6 +42,26 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def set_aside(self, steps) -> None:
+        """Moves the step directories `steps` into <checkpoint dir>.set_aside/ (kept, never deleted),
+        so that the latest step is an earlier one. Every process must call it."""
+        from jax.experimental import multihost_utils
+
+        directory = str(self.manager.directory)
+        if jax.process_index() == 0:
+            for step in steps:
+                os.makedirs(directory + ".set_aside", exist_ok=True)
+                target, n = os.path.join(directory + ".set_aside", str(step)), 1
+                while os.path.exists(target):  # set aside before: keep both
+                    target, n = os.path.join(directory + ".set_aside", f"{step}.{n}"), n + 1
+                os.replace(os.path.join(directory, str(step)), target)
+                log.warning("moved the checkpoint of step %d to %s.set_aside", step, directory)
+        multihost_utils.sync_global_devices("unitrain set_aside")
+        self.manager.reload()
 
     def save(self, step: int, state: dict, data_iterator, force: bool = False) -> bool:
         """Starts a save of `state` (after `step` steps) if the period says so or `force`; True if started.

@@ -31,6 +31,9 @@ from unitrain.rollout import FILTERS, SAMPLERS
 from unitrain.tasks import MODES
 
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.yml"  # the checkout's base.yml
+
+
 class ConfigError(Exception):
     """A mistake in the config; the entry prints the message (one sentence) and exits with status 2."""
 
@@ -134,6 +137,8 @@ RULES: dict[str, Rule] = {
     "weight_decay": NON_NEGATIVE,
     "max_grad_norm": NON_NEGATIVE,
     "z_loss_weight": NON_NEGATIVE,
+    "action": choices("train", "eval", "export"),
+    "resume_step": optional(POSITIVE_INT),
     "checkpoint_period": POSITIVE_INT,
     "max_to_keep": POSITIVE_INT,
     "eval_interval": NON_NEGATIVE,
@@ -155,6 +160,7 @@ RULES: dict[str, Rule] = {
     "profiler_steps": POSITIVE_INT,
     "peak_flops_per_device": optional(POSITIVE),
     "matmul_peak_size": POSITIVE_INT,
+    "wandb_mode": choices("online", "offline", "disabled"),
     "label_key": NAME,
     "max_prompt_length": POSITIVE_INT,
     "reward": Rule(lambda v: isinstance(v, str) and all(e.strip() for e in v.split(",")),
@@ -190,6 +196,7 @@ RULES: dict[str, Rule] = {
     "dpo_beta": POSITIVE,
     "dpo_label_smoothing": Rule(lambda v: _is_num(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
     "chosen_key": NAME,
+    "chat_loss_on": choices("all_assistant", "last_assistant"),
     "rejected_key": NAME,
 }
 
@@ -237,8 +244,11 @@ CHECKS: list[Callable[[dict], str | None]] = [
     f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})",
     lambda c: None if c["process_id"] < c["num_processes"] else
     f"process_id ({c['process_id']}) must be below num_processes ({c['num_processes']})",
+    lambda c: None if c["action"] != "export" or c["export_hf_path"] else "action=export needs export_hf_path",
     lambda c: None if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"] else
     f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})",
+    lambda c: None if c["chat_template"] or not c["system_prompt"] else
+    "system_prompt is set but chat_template is false; a system prompt needs the chat template (or write it into the data)",
     lambda c: None if not (c["export_hf_path"] and c["tokenizer_path"].endswith(".model")) else
     f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
     "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "
@@ -259,6 +269,7 @@ def derive(cfg: dict) -> dict:
     out["checkpoint_dir"] = posixpath.join(run_dir, "checkpoints")
     out["tensorboard_dir"] = posixpath.join(run_dir, "tensorboard")
     out["metrics_file"] = posixpath.join(run_dir, "metrics.jsonl")
+    out["evaluates"] = out["eval_interval"] > 0 or out["action"] == "eval"  # the mode builds its evaluators
     out["mesh_shape"], out["dcn_mesh_shape"] = _mesh_shapes(out)
     num_devices = math.prod(out["mesh_shape"].values()) * math.prod(out["dcn_mesh_shape"].values())
     out["global_batch_size"] = out["per_device_batch_size"] * num_devices  # rows per micro-batch
@@ -547,10 +558,7 @@ _Loader.add_implicit_resolver(
 
 
 def _read_yml(path: Path) -> tuple[dict, dict]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {_show_path(path)}: {(e.strerror or str(e)).lower()}") from None
+    text = _read_text(path)
     loader = _Loader(text)
     try:
         data = loader.get_single_data()
@@ -565,6 +573,11 @@ def _read_yml(path: Path) -> tuple[dict, dict]:
     if not isinstance(data, dict):
         raise ConfigError(f"{_show_path(path)} must be a mapping of `key: value` lines, not a {type(data).__name__}")
     return data, loader.key_lines or {}
+
+
+def root_config(path: Path) -> Path:
+    """The root base.yml at the end of `path`'s base_config chain: the file that lists every key."""
+    return _read_chain(path)[0][-1][0]
 
 
 def _read_chain(path: Path) -> tuple[list[tuple[Path, dict, dict]], bool]:
@@ -605,6 +618,39 @@ def write_config(cfg: Config, path: str | os.PathLike) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)  # a reader never sees half a file
+
+
+_KEY_LINE = re.compile(r"^([A-Za-z_]\w*):\s*(.*?)(?:\s+#\s?(.*))?$")
+_SECTION_LINE = re.compile(r"^# -+ (.+)$")
+
+
+def describe_keys(base_yml: Path, keyword: str = "") -> str:
+    """The keys of a root base.yml with their defaults and comments, grouped by its sections; with
+    `keyword`, only the keys whose name, comment or section mentions it (the CLI's --help)."""
+    lines, section, width = [], "", 34
+    for text in _read_text(base_yml).splitlines():
+        if m := _SECTION_LINE.match(text):
+            section = m.group(1).strip()
+            continue
+        m = _KEY_LINE.match(text)
+        if not m:
+            continue
+        key, default, comment = m.group(1), m.group(2) or "(a list: see the file)", m.group(3) or ""
+        if keyword.lower() not in f"{key} {comment} {section}".lower():
+            continue
+        if not lines or lines[-1][0] != section:
+            lines.append((section, []))
+        lines[-1][1].append(f"  {f'{key}: {default}':<{width}}  {comment}".rstrip())
+    if not lines:
+        return f"no key of {_show_path(base_yml)} mentions '{keyword}'"
+    return "\n".join(f"{section}:\n" + "\n".join(keys) for section, keys in lines)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {_show_path(path)}: {(e.strerror or str(e)).lower()}") from None
 
 
 def _did_you_mean(name: str, known) -> str:

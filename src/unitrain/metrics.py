@@ -1,4 +1,4 @@
-"""Run logs: metrics.jsonl + TensorBoard scalars/text, the progress line, MFU (the model counts its own FLOPs), profiling.
+"""Run logs: metrics.jsonl + TensorBoard scalars/text (+ W&B, wandb_sink.py), the progress line, MFU (the model counts its own FLOPs), profiling.
 
 Only the primary process (jax.process_index() == 0) writes anything; the others accept the same calls
 and do nothing, so the training loop needs no `if primary:` branches.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -20,8 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# TensorBoard tags allow only these characters and rewrite any other to "_" on their own.
+_UNSAFE_IN_TAG = re.compile(r"[^-/\w.]")
+
+
 def _primary(is_primary: bool | None) -> bool:
     return jax.process_index() == 0 if is_primary is None else is_primary
+
+
+def metric_name(key: str) -> str:
+    """The one name of a metric in every sink: what TensorBoard would make of it (e.g. a reward plugin's
+    `reward_pkg.mod:fn_mean` -> `reward_pkg.mod_fn_mean`), so metrics.jsonl, TensorBoard and W&B agree."""
+    return _UNSAFE_IN_TAG.sub("_", key)
 
 
 class MetricsWriter:
@@ -34,10 +45,12 @@ class MetricsWriter:
     """
 
     def __init__(self, metrics_file: str | os.PathLike, tensorboard_dir: str | os.PathLike, total_steps: int,
-                 log_period: int = 1, *, is_primary: bool | None = None, resume_step: int | None = None):
+                 log_period: int = 1, *, is_primary: bool | None = None, resume_step: int | None = None,
+                 wandb=None):
         self.total_steps, self.log_period = total_steps, log_period
         self.is_primary = _primary(is_primary)
         self._file = self._tb = None
+        self._wandb = wandb  # a wandb_sink.WandbSink, or None
         self._ref = None  # (wall time, step) of the previous progress line: the ETA is measured from it
         if not self.is_primary:
             return
@@ -55,19 +68,27 @@ class MetricsWriter:
     @classmethod
     def from_config(cls, cfg, total_steps: int, *, is_primary: bool | None = None,
                     resume_step: int | None = None) -> MetricsWriter:
+        wandb = None
+        if cfg.wandb_project and _primary(is_primary):
+            from unitrain.wandb_sink import WandbSink  # here: runs without W&B never import it
+
+            wandb = WandbSink(cfg)
         return cls(cfg.metrics_file, cfg.tensorboard_dir, total_steps, cfg.log_period,
-                   is_primary=is_primary, resume_step=resume_step)
+                   is_primary=is_primary, resume_step=resume_step, wandb=wandb)
 
     def write(self, step: int, scalars: dict) -> None:
         """Logs `scalars` (python/numpy/jax numbers) for `step`; prints a progress line when it is due."""
         if not self.is_primary:
             return
         step = int(step)
-        values = {k: np.asarray(v).item() for k, v in scalars.items()}  # int stays int, jax scalars -> python
+        # int stays int, jax scalars -> python
+        values = {metric_name(k): np.asarray(v).item() for k, v in scalars.items()}
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         self._file.flush()  # a killed run keeps every line written so far
         for key, value in values.items():
             self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, values)
         is_eval = any(k.startswith("eval_") for k in values)  # evals are rare: always shown
         if step % self.log_period == 0 or step == self.total_steps - 1 or is_eval:
             print(self._progress_line(step, values), flush=True)
@@ -113,6 +134,9 @@ class MetricsWriter:
             self._file.close()
             self._tb.close()
             self._file = self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self):
         return self
@@ -151,6 +175,16 @@ def _keep_steps_before(path: Path, resume_step: int) -> None:
 
 
 # ---------------------------------------------------------------- MFU
+
+def append_eval(path: str, step: int, source: str, results: dict) -> None:
+    """One line of an eval-only run (action=eval) in its own file: metrics.jsonl stays the training record."""
+    if jax.process_index() != 0:
+        return
+    line = {"step": int(step), "parameters": source, "time": datetime.datetime.now().isoformat(timespec="seconds"),
+            **{k: np.asarray(v).item() for k, v in results.items()}}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: float, num_devices: int) -> float:
     """Model FLOPs utilisation as a fraction. tokens_per_sec is global and counts every position of the

@@ -17,11 +17,12 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import jax
 
-from unitrain import checkpoint, distributed, export, metrics, tasks
-from unitrain.config import ConfigError, load_config, write_config
+from unitrain import checkpoint, distributed, export, metrics, run_dir, tasks
+from unitrain.config import DEFAULT_CONFIG, ConfigError, describe_keys, load_config, root_config
 from unitrain.run import RunContext, build_run
 from unitrain.tasks.base import Task
 
@@ -35,21 +36,47 @@ class NonFiniteLoss(RuntimeError):
 
 
 def train(cfg) -> int:
-    if jax.process_index() == 0:
-        write_config(cfg, os.path.join(cfg.run_dir, "config.yml"))
+    previous = run_dir.previous_config(cfg.run_dir)
+    checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_period, cfg.max_to_keep,
+                                           cfg.async_checkpointing)
+    if previous is not None:
+        cfg = run_dir.keep_global_batch(cfg, previous, has_checkpoint=bool(checkpointer.all_steps()))
     run, state = build_run(cfg)
     log.info("mode %s; model %s; mesh %s over %d devices (%d processes)", cfg.mode, cfg.model_source,
              dict(run.mesh.shape), run.mesh.size, jax.process_count())
     task = tasks.create(run)
-    checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_period, cfg.max_to_keep,
-                                           cfg.async_checkpointing)
-    start = checkpointer.latest_step() or 0
+    start = run_dir.resume_step(cfg, checkpointer)
     if start:
         state = checkpointer.restore(start, state, task.data_iterator)
         log.info("resumed from %s at step %d", cfg.checkpoint_dir, start)
+    if cfg.action != "train":
+        with jax.set_mesh(run.mesh):
+            return evaluate_or_export(run, task, state, start)
+    if jax.process_index() == 0:  # only now: a command that failed above leaves the run's config.yml alone
+        run_dir.save_config(cfg, previous)
     writer = metrics.MetricsWriter.from_config(cfg, cfg.steps, resume_step=start)
     with jax.set_mesh(run.mesh):
         return loop(run, task, state, start, checkpointer, writer)
+
+
+def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> int:
+    """action=eval | export: the parameters of the run's checkpoint (or load_parameters_path) once,
+    evaluated into <run_dir>/evals.jsonl or exported to export_hf_path; nothing is trained or saved."""
+    cfg = run.cfg
+    if not start and not cfg.load_parameters_path:
+        raise ConfigError(f"action={cfg.action} needs parameters: {cfg.checkpoint_dir} has no checkpoint and "
+                          "load_parameters_path is empty")
+    source = f"{cfg.checkpoint_dir} step {start}" if start else cfg.load_parameters_path
+    if cfg.action == "export":
+        export.export_hf(run, state["params"], cfg.export_hf_path)
+        log.info("exported %s to %s", source, cfg.export_hf_path)
+        return 0
+    results = task.evaluate(state["params"], start)
+    if not results:
+        raise ConfigError(f"mode {cfg.mode} has nothing to evaluate with this config (set eval_dataset_path or eval keys)")
+    metrics.append_eval(os.path.join(cfg.run_dir, "evals.jsonl"), start, source, results)
+    log.info("evaluated %s: %s", source, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+    return 0
 
 
 # ---------------------------------------------------------------- the loop
@@ -109,12 +136,12 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
             if pending is not None:
                 _write(writer, pending, dispatched, throughput)
             pending = (step, step_metrics, dispatched)
-            if text := task.samples_text(step):
-                writer.text(step, "samples", text)
             done = step + 1
             if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps):
                 if eval_metrics := task.evaluate(state["params"], done):
                     writer.write(step, eval_metrics)
+            if text := task.samples_text(step):  # after the eval: a mode may show its answers
+                writer.text(step, "samples", text)
             if done % cfg.checkpoint_period == 0 or done == cfg.steps or sigterm.raised:
                 _fetch(step_metrics)  # never save a state that came from a non-finite loss
                 checkpointer.save(done, state, task.data_iterator, force=True)
@@ -158,6 +185,8 @@ def _setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        return _help(argv)
     _setup_logging()
     try:
         cfg = load_config(argv, before_derive=distributed.maybe_initialize)
@@ -170,6 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         traceback.print_exc()
         return _exit(1)
+
+
+def _help(argv: list[str]) -> int:
+    """`--help [KEYWORD]`: the keys of the root base.yml (of the yml given first, else configs/base.yml)."""
+    at = argv.index("--help") if "--help" in argv else argv.index("-h")
+    keyword = argv[at + 1] if at + 1 < len(argv) else ""
+    first = Path(argv[0]) if at > 0 and argv[0].endswith((".yml", ".yaml")) else DEFAULT_CONFIG
+    print(__doc__.split("\n\n")[1].strip() + "\n")
+    try:
+        print(describe_keys(root_config(first), keyword))
+    except ConfigError as e:
+        print(f"unitrain: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
 
 
 def _exit(code: int) -> int:

@@ -81,7 +81,7 @@ class DPOTask(Task):
                               in_shardings=(ref_in, pair_shardings), out_shardings={k: self.rows1d for k in REF_KEYS})
         self.update = step_lib.make_train_step(self.loss, cfg, run.optimizer, run.state_shardings,
                                                self.batch_shardings())
-        self.eval_batches = self._eval_batches() if cfg.eval_interval else []
+        self.eval_batches = self._eval_batches() if cfg.evaluates else []
         if self.eval_batches:
             self.eval_fn = jax.jit(self._eval_sums, in_shardings=(run.state_shardings["params"], ref_in, pair_shardings))
 

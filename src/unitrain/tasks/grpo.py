@@ -32,7 +32,7 @@ from unitrain import step as step_lib
 from unitrain.evals import TaskEvaluator
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import bucket_prompt_length
-from unitrain.rollout.groups import collect_groups, make_filter, select_groups
+from unitrain.rollout.groups import collect_groups, make_filter, samples_markdown, select_groups
 from unitrain.tasks.base import RunContext, Task
 
 ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask")
@@ -69,7 +69,7 @@ class GRPOTask(Task):
                 run.graphdef, cfg.rollout_temperature, jax.device_put(p, on_device), b))
         self.update_fn = step_lib.make_train_step(self.loss, cfg, run.optimizer, run.state_shardings,
                                                   self.batch_shardings())
-        self.evaluator = TaskEvaluator(cfg, tokenizer, self.sampler, self.reward_fn) if cfg.eval_interval else None
+        self.evaluator = TaskEvaluator(cfg, tokenizer, self.sampler, self.reward_fn) if cfg.evaluates else None
         self.text = ""
 
     # -- what the loop and the step see
@@ -125,8 +125,7 @@ class GRPOTask(Task):
                    "time_rollout": t1 - t0, "time_logprob": t2 - t1, "time_update": t3 - t2,
                    "rollout_tokens_per_sec": float(mask.sum()) / max(t1 - t0, 1e-9)}
         if step % cfg.sample_log_period == 0:
-            self.text = "\n\n".join(f"**prompt** {g.prompt.text}\n\n**completion** {g.texts[0]}\n\n"
-                                     f"**reward** {g.rewards[0]:.3f}" for g in groups[:4])
+            self.text = samples_markdown(groups)
         return state, metrics
 
     # -- the pieces of a step

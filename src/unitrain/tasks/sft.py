@@ -1,7 +1,9 @@
-"""mode=sft: cross-entropy on the completion tokens of packed prompt/completion examples.
+"""mode=sft: cross-entropy on the completion tokens (the assistant turns of a chat) of packed examples.
 
-Evaluation: the loss on `eval_steps` fixed batches of the eval split and, for the built-in task,
-the accuracy of greedy answers (evals.TaskEvaluator through the run's sampler).
+Evaluation: the loss on `eval_steps` fixed batches of the eval split and, as GRPO evaluates, answers
+generated for the first `eval_num_samples` eval prompts (evals.TaskEvaluator through the run's
+sampler), scored by the first reward in `reward` against the label (label_key's field, else the
+completion): greedy accuracy and pass@k; the first greedy answers go to TensorBoard as samples.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from flax import nnx
 from unitrain import data, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.config import ConfigError
+from unitrain.data.sft import eval_prompt_records, split_path
 from unitrain.evals import TaskEvaluator
 from unitrain.tasks.base import RunContext, Task
 
@@ -27,11 +30,14 @@ class SFTTask(Task):
         self.update = step_lib.make_train_step(self.loss, cfg, run.optimizer, run.state_shardings,
                                                self.batch_shardings())
         self.eval_loss = jax.jit(self._eval_sums)
-        self.eval_batches = self._eval_batches() if cfg.eval_interval else []
-        self.task_eval = None
+        self.eval_batches = self._eval_batches() if cfg.evaluates else []
+        self.task_eval, self.text = None, ""
         self._seen_loss_tokens = False
-        if cfg.eval_interval and cfg.dataset_path == "builtin" and cfg.eval_num_samples:
-            self.task_eval = TaskEvaluator(cfg, run.tokenizer, rollout.make_sampler(run), rewards.make_reward_fn(cfg))
+        eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
+        if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
+            records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
+            self.task_eval = TaskEvaluator(cfg, run.tokenizer, rollout.make_sampler(run), rewards.make_reward_fn(cfg),
+                                           records)
 
     def loss(self, params, batch):
         model = nnx.merge(self.run.graphdef, params)
@@ -58,7 +64,15 @@ class SFTTask(Task):
     def evaluate(self, params, step):
         sums = [self.run.programs("eval_step", self.eval_loss, params, b) for b in self.eval_batches]
         total, count = (sum(float(x[i]) for x in sums) for i in (0, 1))
-        return {"eval_loss": total / max(count, 1.0), **(self.task_eval(params, step) if self.task_eval else {})}
+        if self.task_eval is None:
+            return {"eval_loss": total / max(count, 1.0)}
+        generated = self.task_eval(params, step)
+        self.text = self.task_eval.samples
+        return {"eval_loss": total / max(count, 1.0), **generated}
+
+    def samples_text(self, step):
+        text, self.text = self.text, ""  # each evaluation's answers, once
+        return text
 
     def _eval_batches(self) -> list:
         cfg = self.cfg

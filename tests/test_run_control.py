@@ -1,0 +1,203 @@
+"""Run control and round trips: the architecture from the checkpoint, the tokenizer and first-batch
+guards, --help, eval-only and export-only runs, resume from a chosen step, the config history."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+import yaml
+from flax import nnx
+
+from unitrain import checkpoint, models, run, run_dir, sharding, tasks, train
+from unitrain.config import MODEL_KEYS, ConfigError, load_config
+
+from conftest import REPO, make_cfg
+
+BASE = str(REPO / "configs" / "base.yml")
+FAST = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
+        "log_period=1", "warmup_steps=2"]
+
+
+def argv(tmp_path, *overrides):
+    return [BASE, f"base_output_directory={tmp_path}", *FAST, *overrides]
+
+
+def lines_of(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def logits_of(model, tokens):
+    t = jnp.asarray(tokens)
+    out, _ = model(t, jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape), jnp.ones_like(t))
+    return np.asarray(out)
+
+
+# ---------------------------------------------------------------- silent wrong results
+
+def test_a_folder_without_tokenizer_files_stops_the_run(tmp_path, tiny_checkpoint, capsys):
+    bare = tmp_path / "export"
+    bare.mkdir()
+    shutil.copy(tiny_checkpoint("qwen2") / "config.json", bare)  # what a weights-only export folder holds
+    capsys.readouterr()
+    assert train.main(argv(tmp_path, f"tokenizer_path={bare}", "steps=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "tokenizer_path" in err and "no tokens" in err
+    assert not (tmp_path / "default" / "config.yml").exists()  # a failed command writes no config.yml
+
+
+def test_a_first_batch_without_loss_tokens_stops_the_run(tmp_path):
+    cfg = load_config(argv(tmp_path, "steps=1"))
+    r, state = run.build_run(cfg)
+    task = tasks.create(r)
+    batch = next(task.data_iterator)
+    batch["targets_segmentation"] = np.zeros_like(batch["targets_segmentation"])
+    task.data_iterator = iter([batch])
+    with pytest.raises(ConfigError, match="no completion tokens"):
+        task.step(state, 0)
+
+
+def test_the_architecture_of_an_hf_checkpoint_is_the_runs(tmp_path, tiny_checkpoint):
+    """config.json's rope_theta, rms_norm_eps, rope scaling, vocab... become the config's, so the run's
+    own orbax checkpoint, reloaded from its config.yml, is the same model as the HF checkpoint."""
+    ckpt = tiny_checkpoint("llama", rope_scaling="llama3", rope_theta=5e5, vocab_size=384)
+    hf_cfg = transformers.AutoConfig.from_pretrained(ckpt)
+    cfg = make_cfg(load_parameters_path=str(ckpt))
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.vocab_size, cfg.rope_scaling_type) == (
+        hf_cfg.rope_parameters["rope_theta"], hf_cfg.rms_norm_eps, 384, "llama3")
+    assert cfg.rope_scaling_factor == hf_cfg.rope_parameters["factor"]
+
+    # learning_rate 0: the saved parameters are the checkpoint's, so logits must equal transformers'.
+    assert train.main(argv(tmp_path, f"load_parameters_path={ckpt}", f"tokenizer_path={ckpt}", "steps=1",
+                           "learning_rate=0", "dataset_path=builtin")) == 0
+    run_cfg = tmp_path / "default" / "config.yml"
+    assert yaml.safe_load(run_cfg.read_text())["rope_theta"] == 5e5
+    reloaded = load_config([str(run_cfg), f"load_parameters_path={tmp_path / 'default' / 'checkpoints'}"])
+    tokens = np.arange(1, 25)[None] % 384
+    ours = logits_of(models.build(reloaded, sharding.mesh_from_config(reloaded)), tokens)
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)(torch.tensor(tokens)).logits
+    np.testing.assert_allclose(ours, ref.numpy(), atol=2e-4)
+
+
+def test_an_explicit_key_that_contradicts_the_checkpoint_is_one_line(tmp_path, tiny_checkpoint, capsys):
+    ckpt = tiny_checkpoint("qwen2")
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=r"rope_theta.*config\.json"):
+        make_cfg(load_parameters_path=str(ckpt), rope_theta=1234.0)
+    assert train.main(argv(tmp_path, f"load_parameters_path={ckpt}", "model_name=qwen2.5-0.5b")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model_name" not in err and "config.json" in err
+    # the same value, stated explicitly, is fine
+    assert make_cfg(load_parameters_path=str(ckpt), qkv_bias=True).qkv_bias
+
+
+def test_a_unitrain_checkpoint_brings_its_model_shape(tmp_path):
+    assert train.main(argv(tmp_path, "run_name=a", "steps=1", "emb_dim=32", "mlp_dim=48", "num_query_heads=2",
+                           "num_kv_heads=1", "vocab_size=128")) == 0
+    for path in (tmp_path / "a" / "checkpoints", tmp_path / "a" / "checkpoints" / "1"):
+        cfg = make_cfg(load_parameters_path=str(path))
+        assert (cfg.emb_dim, cfg.mlp_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.head_dim) == (
+            32, 48, 2, 1, 128, 16)
+    with pytest.raises(ConfigError, match=r"emb_dim.*a/config\.yml"):
+        make_cfg(load_parameters_path=str(tmp_path / "a" / "checkpoints"), emb_dim=64)
+    # and the model built from it holds the checkpoint's parameters
+    cfg = make_cfg(load_parameters_path=str(tmp_path / "a" / "checkpoints"))
+    model = models.build(cfg, sharding.mesh_from_config(cfg))
+    saved = checkpoint.load_params(str(tmp_path / "a" / "checkpoints"), nnx.to_pure_dict(nnx.state(model)))
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)), saved)
+
+
+def test_a_model_source_that_reads_config_json_itself_refuses_architecture_keys(tiny_checkpoint):
+    ckpt = tiny_checkpoint("gemma3")
+    with pytest.raises(ConfigError, match="emb_dim.*model_source tunix"):
+        make_cfg(model_source="tunix", load_parameters_path=str(ckpt), emb_dim=64)
+
+
+# ---------------------------------------------------------------- run control
+
+def test_help_lists_every_key_of_base_yml_with_its_default(capsys):
+    assert train.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for key, value in yaml.safe_load(open(BASE)).items():
+        line = next((line for line in out.splitlines() if line.strip().startswith(f"{key}:")), None)
+        assert line is not None, key
+        if not isinstance(value, list):
+            assert yaml.safe_load(line.strip().split("  ")[0]) == {key: value}, line
+    assert train.main(["--help", "rope"]) == 0
+    some = capsys.readouterr().out
+    assert "rope_theta: 10000.0" in some and "RoPE base frequency" in some and "learning_rate" not in some
+
+
+def test_eval_only_and_export_only_runs_from_a_checkpoint(tmp_path):
+    assert train.main(argv(tmp_path, "steps=2", "eval_interval=2", "eval_num_samples=4")) == 0
+    run_path = tmp_path / "default"
+    trained = lines_of(run_path / "metrics.jsonl")
+    config_text = (run_path / "config.yml").read_text()
+
+    assert train.main(argv(tmp_path, "steps=2", "action=eval", "eval_num_samples=4")) == 0
+    (evaluated,) = lines_of(run_path / "evals.jsonl")
+    in_training = next(line for line in trained if "eval_loss" in line)
+    assert evaluated["step"] == 2 and evaluated["eval_loss"] == pytest.approx(in_training["eval_loss"], rel=1e-6)
+    assert evaluated["eval_accuracy"] == in_training["eval_accuracy"]
+    assert lines_of(run_path / "metrics.jsonl") == trained and (run_path / "config.yml").read_text() == config_text
+
+    export = tmp_path / "export"
+    assert train.main(argv(tmp_path, "steps=2", "action=export", f"export_hf_path={export}")) == 0
+    cfg = make_cfg(load_parameters_path=str(export))
+    exported = nnx.to_pure_dict(nnx.state(models.build(cfg, sharding.mesh_from_config(cfg))))
+    saved = checkpoint.load_params(str(run_path / "checkpoints"), exported)
+    jax.tree.map(np.testing.assert_array_equal, exported, saved)
+
+
+def test_eval_only_without_parameters_is_one_line(tmp_path, capsys):
+    assert train.main(argv(tmp_path, "action=eval")) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_resume_from_a_chosen_step(tmp_path):
+    common = ("steps=4", "checkpoint_period=1", "max_to_keep=5", "async_checkpointing=false")
+    assert train.main(argv(tmp_path, "run_name=whole", *common)) == 0
+    assert train.main(argv(tmp_path, "run_name=again", *common)) == 0
+    assert train.main(argv(tmp_path, "run_name=again", *common, "resume_step=2")) == 0
+    whole, again = lines_of(tmp_path / "whole" / "metrics.jsonl"), lines_of(tmp_path / "again" / "metrics.jsonl")
+    assert [line["step"] for line in again] == [0, 1, 2, 3]
+    assert [line["loss"] for line in again] == [line["loss"] for line in whole]
+    assert sorted(os.listdir(tmp_path / "again" / "checkpoints.set_aside")) == ["3", "4"]
+
+
+def test_a_resumed_run_reports_changed_keys_and_keeps_the_earlier_config(tmp_path, caplog):
+    assert train.main(argv(tmp_path, "steps=1")) == 0
+    first = (tmp_path / "default" / "config.yml").read_text()
+    assert train.main(argv(tmp_path, "steps=2", "tokenizer_path=/nonexistent")) == 2  # fails: leaves it alone
+    assert (tmp_path / "default" / "config.yml").read_text() == first
+    assert train.main(argv(tmp_path, "steps=2", "learning_rate=0.001")) == 0
+    assert (tmp_path / "default" / "config.1.yml").read_text() == first
+    assert yaml.safe_load((tmp_path / "default" / "config.yml").read_text())["learning_rate"] == 0.001
+    assert not (tmp_path / "default" / "config.2.yml").exists()
+    assert train.main(argv(tmp_path, "steps=3", "learning_rate=0.001")) == 0  # only steps changed: nothing kept
+    assert not (tmp_path / "default" / "config.2.yml").exists()
+
+
+def test_a_resume_on_another_device_count_keeps_the_global_batch(tmp_path):
+    cfg = load_config(argv(tmp_path, "per_device_batch_size=1"))  # 8 devices here: 8 rows
+    kept = run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 1}, has_checkpoint=True)
+    assert (kept.per_device_batch_size, kept.global_batch_size) == (2, 16)
+    assert run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 1},
+                                     has_checkpoint=False) is cfg  # nothing saved yet: nothing to continue
+    with pytest.raises(ConfigError, match="global batch of 16 rows.*per_device_batch_size=2"):
+        run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 4}, has_checkpoint=True)
+    with pytest.raises(ConfigError, match="cannot split evenly"):
+        run_dir.keep_global_batch(cfg, {"global_batch_size": 12, "per_device_batch_size": 1}, has_checkpoint=True)
+
+
+def test_the_global_batch_is_read_back_from_the_written_config(tmp_path):
+    assert train.main(argv(tmp_path, "steps=1", "per_device_batch_size=2")) == 0
+    previous = run_dir.previous_config(str(tmp_path / "default"))
+    assert previous["global_batch_size"] == 2 * jax.device_count() and previous["per_device_batch_size"] == 2
+    assert set(MODEL_KEYS) <= set(previous)
