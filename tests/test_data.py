@@ -221,7 +221,8 @@ def test_hf_tokenizer_dir_with_chat_template(tmp_path):
     prompt, completion = tok.apply_chat_template(convo)
     assert prompt.endswith("<|user|>3+3?<eos><|assistant|>") and completion == "6<eos>"
     cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo}] * 4),
-                   tokenizer_path=str(tmp_path / "tok"), max_target_length=96, packing=False)
+                   tokenizer_path=str(tmp_path / "tok"), max_target_length=96, packing=False,
+                   chat_loss_on="last_assistant")
     b = next(make_sft_iterator(cfg, tok, 2))
     learned = b["targets"][0][b["targets_segmentation"][0] > 0]
     assert learned.tolist() == tok.encode("6<eos>")  # only the last assistant turn, its end marker included

@@ -1,6 +1,7 @@
 """Task evaluation by generation: greedy pass@1 (logged as eval_accuracy) and sampled pass@k on the
 eval prompts, scored by the run's reward. A sample is correct when the first reward named in
-`reward` (the task reward) gives it 1. SFT uses it for the built-in task, GRPO always.
+`reward` (the task reward) gives it 1. GRPO evaluates its prompt files; SFT its eval files, the
+label being label_key's field or else the completion (data.sft.eval_prompt_records).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 
 from unitrain import data
 from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.groups import collect_groups
+from unitrain.rollout.groups import collect_groups, samples_markdown
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -23,24 +24,33 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class TaskEvaluator:
-    def __init__(self, cfg, tokenizer, sampler, reward_fn):
-        self.cfg, self.tokenizer, self.sampler, self.reward_fn = cfg, tokenizer, sampler, reward_fn
-        self.prompts = data.eval_prompts(cfg, tokenizer, cfg.eval_num_samples)
+    """`evaluator(params, step) -> metrics`; `samples` is then the markdown of the first greedy
+    answers (prompt, completion, label, reward) for TensorBoard. `records` replace the eval split's
+    prompt records (see data.eval_prompts)."""
 
-    def correct(self, n: int, sampling: SamplingParams, key) -> np.ndarray:
+    def __init__(self, cfg, tokenizer, sampler, reward_fn, records: list[dict] | None = None):
+        self.cfg, self.tokenizer, self.sampler, self.reward_fn = cfg, tokenizer, sampler, reward_fn
+        self.prompts = data.eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
+        self.samples = ""
+
+    def groups(self, n: int, sampling: SamplingParams, key) -> list:
+        return collect_groups(self.sampler, self.prompts, n, sampling, key, self.tokenizer, self.reward_fn)
+
+    def correct(self, groups: list) -> np.ndarray:
         """[prompts, n] bool: which samples the task reward scores 1."""
-        groups = collect_groups(self.sampler, self.prompts, n, sampling, key, self.tokenizer, self.reward_fn)
         return np.stack([g.per_reward[self.reward_fn.names[0]] >= 1.0 for g in groups])
 
     def __call__(self, params, step: int) -> dict:
         cfg, stop = self.cfg, (self.tokenizer.eos_id,)
         self.sampler.update_weights(params, step)
         greedy = SamplingParams(cfg.rollout_max_response_len, temperature=0.0, stop_token_ids=stop)
-        result = {"eval_accuracy": float(self.correct(1, greedy, jax.random.key(0)).mean())}
+        answers = self.groups(1, greedy, jax.random.key(0))
+        self.samples = samples_markdown(answers)
+        result = {"eval_accuracy": float(self.correct(answers).mean())}
         if cfg.eval_n_samples:
             sampled = SamplingParams(cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
                                      top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=stop)
-            counts = self.correct(cfg.eval_n_samples, sampled, jax.random.key(1)).sum(axis=1)
+            counts = self.correct(self.groups(cfg.eval_n_samples, sampled, jax.random.key(1))).sum(axis=1)
             result[f"eval_pass@{cfg.eval_pass_k}"] = float(np.mean(
                 [pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in counts]))
         return result

@@ -151,7 +151,7 @@ def pair_fn(tokenizer, max_len: int, truncation: str):
         else:  # plain texts, concatenated verbatim: separators belong in the data
             prompt = bos + tokenizer.encode(record["prompt"])
             completions = [tokenizer.encode(record[side]) + eos for side in SIDES]
-        examples = [example_arrays(prompt, c, max_len, truncation, tokenizer.pad_id) for c in completions]
+        examples = [example_arrays([(prompt, False), (c, True)], max_len, truncation, tokenizer.pad_id) for c in completions]
         truncated = np.int32(any(int(e["num_truncated"]) for e in examples))
         if not all("inputs" in e for e in examples):
             return {"num_truncated": truncated}

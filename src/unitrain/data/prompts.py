@@ -27,7 +27,7 @@ from unitrain.config import ConfigError
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
 from unitrain.data.errors import DataError
 from unitrain.data.sft import CountDropped, split_path
-from unitrain.data.sources import iter_rows
+from unitrain.data.sources import iter_rows, label_text
 
 # How many records the not-empty check (and eval_prompts) read before concluding that nothing fits;
 # files are checked whole, but the built-in stream has a million problems of near-equal length.
@@ -53,12 +53,10 @@ def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict
         if prompt_key not in row or label_key not in row:
             raise DataError(f"{where}: record lacks {prompt_key!r} or {label_key!r} (it has {sorted(row)}); "
                             "set prompt_key and label_key")
-        prompt, label = row[prompt_key], row[label_key]
+        prompt = row[prompt_key]
         if not isinstance(prompt, str):
             raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
-        if isinstance(label, bool) or not isinstance(label, (str, int, float)):
-            raise DataError(f"{where}: field {label_key!r} must be a string or a number, got {type(label).__name__}")
-        records.append({"prompt": prompt, "label": str(label)})
+        records.append({"prompt": prompt, "label": label_text(row, label_key, where)})
     if not records:
         raise DataError(f"dataset path {spec!r} holds no records")
     return records
@@ -86,16 +84,15 @@ def _prompt_fn(cfg, tokenizer):
     if cfg.chat_template and not tokenizer.has_chat_template:
         raise ConfigError(f"chat_template is true but tokenizer_path={tokenizer.path!r} has no chat template; "
                           "use a chat tokenizer or chat_template=false")
-    if cfg.system_prompt and not cfg.chat_template:
-        raise ConfigError("system_prompt is set but chat_template is false; a system prompt needs the chat "
-                          "template (or write it into the prompts)")
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     chat, max_len = cfg.chat_template, cfg.max_prompt_length
 
     def to_prompt(record: dict) -> dict:
         text = record["prompt"]
-        if chat:
+        if isinstance(text, list):  # a conversation before its assistant turn (SFT chat eval files)
+            ids, text = tokenizer.encode(tokenizer.render_prompt(text)), text[-1]["content"]
+        elif chat:
             ids = tokenizer.encode(tokenizer.render_prompt([*system, {"role": "user", "content": text}]))
         else:
             ids = bos + tokenizer.encode(text)
@@ -167,15 +164,17 @@ def make_prompt_iterator(cfg, tokenizer, prompts_per_batch: int, split: str = "t
     return iter(make_prompt_dataset(cfg, tokenizer, prompts_per_batch, split, process_index, process_count))
 
 
-def eval_prompts(cfg, tokenizer, count: int) -> list[Prompt]:
+def eval_prompts(cfg, tokenizer, count: int, records: list[dict] | None = None) -> list[Prompt]:
     """The first `count` eval prompts that fit max_prompt_length, in the file's (or stream's) order.
 
     The same list on every process and in every run (not sharded, not shuffled); fewer than `count`
     when the eval data holds fewer. The built-in task's eval stream is disjoint from its train stream.
+    `records` ({prompt, label}, a prompt being a text or a conversation) replace the eval split's
+    prompt records (SFT passes its eval files' records).
     """
     path = split_path(cfg, "eval")
     to_prompt = _prompt_fn(cfg, tokenizer)
-    records = _records(cfg, "eval", path)
+    records = _records(cfg, "eval", path) if records is None else records
     out, shortest = [], None
     for i in range(len(records)):
         if len(out) >= count:

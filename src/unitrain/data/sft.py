@@ -34,38 +34,44 @@ BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "
 _PACKED = ("inputs", "targets", "loss_mask", "num_truncated")
 
 
-def example_arrays(prompt_ids, completion_ids, max_len: int, truncation: str, pad_id: int) -> dict:
-    """One example's unpacked arrays; a dict without "inputs" marks a dropped over-long example."""
-    tokens = list(prompt_ids) + list(completion_ids)
+def example_arrays(segments, max_len: int, truncation: str, pad_id: int) -> dict:
+    """One example's unpacked arrays from its consecutive (token ids, trained on) segments; a dict
+    without "inputs" marks a dropped over-long example."""
+    tokens = [t for ids, _ in segments for t in ids]
+    trained = np.asarray([on for ids, on in segments for _ in ids], bool)
+    context = int(np.argmax(trained)) if trained.any() else len(tokens)  # the tokens before the first trained one
     overlong = len(tokens) > max_len
     if overlong:
-        if truncation == "drop" or len(prompt_ids) >= max_len:
+        if truncation == "drop" or context >= max_len:
             return {"num_truncated": np.int32(1)}
-        tokens = tokens[:max_len]
+        tokens, trained = tokens[:max_len], trained[:max_len]
     n = len(tokens)
     inputs = np.asarray(tokens, np.int32)
     targets = np.full(n, pad_id, np.int32)
     targets[:-1] = inputs[1:]
     loss_mask = np.zeros(n, np.int32)
-    loss_mask[max(len(prompt_ids) - 1, 0) : n - 1] = 1  # position i predicts token i+1
+    loss_mask[:-1] = trained[1:]  # position i predicts token i+1
     return {"inputs": inputs, "targets": targets, "loss_mask": loss_mask, "num_truncated": np.int32(overlong)}
 
 
-def _example_fn(tokenizer, max_len: int, truncation: str):
-    """record -> example_arrays(...); the BOS/EOS policy of each record kind lives here."""
+def _example_fn(cfg, tokenizer):
+    """record -> example_arrays(...); the BOS/EOS and chat policy of each record kind lives here."""
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     eos = [tokenizer.eos_id]
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    last_only = cfg.chat_loss_on == "last_assistant"
 
     def to_example(record: dict) -> dict:
-        if "ids" in record:  # synthetic: the whole row is completion
-            prompt, completion = [], record["ids"]
-        elif "messages" in record:  # the chat template owns BOS and end-of-turn tokens
-            prompt_text, completion_text = tokenizer.apply_chat_template(record["messages"])
-            prompt, completion = tokenizer.encode(prompt_text), tokenizer.encode(completion_text)
+        if "ids" in record:  # synthetic: the whole row is trained on
+            segments = [(record["ids"], True)]
+        elif "messages" in record or cfg.chat_template:  # the chat template owns BOS and end-of-turn tokens
+            messages = record.get("messages") or [*system, {"role": "user", "content": record["prompt"]},
+                                                  {"role": "assistant", "content": record["completion"]}]
+            segments = [(tokenizer.encode(text), on) for text, on in tokenizer.chat_segments(messages, last_only)]
         else:  # plain texts, concatenated verbatim: separators belong in the data
-            prompt = bos + tokenizer.encode(record["prompt"])
-            completion = tokenizer.encode(record["completion"]) + eos
-        return example_arrays(prompt, completion, max_len, truncation, tokenizer.pad_id)
+            segments = [(bos + tokenizer.encode(record["prompt"]), False),
+                        (tokenizer.encode(record["completion"]) + eos, True)]
+        return example_arrays(segments, cfg.max_target_length, cfg.truncation, tokenizer.pad_id)
 
     return to_example
 
@@ -141,10 +147,28 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
         return grain.MapDataset.range(NUM_PROBLEMS).map(
             lambda i: {"ids": np.random.default_rng([*seed, int(i)]).integers(0, vocab, length).tolist()}
         )
-    records = read_records(path, cfg.prompt_key, cfg.completion_key, cfg.messages_key)
-    if not tokenizer.has_chat_template and any("messages" in r for r in records):
-        tokenizer.apply_chat_template([])  # raises the ConfigError naming tokenizer_path
-    return grain.MapDataset.source(records)
+    return grain.MapDataset.source(_file_records(cfg, tokenizer, path))
+
+
+def eval_prompt_records(cfg, tokenizer) -> list[dict]:
+    """The eval files as {prompt, label} records for generation evals (data.eval_prompts): the prompt
+    is the prompt text, or the conversation before its last assistant turn; the label is the record's
+    label_key field when it has one, else its completion (the last assistant turn)."""
+    out = []
+    for record in _file_records(cfg, tokenizer, split_path(cfg, "eval"), cfg.label_key):
+        if "messages" in record:
+            prompt, completion = record["messages"][:-1], record["messages"][-1]["content"]
+        else:
+            prompt, completion = record["prompt"], record["completion"]
+        out.append({"prompt": prompt, "label": record.get("label", completion)})
+    return out
+
+
+def _file_records(cfg, tokenizer, path: str, label_key: str | None = None) -> list[dict]:
+    records = read_records(path, cfg.prompt_key, cfg.completion_key, cfg.messages_key, label_key)
+    if not tokenizer.has_chat_template and (cfg.chat_template or any("messages" in r for r in records)):
+        tokenizer.chat_segments([])  # raises the ConfigError naming tokenizer_path
+    return records
 
 
 def make_sft_dataset(cfg, tokenizer, rows: int, split: str = "train", shard: int = 0,
@@ -161,7 +185,7 @@ def make_sft_dataset(cfg, tokenizer, rows: int, split: str = "train", shard: int
         )
 
     records_of_shard, where = shard_records(_records(cfg, tokenizer, split, path), path, shard, num_shards)
-    to_example = _example_fn(tokenizer, max_len, cfg.truncation)
+    to_example = _example_fn(cfg, tokenizer)
     _check_not_empty(records_of_shard.map(to_example), where, max_len)
 
     seed = shard_seed(cfg.seed, shard)

@@ -49,9 +49,16 @@ def iter_rows(spec: str):
         yield from reader(path)
 
 
-def read_records(spec: str, prompt_key: str, completion_key: str, messages_key: str) -> list[dict]:
-    """All records of the files named by `spec`, each reduced to {prompt, completion} or {messages}."""
-    records = [_normalize(row, where, prompt_key, completion_key, messages_key) for where, row in iter_rows(spec)]
+def read_records(spec: str, prompt_key: str, completion_key: str, messages_key: str,
+                 label_key: str | None = None) -> list[dict]:
+    """All records of the files named by `spec`, each reduced to {prompt, completion} or {messages},
+    plus {label} where a record has `label_key` (the gold answer of SFT eval files)."""
+    records = []
+    for where, row in iter_rows(spec):
+        record = _normalize(row, where, prompt_key, completion_key, messages_key)
+        if label_key is not None and label_key in row:
+            record["label"] = label_text(row, label_key, where)
+        records.append(record)
     if not records:
         raise DataError(f"dataset path {spec!r} holds no records")
     return records
@@ -151,6 +158,14 @@ _READERS = (
     ((".parquet",), lambda path: _table_rows(path, _read_parquet)),
     ((".arrow",), lambda path: _table_rows(path, _read_arrow)),
 )
+
+
+def label_text(row: dict, label_key: str, where: str) -> str:
+    """A record's gold answer as text: a string, or a number kept as its text (72 -> "72")."""
+    label = row[label_key]
+    if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+        raise DataError(f"{where}: field {label_key!r} must be a string or a number, got {type(label).__name__}")
+    return str(label)
 
 
 def _normalize(row, where: str, prompt_key: str, completion_key: str, messages_key: str) -> dict:

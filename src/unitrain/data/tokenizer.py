@@ -1,7 +1,8 @@
 """One small tokenizer interface over HF tokenizer dirs, SentencePiece files and a built-in one.
 
 The rest of unitrain sees only `Tokenizer`: encode/decode without implicit special tokens, the
-special ids, and `apply_chat_template` that splits a conversation into (prompt, completion) text.
+special ids, and the chat template: `chat_segments` splits a conversation into context and
+assistant pieces (the SFT loss), `render_prompt` renders a prompt for generation.
 """
 from __future__ import annotations
 
@@ -63,24 +64,39 @@ class Tokenizer:
         return self._hf is not None and bool(getattr(self._hf, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict]) -> tuple[str, str]:
-        """Renders a conversation as (prompt_text, completion_text); the loss goes on the completion.
+        """Renders a conversation as (prompt_text, completion_text): the completion is the last
+        assistant turn, everything before it (and the template's generation prompt) the prompt."""
+        prompt, completion = (text for text, _ in self.chat_segments(messages, last_assistant_only=True))
+        return prompt, completion
 
-        The completion is the last assistant turn only; everything before it (system, user, earlier
-        assistant turns, and the template's generation prompt) is prompt. The template owns all
-        special tokens of a chat (BOS, end-of-turn), so the SFT path adds none of its own.
+    def chat_segments(self, messages: list[dict], last_assistant_only: bool = False) -> list[tuple[str, bool]]:
+        """Renders a conversation as consecutive (text, is_assistant) pieces of the template's full
+        rendering: an assistant piece is what the template writes for that turn after the generation
+        prompt (its end-of-turn tokens included), the loss of SFT; the rest is context. With
+        `last_assistant_only`, earlier assistant turns are context too.
+
+        Each piece is found by rendering the conversation's prefixes, so a template whose rendering of
+        a prefix is not a prefix of the whole (one that rewrites earlier turns) is refused. The template
+        owns all special tokens of a chat (BOS, end-of-turn), so the SFT path adds none of its own.
         """
         if not self.has_chat_template:
-            raise ConfigError(
-                f"tokenizer_path={self.path!r} has no chat template, so it cannot render the "
-                "'messages' field; use a chat tokenizer or prompt/completion fields"
-            )
+            raise ConfigError(f"tokenizer_path={self.path!r} has no chat template, so it cannot render chat messages "
+                              "(a 'messages' field or chat_template=true); use a chat tokenizer or plain prompt/completion data")
         if not messages or messages[-1].get("role") != "assistant":
             raise DataError("a 'messages' conversation must end with an assistant turn to train on")
-        full = self._hf.apply_chat_template(messages, tokenize=False)
-        prompt = self._hf.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-        if not full.startswith(prompt):
-            raise DataError(f"the chat template of {self.path!r} does not render the prompt as a prefix of the conversation")
-        return prompt, full[len(prompt):]
+        render = lambda upto, generation: self._hf.apply_chat_template(
+            messages[:upto], tokenize=False, add_generation_prompt=generation)
+        full = render(len(messages), False)
+        turns = [len(messages) - 1] if last_assistant_only else [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        pieces, done = [], 0
+        for i in turns:
+            before, through = render(i, True), render(i + 1, False)
+            if not (through.startswith(before) and full.startswith(through) and len(before) >= done):
+                raise DataError(f"the chat template of {self.path!r} does not render the conversation up to assistant turn "
+                                f"{i} as a prefix of the whole; train on the last turn only (chat_loss_on=last_assistant)")
+            pieces += [(full[done:len(before)], False), (full[len(before):len(through)], True)]
+            done = len(through)
+        return pieces + [(full[done:], False)] if done < len(full) else pieces
 
     def render_prompt(self, messages: list[dict]) -> str:
         """Renders a conversation that stops before the assistant's turn, with the template's

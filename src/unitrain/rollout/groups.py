@@ -43,6 +43,12 @@ def collect_groups(sampler: Sampler, prompts: list, n: int, sampling: SamplingPa
     return groups
 
 
+def samples_markdown(groups: list[Group], count: int = 4) -> str:
+    """The first completion of the first `count` groups as TensorBoard markdown."""
+    return "\n\n".join(f"**prompt** {g.prompt.text}\n\n**completion** {g.texts[0]}\n\n**label** {g.prompt.label}\n\n"
+                       f"**reward** {g.rewards[0]:.3f}" for g in groups[:count])
+
+
 def nonzero_std(group: Group) -> bool:
     """Keep a group only if its rewards differ: equal rewards give zero advantage, hence no signal."""
     return bool(np.std(group.rewards) > 0)

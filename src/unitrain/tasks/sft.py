@@ -8,6 +8,8 @@ completion): greedy accuracy and pass@k; the first greedy answers go to TensorBo
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -79,10 +81,12 @@ class SFTTask(Task):
         iterator = data.make_sft_iterator(cfg, self.run.tokenizer, cfg.global_batch_size, "eval",
                                           jax.process_index(), jax.process_count())
         batches = []
-        for _ in range(cfg.eval_steps):
-            batch = next(iterator)
+        for batch in itertools.islice(iterator, cfg.eval_steps):  # fewer when the eval data runs out
             batch.pop("num_truncated")
             batches.append(step_lib.local_rows_to_global(batch, self.batch_shardings()))
+        if not batches:
+            raise ConfigError(f"eval_dataset_path ({split_path(cfg, 'eval')}) does not fill one eval batch of "
+                              f"{cfg.global_batch_size} rows of {cfg.max_target_length} tokens; add eval records")
         return batches
 
     def _eval_sums(self, params, batch):
