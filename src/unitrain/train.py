@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from unitrain import checkpoint, distributed, export, metrics, run_dir, tasks
+from unitrain import checkpoint, distributed, export, metrics, pipeline, run_dir, tasks
 from unitrain.config import DEFAULT_CONFIG, ConfigError, describe_keys, load_config, root_config
 from unitrain.run import RunContext, build_run
 from unitrain.tasks.base import Task
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv, before_derive=distributed.maybe_initialize)
         if jax.process_index() != 0:  # only after jax.distributed has started
             log.setLevel(logging.WARNING)
-        return train(cfg)
+        return pipeline.run(cfg, train) if cfg.stages else train(cfg)
     except ConfigError as e:
         print(f"unitrain: {e}", file=sys.stderr)
         return _exit(EXIT_USER_ERROR)

@@ -1,0 +1,91 @@
+"""A recipe with `stages:` runs them in order, in one process, under one run directory.
+
+    stages:
+      - {name: sft, mode: sft, steps: 200}
+      - {name: grpo, mode: grpo, steps: 60, learning_rate: 2.0e-5}
+      - {name: eval, action: eval}
+      - {name: export, action: export, export_hf_path: out/model}
+
+Each stage is the recipe with the stage's keys on top, run as `<run_dir>/<name>/` (its own
+config.yml, checkpoints, metrics), starting from the previous stage's final parameters
+(`load_parameters_path` = that stage's checkpoints, so the optimizer starts fresh) unless the stage
+names its own. Every stage's config is built, and so validated, before the first one runs. A stage
+that finished leaves `<run_dir>/<name>/stage_done`; re-running the command skips those and resumes
+the stage in progress from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+from jax.experimental import multihost_utils
+
+from unitrain import run_dir
+from unitrain.config import ConfigError, write_config
+
+log = logging.getLogger("unitrain")
+
+
+def stage_configs(cfg) -> list:
+    """The config of every stage, in order; a mistake in any is one line naming the stage."""
+    stages, names = [], set()
+    for i, stage in enumerate(cfg.stages):
+        where = f"stage {i + 1} of {len(cfg.stages)}"
+        if not isinstance(stage, dict) or not isinstance(stage.get("name"), str) or not stage["name"].strip():
+            raise ConfigError(f"stages: {where} must be a mapping with a non-empty 'name' and the keys it overrides")
+        name = stage["name"]
+        if name in names or "/" in name:
+            raise ConfigError(f"stages: {where} is named '{name}', which is repeated or contains '/'")
+        names.add(name)
+        changes = {"stages": [], "base_output_directory": cfg.run_dir, "run_name": name}
+        if stages:
+            changes["load_parameters_path"] = stages[-1].checkpoint_dir
+        own = {k: v for k, v in stage.items() if k != "name"}
+        if bad := sorted(set(own) & {"stages", "run_name", "base_output_directory"}):
+            raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
+        try:
+            stages.append(cfg.replace(**changes, **own))
+        except ConfigError as e:
+            raise ConfigError(f"stage '{name}' ({where}): {e}") from None
+    return stages
+
+
+def run(cfg, train) -> int:
+    """Runs the stages of `cfg` with `train(stage_cfg) -> exit status`; stops at the first failure."""
+    stages = stage_configs(cfg)
+    _check_finished_stages_unchanged(stages)
+    if jax.process_index() == 0:
+        write_config(cfg, os.path.join(cfg.run_dir, "pipeline.yml"))
+    for stage in stages:
+        done = os.path.join(stage.run_dir, "stage_done")
+        if os.path.exists(done):
+            log.info("stage %s: finished before, skipped", stage.run_name)
+            continue
+        log.info("stage %s: %s %s in %s", stage.run_name, stage.action, stage.mode, stage.run_dir)
+        status = train(stage)
+        if status != 0:
+            log.warning("stage %s stopped with status %d; re-run the command to resume it", stage.run_name, status)
+            return status
+        if jax.process_index() == 0:
+            with open(done, "w") as f:
+                f.write(f"{stage.steps}\n")
+        multihost_utils.sync_global_devices(f"unitrain stage {stage.run_name}")
+    return 0
+
+
+def _check_finished_stages_unchanged(stages) -> None:
+    """A finished stage whose definition changed would leave the run's record wrong: stop first."""
+    for stage in stages:
+        previous = run_dir.previous_config(stage.run_dir)
+        if previous is None:
+            continue
+        changes = run_dir.changed_keys(stage, previous)
+        shown = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items())
+        if changes and os.path.exists(os.path.join(stage.run_dir, "stage_done")):
+            raise ConfigError(f"stage '{stage.run_name}' is finished but its definition changed ({shown}); "
+                              f"use another run_name, or remove {stage.run_dir} to run it again")
+        if changes:
+            log.warning("stage %s changed since it started (%s); it resumes with the new definition",
+                        stage.run_name, shown)

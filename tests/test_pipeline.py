@@ -1,0 +1,72 @@
+"""`stages:` recipes: one command equals the stages run as separate commands; resume per stage;
+every stage validated before the first runs."""
+
+import json
+
+import pytest
+
+from unitrain import train
+
+from conftest import REPO, sigterm_after_step
+
+BASE = str(REPO / "configs" / "base.yml")
+COMMON = {"max_target_length": 32, "per_device_batch_size": 1, "eval_interval": 0, "peak_flops_per_device": 1e12,
+          "log_period": 1, "warmup_steps": 1}
+SFT = {"mode": "sft", "steps": 1}
+# A reward that random completions sometimes earn, so the GRPO losses are not all zero.
+GRPO = {"mode": "grpo", "steps": 4, "rollout_batch_size": 2, "n_samples_per_prompt": 4, "rollout_max_response_len": 4,
+        "checkpoint_period": 1, "async_checkpointing": False, "learning_rate": 1e-4, "reward": "format",
+        "format_reward_pattern": "[0-9]"}
+
+
+def recipe(tmp_path, *stages) -> str:
+    path = tmp_path / "recipe.yml"
+    path.write_text(json.dumps({"base_config": BASE, "base_output_directory": str(tmp_path / "runs"),
+                                "run_name": "pipe", **COMMON, "stages": list(stages)}))  # JSON is YAML
+    return str(path)
+
+
+def as_args(values: dict) -> list[str]:
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def losses(path) -> dict:
+    return {line["step"]: line["loss"] for line in map(json.loads, open(path)) if "loss" in line}
+
+
+def test_a_pipeline_equals_its_stages_as_separate_commands_and_resumes_per_stage(tmp_path, monkeypatch):
+    sep = tmp_path / "separate"
+    args = [BASE, f"base_output_directory={sep}", *as_args(COMMON)]
+    assert train.main([*args, "run_name=sft", *as_args(SFT), f"export_hf_path={sep / 'export'}"]) == 0
+    assert train.main([*args, "run_name=grpo", *as_args(GRPO), f"load_parameters_path={sep / 'export'}"]) == 0
+
+    path = recipe(tmp_path, {"name": "sft", **SFT}, {"name": "grpo", **GRPO})
+    with sigterm_after_step(monkeypatch, 1):  # only the grpo stage reaches step 1
+        assert train.main([path]) == train.EXIT_SIGTERM
+    run = tmp_path / "runs" / "pipe"
+    sft_record = (run / "sft" / "metrics.jsonl").read_text()
+    assert (run / "sft" / "stage_done").exists() and not (run / "grpo" / "stage_done").exists()
+    assert max(losses(run / "grpo" / "metrics.jsonl")) < 3
+
+    assert train.main([path]) == 0  # skips sft, resumes grpo
+    assert (run / "sft" / "metrics.jsonl").read_text() == sft_record
+    assert losses(run / "sft" / "metrics.jsonl") == losses(sep / "sft" / "metrics.jsonl")
+    ours, theirs = losses(run / "grpo" / "metrics.jsonl"), losses(sep / "grpo" / "metrics.jsonl")
+    assert sorted(ours) == [0, 1, 2, 3]
+    assert ours == pytest.approx(theirs, rel=1e-6) and any(ours.values())
+    assert (run / "pipeline.yml").exists() and (run / "grpo" / "config.yml").exists()
+
+
+def test_a_mistake_in_the_last_stage_stops_before_the_first(tmp_path, capsys):
+    path = recipe(tmp_path, {"name": "sft", **SFT}, {"name": "grpo", **GRPO},
+                  {"name": "eval", "action": "eval", "eval_pass_kk": 2})
+    assert train.main([path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "stage 'eval' (stage 3 of 3)" in err and "eval_pass_kk" in err
+    assert not (tmp_path / "runs" / "pipe").exists()
+
+
+def test_a_finished_stage_whose_definition_changed_is_reported_before_anything_runs(tmp_path, capsys):
+    assert train.main([recipe(tmp_path, {"name": "sft", **SFT})]) == 0
+    assert train.main([recipe(tmp_path, {"name": "sft", **SFT, "learning_rate": 1e-3})]) == 2
+    assert "stage 'sft' is finished but its definition changed (learning_rate" in capsys.readouterr().err
