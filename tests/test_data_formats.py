@@ -2,6 +2,7 @@
 same records written as jsonl give, in every mode; malformed and non-UTF-8 files are named by file:line."""
 import csv
 
+import datasets  # the reference writer of save_to_disk folders
 import numpy as np
 import pytest
 
@@ -10,8 +11,6 @@ from unitrain.data import DataError, load_tokenizer, make_prompt_iterator, make_
 from unitrain.data.preference import make_preference_iterator
 
 from conftest import REPO, make_cfg, write_jsonl
-
-datasets = pytest.importorskip("datasets")  # the reference writer of save_to_disk folders (tunix extra)
 
 TOK = load_tokenizer("")
 # Text that CSV must quote: commas, quotes, a line break inside a field, non-ASCII.

@@ -155,7 +155,7 @@ def test_gsm8k_grpo_with_a_tiny_qwen2_model(tmp_path, tiny_checkpoint, capsys):
             "sampler_trainer_logprob_gap", "time_rollout", "rollout_tokens_per_sec"} <= set(steps[0])
     assert steps[0]["sampler_trainer_logprob_gap"] < 1e-3
     evals = [l for l in lines if "eval_accuracy" in l]
-    assert len(evals) == 1 and "eval_pass@2" in evals[0]
+    assert len(evals) == 1 and "eval_pass_at_2" in evals[0]
 
 
 @pytest.mark.parametrize("in_reward", [False, True])

@@ -5,6 +5,7 @@ import math
 import struct
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -185,3 +186,149 @@ def test_plot_metrics(tmp_path, capsys):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == f"plot_metrics: no run directory {tmp_path / 'missing'}"
+
+
+# ---------------------------------------------------------------- one name per metric in every sink; W&B
+
+SFT_RUN = ["max_target_length=32", "per_device_batch_size=1", "peak_flops_per_device=1e12", "warmup_steps=1",
+           "eval_interval=2", "eval_steps=1", "eval_num_samples=0", "log_period=1"]
+# A reward plugin: its spec `pkg.module:fn` holds characters that TensorBoard rewrites in a tag.
+GRPO_RUN = ["mode=grpo", "per_device_batch_size=2", "rollout_batch_size=4", "n_samples_per_prompt=4",
+            "rollout_max_response_len=4", "builtin_task_digits=1", "max_prompt_length=16", "warmup_steps=0",
+            "peak_flops_per_device=1e12", "eval_interval=2", "eval_num_samples=4", "eval_n_samples=2",
+            "eval_pass_k=2", "reward=exact_match,toy_rewards.length:score", "log_period=1"]
+
+
+def wandb_records(run_dir: Path, timeout: float = 60.0) -> list:
+    """Every Record of the offline W&B runs under run_dir/wandb, oldest first, once each run's file
+    ends in its exit record (wandb-core writes the file in the background, after finish() returns)."""
+    paths = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = [read_wandb_file(path) for path in paths]
+        if all(r and r[-1].WhichOneof("record_type") == "exit" for r in runs) or time.monotonic() > deadline:
+            return [record for r in runs for record in r]
+        time.sleep(0.2)
+
+
+def read_wandb_file(path: Path) -> list:
+    """A .wandb file's Records: a 7-byte header (":W&B", magic, version), then LevelDB-log framing:
+    32 KiB blocks of chunks, each crc32, uint16 length, uint8 type (1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    records, data, i, chunks = [], path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while i + 7 <= len(data):
+        if 32768 - i % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            i += 32768 - i % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[i + 4:i + 7])
+        if i + 7 + length > len(data):
+            break  # a chunk still being written
+        chunks, i = chunks + data[i + 7:i + 7 + length], i + 7 + length
+        if kind in (1, 4):
+            records.append(Record.FromString(chunks))
+            chunks = b""
+    return records
+
+
+def wandb_history(records) -> dict:
+    """{step: {metric: value}} of the logged history rows (W&B's own `_`-keys left out)."""
+    rows = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            rows.setdefault(r.history.step.num, {}).update({k: v for k, v in items.items() if not k.startswith("_")})
+    return rows
+
+
+def jsonl_by_step(path: Path) -> dict:
+    rows = {}
+    for line in read_jsonl(path):
+        rows.setdefault(line.pop("step"), {}).update(line)
+    return rows
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B with no network and nothing written outside tmp_path."""
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    plugin = tmp_path / "toy_rewards" / "length.py"
+    plugin.parent.mkdir()
+    plugin.write_text("def score(prompt, completion, label):\n    return float(len(completion) > 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("mode_args", [SFT_RUN, GRPO_RUN], ids=["sft", "grpo"])
+def test_tensorboard_wandb_and_jsonl_have_the_same_metrics(tmp_path, offline_wandb, mode_args):
+    from unitrain import train
+
+    run_dir = tmp_path / "r"
+    argv = [str(REPO / "configs/base.yml"), f"base_output_directory={tmp_path}", "run_name=r", *mode_args,
+            "wandb_project=unitrain-test", "wandb_mode=offline", "wandb_group=g", "wandb_entity=team"]
+    grpo = "mode=grpo" in mode_args
+    assert train.main([*argv, "steps=2"]) == 0
+
+    logged = jsonl_by_step(run_dir / "metrics.jsonl")
+    keys = {k for row in logged.values() for k in row}
+    assert {"loss", "eval_accuracy", "eval_pass_at_2", "reward_toy_rewards.length_score_mean"} <= keys if grpo \
+        else {"loss", "eval_loss"} <= keys
+    events = read_events(run_dir / "tensorboard")
+    tags = {v.tag for e in events for v in e.summary.value if v.HasField("simple_value")}
+    assert tags == keys
+
+    records = wandb_records(run_dir)
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert [(r.run_id, r.project, r.display_name, r.run_group, r.entity) for r in runs] == \
+        [((run_dir / "wandb_id").read_text().strip(), "unitrain-test", "r", "g", "team")]
+    config = {u.key: json.loads(u.value_json) for u in runs[0].config.update}
+    assert {k: config[k] for k in ("mode", "steps", "run_dir")} == \
+        {"mode": "grpo" if grpo else "sft", "steps": 2, "run_dir": str(run_dir)}
+    history = wandb_history(records)
+    assert sorted(history) == sorted(logged) == [0, 1]
+    for step, row in logged.items():
+        assert history[step] == pytest.approx(row), step
+
+
+def test_resumed_run_continues_its_wandb_run(tmp_path, offline_wandb):
+    from unitrain import train
+
+    argv = [str(REPO / "configs/base.yml"), f"base_output_directory={tmp_path}", "run_name=r", *SFT_RUN,
+            "eval_interval=0", "wandb_project=p", "wandb_mode=offline", "wandb_run_name=shown"]
+    assert train.main([*argv, "steps=1"]) == 0
+    first_id = (tmp_path / "r" / "wandb_id").read_text().strip()
+    assert train.main([*argv, "steps=2"]) == 0  # resumes at step 1
+    assert (tmp_path / "r" / "wandb_id").read_text().strip() == first_id
+    records = wandb_records(tmp_path / "r")
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert [(r.run_id, r.display_name) for r in runs] == [(first_id, "shown")] * 2
+    history, logged = wandb_history(records), jsonl_by_step(tmp_path / "r" / "metrics.jsonl")
+    assert sorted(history) == sorted(logged) == [0, 1]
+    assert all(history[step] == pytest.approx(row) for step, row in logged.items())
+
+
+def test_wandb_off_disabled_and_its_errors(tmp_path, offline_wandb, monkeypatch, capsys):
+    from unitrain import train
+
+    def run(name, *args):
+        return train.main([str(REPO / "configs/base.yml"), f"base_output_directory={tmp_path}", f"run_name={name}",
+                           *SFT_RUN, "steps=1", "eval_interval=0", *args])
+
+    assert run("off") == 0 and run("disabled", "wandb_project=p", "wandb_mode=disabled") == 0
+    for name in ("off", "disabled"):
+        assert not (tmp_path / name / "wandb").exists() and not (tmp_path / name / "wandb_id").exists()
+    capsys.readouterr()
+    # Online with no login: one line naming the key and the way out, exit 2, no traceback.
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc holding a key
+    assert run("online", "wandb_project=p", "wandb_mode=online") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unitrain: W&B could not start a run for wandb_project='p': ") and err.count("\n") == 1
+    assert "wandb login" in err and "wandb_mode=offline" in err
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    assert run("missing", "wandb_project=p") == 2
+    assert capsys.readouterr().err == ("unitrain: wandb_project='p' needs the wandb package: pip install "
+                                       "'unitrain[wandb]' (or wandb_project='' for no W&B)\n")

@@ -1,5 +1,5 @@
-"""Task evaluation by generation: greedy pass@1 (logged as eval_accuracy) and sampled pass@k on the
-eval prompts, scored by the run's reward. A sample is correct when the first reward named in
+"""Task evaluation by generation: greedy pass@1 (logged as eval_accuracy) and sampled pass@k (eval_pass_at_k)
+on the eval prompts, scored by the run's reward. A sample is correct when the first reward named in
 `reward` (the task reward) gives it 1. GRPO evaluates its prompt files; SFT its eval files, the
 label being label_key's field or else the completion (data.sft.eval_prompt_records).
 """
@@ -51,6 +51,6 @@ class TaskEvaluator:
             sampled = SamplingParams(cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
                                      top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=stop)
             counts = self.correct(self.groups(cfg.eval_n_samples, sampled, jax.random.key(1))).sum(axis=1)
-            result[f"eval_pass@{cfg.eval_pass_k}"] = float(np.mean(
+            result[f"eval_pass_at_{cfg.eval_pass_k}"] = float(np.mean(
                 [pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in counts]))
         return result
