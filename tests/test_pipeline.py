@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from unitrain import train
+from unitrain import pipeline, train
+from unitrain.config import load_config
 
 from conftest import REPO, sigterm_after_step
 
@@ -55,6 +56,16 @@ def test_a_pipeline_equals_its_stages_as_separate_commands_and_resumes_per_stage
     assert sorted(ours) == [0, 1, 2, 3]
     assert ours == pytest.approx(theirs, rel=1e-6) and any(ours.values())
     assert (run / "pipeline.yml").exists() and (run / "grpo" / "config.yml").exists()
+
+
+def test_stage_configs(tmp_path):
+    cfg = load_config([recipe(tmp_path, {"name": "sft", **SFT}, {"name": "grpo", **GRPO, "load_parameters_path": "/x"},
+                              {"name": "eval", "action": "eval"})])
+    sft, grpo, evaluate = pipeline.stage_configs(cfg)
+    assert (sft.run_dir, sft.mode, sft.steps, sft.load_parameters_path) == (f"{cfg.run_dir}/sft", "sft", 1, "")
+    assert (grpo.mode, grpo.load_parameters_path, grpo.reward) == ("grpo", "/x", "format")  # its own path wins
+    assert evaluate.load_parameters_path == grpo.checkpoint_dir and evaluate.action == "eval"
+    assert {s.wandb_group for s in (sft, grpo, evaluate)} == {"pipe"} and grpo.wandb_run_name == "pipe/grpo"
 
 
 def test_a_mistake_in_the_last_stage_stops_before_the_first(tmp_path, capsys):

@@ -39,14 +39,16 @@ def stage_configs(cfg) -> list:
         if name in names or "/" in name:
             raise ConfigError(f"stages: {where} is named '{name}', which is repeated or contains '/'")
         names.add(name)
-        changes = {"stages": [], "base_output_directory": cfg.run_dir, "run_name": name}
+        # One W&B group per pipeline, one W&B run per stage; TensorBoard shows <run_dir>'s stages together.
+        changes = {"stages": [], "base_output_directory": cfg.run_dir, "run_name": name,
+                   "wandb_group": cfg.wandb_group or cfg.run_name, "wandb_run_name": f"{cfg.run_name}/{name}"}
         if stages:
             changes["load_parameters_path"] = stages[-1].checkpoint_dir
         own = {k: v for k, v in stage.items() if k != "name"}
         if bad := sorted(set(own) & {"stages", "run_name", "base_output_directory"}):
             raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
         try:
-            stages.append(cfg.replace(**changes, **own))
+            stages.append(cfg.replace(**{**changes, **own}))
         except ConfigError as e:
             raise ConfigError(f"stage '{name}' ({where}): {e}") from None
     return stages
