@@ -1,17 +1,45 @@
-"""Plot a run's metrics.jsonl: one subplot per key against step, saved as a PNG.
+"""Plot a run's metrics.jsonl as a dashboard PNG: a few grouped panels to read at a glance.
 
-    python tools/plot_metrics.py runs/<name> [--out curves.png] [--keys loss,learning_rate]
+    python tools/plot_metrics.py runs/<name> [--out curves.png] [--smoothing 0.6] [--keys loss,learning_rate]
 
-Without --keys every numeric key in the file is plotted; --out defaults to <run dir>/curves.png.
+The panels: loss (train and eval overlaid), reward (GRPO, DPO), eval (accuracy, pass@k), throughput
+(tokens/s, s/step), optimizer (grad norm, learning rate) and policy (GRPO entropy, response length);
+a panel without data is left out. Dense train series are drawn raw (faint) and smoothed (an
+exponential moving average, weight --smoothing); sparse ones (evals) as points joined by lines.
+Metrics that never change and exact copies of another metric are left out (named under the
+picture). --keys plots just those keys, one panel each. --out defaults to <run dir>/curves.png.
 A missing run directory or metrics file, or an unknown key, prints one line and exits with status 2.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import re
+import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
+
+
+class Panel(NamedTuple):
+    title: str
+    left: tuple[str, ...]       # regexes (full match) of the keys on the left axis, drawn in this order
+    right: tuple[str, ...] = ()  # keys on a right axis of their own scale
+    robust: bool = False        # clip the y range to the bulk of the data (timings spike at compiles and evals)
+
+
+PANELS = (
+    Panel("loss", ("loss", "eval_loss", "nll", "eval_nll")),
+    Panel("reward", ("reward_mean", r"reward_.+_mean", r"(eval_)?rewards/(chosen|rejected|margin)")),
+    Panel("eval", ("eval_accuracy", r"eval_pass_at_\d+", r"(eval_)?rewards/accuracy")),
+    Panel("throughput", ("tokens_per_sec", "rollout_tokens_per_sec"), right=("step_time",), robust=True),
+    Panel("optimizer", ("grad_norm",), right=("learning_rate",)),
+    Panel("policy", ("entropy",), right=("response_length_mean",)),
+)
+SCHEDULES = {"learning_rate"}  # set by the config, not measured: never smoothed
+SPARSE_POINTS = 30  # a series with at most this many points (or a fifth of the densest) is drawn with markers
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -30,32 +58,150 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def plot(rows: list[dict], keys: list[str], out: Path) -> None:
+def series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """{key: [(step, value), ...]} of every numeric key, by step, finite values only."""
+    out: dict[str, list] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step" and _is_number(value) and math.isfinite(value):
+                out.setdefault(key, []).append((row["step"], float(value)))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased so it starts at the data."""
+    out, last = [], 0.0
+    for i, v in enumerate(values):
+        last = last * weight + (1 - weight) * v
+        out.append(last / (1 - weight ** (i + 1)))
+    return out
+
+
+def rolling_median(values: list[float], weight: float) -> list[float]:
+    """A centred running median as wide as the moving average's reach, (1 + w) / (1 - w) points: it
+    follows the level of a series with spikes (compiles, evals, checkpoints) without echoing them."""
+    half = round((1 + weight) / (1 - weight)) // 2
+    return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
+
+
+def dashboard(data: dict[str, list]) -> tuple[list[tuple[Panel, list[str], list[str]]], list[str]]:
+    """The panels that have data, each with its left and right keys, and the keys left out as
+    constant or as a copy of an earlier key ("name=value" / "name=other")."""
+    kept, left_out, seen = [], [], {}
+    for panel in PANELS:
+        sides = []
+        for patterns in (panel.left, panel.right):
+            keys = []
+            for key in [k for p in patterns for k in sorted(data) if re.fullmatch(p, k)]:
+                values = tuple(v for _, v in data[key])
+                if len(set(values)) == 1:
+                    left_out.append(f"{key}={values[0]:g}")
+                elif (copy := seen.get(tuple(data[key]))) is not None:
+                    left_out.append(f"{key}={copy}")
+                else:
+                    seen[tuple(data[key])] = key
+                    keys.append(key)
+            sides.append(keys)
+        if sides[0] or sides[1]:
+            kept.append((panel, *sides))
+    return kept, left_out
+
+
+def _draw(ax, data: dict, keys: list[str], smoother, densest: int, colors, linestyle="-") -> None:
+    """Sparse series as points joined by lines; dense ones raw (faint) under `smoother(values)`."""
+    for key in keys:
+        steps, values = zip(*data[key])
+        color = next(colors)
+        if len(steps) <= max(SPARSE_POINTS, densest // 5):
+            ax.plot(steps, values, linestyle, marker="o", markersize=4, color=color, label=key)
+        elif key in SCHEDULES:
+            ax.plot(steps, values, linestyle, color=color, linewidth=1.6, label=key)
+        else:
+            ax.plot(steps, values, linestyle, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, smoother(list(values)), linestyle, color=color, linewidth=1.6, label=key)
+
+
+def _robust_ylim(ax, data: dict, keys: list[str]) -> None:
+    """Clip the y range to the 2nd..98th percentile, widened: a compile's first step would flatten the rest."""
+    values = sorted(v for k in keys for _, v in data[k])
+    if len(values) >= 20:
+        lo, hi = values[len(values) * 2 // 100], values[len(values) * 98 // 100]
+        pad = 0.25 * (hi - lo) or 0.1 * abs(hi) or 1.0
+        ax.set_ylim(lo - pad, hi + pad)
+
+
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")  # files only: no display on servers
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.4 * len(keys)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
-        points = sorted((r["step"], r[key]) for r in rows if _is_number(r.get(key)))
-        ax.plot([s for s, _ in points], [v for _, v in points], linewidth=1)
-        ax.set_ylabel(key)
-        ax.grid(alpha=0.3)
-        values = [v for _, v in points if math.isfinite(v)]
-        if key in ("loss", "learning_rate") and values and min(values) > 0 and max(values) / min(values) > 100:
-            ax.set_yscale("log")  # losses and schedules spanning decades read better on a log axis
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
+    return plt
+
+
+def _save(fig, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
+
+
+def plot_dashboard(data: dict, panels: list, left_out: list[str], out: Path, title: str, smoothing: float) -> None:
+    """Writes the dashboard PNG of `panels` (from `dashboard`)."""
+    plt = _pyplot()
+    cols = 2 if len(panels) > 1 else 1
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3.6 * rows), squeeze=False)
+    densest = max(len(v) for v in data.values())
+    for ax, (panel, left, right) in zip(axes.flat, panels):
+        colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4)
+        smoother = functools.partial(rolling_median if panel.robust else smooth, weight=smoothing)
+        _draw(ax, data, left, smoother, densest, colors)
+        handles, labels = ax.get_legend_handles_labels()
+        if panel.robust:
+            _robust_ylim(ax, data, left)
+        if panel.title == "loss" and left and min(v for k in left for _, v in data[k]) > 0 and \
+                max(v for k in left for _, v in data[k]) / min(v for k in left for _, v in data[k]) > 10:
+            ax.set_yscale("log")  # a loss falling by decades reads better on a log axis
+        if right:
+            twin = ax.twinx()
+            _draw(twin, data, right, smoother, densest, colors, linestyle="--")
+            if panel.robust:
+                _robust_ylim(twin, data, right)
+            more_handles, more_labels = twin.get_legend_handles_labels()
+            handles, labels = handles + more_handles, labels + [f"{l} (right)" for l in more_labels]
+        ax.set_title(panel.title, loc="left", fontweight="bold")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(handles, labels, fontsize=8, loc="best")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=12)
+    if left_out:
+        fig.text(0.01, 0.005, "left out (constant or a copy): " + ", ".join(left_out), fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.03 if left_out else 0, 1, 1))
+    _save(fig, out)
+
+
+def plot_keys(data: dict, keys: list[str], out: Path, smoothing: float) -> None:
+    """One panel per key, in the order given."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.4 * len(keys)), sharex=True, squeeze=False)
+    densest = max(len(v) for v in data.values())
+    for ax, key in zip(axes[:, 0], keys):
+        _draw(ax, data, [key], functools.partial(smooth, weight=smoothing), densest,
+              iter(plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    _save(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
     parser.add_argument("--out", type=Path, help="PNG to write (default: <run_dir>/curves.png)")
-    parser.add_argument("--keys", help="comma-separated keys to plot (default: every numeric key)")
+    parser.add_argument("--keys", help="comma-separated keys, one panel each (default: the dashboard)")
+    parser.add_argument("--smoothing", type=float, default=0.6, help="moving-average weight in [0, 1) (default 0.6, as TensorBoard)")
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:
@@ -67,20 +213,34 @@ def main(argv: list[str] | None = None) -> int:
     path = args.run_dir / "metrics.jsonl"
     if not path.is_file():
         return fail(f"no metrics file {path}")
+    if not 0 <= args.smoothing < 1:
+        return fail(f"--smoothing must be in [0, 1), got {args.smoothing}")
     rows = read_metrics(path)
-    available = list(dict.fromkeys(k for r in rows for k, v in r.items() if k != "step" and _is_number(v)))
-    if not available:
+    data = series(rows)
+    if not data:
         return fail(f"{path} holds no numeric metrics")
-    keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else available
-    if unknown := [k for k in keys if k not in available]:
-        return fail(f"unknown key '{unknown[0]}' in --keys; {path} has: {', '.join(available)}")
+    keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else []
+    if unknown := [k for k in keys if k not in data]:
+        return fail(f"unknown key '{unknown[0]}' in --keys; {path} has: {', '.join(data)}")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return fail("matplotlib is not installed; pip install matplotlib")
     out = args.out or args.run_dir / "curves.png"
-    plot(rows, keys, out)
-    print(f"wrote {out} ({len(keys)} keys, {len(rows)} steps)")
+    if keys:
+        plot_keys(data, keys, out, args.smoothing)
+        print(f"wrote {out} ({len(keys)} keys, {len(rows)} lines)")
+        return 0
+    panels, left_out = dashboard(data)
+    if not panels:
+        return fail(f"{path} has none of the dashboard's metrics; name some with --keys ({', '.join(data)})")
+    last = max(int(r["step"]) for r in rows)
+    plot_dashboard(data, panels, left_out, out, f"{args.run_dir.name}: {len(rows)} lines, steps 0..{last}",
+                   args.smoothing)
+    print(f"wrote {out} (panels: {', '.join(panel.title for panel, _, _ in panels)})")
+    shown = {k for _, left, right in panels for k in left + right}
+    if others := [k for k in data if k not in shown and not any(entry.startswith(f"{k}=") for entry in left_out)]:
+        print(f"not in the dashboard (plot them with --keys): {', '.join(others)}")
     return 0
 
 
