@@ -81,3 +81,17 @@ def test_abstract_state_matches_init_state():
         assert r.sharding.is_equivalent_to(a.sharding, r.ndim)
     per_device = sharding.bytes_per_device(real)
     assert bench.bytes_per_device(real) == bench.bytes_per_device(abstract) == max(per_device.values())
+
+
+def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
+    """Every sampled row runs to new_tokens (no stop token), and GRPO steps run with their parts timed."""
+    import bench
+
+    cfg = load_config(["configs/base.yml", f"load_parameters_path={tiny_checkpoint('qwen2')}", "per_device_batch_size=1",
+                       "kl_coef=0.04"])
+    sampled = bench.bench_sampler(cfg, batch=8, prompt_len=8, new_tokens=6, reps=2, warmup=1)
+    assert sampled["tokens_per_call"] == 8 * 6
+    assert sampled["tokens_per_sec"] == 48 / sampled["call_time_median"]
+    step = bench.bench_grpo(cfg, prompts=2, samples=4, prompt_len=8, new_tokens=4, steps=2, warmup=1)
+    assert len(step["step_times"]) == 2
+    assert 0 < step["time_rollout"] + step["time_logprob"] + step["time_update"] <= step["step_time_median"] * 1.5

@@ -1,7 +1,15 @@
-"""Times unitrain's jitted SFT train step on synthetic batches and prints one JSON line.
+"""Times unitrain's jitted SFT train step, its sampler or whole GRPO steps and prints one JSON line.
 
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
     python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--out mem.json]
+    python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
+    python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
+
+--mode sampler times `--steps` calls of the configured sampler (after `--warmup` calls) on random
+prompt ids with no stop token, from the ids to decoded text, and reports the median tokens/s.
+--mode grpo times `--steps` whole GRPO steps (rollout, rewards, advantages, logprobs, update) on
+random prompts, with the config's reward, KL and clipping, and reports the median step time and
+its parts. Both do the work of ../shared/bench/tunix_peer (see its README) with the same flags.
 
 The mesh, model, optimizer state and step are built by unitrain.run.build_run and the SFT task from the config
 (default configs/base.yml; key=value are ordinary config overrides). Each step sees the configured
@@ -18,7 +26,7 @@ aliased = donated bytes, and total_estimate = arguments + outputs + temporaries 
 parameter and optimizer-state bytes per device, the mesh, and the compiler's FLOP count if it gives
 one (XLA counts a loop body once, so with scan_layers=true or gradient accumulation that figure is
 far below the step's work; model_flops_per_device is the analytic count bench's MFU uses).
-load_parameters_path is ignored (the shapes come from the config's model dimensions). To size
+load_parameters_path is not read (the shapes come from the model keys, which default to its architecture). To size
 an N-device mesh on a CPU machine, make the process see N devices, e.g. for fsdp over 8:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
@@ -33,6 +41,7 @@ Exit 2 with `bench: <message>` for a config mistake.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -44,11 +53,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import metrics, models, sharding, tasks
+from unitrain import metrics, models, rollout, sharding, tasks
 from unitrain import step as step_lib
 from unitrain.config import ConfigError, load_config
 from unitrain.data import load_tokenizer
+from unitrain.data.prompts import Prompt
 from unitrain.optimizer import make_optimizer
+from unitrain.rollout.base import SamplingParams
 from unitrain.run import RunContext, build_run
 
 
@@ -175,6 +186,61 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     }
 
 
+# ---------------------------------------------------------------- rollouts and RL steps
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` random ids in [1, vocab) (0 is often the pad id)."""
+    return np.random.default_rng(seed).integers(1, vocab, (n, length)).tolist()
+
+
+def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
+    """Tokens/s of the configured sampler: `batch` prompts of `prompt_len` random ids, `new_tokens`
+    each, no stop token (every row runs to the end); a call is timed from the ids to decoded text."""
+    run, state = build_run(cfg.replace(eval_interval=0))
+    sampler = rollout.make_sampler(run)
+    sampler.update_weights(state["params"], 0)
+    prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k,
+                              top_p=cfg.rollout_top_p, stop_token_ids=())
+    times, generated = [], set()
+    for i in range(warmup + reps):
+        start = time.perf_counter()
+        out = sampler.generate(prompts, sampling, jax.random.key(i))
+        [run.tokenizer.decode(t[:n]) for t, n in zip(out.tokens, out.lengths)]
+        times.append(time.perf_counter() - start)
+        generated.add(int(out.lengths.sum()))
+    median = statistics.median(times[warmup:])
+    (tokens,) = generated  # every call generates every row to the end
+    return {"mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "tokens_per_call": tokens, "tokens_per_sec": tokens / median, "call_time_median": median,
+            "call_times": times[warmup:], "sampler": cfg.sampler, "device_kind": jax.devices()[0].device_kind,
+            "num_devices": run.mesh.size}
+
+
+def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int, steps: int, warmup: int) -> dict:
+    """Time of whole GRPO steps (rollout, rewards, advantages, logprobs, update) on random prompts of
+    `prompt_len` ids, `samples` completions of `new_tokens` each (no stop token)."""
+    cfg = cfg.replace(mode="grpo", rollout_batch_size=prompts, n_samples_per_prompt=samples, eval_interval=0,
+                      rollout_max_response_len=new_tokens, max_prompt_length=max(cfg.max_prompt_length, prompt_len))
+    run, state = build_run(cfg)
+    task = tasks.create(run)
+    task.sampling = dataclasses.replace(task.sampling, stop_token_ids=())
+    task.data_iterator = iter(lambda: {"num_dropped": 0, "prompts": [
+        Prompt(tuple(ids), "", "") for ids in random_prompts(prompts, prompt_len, run.model.vocab_size, cfg.seed)]}, None)
+    times, parts = [], []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        state, step_metrics = task.step(state, step)
+        step_metrics = jax.device_get(step_metrics)
+        times.append(time.perf_counter() - start)
+        parts.append({k: float(step_metrics[k]) for k in ("time_rollout", "time_logprob", "time_update")})
+    timed = parts[warmup:]
+    return {"mode": "grpo", "prompts": prompts, "samples": samples, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "step_time_median": statistics.median(times[warmup:]), "step_times": times[warmup:],
+            **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
+            "kl_coef": cfg.kl_coef, "device_kind": jax.devices()[0].device_kind, "num_devices": run.mesh.size}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("args", nargs="*", help="[CONFIG_YML] [key=value ...]")
@@ -183,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the step on abstract arrays and print its memory per device; run nothing")
+    parser.add_argument("--mode", choices=("sft", "sampler", "grpo"), default="sft",
+                        help="sft: the train step | sampler: rollout tokens/s | grpo: whole GRPO steps")
+    parser.add_argument("--batch", type=int, default=16, help="sampler: prompts per call")
+    parser.add_argument("--prompts", type=int, default=4, help="grpo: prompts per step")
+    parser.add_argument("--samples", type=int, default=4, help="grpo: completions per prompt")
+    parser.add_argument("--prompt-len", type=int, default=64, help="sampler, grpo: prompt ids")
+    parser.add_argument("--new-tokens", type=int, default=128, help="sampler, grpo: tokens generated per completion")
     opts = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     args = opts.args
     if not args or "=" in args[0]:
@@ -191,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         if opts.steps < 1 or opts.warmup < 0:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         cfg = load_config(args)
-        result = compile_only(cfg) if opts.compile_only else bench(cfg, opts.steps, opts.warmup)
+        if opts.mode == "sampler":
+            result = bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
+        elif opts.mode == "grpo":
+            result = bench_grpo(cfg, opts.prompts, opts.samples, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
+        else:
+            result = compile_only(cfg) if opts.compile_only else bench(cfg, opts.steps, opts.warmup)
     except ConfigError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
