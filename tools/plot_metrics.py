@@ -121,13 +121,14 @@ def _draw(ax, data: dict, keys: list[str], smoother, densest: int, colors, lines
             ax.plot(steps, smoother(list(values)), linestyle, color=color, linewidth=1.6, label=key)
 
 
-def _robust_ylim(ax, data: dict, keys: list[str]) -> None:
-    """Clip the y range to the 2nd..98th percentile, widened: a compile's first step would flatten the rest."""
-    values = sorted(v for k in keys for _, v in data[k])
-    if len(values) >= 20:
-        lo, hi = values[len(values) * 2 // 100], values[len(values) * 98 // 100]
-        pad = 0.25 * (hi - lo) or 0.1 * abs(hi) or 1.0
-        ax.set_ylim(lo - pad, hi + pad)
+def _robust_ylim(ax, data: dict, keys: list[str], smoother) -> None:
+    """The y range of the smoothed (spike-free) series, widened by half: a compile's first step or an
+    eval's would otherwise flatten the rest."""
+    values = [v for k in keys if len(data[k]) > SPARSE_POINTS for v in smoother([v for _, v in data[k]])]
+    if values:
+        lo, hi = min(values), max(values)
+        pad = 0.5 * (hi - lo) or 0.1 * abs(hi) or 1.0
+        ax.set_ylim(max(lo - pad, 0) if lo >= 0 else lo - pad, hi + pad)  # rates and times are never negative
 
 
 def _pyplot():
@@ -147,6 +148,7 @@ def _save(fig, out: Path) -> None:
 def plot_dashboard(data: dict, panels: list, left_out: list[str], out: Path, title: str, smoothing: float) -> None:
     """Writes the dashboard PNG of `panels` (from `dashboard`)."""
     plt = _pyplot()
+    import matplotlib.ticker
     cols = 2 if len(panels) > 1 else 1
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3.6 * rows), squeeze=False)
@@ -157,15 +159,17 @@ def plot_dashboard(data: dict, panels: list, left_out: list[str], out: Path, tit
         _draw(ax, data, left, smoother, densest, colors)
         handles, labels = ax.get_legend_handles_labels()
         if panel.robust:
-            _robust_ylim(ax, data, left)
-        if panel.title == "loss" and left and min(v for k in left for _, v in data[k]) > 0 and \
-                max(v for k in left for _, v in data[k]) / min(v for k in left for _, v in data[k]) > 10:
-            ax.set_yscale("log")  # a loss falling by decades reads better on a log axis
+            _robust_ylim(ax, data, left, smoother)
+        values = [v for k in left for _, v in data[k]]
+        if panel.title == "loss" and min(values, default=0) > 0 and max(values) / min(values) > 5:
+            ax.set_yscale("log")  # a loss that falls several-fold: its later progress stays visible
+            for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+                axis_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 2, 3, not 2 x 10^0
         if right:
             twin = ax.twinx()
             _draw(twin, data, right, smoother, densest, colors, linestyle="--")
             if panel.robust:
-                _robust_ylim(twin, data, right)
+                _robust_ylim(twin, data, right, smoother)
             more_handles, more_labels = twin.get_legend_handles_labels()
             handles, labels = handles + more_handles, labels + [f"{l} (right)" for l in more_labels]
         ax.set_title(panel.title, loc="left", fontweight="bold")
