@@ -100,14 +100,14 @@ def test_an_explicit_key_that_contradicts_the_checkpoint_is_one_line(tmp_path, t
 def test_a_unitrain_checkpoint_brings_its_model_shape(tmp_path):
     assert train.main(argv(tmp_path, "run_name=a", "steps=1", "emb_dim=32", "mlp_dim=48", "num_query_heads=2",
                            "num_kv_heads=1", "vocab_size=128")) == 0
-    for path in (tmp_path / "a" / "checkpoints", tmp_path / "a" / "checkpoints" / "1"):
+    for path in (tmp_path / "a", tmp_path / "a" / "checkpoints", tmp_path / "a" / "checkpoints" / "1"):
         cfg = make_cfg(load_parameters_path=str(path))
         assert (cfg.emb_dim, cfg.mlp_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.head_dim) == (
             32, 48, 2, 1, 128, 16)
     with pytest.raises(ConfigError, match=r"emb_dim.*a/config\.yml"):
         make_cfg(load_parameters_path=str(tmp_path / "a" / "checkpoints"), emb_dim=64)
     # and the model built from it holds the checkpoint's parameters
-    cfg = make_cfg(load_parameters_path=str(tmp_path / "a" / "checkpoints"))
+    cfg = make_cfg(load_parameters_path=str(tmp_path / "a"))  # the run directory itself
     model = models.build(cfg, sharding.mesh_from_config(cfg))
     saved = checkpoint.load_params(str(tmp_path / "a" / "checkpoints"), nnx.to_pure_dict(nnx.state(model)))
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)), saved)

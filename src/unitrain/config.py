@@ -456,8 +456,8 @@ def _take_checkpoint_architecture(inputs: dict, origin: dict, explicit: set) -> 
 
 def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | None:
     """(architecture keys, where they were read) of the checkpoint at `path`: an HF folder's
-    config.json, or the config.yml of the unitrain run that wrote the orbax checkpoint directory (or
-    step directory) `path`; no keys for an HF folder that a model source other than unitrain's reads
+    config.json, or the config.yml of the unitrain run at `path` (its run, checkpoint or step
+    directory); no keys for an HF folder that a model source other than unitrain's reads
     itself; None when `path` holds neither."""
     if os.path.isfile(os.path.join(path, "config.json")):
         from unitrain.adapters import hf_config
@@ -466,7 +466,8 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
                 path, inputs["trust_remote_code"]).model_type not in hf_config.MODEL_TYPES:
             return {}, os.path.join(path, "config.json")
         return hf_config.model_keys(path, inputs["trust_remote_code"]), os.path.join(path, "config.json")
-    for run_config in (os.path.join(path, os.pardir, "config.yml"), os.path.join(path, os.pardir, os.pardir, "config.yml")):
+    for run_config in (os.path.join(path, "config.yml"), os.path.join(path, os.pardir, "config.yml"),
+                       os.path.join(path, os.pardir, os.pardir, "config.yml")):
         if os.path.isdir(path) and os.path.isfile(run_config):
             data, _ = _read_yml(Path(run_config))
             where = _show_path(Path(os.path.normpath(run_config)))
