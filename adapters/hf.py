@@ -19,7 +19,7 @@ import numpy as np
 import transformers
 from flax import nnx
 from jax.experimental import multihost_utils
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from unitrain.adapters import hf_config
@@ -110,7 +110,7 @@ class _TensorIndex:
             weight_map = json.loads(index_file.read_text())["weight_map"]
             self.files = {name: path / f for name, f in weight_map.items()}
         elif (path / "model.safetensors").is_file():
-            with safe_open(path / "model.safetensors", framework="numpy") as f:
+            with open_safetensors(path / "model.safetensors") as f:
                 self.files = {name: path / "model.safetensors" for name in f.keys()}
         else:
             raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors weights are loaded)")
@@ -122,8 +122,16 @@ class _TensorIndex:
             raise ConfigError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
         file = self.files[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="numpy")
+            self._handles[file] = open_safetensors(file)
         return self._handles[file].get_slice(name)
+
+
+def open_safetensors(file: Path):
+    """A safetensors file opened lazily; a truncated or garbled one is a one-line ConfigError naming it."""
+    try:
+        return safe_open(file, framework="numpy")
+    except (OSError, SafetensorError) as e:
+        raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def _read_layer(index: _TensorIndex, key: str, m: _Mapping, view_shape, u_index, dtype) -> np.ndarray:

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 from jax.experimental import multihost_utils
-from safetensors import safe_open
 from safetensors.numpy import save_file
 from tunix.models import safetensors_loader
 from tunix.models.gemma3 import model as gemma3
@@ -49,6 +48,7 @@ from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
 
 from unitrain import sharding
+from unitrain.adapters.hf import open_safetensors
 from unitrain.adapters.hf_config import read_hf_config
 from unitrain.config import ConfigError
 
@@ -386,7 +386,7 @@ def _tensor_shapes(path: Path) -> tuple:
     """(name, shape) of every tensor of the checkpoint's safetensors files (headers only)."""
     shapes = []
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="numpy") as f:
+        with open_safetensors(file) as f:
             shapes += [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
     if not shapes:
         raise ConfigError(f"{path}: no *.safetensors files (only safetensors weights are loaded)")

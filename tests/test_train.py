@@ -133,15 +133,24 @@ def test_sigkill_during_saves_resumes_from_a_complete_checkpoint(tmp_path):
     assert f"resumed from {ckpts} at step {latest}" in out
 
 
-def test_nan_loss_stops_with_the_last_good_checkpoint(tmp_path, capsys):
-    cfg = config(tmp_path, "steps=50", "learning_rate=1e30", "warmup_steps=0", "checkpoint_period=1",
-                 "max_grad_norm=0")
+def test_nan_loss_stops_with_a_checkpoint_whose_weights_gave_a_finite_loss(tmp_path, capsys, caplog):
+    # Step 0 runs at lr 0, so checkpoint 1 holds the initial weights and gives a finite loss; step 1's
+    # update explodes them: checkpoint 2 is bad although the loss of step 1 (its weights: 1's) was fine.
+    # max_to_keep=1 would delete checkpoint 1 when 2 is saved, were it not the known good one.
+    args = ["steps=50", "learning_rate=1e30", "warmup_steps=2", "checkpoint_period=1", "max_to_keep=1",
+            "max_grad_norm=0"]
+    cfg = config(tmp_path, *args)
     assert train.train(cfg) == train.EXIT_NAN
-    losses = losses_of(cfg)
-    latest = checkpoint.Checkpointer(cfg.checkpoint_dir, 1, 3, False).latest_step()
-    assert latest is not None and all(np.isfinite(losses[s]) for s in range(latest))
+    assert "the newest checkpoint whose weights gave a finite loss is step 1" in caplog.text
+    assert checkpoint.Checkpointer(cfg.checkpoint_dir, 1, 3, False).all_steps() == [1]
+    assert os.path.isdir(cfg.checkpoint_dir + ".set_aside/2")  # the bad one, kept aside
     _, _, like, _ = setup(cfg)
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(saved_params(cfg, latest, like)))
+    good = jax.tree.leaves(saved_params(cfg, 1, like))
+    assert all(np.isfinite(x).all() and np.abs(x).max() < 10 for x in good)
+    caplog.clear()
+    caplog.set_level("INFO", logger="unitrain")
+    assert train.train(config(tmp_path, *args)) == train.EXIT_NAN  # a rerun resumes from it (and diverges again)
+    assert f"resumed from {cfg.checkpoint_dir} at step 1" in caplog.text
 
 
 @pytest.mark.parametrize("args, message", [

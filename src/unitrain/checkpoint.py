@@ -11,13 +11,23 @@ each process's get_state() is gathered on every process and merged (unitrain.dat
 the union of the SFT data shards, or the one state of an iterator that is the same everywhere, like
 the GRPO prompt stream), and restoring hands the merged state to set_state(), which takes what it
 needs. Any iterator whose get_state() is JSON-serialisable works.
+
+What goes wrong is said in one line (ConfigError): a save that fails (read-only or full disk) names
+the directory and the OS reason; a checkpoint whose parameter shapes differ from the model's names the
+first such parameter before anything is read; a damaged step directory (unreadable metadata or data)
+is moved aside and the next older one restored, or, with fallback off, the run stops saying how to
+go on. max_to_keep never deletes the newest checkpoint known good (`keep`), which the loop marks once
+a loss computed from its weights was finite.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
+import re
 
 import jax
 import numpy as np
@@ -34,11 +44,24 @@ def abstract_like(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+class _KeepStep:
+    """An orbax preservation policy: keeps the checkpoint of `step` whatever max_to_keep says."""
+
+    step: int | None = None
+
+    def should_preserve(self, checkpoints, *, context):
+        return [c.step == self.step for c in checkpoints]
+
+
 class Checkpointer:
     def __init__(self, directory: str, period: int, max_to_keep: int, async_save: bool):
+        self._known_good = _KeepStep()
+        keep = ocp.checkpoint_managers.AnyPreservationPolicy(
+            [ocp.checkpoint_managers.LatestN(n=max_to_keep), self._known_good])
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=period, max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+            save_interval_steps=period, preservation_policy=keep, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+        self._saving = None  # the step of the save in flight: a background failure surfaces later
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -74,25 +97,90 @@ class Checkpointer:
             train=ocp.args.StandardSave({"opt_state": state["opt_state"], "step": state["step"]}),
             data=ocp.args.JsonSave(iterator_state(data_iterator)),
         )
-        return self.manager.save(step, args=args, force=force)
+        with self._failures():  # also the previous save's, which orbax re-raises here
+            started = self.manager.save(step, args=args, force=force)
+        self._saving = step
+        return started
 
-    def restore(self, step: int, state: dict, data_iterator) -> dict:
-        """The saved state in the shardings of `state` (arrays or ShapeDtypeStructs); moves the iterator."""
+    def keep(self, step: int) -> None:
+        """Keeps the checkpoint of `step` (the newest known good) from max_to_keep's deletions."""
+        self._known_good.step = step
+
+    def restore(self, step: int, state: dict, data_iterator, fallback: bool = True) -> tuple[int, dict]:
+        """(the step restored, the saved state in the shardings of `state`); moves the iterator.
+
+        A damaged checkpoint is moved aside and, with `fallback`, the newest older one restored."""
         target = abstract_like(state)
-        args = ocp.args.Composite(
-            params=ocp.args.StandardRestore(target["params"]),
-            train=ocp.args.StandardRestore({"opt_state": target["opt_state"], "step": target["step"]}),
-            data=ocp.args.JsonRestore(),
-        )
-        restored = self.manager.restore(step, args=args)
-        data_iterator.set_state(restored.data)
-        return {"params": restored.params, **restored.train}
+        for candidate in [s for s in reversed(self.all_steps()) if s <= step]:
+            step_dir = os.path.join(self.manager.directory, str(candidate))
+            try:
+                check_shapes(os.path.join(step_dir, "params"), target["params"])
+                restored = self.manager.restore(candidate, args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(target["params"]),
+                    train=ocp.args.StandardRestore({"opt_state": target["opt_state"], "step": target["step"]}),
+                    data=ocp.args.JsonRestore()))
+            except ConfigError:
+                raise
+            except Exception as e:  # whatever orbax and tensorstore raise on a file they cannot read
+                if not fallback:
+                    raise ConfigError(f"the checkpoint {step_dir} is damaged ({reason(e)}); move it away to resume "
+                                      "from the one before, or set checkpoint_fallback=true") from None
+                log.warning("the checkpoint %s is damaged (%s); trying the one before", step_dir, reason(e))
+                self.set_aside([candidate])
+                continue
+            data_iterator.set_state(restored.data)
+            return candidate, {"params": restored.params, **restored.train}
+        raise ConfigError(f"no intact checkpoint left in {self.manager.directory} up to step {step} (the damaged "
+                          f"ones are in {self.manager.directory}.set_aside); remove the directory to start over")
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._failures():
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.close()
+        with self._failures():
+            self.manager.close()
+
+    @contextlib.contextmanager
+    def _failures(self):
+        """A failed save (read-only or full disk) as one line; the finalised checkpoints are untouched."""
+        try:
+            yield
+        except Exception as e:
+            self._saving, step = None, self._saving
+            what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+            raise ConfigError(f"saving {what} in {self.manager.directory} failed: {reason(e)}; the checkpoints "
+                              "saved before it are intact") from None
+
+
+def reason(e: BaseException) -> str:
+    """The cause of a storage error in one line: the OS reason where the chain of causes has one
+    (tensorstore reports it as text with an os_error_code, orbax wraps it), else the first line."""
+    chain = [e]
+    while len(chain) < 20 and (cause := chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(cause)
+    for err in chain:
+        if isinstance(err, OSError) and err.strerror:
+            return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+        if code := re.search(r"os_error_code='?(\d+)", str(err)):
+            return os.strerror(int(code.group(1)))
+    return (str(e).splitlines() or [type(e).__name__])[0][:300]
+
+
+def check_shapes(item_dir: str, params) -> None:
+    """The parameter shapes stored in `item_dir` against those of `params`, before anything is read:
+    a different model is a ConfigError naming the first parameter that differs."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(item_dir).item_metadata
+    stored = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    if not stored:  # orbax only warns: a step directory whose metadata is gone is damaged
+        raise FileNotFoundError(errno.ENOENT, "no parameter metadata", item_dir)
+    for key, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = jax.tree_util.keystr(key)
+        if stored.get(name) != tuple(leaf.shape):
+            found = f"shape {list(stored[name])}" if name in stored else "no such parameter"
+            raise ConfigError(f"the checkpoint {os.path.dirname(item_dir)} has {found} for parameter {name}, the "
+                              f"model {list(leaf.shape)}: the model config differs from the one that wrote it")
 
 
 def iterator_state(data_iterator):
@@ -113,9 +201,11 @@ def _allgather_text(text: str) -> list[str]:
 
 
 def load_params(path: str, params):
-    """Parameters only, from a unitrain checkpoint directory (its latest step) or one step directory,
-    placed in the shardings of `params`."""
+    """Parameters only, from a unitrain run directory or its checkpoint directory (the latest step) or
+    one step directory, placed in the shardings of `params`."""
     path = os.path.abspath(path)
+    if os.path.isdir(os.path.join(path, "checkpoints")):  # a run directory
+        path = os.path.join(path, "checkpoints")
     if os.path.isdir(os.path.join(path, "params")):
         step_dir = path
     else:
@@ -124,5 +214,11 @@ def load_params(path: str, params):
             raise ConfigError(f"load_parameters_path {path} is neither an HF checkpoint (config.json) nor an orbax "
                               "checkpoint directory with saved steps")
         step_dir = os.path.join(path, str(max(steps)))
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(os.path.join(step_dir, "params"), abstract_like(params))
+    try:
+        check_shapes(os.path.join(step_dir, "params"), params)
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(os.path.join(step_dir, "params"), abstract_like(params))
+    except ConfigError:
+        raise
+    except Exception as e:  # whatever orbax and tensorstore raise on a file they cannot read
+        raise ConfigError(f"load_parameters_path: cannot read the checkpoint {step_dir} ({reason(e)})") from None

@@ -51,7 +51,7 @@ class MetricsWriter:
         self.is_primary = _primary(is_primary)
         self._file = self._tb = None
         self._wandb = wandb  # a wandb_sink.WandbSink, or None
-        self._ref = None  # (wall time, step) of the previous progress line: the ETA is measured from it
+        self._timed = None  # (seconds, steps) of step_time since the previous progress line: the ETA's
         if not self.is_primary:
             return
         path = Path(metrics_file)
@@ -83,8 +83,13 @@ class MetricsWriter:
         step = int(step)
         # int stays int, jax scalars -> python
         values = {metric_name(k): np.asarray(v).item() for k, v in scalars.items()}
-        self._file.write(json.dumps({"step": step, **values}) + "\n")
-        self._file.flush()  # a killed run keeps every line written so far
+        if "step_time" in values and self._timed is not None:
+            self._timed = (self._timed[0] + values["step_time"], self._timed[1] + 1)
+        try:
+            self._file.write(json.dumps({"step": step, **values}) + "\n")
+            self._file.flush()  # a killed run keeps every line written so far
+        except OSError as e:  # a full disk: name the file
+            raise OSError(e.errno, e.strerror, self._file.name) from None
         for key, value in values.items():
             self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
@@ -112,16 +117,15 @@ class MetricsWriter:
             parts.append(f"eval loss {v['eval_loss']:.4f}")
         if "eval_accuracy" in v:
             parts.append(f"eval accuracy {100 * v['eval_accuracy']:.1f}%")
-        # ETA from wall time between progress lines, not from step_time: it includes data loading,
-        # evals and checkpoints, and the first line's reference excludes compilation.
+        # ETA from the step times since the previous progress line: data loading is in them, evals,
+        # checkpoints and the first line's step (compilation) are not.
         if "eval_loss" in v or "eval_accuracy" in v:
-            return " | ".join(parts)  # an eval line: its time would distort the ETA
-        now = time.perf_counter()
-        if self._ref is not None and step > self._ref[1]:
-            per_step = (now - self._ref[0]) / (step - self._ref[1])
+            return " | ".join(parts)
+        if self._timed is not None and self._timed[1]:
+            per_step = self._timed[0] / self._timed[1]
             remaining = max(0, self.total_steps - 1 - step)
             parts.append(f"ETA {datetime.timedelta(seconds=round(per_step * remaining))}")
-        self._ref = (now, step)
+        self._timed = (0.0, 0)
         return " | ".join(parts)
 
     def text(self, step: int, tag: str, text: str) -> None:

@@ -36,6 +36,7 @@ class NonFiniteLoss(RuntimeError):
 
 
 def train(cfg) -> int:
+    sigterm = _SigtermFlag()  # first: a SIGTERM during start-up stops the run before its first step
     previous = run_dir.previous_config(cfg.run_dir)
     checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_period, cfg.max_to_keep,
                                            cfg.async_checkpointing)
@@ -47,7 +48,7 @@ def train(cfg) -> int:
     task = tasks.create(run)
     start = run_dir.resume_step(cfg, checkpointer)
     if start:
-        state = checkpointer.restore(start, state, task.data_iterator)
+        start, state = checkpointer.restore(start, state, task.data_iterator, cfg.checkpoint_fallback)
         log.info("resumed from %s at step %d", cfg.checkpoint_dir, start)
     if cfg.action != "train":
         with jax.set_mesh(run.mesh):
@@ -56,7 +57,7 @@ def train(cfg) -> int:
         run_dir.save_config(cfg, previous)
     writer = metrics.MetricsWriter.from_config(cfg, cfg.steps, resume_step=start)
     with jax.set_mesh(run.mesh):
-        return loop(run, task, state, start, checkpointer, writer)
+        return loop(run, task, state, start, checkpointer, writer, sigterm)
 
 
 def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> int:
@@ -81,17 +82,18 @@ def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> 
 
 # ---------------------------------------------------------------- the loop
 
-def _fetch(step_metrics: dict) -> dict:
+def _fetch(step: int, step_metrics: dict) -> dict:
     """Host copy of a step's metrics; a non-finite loss or gradient means the state after it is bad."""
     values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}  # numbers pass through
     for key in ("loss", "grad_norm"):
         if not math.isfinite(values[key]):
-            raise NonFiniteLoss(f"{key} is {values[key]}")
+            raise NonFiniteLoss(f"{key} is {values[key]} at step {step}")
     return values
 
 
 class _SigtermFlag:
-    """Turns SIGTERM (preemption, `kill`) into a flag the loop checks after each step."""
+    """Turns SIGTERM (preemption, `kill`) into a flag the loop checks after each step; installed
+    before start-up, so a SIGTERM then stops the run before its first step."""
 
     def __init__(self):
         self.raised = False
@@ -120,56 +122,122 @@ class _Throughput:
                 "mfu": metrics.mfu(tokens_per_sec, self.flops_per_token, self.peak, self.num_devices)}
 
 
-def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, writer) -> int:
+class _Pending:
+    """The metrics of the step in flight: written one step late, so the host never waits for the
+    device in the loop, or flushed before an eval or a checkpoint, so that a checkpoint never covers a
+    step whose line is not on disk and that work is no step's time.
+
+    A step's time runs from when it could start (its dispatch, the end of the step before or of an
+    eval/checkpoint, whichever is last) to when its outputs were ready; outputs already ready when
+    the next step is dispatched (a mode whose step waits for the one before) count as ready then.
+    """
+
+    def __init__(self, writer, throughput):
+        self.writer, self.throughput = writer, throughput
+        self.entry = None  # (step, metrics, start time)
+        self.free_at = time.perf_counter()
+
+    def push(self, step: int, step_metrics: dict, dispatched: float) -> int | None:
+        """Writes the step before (returns its number, or None) and holds this one."""
+        written = None
+        if self.entry is not None:
+            ready = all(x.is_ready() for x in jax.tree.leaves(self.entry[1]) if isinstance(x, jax.Array))
+            written = self._write(dispatched if ready else None)
+        self.entry = (step, step_metrics, max(dispatched, self.free_at))
+        return written
+
+    def flush(self) -> int | None:
+        return self._write(None) if self.entry is not None else None
+
+    def idle(self) -> None:
+        """Work that is no step's (eval, checkpoint) ended now."""
+        self.free_at = time.perf_counter()
+
+    def _write(self, ready_at: float | None) -> int:
+        (step, step_metrics, started), self.entry = self.entry, None
+        values = _fetch(step, step_metrics)
+        self.free_at = max(self.free_at, ready_at or time.perf_counter())
+        self.writer.write(step, {**values, **self.throughput(max(self.free_at - started, 1e-9))})
+        return step
+
+
+class _KnownGood:
+    """The newest checkpoint known good: one whose weights gave a finite loss (the loss of step s
+    is computed from the weights saved as checkpoint s, before step s's update)."""
+
+    def __init__(self, checkpointer, start: int):
+        self.checkpointer, self.step = checkpointer, None
+        self.unverified = {start} if start else set()  # saved, their loss not seen yet
+
+    def saved(self, step: int) -> None:
+        self.unverified.add(step)
+
+    def finite(self, step: int | None) -> None:
+        """The loss of `step` was finite."""
+        if step in self.unverified:
+            self.unverified.discard(step)
+            self.step = step
+            self.checkpointer.keep(step)
+
+    def set_aside_bad(self) -> str:
+        """After a non-finite loss: moves the unverified checkpoints aside, so that a resumed run
+        starts from the known good one; says which that is."""
+        self.checkpointer.wait()
+        self.checkpointer.set_aside(sorted(self.unverified))
+        if self.step is not None:
+            return f"the newest checkpoint whose weights gave a finite loss is step {self.step}; a rerun resumes there"
+        latest = self.checkpointer.latest_step()
+        return (f"no checkpoint of this run is known good; a rerun resumes from step {latest}" if latest
+                else "no checkpoint is left; a rerun starts over")
+
+
+def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, writer, sigterm: _SigtermFlag) -> int:
     """The shared loop. Metrics of step s are written while step s+1 runs (no host sync for them)."""
     cfg = run.cfg
     throughput = _Throughput(cfg, run.model, run.mesh.size, task.tokens_per_step)
-    profiler, sigterm = metrics.Profiler.from_config(cfg), _SigtermFlag()
-    pending = None  # (step, metrics, dispatch time) of the step not yet written
-    last_good = start
+    profiler, pending, good = metrics.Profiler.from_config(cfg), _Pending(writer, throughput), _KnownGood(checkpointer, start)
     try:
+        if sigterm.raised:
+            log.warning("SIGTERM during start-up: stopping before the first step; nothing was trained")
+            return EXIT_SIGTERM
         for step in range(start, cfg.steps):
             profiler.maybe_start(step)
             dispatched = time.perf_counter()
             state, step_metrics = task.step(state, step)
             profiler.maybe_stop(step, block_on=step_metrics)
-            if pending is not None:
-                _write(writer, pending, dispatched, throughput)
-            pending = (step, step_metrics, dispatched)
+            good.finite(pending.push(step, step_metrics, dispatched))
             done = step + 1
-            if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps):
-                if eval_metrics := task.evaluate(state["params"], done):
-                    writer.write(step, eval_metrics)
+            evaluate = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
+            save = done % cfg.checkpoint_period == 0 or done == cfg.steps or sigterm.raised
+            if evaluate or save:  # the checkpoint covers this step: its line goes first
+                good.finite(pending.flush())
+            if evaluate and (eval_metrics := task.evaluate(state["params"], done)):
+                writer.write(step, eval_metrics)
             if text := task.samples_text(step):  # after the eval: a mode may show its answers
                 writer.text(step, "samples", text)
-            if done % cfg.checkpoint_period == 0 or done == cfg.steps or sigterm.raised:
-                _fetch(step_metrics)  # never save a state that came from a non-finite loss
+            if save:
                 checkpointer.save(done, state, task.data_iterator, force=True)
-                last_good = done
+                good.saved(done)
+            if evaluate or save:
+                pending.idle()
             if sigterm.raised:
                 break
-        if pending is not None:
-            _write(writer, pending, time.perf_counter(), throughput)
+        good.finite(pending.flush())
         if sigterm.raised:
-            log.warning("SIGTERM: saved a checkpoint at step %d; stopping", last_good)
+            log.warning("SIGTERM: saved a checkpoint at step %d; stopping", done)
             return EXIT_SIGTERM
         if cfg.export_hf_path:
             export.export_hf(run, state["params"], cfg.export_hf_path)
             log.info("exported the model to %s", cfg.export_hf_path)
         return 0
     except NonFiniteLoss as e:
-        log.error("stopping: %s; the last good checkpoint is step %d", e, last_good)
+        log.error("stopping: %s; %s", e, good.set_aside_bad())
         return EXIT_NAN
     finally:
         profiler.close()
         checkpointer.wait()
         checkpointer.close()
         writer.close()
-
-
-def _write(writer, pending, now, throughput) -> None:
-    step, step_metrics, dispatched = pending
-    writer.write(step, {**_fetch(step_metrics), **throughput(max(now - dispatched, 1e-9))})
 
 
 def _setup_logging() -> None:
@@ -181,6 +249,9 @@ def _setup_logging() -> None:
     log.addHandler(handler)
     log.propagate = False
     log.setLevel(logging.INFO)
+    # orbax logs a failed save or restore from its threads; it reaches main, which says it in one line
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # orbax's failed write tasks, the same failure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         return pipeline.run(cfg, train) if cfg.stages else train(cfg)
     except ConfigError as e:
         print(f"unitrain: {e}", file=sys.stderr)
+        return _exit(EXIT_USER_ERROR)
+    except OSError as e:  # the environment's fault (a read-only or full disk): the path and the OS reason
+        print(f"unitrain: {checkpoint.reason(e)}", file=sys.stderr)
         return _exit(EXIT_USER_ERROR)
     except Exception:
         traceback.print_exc()
