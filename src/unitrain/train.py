@@ -299,5 +299,16 @@ def _exit(code: int) -> int:
     return code
 
 
+def cli() -> None:
+    """The command line. A run that failed leaves without the interpreter's shutdown, where libraries
+    would wait or print: orbax's save threads wait for a signal that never comes after a failed save,
+    and tensorstore's event loops complain. Everything of ours is written and closed by then."""
+    code = main()
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
