@@ -196,8 +196,8 @@ def test_checkpointer_saves_one_json_item_and_restores(tmp_path, jsonl):
     assert saved["data_shards"] == 2 and sorted(saved["shards"]) == ["0", "1"]
 
     fresh = make_sft_iterator(cfg, TOK, ROWS)
-    restored = ckpt.restore(3, tiny_state(), fresh)
-    assert int(restored["step"]) == 3 and np.array_equal(restored["params"]["w"], np.arange(8.0))
+    step, restored = ckpt.restore(3, tiny_state(), fresh)
+    assert step == int(restored["step"]) == 3 and np.array_equal(restored["params"]["w"], np.arange(8.0))
     for want in expected:
         assert_same(next(fresh), want)
     # The same checkpoint resumes two processes (each takes its shard).
