@@ -201,3 +201,20 @@ def test_the_global_batch_is_read_back_from_the_written_config(tmp_path):
     previous = run_dir.previous_config(str(tmp_path / "default"))
     assert previous["global_batch_size"] == 2 * jax.device_count() and previous["per_device_batch_size"] == 2
     assert set(MODEL_KEYS) <= set(previous)
+
+
+def test_load_optimizer_state_continues_the_adam_moments(tmp_path, tiny_checkpoint):
+    assert train.main(argv(tmp_path, "run_name=a", "steps=3")) == 0
+    for run_name, load in (("fresh", "false"), ("continued", "true")):
+        assert train.main(argv(tmp_path, f"run_name={run_name}", "steps=1", f"load_parameters_path={tmp_path / 'a'}",
+                               f"load_optimizer_state={load}")) == 0
+    cfg = make_cfg(load_parameters_path=str(tmp_path / "a"))
+    _, state = run.build_run(cfg)
+
+    def adam_count(name):
+        opt_state = checkpoint.load_opt_state(str(tmp_path / name), state)
+        return {int(np.asarray(x)) for x in jax.tree.leaves(opt_state) if np.ndim(x) == 0 and np.issubdtype(np.asarray(x).dtype, np.integer)}
+
+    assert adam_count("a") >= {3} and adam_count("fresh") >= {1} and adam_count("continued") >= {4}
+    with pytest.raises(ConfigError, match="load_optimizer_state"):
+        make_cfg(load_parameters_path=str(tiny_checkpoint("qwen2")), load_optimizer_state=True)

@@ -203,22 +203,35 @@ def _allgather_text(text: str) -> list[str]:
 def load_params(path: str, params):
     """Parameters only, from a unitrain run directory or its checkpoint directory (the latest step) or
     one step directory, placed in the shardings of `params`."""
+    return _read(os.path.join(_step_dir(path), "params"), params, check=check_shapes)
+
+
+def load_opt_state(path: str, state: dict):
+    """The optimizer state saved at `path` (as in load_params), in the shardings of state["opt_state"]:
+    a run that continues another's training (load_optimizer_state) rather than starting it afresh."""
+    return _read(os.path.join(_step_dir(path), "train"), {"opt_state": state["opt_state"], "step": state["step"]})["opt_state"]
+
+
+def _step_dir(path: str) -> str:
     path = os.path.abspath(path)
     if os.path.isdir(os.path.join(path, "checkpoints")):  # a run directory
         path = os.path.join(path, "checkpoints")
     if os.path.isdir(os.path.join(path, "params")):
-        step_dir = path
-    else:
-        steps = ocp.utils.checkpoint_steps(path) if os.path.isdir(path) else []
-        if not steps:
-            raise ConfigError(f"load_parameters_path {path} is neither an HF checkpoint (config.json) nor an orbax "
-                              "checkpoint directory with saved steps")
-        step_dir = os.path.join(path, str(max(steps)))
+        return path
+    steps = ocp.utils.checkpoint_steps(path) if os.path.isdir(path) else []
+    if not steps:
+        raise ConfigError(f"load_parameters_path {path} is neither an HF checkpoint (config.json) nor an orbax "
+                          "checkpoint directory with saved steps")
+    return os.path.join(path, str(max(steps)))
+
+
+def _read(item_dir: str, like, check=None):
     try:
-        check_shapes(os.path.join(step_dir, "params"), params)
+        if check is not None:
+            check(item_dir, like)
         with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.restore(os.path.join(step_dir, "params"), abstract_like(params))
+            return checkpointer.restore(item_dir, abstract_like(like))
     except ConfigError:
         raise
-    except Exception as e:  # whatever orbax and tensorstore raise on a file they cannot read
-        raise ConfigError(f"load_parameters_path: cannot read the checkpoint {step_dir} ({reason(e)})") from None
+    except Exception as e:  # whatever orbax and tensorstore raise on a file they cannot read or that differs
+        raise ConfigError(f"load_parameters_path: cannot read {item_dir} ({reason(e)})") from None

@@ -245,6 +245,9 @@ CHECKS: list[Callable[[dict], str | None]] = [
     lambda c: None if c["process_id"] < c["num_processes"] else
     f"process_id ({c['process_id']}) must be below num_processes ({c['num_processes']})",
     lambda c: None if c["action"] != "export" or c["export_hf_path"] else "action=export needs export_hf_path",
+    lambda c: None if not c["load_optimizer_state"] or c["load_parameters_path"] and not
+    os.path.isfile(os.path.join(c["load_parameters_path"], "config.json")) else
+    "load_optimizer_state needs load_parameters_path on a unitrain checkpoint (an HF checkpoint has no optimizer state)",
     lambda c: None if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"] else
     f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})",
     lambda c: None if c["chat_template"] or not c["system_prompt"] else

@@ -8,8 +8,8 @@
 
 Each stage is the recipe with the stage's keys on top, run as `<run_dir>/<name>/` (its own
 config.yml, checkpoints, metrics), starting from the previous stage's final parameters
-(`load_parameters_path` = that stage's checkpoints, so the optimizer starts fresh) unless the stage
-names its own. Every stage's config is built, and so validated, before the first one runs. A stage
+(`load_parameters_path` = that stage's checkpoints; the optimizer starts fresh unless the stage
+sets `load_optimizer_state: true`) unless the stage names its own. Every stage's config is built, and so validated, before the first one runs. A stage
 that finished leaves `<run_dir>/<name>/stage_done`; re-running the command skips those and resumes
 the stage in progress from its latest checkpoint.
 """

@@ -50,6 +50,9 @@ def train(cfg) -> int:
     if start:
         start, state = checkpointer.restore(start, state, task.data_iterator, cfg.checkpoint_fallback)
         log.info("resumed from %s at step %d", cfg.checkpoint_dir, start)
+    if not start and cfg.load_optimizer_state:
+        state["opt_state"] = checkpoint.load_opt_state(cfg.load_parameters_path, state)
+        log.info("took the optimizer state of %s", cfg.load_parameters_path)
     if cfg.action != "train":
         with jax.set_mesh(run.mesh):
             return evaluate_or_export(run, task, state, start)
