@@ -121,6 +121,7 @@ def test_full_disk_is_one_line_and_keeps_saved_checkpoints(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if line.startswith("unitrain: ")]
     assert len(ours) == 1 and "File too large" in ours[0] and "checkpoints" in ours[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_metrics_write_on_a_full_disk_names_the_file(tmp_path, monkeypatch):

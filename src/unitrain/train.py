@@ -302,10 +302,18 @@ def _exit(code: int) -> int:
     return code
 
 
+def _library_callback_failed(unraisable) -> None:
+    """An exception Python could not raise anywhere: tensorstore's callbacks into an event loop that
+    orbax already closed after a failed save. The failure itself is the run's one line; this detail
+    goes to the debug log instead of a traceback on stderr."""
+    log.debug("ignored in %r: %r", unraisable.object, unraisable.exc_value)
+
+
 def cli() -> None:
     """The command line. A run that failed leaves without the interpreter's shutdown, where libraries
     would wait or print: orbax's save threads wait for a signal that never comes after a failed save,
     and tensorstore's event loops complain. Everything of ours is written and closed by then."""
+    sys.unraisablehook = _library_callback_failed
     code = main()
     if code:
         sys.stdout.flush()
