@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 from unitrain import sharding
 from unitrain.adapters import tunix
 from unitrain.config import ConfigError
+from unitrain.rollout.colocated import sharded_cache
 
 # Tunix 0.1.7 uses APIs that jax 0.10 and flax 0.12 deprecate (Variable.value, pxla.thread_resources, ...).
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -89,11 +90,7 @@ def decode(model, mesh=None, rules=None):
 
     def run(params, prompt, steps):
         model = nnx.merge(graphdef, params)
-        cache = model.init_cache(B, P + N)
-        if rules is not None:
-            specs = jax.tree.map(lambda axes: sharding.logical_to_spec(axes, rules), model.cache_axes(),
-                                 is_leaf=lambda x: isinstance(x, tuple))
-            cache = jax.lax.with_sharding_constraint(cache, specs)
+        cache = sharded_cache(model, B, P + N, rules)
         logits, cache = model(prompt["tokens"], prompt["positions"], prompt["segments"], cache)
 
         def step(cache, token_and_position):

@@ -96,14 +96,21 @@ def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
 # The jitted program
 
 
+def sharded_cache(model, batch: int, length: int, rules):
+    """The model's empty KV cache, constrained to the shardings its logical axes get under `rules`
+    (None: unconstrained). Call inside a jitted function."""
+    cache = model.init_cache(batch, length)
+    if rules is None:
+        return cache
+    specs = jax.tree.map(lambda axes: sharding.logical_to_spec(axes, rules), model.cache_axes(),
+                         is_leaf=lambda x: isinstance(x, tuple))
+    return jax.lax.with_sharding_constraint(cache, specs)
+
+
 def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: int, use_top_p: bool, cache_rules):
     def run(params, tokens, positions, segments, prompt_lens, stop_ids, temperature, top_p, rng):
         model = nnx.merge(graphdef, params)
-        cache = model.init_cache(B, P + N)
-        if cache_rules is not None:
-            specs = jax.tree.map(lambda axes: sharding.logical_to_spec(axes, cache_rules), model.cache_axes(),
-                                 is_leaf=lambda x: isinstance(x, tuple))
-            cache = jax.lax.with_sharding_constraint(cache, specs)
+        cache = sharded_cache(model, B, P + N, cache_rules)
         sample = lambda logits, i: _sample(logits, jax.random.fold_in(rng, i), temperature, top_p,
                                            greedy=greedy, top_k=top_k, use_top_p=use_top_p)
         is_stop = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
