@@ -192,6 +192,20 @@ class Decoder(nnx.Module):
         hf.save(self, path)
 
     def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
+        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
+        return self.logits(hidden), new_cache
+
+    def hidden_states(self, tokens, positions, segment_ids):
+        return self._hidden(tokens, positions, segment_ids, None)[0]
+
+    def logits(self, hidden):
+        cfg = self.cfg
+        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+        logits = jnp.einsum("bte,ev->btv", hidden, head.astype(cfg.dtype))
+        return _constrain(cfg, logits, ("batch", "length", "vocab"))
+
+    def _hidden(self, tokens, positions, segment_ids, cache):
+        """The final-normed hidden states [B, T, E] and the updated cache."""
         cfg = self.cfg
         # FSDP gathers a weight before use: an fsdp-sharded table gathered by fsdp-sharded tokens
         # would otherwise make XLA rematerialise the whole lookup.
@@ -217,11 +231,8 @@ class Decoder(nnx.Module):
         kv = None if cache is None else (cache.k, cache.v)
         x, new_kv = _run_stack(cfg, layer, x, params, kv)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.einsum("bte,ev->btv", x, head.astype(cfg.dtype))
-        logits = _constrain(cfg, logits, ("batch", "length", "vocab"))
         new_cache = None if cache is None else KVCache(k=new_kv[0], v=new_kv[1], segment_ids=cache_segments)
-        return logits, new_cache
+        return x, new_cache
 
 
 def _run_stack(cfg, layer, x, params, kv):
