@@ -212,6 +212,12 @@ def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.
     mappings = _mappings(cfg)
     _check_no_unknown_tensors(path, index, cfg, mappings)
     flat_vars = dict(nnx.to_flat_state(abstract))
+    rows = index.slice("model.embed_tokens.weight").get_shape()[0]
+    if rows < cfg.vocab_size:  # extra_tokens: the checkpoint's vocabulary, then grown (unitrain.vocab)
+        from unitrain import vocab
+
+        narrow = load(path, mesh=mesh, model_cfg=dataclasses.replace(cfg, vocab_size=rows))
+        return vocab.grown(narrow, *vocab.wider(nnx.eval_shape(lambda: model_lib.create(cfg)), mesh, rules))
     flat_shardings = dict(nnx.to_flat_state(shardings))
     loaded = {}
     for key_path, var in flat_vars.items():

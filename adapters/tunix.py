@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -395,12 +396,13 @@ def _tensor_shapes(path: Path) -> tuple:
 
 def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.DEFAULT_RULES,
          trust_remote_code: bool = False, max_replicated_param_mib: float | None = None,
-         weight_dtype: str | None = None, remat_policy: str = "none") -> TunixModel:
+         weight_dtype: str | None = None, remat_policy: str = "none", vocab_size: int = 0) -> TunixModel:
     """An HF checkpoint dir as a Tunix model whose parameters are placed in their shardings.
 
     `dtype` is the compute dtype, `weight_dtype` (default: dtype) the parameters'. Dimensions that
     do not divide their mesh axes, and (with max_replicated_param_mib) a large parameter left fully
-    replicated on several devices, are ConfigErrors before anything is read.
+    replicated on several devices, are ConfigErrors before anything is read. A `vocab_size` above the
+    checkpoint's grows its embedding and LM head (extra_tokens, unitrain.vocab).
     """
     path = Path(path)
     if remat_policy not in REMAT:
@@ -421,8 +423,32 @@ def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.
         sharding.check_not_replicated(logical, mesh, rules, max_replicated_param_mib)
     hf_tensors = _tensor_shapes(path)
     net = family.loader.create_model_from_safe_tensors(str(path), config, mesh=mesh, dtype=jnp.dtype(weight_dtype))
-    return TunixModel(_with_logical_axes(net, logical, shardings), hf.model_type, dims, dtype, weight_dtype,
-                      (path / "config.json").read_text(), hf_tensors)
+    model = TunixModel(_with_logical_axes(net, logical, shardings), hf.model_type, dims, dtype, weight_dtype,
+                       (path / "config.json").read_text(), hf_tensors)
+    if vocab_size > dims.vocab:
+        wide = dataclasses.replace(dims, vocab=vocab_size)
+        configure = functools.partial(family.config, hf, path / "config.json", wide)
+        model = _with_vocab(model, family, configure, execution, mesh, rules)
+    return model
+
+
+def _with_vocab(model: TunixModel, family: _Family, configure, execution, mesh, rules) -> TunixModel:
+    """The model with its vocabulary widened to the Dims behind `configure` (new rows: unitrain.vocab),
+    and its HF config and tensor shapes to match, so save_hf writes the wider checkpoint."""
+    from unitrain import vocab
+
+    old, new = model.dims.vocab, configure.args[2].vocab
+    config = json.loads(model.hf_config)
+    config["vocab_size"] = new
+    tensors = tuple((name, tuple(new if d == old else d for d in shape)) for name, shape in model.hf_tensors)
+    abstract = nnx.eval_shape(lambda: TunixModel(family.model_class(configure(rules, *execution), rngs=nnx.Rngs(0)),
+                                                 model.family, configure.args[2], model.dtype, model.weight_dtype,
+                                                 json.dumps(config, indent=2), tensors))
+    graphdef, _ = nnx.split(abstract)
+    logical = _logical_state(family, configure(None, *execution))
+    placed = nnx.to_pure_dict(sharding.state_shardings(logical, mesh, rules))
+    targets = {"net": jax.tree.map(lambda s, p: (s, p), nnx.to_pure_dict(logical), placed)}
+    return vocab.grown(model, graphdef, targets)
 
 
 def _with_logical_axes(net: nnx.Module, logical, shardings) -> nnx.Module:
@@ -444,4 +470,5 @@ def source(cfg, mesh) -> TunixModel:
                           f"load_parameters_path is '{path}'")
     return load(path, cfg.dtype, mesh, rules=sharding.rules_from_config(cfg.logical_axis_rules),
                 trust_remote_code=cfg.trust_remote_code, max_replicated_param_mib=cfg.max_replicated_param_mib,
-                weight_dtype=cfg.weight_dtype, remat_policy=cfg.remat_policy)
+                weight_dtype=cfg.weight_dtype, remat_policy=cfg.remat_policy,
+                vocab_size=cfg.vocab_size if cfg.extra_tokens else 0)

@@ -207,6 +207,20 @@ MODEL_KEYS = (
     "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling_type",
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
     "rope_original_max_position", "qkv_bias", "qk_norm", "tie_word_embeddings", "sliding_window",
+    "vocab_pad_multiple": POSITIVE_INT,
+    "data_format": choices("records", "minionerec"),
+    "rec_task_weights": Rule(lambda v: isinstance(v, list) and len(v) == 3 and all(_is_num(w) and 0 <= w < math.inf for w in v)
+                             and sum(v) > 0, "a list of 3 finite numbers >= 0, not all 0 (next-SID, title->SID, SID->title)"),
+    "rollout_decoding": choices("sample", "beam"),
+    "beam_width": POSITIVE_INT,
+    "beam_length_penalty": Rule(lambda v: _is_num(v) and math.isfinite(v), "a finite number"),
+    "rec_eval_k": Rule(lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(k, int) and not isinstance(k, bool)
+                                                                          and k > 0 for k in v), "a non-empty list of positive ints"),
+    "rec_eval_batch_size": POSITIVE_INT,
+    "lora_rank": Rule(lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0 = no LoRA)"),
+    "lora_alpha": POSITIVE,
+    "lora_target": Rule(_is_regex, "a regular expression over '/'-joined parameter paths"),
+    "lora_base_dtype": Rule(lambda v: v in ("", "bfloat16", "int8", "nf4"), '"" (as weight_dtype) | bfloat16 | int8 | nf4'),
 )
 
 
@@ -269,6 +283,15 @@ def derive(cfg: dict) -> dict:
         out["head_dim"] = out["emb_dim"] // out["num_query_heads"]
     run_dir = posixpath.join(out["base_output_directory"], out["run_name"])  # posixpath: gs:// too
     out["run_dir"] = run_dir
+    lambda c: None if c["data_format"] != "minionerec" or c["beam_width"] >= max(c["rec_eval_k"]) else
+    f"beam_width ({c['beam_width']}) must be at least the largest rec_eval_k ({max(c['rec_eval_k'])})",
+    lambda c: None if c["rec_info_path"] or not any(c["rec_task_weights"][1:]) else
+    "rec_task_weights gives the alignment tasks (title->SID, SID->title) a weight but rec_info_path is empty",
+    lambda c: None if c["data_format"] != "minionerec" or c["mode"] != "grpo" or c["rec_task_weights"][2] == 0 else
+    "mode=grpo cannot score SID->title records (rewards compare SIDs); set the third rec_task_weights entry to 0",
+    lambda c: None if "sid_rank" not in [r.strip() for r in c["reward"].split(",")] or c["rollout_decoding"] == "beam"
+    or c["sid_index_path"] else
+    "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)",
     out["checkpoint_dir"] = posixpath.join(run_dir, "checkpoints")
     out["tensorboard_dir"] = posixpath.join(run_dir, "tensorboard")
     out["metrics_file"] = posixpath.join(run_dir, "metrics.jsonl")
@@ -463,6 +486,8 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
     directory); no keys for an HF folder that a model source other than unitrain's reads
     itself; None when `path` holds neither."""
     if os.path.isfile(os.path.join(path, "config.json")):
+        if key == "vocab_size" and key in explicit and inputs["extra_tokens"] and ours is not None and ours > value:
+            continue  # extra_tokens: the model source grows the checkpoint's vocabulary (unitrain.vocab)
         from unitrain.adapters import hf_config
 
         if inputs["model_source"] != "unitrain" and hf_config.read_hf_config(

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from unitrain import data, models, sharding
+from unitrain import data, models, sharding, vocab
 from unitrain import step as step_lib
 from unitrain.config import ConfigError
 from unitrain.optimizer import make_optimizer
@@ -43,6 +43,8 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     mesh = sharding.mesh_from_config(cfg)
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
     tokenizer = data.load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
+    cfg = vocab.extend(cfg, tokenizer)  # extra_tokens: a wider vocabulary, grown by the model source
+    vocab.save_tokenizer(cfg, tokenizer)
     model = models.build(cfg, mesh)
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(f"tokenizer_path has {tokenizer.vocab_size} tokens but the model has {model.vocab_size}")

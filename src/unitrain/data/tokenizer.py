@@ -105,6 +105,16 @@ class Tokenizer:
             raise ConfigError(f"tokenizer_path={self.path!r} has no chat template, so it cannot render prompts as chat messages")
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def add_tokens(self, tokens: list[str]) -> int:
+        """Adds the tokens the vocabulary lacks, each then encoded as one id after the existing ones
+        (unitrain.vocab); returns how many were new."""
+        if self._hf is None:
+            raise NotImplementedError(f"tokenizer_path={self.path!r} is a SentencePiece file; tokens can be added "
+                                      "to an HF tokenizer only")
+        added = self._hf.add_tokens(tokens)
+        self.vocab_size = len(self._hf)
+        return added
+
     def save(self, path: str) -> None:
         """Writes the tokenizer, chat template included, as AutoTokenizer.from_pretrained(path) loads it
         (an HF tokenizer only: config.py stops an export with a SentencePiece file before the run)."""
