@@ -207,17 +207,17 @@ def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.
     cfg, rules = model_cfg, model_cfg.logical_axis_rules
     mesh = mesh or _single_device_mesh()
     index = _TensorIndex(path)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg)))
-    shardings = sharding.state_shardings(abstract, mesh, rules)
-    mappings = _mappings(cfg)
-    _check_no_unknown_tensors(path, index, cfg, mappings)
-    flat_vars = dict(nnx.to_flat_state(abstract))
     rows = index.slice("model.embed_tokens.weight").get_shape()[0]
     if rows < cfg.vocab_size:  # extra_tokens: the checkpoint's vocabulary, then grown (unitrain.vocab)
         from unitrain import vocab
 
         narrow = load(path, mesh=mesh, model_cfg=dataclasses.replace(cfg, vocab_size=rows))
         return vocab.grown(narrow, *vocab.wider(nnx.eval_shape(lambda: model_lib.create(cfg)), mesh, rules))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg)))
+    shardings = sharding.state_shardings(abstract, mesh, rules)
+    mappings = _mappings(cfg)
+    _check_no_unknown_tensors(path, index, cfg, mappings)
+    flat_vars = dict(nnx.to_flat_state(abstract))
     flat_shardings = dict(nnx.to_flat_state(shardings))
     loaded = {}
     for key_path, var in flat_vars.items():

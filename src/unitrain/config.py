@@ -198,15 +198,6 @@ RULES: dict[str, Rule] = {
     "chosen_key": NAME,
     "chat_loss_on": choices("all_assistant", "last_assistant"),
     "rejected_key": NAME,
-}
-
-# The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without
-# the run-time choices (model_name, dtype, weight_dtype, remat_policy, scan_layers).
-MODEL_KEYS = (
-    "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads",
-    "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling_type",
-    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_original_max_position", "qkv_bias", "qk_norm", "tie_word_embeddings", "sliding_window",
     "vocab_pad_multiple": POSITIVE_INT,
     "data_format": choices("records", "minionerec"),
     "rec_task_weights": Rule(lambda v: isinstance(v, list) and len(v) == 3 and all(_is_num(w) and 0 <= w < math.inf for w in v)
@@ -217,10 +208,15 @@ MODEL_KEYS = (
     "rec_eval_k": Rule(lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(k, int) and not isinstance(k, bool)
                                                                           and k > 0 for k in v), "a non-empty list of positive ints"),
     "rec_eval_batch_size": POSITIVE_INT,
-    "lora_rank": Rule(lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0 = no LoRA)"),
-    "lora_alpha": POSITIVE,
-    "lora_target": Rule(_is_regex, "a regular expression over '/'-joined parameter paths"),
-    "lora_base_dtype": Rule(lambda v: v in ("", "bfloat16", "int8", "nf4"), '"" (as weight_dtype) | bfloat16 | int8 | nf4'),
+}
+
+# The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without
+# the run-time choices (model_name, dtype, weight_dtype, remat_policy, scan_layers).
+MODEL_KEYS = (
+    "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads",
+    "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling_type",
+    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_position", "qkv_bias", "qk_norm", "tie_word_embeddings", "sliding_window",
 )
 
 
@@ -270,6 +266,15 @@ CHECKS: list[Callable[[dict], str | None]] = [
     f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
     "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "
     "directory or export_hf_path=\"\"",
+    lambda c: None if c["data_format"] != "minionerec" or c["beam_width"] >= max(c["rec_eval_k"]) else
+    f"beam_width ({c['beam_width']}) must be at least the largest rec_eval_k ({max(c['rec_eval_k'])})",
+    lambda c: None if c["rec_info_path"] or not any(c["rec_task_weights"][1:]) else
+    "rec_task_weights gives the alignment tasks (title->SID, SID->title) a weight but rec_info_path is empty",
+    lambda c: None if c["data_format"] != "minionerec" or c["mode"] != "grpo" or c["rec_task_weights"][2] == 0 else
+    "mode=grpo cannot score SID->title records (rewards compare SIDs); set the third rec_task_weights entry to 0",
+    lambda c: None if "sid_rank" not in [r.strip() for r in c["reward"].split(",")] or c["rollout_decoding"] == "beam"
+    or c["sid_index_path"] else
+    "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)",
 ]
 
 
@@ -283,15 +288,6 @@ def derive(cfg: dict) -> dict:
         out["head_dim"] = out["emb_dim"] // out["num_query_heads"]
     run_dir = posixpath.join(out["base_output_directory"], out["run_name"])  # posixpath: gs:// too
     out["run_dir"] = run_dir
-    lambda c: None if c["data_format"] != "minionerec" or c["beam_width"] >= max(c["rec_eval_k"]) else
-    f"beam_width ({c['beam_width']}) must be at least the largest rec_eval_k ({max(c['rec_eval_k'])})",
-    lambda c: None if c["rec_info_path"] or not any(c["rec_task_weights"][1:]) else
-    "rec_task_weights gives the alignment tasks (title->SID, SID->title) a weight but rec_info_path is empty",
-    lambda c: None if c["data_format"] != "minionerec" or c["mode"] != "grpo" or c["rec_task_weights"][2] == 0 else
-    "mode=grpo cannot score SID->title records (rewards compare SIDs); set the third rec_task_weights entry to 0",
-    lambda c: None if "sid_rank" not in [r.strip() for r in c["reward"].split(",")] or c["rollout_decoding"] == "beam"
-    or c["sid_index_path"] else
-    "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)",
     out["checkpoint_dir"] = posixpath.join(run_dir, "checkpoints")
     out["tensorboard_dir"] = posixpath.join(run_dir, "tensorboard")
     out["metrics_file"] = posixpath.join(run_dir, "metrics.jsonl")
@@ -473,6 +469,8 @@ def _take_checkpoint_architecture(inputs: dict, origin: dict, explicit: set) -> 
                           f"{inputs['model_source']} takes the architecture from {where}; drop the architecture keys")
     for key, value in arch.items():
         ours = inputs[key]
+        if key == "vocab_size" and key in explicit and inputs["extra_tokens"] and ours is not None and ours > value:
+            continue  # extra_tokens: the model source grows the checkpoint's vocabulary (unitrain.vocab)
         if key in explicit and ours is not None and ours != value:
             raise ConfigError(f"config key '{key}' is {_show(ours)} ({origin.get(key, 'from replace()')}) but the "
                               f"checkpoint at load_parameters_path has {key}={_show(value)} ({where}); drop the key to "
@@ -486,8 +484,6 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
     directory); no keys for an HF folder that a model source other than unitrain's reads
     itself; None when `path` holds neither."""
     if os.path.isfile(os.path.join(path, "config.json")):
-        if key == "vocab_size" and key in explicit and inputs["extra_tokens"] and ours is not None and ours > value:
-            continue  # extra_tokens: the model source grows the checkpoint's vocabulary (unitrain.vocab)
         from unitrain.adapters import hf_config
 
         if inputs["model_source"] != "unitrain" and hf_config.read_hf_config(
