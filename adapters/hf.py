@@ -73,6 +73,11 @@ def _mappings(cfg: model_lib.ModelConfig) -> dict[str, _Mapping]:
     return m
 
 
+def tensor_names(cfg: model_lib.ModelConfig) -> dict[str, str]:
+    """unitrain parameter path ('.'-joined) -> its HF tensor name ({i} = layer index)."""
+    return {name: m.hf_key for name, m in _mappings(cfg).items()}
+
+
 # ---------------------------------------------------------------- config.json <-> ModelConfig
 
 def model_config_from_hf(path: str | Path, trust_remote_code: bool = False, **execution) -> model_lib.ModelConfig:

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from unitrain import lora
 from unitrain.config import ConfigError
 from unitrain.data.shards import merge_states
 
@@ -54,7 +55,11 @@ class _KeepStep:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, period: int, max_to_keep: int, async_save: bool):
+    """`adapters_only` (LoRA): the params item holds the adapters alone (lora.trainable); the frozen
+    base is not saved again but comes from the model source (load_parameters_path) on a resume."""
+
+    def __init__(self, directory: str, period: int, max_to_keep: int, async_save: bool, adapters_only: bool = False):
+        self.adapters_only = adapters_only
         self._known_good = _KeepStep()
         keep = ocp.checkpoint_managers.AnyPreservationPolicy(
             [ocp.checkpoint_managers.LatestN(n=max_to_keep), self._known_good])
@@ -93,7 +98,7 @@ class Checkpointer:
         if not force and not self.manager.should_save(step):
             return False
         args = ocp.args.Composite(
-            params=ocp.args.StandardSave(state["params"]),
+            params=ocp.args.StandardSave(lora.trainable(state["params"], self.adapters_only)),
             train=ocp.args.StandardSave({"opt_state": state["opt_state"], "step": state["step"]}),
             data=ocp.args.JsonSave(iterator_state(data_iterator)),
         )
@@ -110,7 +115,7 @@ class Checkpointer:
         """(the step restored, the saved state in the shardings of `state`); moves the iterator.
 
         A damaged checkpoint is moved aside and, with `fallback`, the newest older one restored."""
-        target = abstract_like(state)
+        target = abstract_like({**state, "params": lora.trainable(state["params"], self.adapters_only)})
         for candidate in [s for s in reversed(self.all_steps()) if s <= step]:
             step_dir = os.path.join(self.manager.directory, str(candidate))
             try:
@@ -129,7 +134,8 @@ class Checkpointer:
                 self.set_aside([candidate])
                 continue
             data_iterator.set_state(restored.data)
-            return candidate, {"params": restored.params, **restored.train}
+            params = lora.with_trainable(state["params"], restored.params, self.adapters_only)
+            return candidate, {"params": params, **restored.train}
         raise ConfigError(f"no intact checkpoint left in {self.manager.directory} up to step {step} (the damaged "
                           f"ones are in {self.manager.directory}.set_aside); remove the directory to start over")
 

@@ -47,6 +47,14 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _is_regex(v) -> bool:
+    try:
+        re.compile(v)
+    except (re.error, TypeError):
+        return False
+    return isinstance(v, str) and v != ""
+
+
 def choices(*options: str) -> Rule:
     return Rule(lambda v: v in options, "one of " + " | ".join(options))
 
@@ -137,6 +145,7 @@ RULES: dict[str, Rule] = {
     "weight_decay": NON_NEGATIVE,
     "max_grad_norm": NON_NEGATIVE,
     "z_loss_weight": NON_NEGATIVE,
+    "logits_chunk_size": NON_NEGATIVE,
     "action": choices("train", "eval", "export"),
     "resume_step": optional(POSITIVE_INT),
     "checkpoint_period": POSITIVE_INT,
@@ -208,6 +217,10 @@ RULES: dict[str, Rule] = {
     "rec_eval_k": Rule(lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(k, int) and not isinstance(k, bool)
                                                                           and k > 0 for k in v), "a non-empty list of positive ints"),
     "rec_eval_batch_size": POSITIVE_INT,
+    "lora_rank": Rule(lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0 = no LoRA)"),
+    "lora_alpha": POSITIVE,
+    "lora_target": Rule(_is_regex, "a regular expression over '/'-joined parameter paths"),
+    "lora_base_dtype": Rule(lambda v: v in ("", "bfloat16", "int8", "nf4"), '"" (as weight_dtype) | bfloat16 | int8 | nf4'),
 }
 
 # The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without
@@ -262,6 +275,10 @@ CHECKS: list[Callable[[dict], str | None]] = [
     f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})",
     lambda c: None if c["chat_template"] or not c["system_prompt"] else
     "system_prompt is set but chat_template is false; a system prompt needs the chat template (or write it into the data)",
+    lambda c: None if c["lora_rank"] or not (c["lora_base_dtype"] or c["lora_export_adapters"]) else
+    "lora_base_dtype and lora_export_adapters need lora_rank > 0",
+    lambda c: None if not c["lora_export_adapters"] or (c["export_hf_path"] and c["model_source"] == "unitrain") else
+    "lora_export_adapters writes into export_hf_path with the unitrain decoder's HF names: set export_hf_path and model_source=unitrain",
     lambda c: None if not (c["export_hf_path"] and c["tokenizer_path"].endswith(".model")) else
     f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
     "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "

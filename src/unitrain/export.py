@@ -1,7 +1,8 @@
 """Export of a run's model as an HF checkpoint folder that transformers loads as is: the weights and
 config.json (the model's save_hf), the run's tokenizer with its chat template, the tokenizer's
 special ids in config.json, and generation_config.json, so that `AutoTokenizer.from_pretrained` and
-`model.generate` need nothing else and stop where unitrain's sampler stops (at EOS).
+`model.generate` need nothing else and stop where unitrain's sampler stops (at EOS). With
+lora_export_adapters, the adapters alone in PEFT's format as well (<path>/lora_adapter).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from flax import nnx
 def export_hf(run, params, path: str) -> None:
     """Writes the model with `params` and the run's tokenizer to `path` (every process must call it:
     gathering is a collective; process 0 writes)."""
-    nnx.merge(run.graphdef, params).save_hf(path)
+    model = nnx.merge(run.graphdef, params)
+    model.save_hf(path)  # with LoRA: the merged model (base + scaled adapters)
+    if run.cfg.lora_export_adapters:
+        from unitrain.adapters import hf
+
+        model.save_peft(os.path.join(path, "lora_adapter"), hf.tensor_names(model.base.cfg))
     if jax.process_index() != 0:
         return
     import transformers

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from unitrain import data, models, sharding, vocab
+from unitrain import data, lora, models, sharding, vocab
 from unitrain import step as step_lib
 from unitrain.config import ConfigError
 from unitrain.optimizer import make_optimizer
@@ -46,12 +46,15 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     cfg = vocab.extend(cfg, tokenizer)  # extra_tokens: a wider vocabulary, grown by the model source
     vocab.save_tokenizer(cfg, tokenizer)
     model = models.build(cfg, mesh)
+    if cfg.lora_rank:
+        model = lora.apply(model, cfg, mesh)
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(f"tokenizer_path has {tokenizer.vocab_size} tokens but the model has {model.vocab_size}")
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
-    optimizer = make_optimizer(cfg, model.decay_mask())
-    state = step_lib.init_state(params, optimizer, mesh, cfg.optimizer_host_offload)
+    adapters_only = cfg.lora_rank > 0
+    optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only))
+    state = step_lib.init_state(params, optimizer, mesh, cfg.optimizer_host_offload, adapters_only)
     run = RunContext(cfg=cfg, mesh=mesh, rules=rules, tokenizer=tokenizer, model=model, graphdef=graphdef,
                      init_params=params, optimizer=optimizer, state_shardings=jax.tree.map(lambda x: x.sharding, state),
                      programs=step_lib.CompileCache(mesh))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from unitrain import sharding
+from unitrain import lora, sharding
 from unitrain.optimizer import learning_rate_schedule
 
 log = logging.getLogger("unitrain")
@@ -34,11 +34,14 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params, param_s
                                  param_shardings, transform_non_params=lambda _: sharding.replicated(mesh))
 
 
-def init_state(params: dict, optimizer: optax.GradientTransformation, mesh, opt_host_offload: bool = False) -> dict:
+def init_state(params: dict, optimizer: optax.GradientTransformation, mesh, opt_host_offload: bool = False,
+               adapters_only: bool = False) -> dict:
     """{params, opt_state, step}, every array in its sharding (the optimizer state optionally in
-    pinned host memory, brought to the device inside each step)."""
-    shardings = opt_state_shardings(optimizer, params, jax.tree.map(lambda x: x.sharding, params), mesh)
-    opt_state = jax.jit(optimizer.init, out_shardings=shardings)(params)
+    pinned host memory, brought to the device inside each step). With `adapters_only` (LoRA) the
+    optimizer holds the adapters alone (lora.trainable)."""
+    trained = lora.trainable(params, adapters_only)
+    shardings = opt_state_shardings(optimizer, trained, jax.tree.map(lambda x: x.sharding, trained), mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings)(trained)
     if opt_host_offload:
         opt_state = sharding.with_memory_kind(opt_state, "pinned_host")
     step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(mesh))
@@ -72,22 +75,30 @@ def train_step(loss_fn, cfg, optimizer, state, batch, *, opt_device_shardings=No
     k = cfg.gradient_accumulation_steps
     # Row i*k + j goes to micro-batch j: each device's contiguous rows stay on that device.
     micro = jax.tree.map(lambda x: x.reshape(-1, k, *x.shape[1:]).swapaxes(0, 1), batch)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    shapes = jax.eval_shape(grad_fn, state["params"], jax.tree.map(lambda x: x[0], micro))
+    # Only the trained part is differentiated and updated (with LoRA the adapters; the frozen base
+    # passes through the donated state untouched).
+    adapters_only = cfg.lora_rank > 0
+    trained = lora.trainable(state["params"], adapters_only)
+
+    def full(t):
+        return lora.with_trainable(state["params"], t, adapters_only)
+
+    grad_fn = jax.value_and_grad(lambda t, mb: loss_fn(full(t), mb), has_aux=True)
+    shapes = jax.eval_shape(grad_fn, trained, jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
 
     def accumulate(carry, mb):
-        return jax.tree.map(lambda c, x: c + x.astype(jnp.float32), carry, grad_fn(state["params"], mb)), None
+        return jax.tree.map(lambda c, x: c + x.astype(jnp.float32), carry, grad_fn(trained, mb)), None
 
     ((loss_sum, (denom, sums)), grads), _ = jax.lax.scan(accumulate, zeros, micro)
     denom = jnp.maximum(denom, 1.0)
-    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state["params"])
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, trained)
     grad_norm = optax.tree.norm(grads)
     opt_state = state["opt_state"]
     if opt_device_shardings is not None:
         opt_state = jax.device_put(opt_state, opt_device_shardings)
-    updates, opt_state = optimizer.update(grads, opt_state, state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    updates, opt_state = optimizer.update(grads, opt_state, trained)
+    params = full(optax.apply_updates(trained, updates))
     clipped = jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm
     step_metrics = {
         "loss": loss_sum / denom, "grad_norm": grad_norm, "grad_norm_clipped": clipped,

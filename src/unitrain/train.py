@@ -39,7 +39,7 @@ def train(cfg) -> int:
     sigterm = _SigtermFlag()  # first: a SIGTERM during start-up stops the run before its first step
     previous = run_dir.previous_config(cfg.run_dir)
     checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_period, cfg.max_to_keep,
-                                           cfg.async_checkpointing)
+                                           cfg.async_checkpointing, adapters_only=cfg.lora_rank > 0)
     if previous is not None:
         cfg = run_dir.keep_global_batch(cfg, previous, has_checkpoint=bool(checkpointer.all_steps()))
     run, state = build_run(cfg)
