@@ -252,6 +252,33 @@ class Cache:
     positions: jax.Array  # [batch, max_length]
 
 
+class _PassThrough(nnx.Module):
+    """Stands in for a Tunix model's output head (its lm_head, or its embedder's decode) and hands
+    the final-normed hidden states through: Tunix's models have no hidden-state output of their own
+    in every family, and the losses compute the logits from them chunk by chunk."""
+
+    def __init__(self, embedder: nnx.Module | None = None):
+        self.embedder = embedder
+
+    def encode(self, *args, **kwargs):
+        return self.embedder.encode(*args, **kwargs)
+
+    def decode(self, x):
+        return x
+
+    def __call__(self, x):
+        return x
+
+
+def _headless(net: nnx.Module) -> nnx.Module:
+    """A copy of `net` (same arrays) whose forward returns hidden states instead of logits."""
+    copy = nnx.merge(*nnx.split(net))
+    copy.embedder = _PassThrough(copy.embedder)
+    if "lm_head" in vars(copy):
+        copy.lm_head = _PassThrough()
+    return copy
+
+
 def _attention_mask(q_segments, q_positions, k_segments, k_positions):
     """[B, Tq, Tk]: a query sees the keys of its own nonzero segment at positions up to its own."""
     same = (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments[:, :, None] > 0)
@@ -282,6 +309,16 @@ class TunixModel(nnx.Module):
         mask = _attention_mask(segment_ids, positions, segments, slot_positions)
         logits, layers = net(tokens, positions, cache.layers, mask)
         return logits.astype(self.dtype), Cache(layers=layers, segment_ids=segments, positions=slot_positions)
+
+    def hidden_states(self, tokens, positions, segment_ids):
+        mask = _attention_mask(segment_ids, positions, segment_ids, positions)
+        hidden, _ = _headless(self._compute_net())(tokens, positions, None, mask)
+        return hidden.astype(self.dtype)
+
+    def logits(self, hidden):
+        net = self._compute_net()
+        head = net.lm_head if "lm_head" in vars(net) else net.embedder.decode  # only untied models have an lm_head
+        return head(hidden).astype(self.dtype)
 
     def _compute_net(self) -> nnx.Module:
         """Tunix's Llama3 and Gemma3 compute in their parameters' dtype: parameters stored wider than

@@ -86,9 +86,9 @@ def test_sequence_logprobs_equal_numpy_log_softmax_gather():
     weights = (rng.random((3, 7)) > 0.4).astype(np.int32)
     logits_bad = logits.copy()
     logits_bad[weights == 0] = np.nan  # masked positions contribute exactly 0
-    got = losses.sequence_logprobs(logits_bad, targets, weights)
+    got = losses.sequence_logprobs(losses.logit_stats(logits_bad, targets).logprobs, weights)
     np.testing.assert_allclose(got, numpy_seq_logps(logits, targets, weights), rtol=1e-5)
-    tok = losses.token_logprobs(jnp.asarray(logits, jnp.bfloat16), targets)
+    tok = losses.logit_stats(jnp.asarray(logits, jnp.bfloat16), targets).logprobs
     assert tok.dtype == jnp.float32 and tok.shape == (3, 7)
 
 

@@ -51,8 +51,7 @@ def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
             np.testing.assert_array_equal(rows["sampler_logprobs"][r][mask], logprobs[:length])
             r += 1
     # The trainer's recomputed logprobs equal the sampler's (same params, no top-k/top-p).
-    batch = {k: v for k, v in rows.items() if k != "sampler_logprobs"}
-    old = step.logprobs(step.logprob_fn, params, batch)
+    old = np.asarray(jax.jit(step.stats)(params, rows).logprobs)
     np.testing.assert_allclose(old[rows["loss_mask"] > 0], rows["sampler_logprobs"][rows["loss_mask"] > 0], atol=2e-4)
 
 
@@ -88,12 +87,13 @@ def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
 
 
 def test_first_iteration_ratio_is_one_and_gradient_is_plain_policy_gradient(tmp_path):
-    cfg = config(tmp_path, "rollout_temperature=1.0", "loss_agg_mode=token-mean")
+    # Two iterations: the old logprobs come from their own forward pass.
+    cfg = config(tmp_path, "rollout_temperature=1.0", "loss_agg_mode=token-mean", "num_iterations=2")
     step, graphdef, params, mesh = make_step(cfg)
+    assert step.separate_old
     groups, _ = step.sample_groups(0)
-    rows = step.to_rows(groups)
-    batch = {k: v for k, v in rows.items() if k != "sampler_logprobs"}
-    batch["old_logprobs"] = step.logprobs(step.logprob_fn, params, batch)
+    batch = step.to_rows(groups)
+    batch.update(step.logprobs(params, batch))
     rewards_ = np.concatenate([g.rewards for g in groups]) + np.arange(16) * 0.1  # nonzero advantages
     group_ids = np.repeat(np.arange(4), 4)
     batch["advantages"] = np.asarray(losses.compute_advantages(rewards_, group_ids, 4, "grpo"))
@@ -104,13 +104,45 @@ def test_first_iteration_ratio_is_one_and_gradient_is_plain_policy_gradient(tmp_
     assert float(m["pg_clipfrac"][0]) == 0.0
 
     def plain_pg(p):
-        logp = grpo.token_logprobs(graphdef, 1.0, p, batch)
+        logp = step.stats(p, batch).logprobs
         mask = batch["loss_mask"].astype(jnp.float32)
         return -(batch["advantages"][:, None] * logp * mask).sum()
 
     expected = jax.grad(plain_pg)(params)
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(g) / float(denom), np.asarray(e) / float(denom), atol=1e-6, rtol=1e-4)
+
+
+def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
+    """One update per step: the loss's own logprobs under stop_gradient stand in for the old pass and
+    the parameters after the update equal those of an update fed the old pass's logprobs. With several
+    iterations, several mini-batches or KL in the reward, the old pass runs and the loss reads it."""
+    # adam_eps >> |gradient|: the first update is about learning_rate * gradient, so it shows any
+    # difference in the gradient instead of Adam's sign.
+    overrides = ("rollout_temperature=1.0", "lr_schedule=constant", "kl_coef=0.1", "adam_eps=1.0", "learning_rate=1.0")
+    skip, _, params, _ = make_step(config(tmp_path, *overrides))
+    assert not skip.separate_old and "old_logprobs" not in skip.batch_shardings()
+    separate, _, _, _ = make_step(config(tmp_path, *overrides, "num_iterations=2"))
+    groups, _ = skip.sample_groups(0)
+    rows = skip.to_rows(groups)
+    rows["advantages"] = np.linspace(-1, 1, 16).astype(np.float32)
+    fed = {**rows, **separate.logprobs(params, rows)}
+    assert set(fed) - set(rows) == {"old_logprobs", "ref_logprobs"}
+    state = lambda: {"params": jax.tree.map(jnp.copy, params), "opt_state": skip.run.optimizer.init(params),
+                     "step": jnp.int32(0)}
+    skipped, m_skip = skip.update(state(), {**rows, "ref_logprobs": fed["ref_logprobs"]})
+    full, m_full = separate.update_fn(state(), fed)
+    for a, b, p in zip(*(jax.tree.leaves(x) for x in (skipped["params"], full["params"], params))):
+        a, b, p = (np.asarray(x) for x in (a, b, p))
+        np.testing.assert_allclose(a - p, b - p, atol=1e-4 * np.abs(b - p).max(), rtol=1e-4)
+    assert m_skip["ratio"] == 1.0 and float(m_full["loss"]) == pytest.approx(m_skip["loss"], abs=1e-5)
+    # Where the old policy differs from the updated one, the loss reads the old pass.
+    shifted = {**fed, "old_logprobs": fed["old_logprobs"] - 0.1}
+    _, m_shifted = separate.update_fn(state(), shifted)
+    assert float(m_shifted["ratio"]) > 1.05
+    for extra in ("num_iterations=2", "per_device_batch_size=1", "use_kl_in_reward=true"):
+        task, _, _, _ = make_step(config(tmp_path, *overrides, extra))
+        assert task.separate_old and "old_logprobs" in task.batch_shardings(), extra
 
 
 def test_pass_at_k_matches_brute_force():

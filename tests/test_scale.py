@@ -74,9 +74,11 @@ def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
              "inputs_segmentation": np.ones((rows, length), np.int32), "targets": np.roll(tokens, -1, axis=1),
              "loss_mask": mask, "advantages": rng.normal(size=rows).astype(np.float32),
              "old_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32),
-             "ref_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32)}
+             "ref_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32),
+             "sampler_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32)}
+    # Two iterations: the update reads the old logprobs (with one, it would use its own).
     common = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "kl_coef=0.1", "eps_clip_c=3.0",
-              "loss_agg_mode=seq-mean-token-sum-norm", "rollout_max_response_len=24"]
+              "loss_agg_mode=seq-mean-token-sum-norm", "rollout_max_response_len=24", "num_iterations=2"]
     # The 1-device reference: the same config (8 rows per update) on a mesh of the first device only.
     with only_first_device():
         reference = grpo_update(config(tmp_path, *common, "per_device_batch_size=1"), batch)

@@ -313,3 +313,17 @@ def test_gemma3_sliding_window_is_exercised(families):
     model.net = nnx.merge(graphdef, nnx.state(family.model.net))
     logits, _ = model(*(jnp.asarray(a) for a in PACKED[:3]))
     assert np.abs(np.asarray(logits) - family.compiled).max() > 100 * TOL
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hidden_states_through_the_head_give_the_call_logits(families, name):
+    """The losses' path (losses.token_stats): hidden states, then the output head a chunk at a time."""
+    family = families(name)
+    graphdef, params = nnx.split(family.model)
+
+    def head_of_hidden(p, tokens, positions, segment_ids):
+        model = nnx.merge(graphdef, p)
+        return model.logits(model.hidden_states(tokens, positions, segment_ids))
+
+    got = jax.jit(head_of_hidden)(params, *map(jnp.asarray, PACKED[:3]))
+    np.testing.assert_allclose(np.asarray(got), family.compiled, atol=1e-5, rtol=0)

@@ -4,21 +4,68 @@ micro-batches, and averaging over hosts, is exact at token level: the step divid
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits, targets, weights, z_loss_weight: float = 0.0):
-    """Token-weighted next-token cross-entropy with optional z-loss (PaLM: z_loss_weight * logZ^2).
+class TokenStats(NamedTuple):
+    """What the losses need of the logits at each position, float32 [B, T]."""
 
-    logits [B,T,V] (any float dtype; computed in float32), targets [B,T] int, weights [B,T] {0,1}.
-    Returns (loss_sum, weight_sum, nll_sum): loss_sum includes the z-loss, nll_sum does not.
+    logprobs: jax.Array  # log softmax(logits)[target]
+    log_z: jax.Array  # logsumexp(logits)
+    entropy: jax.Array | None  # -sum_v p log p, when asked for
+
+
+def logit_stats(logits, targets, with_entropy: bool = False) -> TokenStats:
+    """TokenStats of a block of logits [..., V] (any float dtype; computed in float32) at `targets` [...].
+
+    Vocabulary entries with p == 0 (-inf logits) add 0 to the entropy, with no NaN in value or gradient.
     """
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = (log_z - target_logits) * weights
-    loss = nll + z_loss_weight * jnp.square(log_z) * weights
+    logprobs = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z
+    entropy = None
+    if with_entropy:
+        logp = logits - log_z[..., None]
+        p = jnp.exp(logp)
+        entropy = -jnp.sum(p * jnp.where(p > 0, logp, 0.0), axis=-1)
+    return TokenStats(logprobs, log_z, entropy)
+
+
+def token_stats(head, hidden, targets, chunk_size: int, temperature: float = 1.0,
+                with_entropy: bool = False) -> TokenStats:
+    """TokenStats of `head(hidden) / temperature` without ever holding the [B, T, V] float32 logits:
+    `chunk_size` positions of every row at a time (0, or >= T: all at once).
+
+    head: hidden [B, t, E] -> logits [B, t, V] (the model's output head); hidden [B, T, E]; targets
+    [B, T] int. The chunks run in a `lax.scan` under `jax.checkpoint`, so the backward pass recomputes
+    one chunk's logits at a time too: [B, chunk_size, V] is the largest logits array, forward or
+    backward, at the price of a second forward matmul of the head.
+    """
+    def stats(h, t):
+        return logit_stats(head(h).astype(jnp.float32) / temperature, t, with_entropy)
+
+    B, T = targets.shape
+    if not chunk_size or chunk_size >= T:
+        return stats(hidden, targets)
+    n = -(-T // chunk_size)
+    pad = n * chunk_size - T
+    chunks = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
+        B, n, chunk_size, *x.shape[2:]).swapaxes(0, 1)
+    _, out = jax.lax.scan(jax.checkpoint(lambda _, xs: (None, stats(*xs))), None, (chunks(hidden), chunks(targets)))
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, n * chunk_size)[:, :T], out)
+
+
+def cross_entropy(stats: TokenStats, weights, z_loss_weight: float = 0.0):
+    """Token-weighted next-token cross-entropy with optional z-loss (PaLM: z_loss_weight * logZ^2).
+
+    weights [B,T] {0,1}. Returns (loss_sum, weight_sum, nll_sum): loss_sum includes the z-loss,
+    nll_sum does not.
+    """
+    nll = -stats.logprobs * weights
+    loss = nll + z_loss_weight * jnp.square(stats.log_z) * weights
     return loss.sum(), weights.sum(), nll.sum()
 
 
@@ -113,18 +160,6 @@ def kl_penalty(logprobs, ref_logprobs, kl_type: str = "low_var_kl"):
         d = jnp.clip(ref - logp, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         return jnp.clip(jnp.exp(d) - d - 1.0, -10.0, 10.0)
     raise ValueError(f"unknown kl_type {kl_type!r}; expected one of {KL_TYPES}")
-
-
-def entropy_from_logits(logits):
-    """Per-position entropy -sum_v p log p of softmax(logits): [B,T,V] -> [B,T] float32.
-
-    Computed in float32 from log_softmax; vocabulary entries with p == 0 (e.g. -inf logits)
-    contribute 0 (no NaN in value or gradient).
-    """
-    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    p = jnp.exp(logp)
-    safe_logp = jnp.where(p > 0, logp, 0.0)
-    return -jnp.sum(p * safe_logp, axis=-1)
 
 
 def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | None = None):
@@ -250,17 +285,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, ep
 # Sequence log-probabilities and preference losses (DPO).
 # ----------------------------------------------------------------------------------------------
 
-def token_logprobs(logits, targets):
-    """log softmax(logits) at `targets`: [B,T,V] (any float dtype) and [B,T] int -> [B,T] float32."""
-    logits = jnp.asarray(logits, jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z
-
-
-def sequence_logprobs(logits, targets, weights):
-    """Summed log-probabilities of the weighted target tokens of each row: [B,T,V], [B,T], [B,T] {0,1}
-    -> [B] float32. Positions with weight 0 contribute exactly 0 (even a non-finite logit there)."""
-    return jnp.where(weights > 0, token_logprobs(logits, targets), 0.0).sum(axis=-1)
+def sequence_logprobs(logprobs, weights):
+    """Summed log-probabilities of the weighted target tokens of each row: [B,T], [B,T] {0,1} -> [B]
+    float32. Positions with weight 0 contribute exactly 0 (even a non-finite logit there)."""
+    return jnp.where(weights > 0, logprobs, 0.0).sum(axis=-1)
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float,

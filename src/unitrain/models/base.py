@@ -33,6 +33,14 @@ class Model(Protocol):
         logits of the full forward.
         """
 
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """The final-normed hidden states [B, T, E] (compute dtype) of the call without a cache:
+        `logits(hidden_states(...))` equals the call's logits. The losses take this path so that
+        they can compute the logits a chunk of positions at a time (losses.token_stats)."""
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """The output head: hidden [B, T, E] -> logits [B, T, V] (compute dtype)."""
+
     def init_cache(self, batch_size: int, max_length: int) -> Any:
         """An empty KV cache for `batch_size` rows of up to `max_length` positions (a pytree)."""
 

@@ -8,7 +8,9 @@ One step (`GRPOTask.step`):
   2. score them (rewards.py), optionally subtract the KL to the reference from the reward, and turn
      rewards into advantages per group (losses.compute_advantages);
   3. recompute the sampled tokens' logprobs with the trainer's forward (the PPO "old" policy) and,
-     with a KL term, the reference model's;
+     with a KL term, the reference model's, in one pass over the rows. With one optimizer update per
+     step (one mini-batch, num_iterations 1) and no KL in the reward, the old policy is the one being
+     updated: the loss takes its own logprobs under stop_gradient and the old pass is skipped;
   4. run `num_iterations` passes over the rows in mini-batches, one optimizer update each.
 
 Row layout of the train batch ([rows, L], L = the step's longest prompt + completion rounded up to a
@@ -27,21 +29,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import data, losses, rewards, rollout, sharding
+from unitrain import data, lora, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.evals import TaskEvaluator
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import bucket_prompt_length
-from unitrain.rollout.groups import collect_groups, make_filter, samples_markdown, select_groups
+from unitrain.rec_eval import RecEvaluator, sid_beams
+from unitrain.rollout.groups import collect_groups, collect_ranked_groups, make_filter, samples_markdown, select_groups
 from unitrain.tasks.base import RunContext, Task
 
-ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask")
+ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "sampler_logprobs")
 
 
-def token_logprobs(graphdef, temperature: float, params, batch):
-    """log pi(target) at every position, at the sampling temperature, float32 [B, T]."""
-    logits, _ = nnx.merge(graphdef, params)(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-    return losses.token_logprobs(logits.astype(jnp.float32) / temperature, batch["targets"])
+def token_stats(graphdef, temperature: float, chunk_size: int, params, batch, with_entropy: bool = False):
+    """losses.TokenStats of the targets at the sampling temperature, float32 [B, T]."""
+    model = nnx.merge(graphdef, params)
+    hidden = model.hidden_states(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    return losses.token_stats(model.logits, hidden, batch["targets"], chunk_size, temperature, with_entropy)
+
+
+def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batch) -> dict:
+    """The logprobs the update takes as inputs, in one program: the old policy's (`with_old`) and the
+    reference's (`ref_device`: its shardings in device memory, None without a KL term; it may be
+    kept in host memory, so it is brought over here)."""
+    out = {}
+    if with_old:
+        out["old_logprobs"] = stats(params, batch).logprobs
+    if ref_device is not None:
+        out["ref_logprobs"] = stats(jax.device_put(ref_params, ref_device), batch).logprobs
+    return out
 
 
 class GRPOTask(Task):
@@ -58,39 +74,51 @@ class GRPOTask(Task):
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
         self.max_length = cfg.max_prompt_length + cfg.rollout_max_response_len
-        self.logprob_fn = jax.jit(functools.partial(token_logprobs, run.graphdef, cfg.rollout_temperature))
-        # The reference policy is the starting one, kept only when a KL term needs it; it may live
-        # in host memory, so it is brought over inside the jit.
-        self.ref_params = None
-        if cfg.kl_coef > 0:
-            self.ref_params = step_lib.frozen_copy(run.init_params, cfg.ref_params_host_offload)
-            on_device = step_lib.device_shardings(self.ref_params)
-            self.ref_logprob_fn = jax.jit(lambda p, b: token_logprobs(
-                run.graphdef, cfg.rollout_temperature, jax.device_put(p, on_device), b))
+        self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
+        self.separate_old = cfg.updates_per_step > 1 or cfg.use_kl_in_reward
+        # The reference policy is the starting one, kept only when a KL term needs it.
+        self.ref_params, ref_device = None, None
+        if cfg.kl_coef > 0:  # with LoRA: the base with its adapters off, the live arrays (no copy; set each step)
+            self.ref_params = (lora.adapters_off(run.init_params) if cfg.lora_rank else
+                               step_lib.frozen_copy(run.init_params, cfg.ref_params_host_offload))
+            ref_device = step_lib.device_shardings(self.ref_params)
+        self.logprob_fn = None
+        if self.separate_old or ref_device is not None:
+            self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, self.stats, self.separate_old, ref_device))
         self.update_fn = step_lib.make_train_step(self.loss, cfg, run.optimizer, run.state_shardings,
                                                   self.batch_shardings())
-        self.evaluator = TaskEvaluator(cfg, tokenizer, self.sampler, self.reward_fn) if cfg.evaluates else None
+        self.evaluator = None
+        if cfg.evaluates:  # recommendation: HR/NDCG of ranked SIDs
+            self.evaluator = (RecEvaluator(cfg, tokenizer, self.sampler) if cfg.data_format == "minionerec"
+                              else TaskEvaluator(cfg, tokenizer, self.sampler, self.reward_fn))
+        # Ranked rollouts (rollout/beam.py): beams, or samples constrained to the SIDs.
+        self.beams = None
+        if cfg.rollout_decoding == "beam" or cfg.sid_index_path:
+            self.beams = sid_beams(cfg, tokenizer, cfg.n_samples_per_prompt, sample=cfg.rollout_decoding == "sample",
+                                   temperature=cfg.rollout_temperature)
         self.text = ""
 
     # -- what the loop and the step see
     def loss(self, params, batch):
         """The clipped policy loss of one micro-batch, in train_step's loss_fn form."""
         cfg = self.cfg
-        logits, _ = nnx.merge(self.run.graphdef, params)(batch["inputs"], batch["inputs_position"],
-                                                         batch["inputs_segmentation"])
-        logits = logits.astype(jnp.float32) / cfg.rollout_temperature
+        stats = self.stats(params, batch, with_entropy=True)
+        old = batch["old_logprobs"] if self.separate_old else jax.lax.stop_gradient(stats.logprobs)
         kl_in_loss = cfg.kl_coef > 0 and not cfg.use_kl_in_reward
         loss_sum, denom, metrics = losses.policy_loss(
-            losses.token_logprobs(logits, batch["targets"]), batch["old_logprobs"], batch["advantages"],
+            stats.logprobs, old, batch["advantages"],
             batch["loss_mask"], eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
             loss_agg_mode=cfg.loss_agg_mode, horizon=cfg.rollout_max_response_len,
             ref_logprobs=batch["ref_logprobs"] if kl_in_loss else None, kl_coef=cfg.kl_coef if kl_in_loss else 0.0,
-            kl_type=cfg.kl_type, entropy=losses.entropy_from_logits(logits), entropy_coef=cfg.entropy_coef)
+            kl_type=cfg.kl_type, entropy=stats.entropy, entropy_coef=cfg.entropy_coef)
+        mask = batch["loss_mask"].astype(jnp.float32)
+        gap = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(old)) * mask
+        metrics["sampler_trainer_logprob_gap"] = (gap.sum(), mask.sum())
         return loss_sum, (denom, metrics)
 
     def batch_shardings(self) -> dict:
         rows2d = sharding.batch_sharding(self.run.mesh, self.run.rules)
-        keys = [*ROW_KEYS, "old_logprobs"] + (["ref_logprobs"] if self.cfg.kl_coef > 0 else [])
+        keys = [*ROW_KEYS] + ["old_logprobs"] * self.separate_old + ["ref_logprobs"] * (self.ref_params is not None)
         return {**{k: rows2d for k in keys}, "advantages": sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",))}
 
     def evaluate(self, params, step):
@@ -102,18 +130,18 @@ class GRPOTask(Task):
     def step(self, state, step: int):
         cfg, t0 = self.cfg, time.perf_counter()
         self.sampler.update_weights(state["params"], step)
+        if self.ref_params is not None and cfg.lora_rank:
+            self.ref_params = lora.adapters_off(state["params"])
         groups, stats = self.sample_groups(step)
         t1 = time.perf_counter()
-        arrays = self.to_rows(groups)
-        batch = {k: arrays[k] for k in ROW_KEYS}
-        batch["old_logprobs"] = old = self.logprobs(self.logprob_fn, state["params"], batch)
-        mask = arrays["loss_mask"].astype(bool)
+        batch = self.to_rows(groups)
+        if self.logprob_fn is not None:
+            batch.update(self.logprobs(state["params"], batch))
+        mask = batch["loss_mask"].astype(bool)
         rewards_ = np.concatenate([g.rewards for g in groups]).astype(np.float32)
-        if self.ref_params is not None:
-            batch["ref_logprobs"] = self.logprobs(self.ref_logprob_fn, self.ref_params, batch)
-            if cfg.use_kl_in_reward:
-                kl = np.asarray(losses.kl_penalty(old, batch["ref_logprobs"], cfg.kl_type)) * mask
-                rewards_ = rewards_ - cfg.kl_coef * kl.sum(axis=1)
+        if cfg.use_kl_in_reward and self.ref_params is not None:
+            kl = np.asarray(losses.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_type)) * mask
+            rewards_ = rewards_ - cfg.kl_coef * kl.sum(axis=1)
         group_ids = np.repeat(np.arange(len(groups)), cfg.n_samples_per_prompt)
         batch["advantages"] = np.asarray(losses.compute_advantages(
             rewards_, group_ids, len(groups), cfg.advantage_estimator, cfg.advantage_norm_by_std,
@@ -121,7 +149,7 @@ class GRPOTask(Task):
         t2 = time.perf_counter()
         state, update_metrics = self.update(state, batch)
         t3 = time.perf_counter()
-        metrics = {**update_metrics, **stats, **self.rollout_metrics(groups, arrays, old, mask),
+        metrics = {**update_metrics, **stats, **self.rollout_metrics(groups),
                    "time_rollout": t1 - t0, "time_logprob": t2 - t1, "time_update": t3 - t2,
                    "rollout_tokens_per_sec": float(mask.sum()) / max(t1 - t0, 1e-9)}
         if step % cfg.sample_log_period == 0:
@@ -137,13 +165,19 @@ class GRPOTask(Task):
             batch = next(self.data_iterator)
             prompts_dropped += batch["num_dropped"]
             key = jax.random.fold_in(jax.random.key(cfg.seed), step * cfg.max_sampling_rounds + rounds)
-            for group in collect_groups(self.sampler, batch["prompts"], cfg.n_samples_per_prompt, self.sampling, key,
-                                        self.run.tokenizer, self.reward_fn):
+            for group in self.collect(batch["prompts"], key):
                 (kept if self.keep is None or self.keep(group) else dropped).append(group)
             rounds += 1
         groups, discarded, refilled = select_groups(kept, dropped, cfg.rollout_batch_size)
         return groups, {"sampling_rounds": rounds, "groups_discarded": discarded, "groups_refilled": refilled,
                         "prompts_dropped": prompts_dropped}
+
+    def collect(self, prompts, key):
+        """One prompt batch's scored groups: ranked (beam.py) or from the sampler's generate."""
+        if self.beams is not None:
+            return collect_ranked_groups(self.sampler, prompts, self.beams, key, self.run.tokenizer, self.reward_fn)
+        return collect_groups(self.sampler, prompts, self.cfg.n_samples_per_prompt, self.sampling, key,
+                              self.run.tokenizer, self.reward_fn)
 
     def to_rows(self, groups) -> dict:
         """Prompt + completion rows, right-padded, with next-token targets and the loss mask."""
@@ -170,16 +204,17 @@ class GRPOTask(Task):
                 r += 1
         return arrays
 
-    def logprobs(self, fn, params, batch) -> np.ndarray:
-        """Per-token logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
+    def logprobs(self, params, batch) -> dict:
+        """rollout_logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
         chunk = self.cfg.rows_per_update
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets")
         shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
-        name = f"{'logprobs' if fn is self.logprob_fn else 'ref_logprobs'} (rows of {batch['inputs'].shape[1]})"
-        outs = [self.run.programs(name, fn, params, step_lib.full_rows_to_global(
-                    {k: batch[k][start:start + chunk] for k in keys}, shardings))
+        outs = [self.run.programs(f"logprobs (rows of {batch['inputs'].shape[1]})", self.logprob_fn, params,
+                                  self.ref_params, step_lib.full_rows_to_global(
+                                      {k: batch[k][start:start + chunk] for k in keys}, shardings))
                 for start in range(0, len(batch["inputs"]), chunk)]
-        return np.concatenate([step_lib.to_host(o) for o in outs])
+        outs = jax.tree.map(step_lib.to_host, outs)
+        return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
 
     def update(self, state, batch):
         """num_iterations passes over the rows in mini-batches; metrics are averaged over updates."""
@@ -194,15 +229,14 @@ class GRPOTask(Task):
         stacked = jax.device_get(collected)
         return state, {k: float(np.mean([m[k] for m in stacked])) for k in stacked[0]}
 
-    def rollout_metrics(self, groups, arrays, old_logprobs, mask) -> dict:
+    def rollout_metrics(self, groups) -> dict:
         rewards_ = np.concatenate([g.rewards for g in groups])
         lengths = np.concatenate([g.completions.lengths for g in groups])
         metrics = {"reward_mean": rewards_.mean(), "reward_std": rewards_.std(), "reward_min": rewards_.min(),
                    "reward_max": rewards_.max(), "response_length_mean": lengths.mean(),
                    "response_length_max": lengths.max(),
                    "response_clip_ratio": float(np.mean(lengths >= self.cfg.rollout_max_response_len)),
-                   "zero_std_group_fraction": float(np.mean([np.std(g.rewards) == 0 for g in groups])),
-                   "sampler_trainer_logprob_gap": float(np.abs(arrays["sampler_logprobs"] - old_logprobs)[mask].mean())}
+                   "zero_std_group_fraction": float(np.mean([np.std(g.rewards) == 0 for g in groups]))}
         for name in self.reward_fn.names:
             values = np.concatenate([g.per_reward[name] for g in groups])
             metrics.update({f"reward_{name}_{stat}": getattr(values, stat)() for stat in ("mean", "std", "min", "max")})

@@ -19,6 +19,7 @@ from unitrain import step as step_lib
 from unitrain.config import ConfigError
 from unitrain.data.sft import eval_prompt_records, split_path
 from unitrain.evals import TaskEvaluator
+from unitrain.rec_eval import RecEvaluator
 from unitrain.tasks.base import RunContext, Task
 
 
@@ -37,15 +38,19 @@ class SFTTask(Task):
         self._seen_loss_tokens = False
         eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
         if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
-            records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
-            self.task_eval = TaskEvaluator(cfg, run.tokenizer, rollout.make_sampler(run), rewards.make_reward_fn(cfg),
-                                           records)
+            if cfg.data_format == "minionerec":  # HR/NDCG of ranked SIDs
+                self.task_eval = RecEvaluator(cfg, run.tokenizer, rollout.make_sampler(run))
+            else:
+                records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
+                self.task_eval = TaskEvaluator(cfg, run.tokenizer, rollout.make_sampler(run),
+                                               rewards.make_reward_fn(cfg), records)
 
     def loss(self, params, batch):
         model = nnx.merge(self.run.graphdef, params)
-        logits, _ = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+        hidden = model.hidden_states(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+        stats = losses.token_stats(model.logits, hidden, batch["targets"], self.cfg.logits_chunk_size)
         weights = (batch["targets_segmentation"] > 0).astype(jnp.float32)
-        loss_sum, count, nll_sum = losses.cross_entropy(logits, batch["targets"], weights, self.cfg.z_loss_weight)
+        loss_sum, count, nll_sum = losses.cross_entropy(stats, weights, self.cfg.z_loss_weight)
         return loss_sum, (count, {"nll": (nll_sum, count)})
 
     def batch_shardings(self) -> dict:
