@@ -85,8 +85,9 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size: i
                     mlp_dim: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                     tie: bool = False, rope_scaling: str = "none", sliding_window: int | None = None,
                     corpus: list[str] | None = None, init_std: float = 0.02, seed: int = 0,
-                    rope_theta: float | None = None) -> Path:
-    """Saves the checkpoint and tokenizer to `out_dir` and returns it."""
+                    rope_theta: float | None = None, extra_tokens: str | None = None) -> Path:
+    """Saves the checkpoint and tokenizer to `out_dir` and returns it. `extra_tokens` (a SID index .json
+    or a token list, as the config key) are added to the tokenizer and the vocabulary holds them."""
     import torch
     import transformers
 
@@ -94,6 +95,11 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size: i
         raise ValueError(f"--family must be one of {FAMILIES}, got '{family}'")
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(vocab_size, corpus or BUILTIN_CORPUS)
+    if extra_tokens:
+        from unitrain.vocab import read_tokens
+
+        tokenizer.add_tokens(read_tokens(extra_tokens))
+        vocab_size = max(vocab_size, len(tokenizer))
     config = hf_config(family, vocab_size, emb_dim, mlp_dim, layers, heads, kv_heads, head_dim, tie,
                        rope_scaling, sliding_window, rope_theta)
     config.eos_token_id = tokenizer.eos_token_id
@@ -130,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-std", type=float, default=0.02,
                    help="weight init std; ~0.25 makes attention sharp enough for parity tests to see RoPE/masks")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra-tokens", help="tokens to add: a SID index .json (all its SID tokens) or one token a line")
     a = p.parse_args(argv)
     corpus = Path(a.corpus).read_text().splitlines() if a.corpus else None
     out = make_tiny_model(a.out_dir, a.family, vocab_size=a.vocab_size, emb_dim=a.emb_dim, mlp_dim=a.mlp_dim,
                           layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, tie=a.tie,
                           rope_scaling=a.rope_scaling, sliding_window=a.sliding_window, corpus=corpus, init_std=a.init_std, seed=a.seed,
-                          rope_theta=a.rope_theta)
+                          rope_theta=a.rope_theta, extra_tokens=a.extra_tokens)
     print(f"wrote {out}")
     return 0
 

@@ -173,12 +173,40 @@ def make_format_reward(cfg) -> Reward:
     return format_reward
 
 
+# ---------------------------------------------------------------- recommendation (semantic IDs)
+
+def sid_hit_reward(prompt: str, completion: str, label: str) -> float:
+    """1.0 if the completion is the label's SID (whitespace between its tokens ignored)."""
+    return float("".join(completion.split()) == "".join(label.split()))
+
+
+class GroupReward:
+    """A reward that scores a whole group at once, in the group's order (ranked rollouts: best
+    first): fn(prompts, completions, labels) -> one value per completion."""
+
+    def __init__(self, fn: Callable[[list, list, list], list]):
+        self.fn = fn
+
+
+def sid_rank_reward(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """MiniOneRec's rank-aware reward over a group ranked best first: in a group that holds the
+    target, each wrong item at rank r (0 = best) gets -(1/log2(r+2)) / sum_j 1/log2(j+2), so a wrong
+    item ranked above the target costs most; the hit gets 0. A group without the target gets 0s."""
+    hits = [sid_hit_reward(p, c, lab) for p, c, lab in zip(prompts, completions, labels)]
+    if not any(hits):
+        return [0.0] * len(hits)
+    weights = [1.0 / math.log2(r + 2) for r in range(len(hits))]
+    return [0.0 if hit else -w / sum(weights) for hit, w in zip(hits, weights)]
+
+
 # Name -> factory(cfg) -> reward: factories let `math` import lazily and `format` compile once.
 BUILTINS: dict[str, Callable[..., Reward]] = {
     "math": make_math_reward,
     "gsm8k": lambda cfg: gsm8k_reward,
     "exact_match": lambda cfg: exact_match_reward,
     "format": make_format_reward,
+    "sid_hit": lambda cfg: sid_hit_reward,
+    "sid_rank": lambda cfg: GroupReward(sid_rank_reward),
 }
 
 
@@ -203,29 +231,39 @@ class RewardFn:
     def __init__(self, names: tuple[str, ...], fns: tuple[Reward, ...], weights: tuple[float, ...]):
         self.names, self.fns, self.weights = names, fns, weights
 
-    def __call__(self, prompts: list[str], completions: list[str], labels: list[str]
+    def __call__(self, prompts: list[str], completions: list[str], labels: list[str], group_size: int = 1
                  ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         n = len(completions)
         if len(prompts) != n or len(labels) != n:
             raise ValueError(f"reward inputs differ in length: {len(prompts)} prompts, {n} completions, {len(labels)} labels")
-        per_reward = {name: self._evaluate(name, fn, prompts, completions, labels) for name, fn in zip(self.names, self.fns)}
+        per_reward = {name: self._evaluate(name, fn, prompts, completions, labels, group_size)
+                      for name, fn in zip(self.names, self.fns)}
         total = np.zeros(n, np.float32)
         for name, weight in zip(self.names, self.weights):
             total += np.float32(weight) * per_reward[name]
         return total, per_reward
 
     @staticmethod
-    def _evaluate(name, fn, prompts, completions, labels) -> np.ndarray:
+    def _evaluate(name, fn, prompts, completions, labels, group_size: int) -> np.ndarray:
+        """Each sample's value; a GroupReward is called once per `group_size` consecutive samples."""
         values = np.empty(len(completions), np.float32)
-        for i, sample in enumerate(zip(prompts, completions, labels)):
+        size = group_size if isinstance(fn, GroupReward) else 1
+        for start in range(0, len(completions), size):
+            part = slice(start, start + size)
             try:
-                value = fn(*sample)
+                got = (fn.fn(prompts[part], completions[part], labels[part]) if isinstance(fn, GroupReward)
+                       else [fn(prompts[start], completions[start], labels[start])])
             except Exception as e:
-                raise RewardError(_sample_error(name, f"raised {one_line(e)}", sample)) from e
-            # A NaN or a string would silently poison the advantages: stop at the sample that made it.
-            if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise RewardError(_sample_error(name, f"returned {one_line(repr(value))}, not a finite number", sample))
-            values[i] = value
+                raise RewardError(_sample_error(name, f"raised {one_line(e)}", (prompts[start], completions[start],
+                                                                                labels[start]))) from e
+            if len(got) != len(completions[part]):
+                raise RewardError(f"reward '{name}' returned {len(got)} values for {len(completions[part])} completions")
+            for i, value in enumerate(got, start):
+                # A NaN or a string would silently poison the advantages: stop at the sample that made it.
+                if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                    raise RewardError(_sample_error(name, f"returned {one_line(repr(value))}, not a finite number",
+                                                    (prompts[i], completions[i], labels[i])))
+                values[i] = value
         return values
 
 

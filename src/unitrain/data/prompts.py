@@ -25,6 +25,7 @@ import grain
 
 from unitrain.config import ConfigError
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
+from unitrain.data import recommendation
 from unitrain.data.errors import DataError
 from unitrain.data.sft import CountDropped, split_path
 from unitrain.data.sources import iter_rows, label_text
@@ -76,6 +77,8 @@ def _records(cfg, split: str, path: str) -> grain.MapDataset:
         key = "dataset_path" if split == "train" else "eval_dataset_path"
         raise ConfigError(f"{key}=synthetic has no prompts or labels for rollouts; use builtin or "
                           "data files with prompt_key and label_key")
+    if cfg.data_format == "minionerec":
+        return grain.MapDataset.source(recommendation.prompt_records(cfg, path))
     return grain.MapDataset.source(read_prompt_records(path, cfg.prompt_key, cfg.label_key))
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.config import ConfigError
+from unitrain.data import recommendation
 from unitrain.data.errors import DataError
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import read_records
@@ -147,6 +148,8 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
         return grain.MapDataset.range(NUM_PROBLEMS).map(
             lambda i: {"ids": np.random.default_rng([*seed, int(i)]).integers(0, vocab, length).tolist()}
         )
+    if cfg.data_format == "minionerec":
+        return grain.MapDataset.source(recommendation.sft_records(cfg, path))
     return grain.MapDataset.source(_file_records(cfg, tokenizer, path))
 
 

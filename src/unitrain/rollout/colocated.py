@@ -198,6 +198,19 @@ class ColocatedSampler:
         out = {k: to_host(v)[:n_real] for k, v in out.items()}
         return Completions(out["tokens"], out["mask"], out["logprobs"], out["lengths"], self.version)
 
+    def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
+        """The `beams.width` best sequences of each prompt with their total logprobs (rollout/beam.py:
+        beam search or W-way sampling, optionally constrained to a trie), from the same bucketed
+        prompt block and compile cache as generate."""
+        from unitrain.rollout import beam  # beam.py builds on this module
+
+        lens = [len(p) for p in prompt_ids]
+        if not lens or min(lens) < 1:
+            raise ValueError("beam_search needs prompts of at least one token")
+        B = bucket_batch_size(len(lens), batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1)
+        block = _left_padded(prompt_ids, B, bucket_prompt_length(max(lens)), self.pad_id)
+        return beam.search(self, block, len(lens), beams, key)
+
 
 def _left_padded(prompt_ids: list[list[int]], B: int, P: int, pad_id: int) -> dict:
     """The prompt block: each prompt ends in the last column; rows past the prompts are all padding."""

@@ -32,10 +32,22 @@ class Group:
 def collect_groups(sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array,
                    tokenizer, reward_fn) -> list[Group]:
     """n completions of every prompt in one generate call, decoded and scored."""
+    out = sampler.generate([list(p.ids) for p in prompts for _ in range(n)], sampling, key)
+    return _scored_groups(prompts, n, out, tokenizer, reward_fn)
+
+
+def collect_ranked_groups(sampler, prompts: list, beams, key: jax.Array, tokenizer, reward_fn) -> list[Group]:
+    """Each prompt's `beams.width` sequences from the sampler's beam_search (rollout/beam.py: beams or
+    samples, optionally constrained to a trie), best first, decoded and scored: the group of a prompt
+    is its ranked list, so a GroupReward sees the ranks."""
+    out = sampler.beam_search([list(p.ids) for p in prompts], beams, key).completions()
+    return _scored_groups(prompts, beams.width, out, tokenizer, reward_fn)
+
+
+def _scored_groups(prompts: list, n: int, out: Completions, tokenizer, reward_fn) -> list[Group]:
     rows = [p for p in prompts for _ in range(n)]
-    out = sampler.generate([list(p.ids) for p in rows], sampling, key)
     texts = [tokenizer.decode(t[:l]) for t, l in zip(out.tokens, out.lengths)]
-    total, per_reward = reward_fn([p.text for p in rows], texts, [p.label for p in rows])
+    total, per_reward = reward_fn([p.text for p in rows], texts, [p.label for p in rows], group_size=n)
     groups = []
     for g, prompt in enumerate(prompts):
         r = slice(g * n, (g + 1) * n)
