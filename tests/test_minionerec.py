@@ -108,3 +108,26 @@ def test_sft_then_beam_grpo_on_the_slice(tmp_path):
     assert len(steps) == 2 and all(l["response_length_mean"] == 4 for l in steps)  # 3 SID tokens + EOS
     assert "eval_hr_at_10" in lines[-1]
     shutil.rmtree(tmp_path / "tiny")
+
+
+def test_generate_beam_is_constrained_to_the_sid_index(tmp_path, capsys):
+    from make_tiny_model import make_tiny_model
+
+    import generate
+
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"0": ["<a_1>", "<b_2>", "<c_3>"], "1": ["<a_1>", "<b_2>", "<c_4>"],
+                                 "2": ["<a_5>", "<b_2>", "<c_3>"], "3": ["<a_1>", "<b_6>", "<c_3>"]}))
+    tiny = make_tiny_model(tmp_path / "tiny", "llama", extra_tokens=str(index))
+    argv = [str(REPO / "configs" / "base.yml"), f"load_parameters_path={tiny}", f"tokenizer_path={tiny}",
+            f"sid_index_path={index}", f"extra_tokens={index}", "--prompt", "hello", "--prompt", "x", "--beam", "4", "--json"]
+    assert generate.main(argv) == 0
+    rows = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 8
+    sids = {"".join(v) + "<|im_end|>" for v in json.loads(index.read_text()).values()}
+    for prompt in ("hello", "x"):
+        beams = [r for r in rows if r["prompt"] == prompt]
+        assert {r["completion"] for r in beams} == sids  # 4 beams, 4 items: every one, each once
+        assert [r["sample"] for r in beams] == [0, 1, 2, 3]
+        assert all(a["logprob_sum"] >= b["logprob_sum"] - 1e-6 for a, b in zip(beams, beams[1:]))
+    assert generate.main(argv[:-3] + ["--beam", "-1"]) == 2

@@ -2,6 +2,7 @@
 
     python tools/generate.py CONFIG_YML [key=value ...] (--prompt TEXT ... | --prompt-file FILE)
         [--max-new-tokens 64] [--temperature 0.0] [--top-p 1.0] [--top-k 0] [--n 1] [--seed 0] [--chat] [--json]
+        [--beam W]
 
 Point `load_parameters_path` at an HF checkpoint dir or a unitrain run's checkpoints dir and set
 model_name (or the dimensions) and tokenizer_path as for training. A prompt is [BOS] + its tokens (no
@@ -9,8 +10,11 @@ BOS when the tokenizer has none); with --chat it is rendered as one user message
 tokenizer's chat template, generation prompt included. --prompt-file holds one prompt per line (blank
 lines skipped). Temperature 0 is greedy; each completion ends at EOS or after --max-new-tokens and is
 decoded up to and including the EOS. Plain output: a header line per sample, then its text; --json:
-one object per line {prompt, sample, completion, tokens, logprob_sum}. User errors: exit 2 with
-`generate: <message>` on stderr.
+one object per line {prompt, sample, completion, tokens, logprob_sum}. --beam W prints each prompt's
+W beams of beam search instead (rollout/beam.py), best first, `sample` being the rank; with
+sid_index_path in the config the beams are constrained to its SIDs (and last one SID plus EOS), and
+extra_tokens extends the tokenizer as training does. User errors: exit 2 with `generate: <message>`
+on stderr.
 """
 from __future__ import annotations
 
@@ -20,9 +24,10 @@ import sys
 
 import jax
 
-from unitrain import models, sharding
+from unitrain import models, sharding, vocab
 from unitrain.config import ConfigError, load_config
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.rec_eval import sid_beams
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import ColocatedSampler
 
@@ -40,6 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="render each prompt as a user message (chat template)")
     p.add_argument("--json", action="store_true", help="one JSON object per sample")
+    p.add_argument("--beam", type=int, default=0, help="beam search of this width (0 = sample); sid_index_path constrains it")
     return p.parse_intermixed_args(argv)
 
 
@@ -60,8 +66,11 @@ def run(args) -> None:
     prompts = read_prompts(args)
     if args.n < 1:
         raise ConfigError(f"--n must be >= 1, got {args.n}")
+    if args.beam < 0:
+        raise ConfigError(f"--beam must be >= 0 (0 = sample), got {args.beam}")
     cfg = load_config(args.config)
     tok = load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
+    cfg = vocab.extend(cfg, tok)
     texts = [tok.render_prompt([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
     bos = [] if args.chat or tok.bos_id is None else [tok.bos_id]  # a chat template owns its specials
     ids = [bos + tok.encode(t) for t in texts]
@@ -71,8 +80,11 @@ def run(args) -> None:
         raise ConfigError(str(e)) from None
     mesh = sharding.mesh_from_config(cfg)
     sampler = ColocatedSampler(models.build(cfg, mesh), pad_id=tok.pad_id, mesh=mesh, rules=cfg.logical_axis_rules)
-    rows = [p for p in ids for _ in range(args.n)]
-    out = sampler.generate(rows, params, jax.random.key(args.seed))
+    if args.beam:
+        beams = sid_beams(cfg.replace(rollout_max_response_len=args.max_new_tokens), tok, args.beam)
+        out, args.n = sampler.beam_search(ids, beams, jax.random.key(args.seed)).completions(), args.beam
+    else:
+        out = sampler.generate([p for p in ids for _ in range(args.n)], params, jax.random.key(args.seed))
     if jax.process_index() != 0:
         return
     for r, (tokens, n, logprobs) in enumerate(zip(out.tokens, out.lengths, out.logprobs)):
