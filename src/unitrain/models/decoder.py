@@ -74,32 +74,37 @@ class ModelConfig:
 
 @struct.dataclass
 class KVCache:
-    """Keys and values of every layer, one slot per position: the token at position p lives in slot p.
-
-    `segment_ids[b, s]` is 0 for an empty slot, so attention over the cache sees only filled slots.
-    One sequence per row: packed rows cannot share a cache row (their positions would collide).
+    """Keys and values of every layer by column. A call writes its T tokens, padding included, at
+    columns [end, end + T) of every row, so a decode step writes one column for the whole batch (a
+    dynamic_update_slice, no scatter); each column's segment (0 = empty or padding) and position
+    drive the mask. One sequence per row; the widths of a cache's calls add up to at most max_length.
+    One array per layer, heads before length: a decode step updates each in place and reads it as
+    attention's matmuls want it, with no slice or transpose of the whole cache.
     """
 
-    k: jax.Array  # [layers, batch, max_length, kv_heads, head_dim]
-    v: jax.Array
+    k: list  # per layer [batch, kv_heads, max_length, head_dim]
+    v: list
     segment_ids: jax.Array  # [batch, max_length]
+    positions: jax.Array  # [batch, max_length]
+    end: jax.Array  # [batch] int32: the next column, the same in every row
 
     @property
     def max_length(self) -> int:
         return self.segment_ids.shape[1]
 
 
-CACHE_AXES = KVCache(
-    k=("layers", "batch", "length", "kv_heads", "kv"),
-    v=("layers", "batch", "length", "kv_heads", "kv"),
-    segment_ids=("batch", "length"),
-)
-
-
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> KVCache:
-    shape = (cfg.num_decoder_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
-    zeros = jnp.zeros(shape, cfg.dtype)
-    return KVCache(k=zeros, v=zeros, segment_ids=jnp.zeros((batch_size, max_length), jnp.int32))
+    kv = jnp.zeros((batch_size, cfg.num_kv_heads, max_length, cfg.head_dim), cfg.dtype)
+    columns = jnp.zeros((batch_size, max_length), jnp.int32)
+    layers = [kv] * cfg.num_decoder_layers
+    return KVCache(k=layers, v=list(layers), segment_ids=columns, positions=columns,
+                   end=jnp.zeros((batch_size,), jnp.int32))
+
+
+def cache_axes(cfg: ModelConfig) -> KVCache:
+    layers = [("batch", "kv_heads", "length", "kv")] * cfg.num_decoder_layers
+    return KVCache(k=layers, v=list(layers), segment_ids=("batch", "length"), positions=("batch", "length"),
+                   end=("batch",))
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
@@ -159,7 +164,7 @@ class Decoder(nnx.Module):
         return init_cache(self.cfg, batch_size, max_length)
 
     def cache_axes(self) -> "KVCache":
-        return CACHE_AXES
+        return cache_axes(self.cfg)
 
     def param_axes(self) -> dict:
         return sharding.param_axes(nnx.state(self, nnx.Param))
@@ -213,48 +218,52 @@ class Decoder(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
         x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
         cos, sin = rope_tables(cfg, positions)
+        params = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
         if cache is None:
             mask = attention_mask(segment_ids, positions, segment_ids, positions, cfg.sliding_window)
-            write_slots = None
+            x, new_cache = _run_stack(cfg, x, params, lambda x, p: _layer(cfg, p, x, cos, sin, mask)[0]), None
         else:
-            # Padding (segment 0) must not overwrite a real slot: send it out of bounds, where
-            # the scatter drops it.
-            write_slots = jnp.where(segment_ids > 0, positions, cache.max_length)
-            rows = jnp.arange(tokens.shape[0])[:, None]
-            cache_segments = cache.segment_ids.at[rows, write_slots].set(segment_ids, mode="drop")
-            slot_positions = jnp.broadcast_to(jnp.arange(cache.max_length), cache_segments.shape)
-            mask = attention_mask(segment_ids, positions, cache_segments, slot_positions, cfg.sliding_window)
-        layer = lambda x, p, kv: _layer(cfg, p, x, cos, sin, mask, kv, write_slots)
-        if cfg.remat_policy != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
-        params = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
-        kv = None if cache is None else (cache.k, cache.v)
-        x, new_kv = _run_stack(cfg, layer, x, params, kv)
+            x, new_cache = _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        new_cache = None if cache is None else KVCache(k=new_kv[0], v=new_kv[1], segment_ids=cache_segments)
         return x, new_cache
 
 
-def _run_stack(cfg, layer, x, params, kv):
+def _run_stack(cfg, x, params, layer):
     """Applies the layers in order: one `lax.scan` step per layer, or an unrolled Python loop."""
+    if cfg.remat_policy != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-        def body(x, xs):
-            p, kv_i = xs
-            return layer(x, p, kv_i)
-        return jax.lax.scan(body, x, (params, kv))
-    outputs = []
+        return jax.lax.scan(lambda x, p: (layer(x, p), None), x, params)[0]
     for i in range(cfg.num_decoder_layers):
-        p_i = jax.tree.map(lambda a: a[i], params)
-        kv_i = None if kv is None else (kv[0][i], kv[1][i])
-        x, out = layer(x, p_i, kv_i)
-        outputs.append(out)
-    if kv is None:
-        return x, None
-    return x, (jnp.stack([o[0] for o in outputs]), jnp.stack([o[1] for o in outputs]))
+        x = layer(x, jax.tree.map(lambda a: a[i], params))
+    return x
 
 
-def _layer(cfg: ModelConfig, p, x, cos, sin, mask, kv, write_slots):
-    """One pre-norm block: x + attention(norm(x)), then x + SwiGLU(norm(x))."""
+def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache):
+    """The layers over a KV cache, unrolled: each writes this call's keys and values at the cache's
+    next columns and attends over the whole cache.
+
+    XLA copies a slice of a stacked weight wherever it is used: in the sampler's token loop, every
+    weight on every step. Behind an optimization barrier the slices are hoisted out of that loop by
+    XLA's loop-invariant code motion (which leaves bare slices where they are), so the layer weights
+    are copied once per generate call instead of once per token."""
+    column = cache.end[0]
+    put = lambda a, new, axis: jax.lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), column, axis)
+    segments, slot_positions = put(cache.segment_ids, segment_ids, 1), put(cache.positions, positions, 1)
+    mask = attention_mask(segment_ids, positions, segments, slot_positions, cfg.sliding_window)
+    ks, vs = [], []
+    for i in range(cfg.num_decoder_layers):
+        p = jax.lax.optimization_barrier(jax.tree.map(lambda a: a[i], params))
+        x, (k, v) = _layer(cfg, p, x, cos, sin, mask, (cache.k[i], cache.v[i]), put)
+        ks.append(k)
+        vs.append(v)
+    return x, KVCache(k=ks, v=vs, segment_ids=segments, positions=slot_positions, end=cache.end + x.shape[1])
+
+
+def _layer(cfg: ModelConfig, p, x, cos, sin, mask, cached=None, put=None):
+    """One pre-norm block: x + attention(norm(x)), then x + SwiGLU(norm(x)). With `cached` (this
+    layer's cache keys and values), this call's are written into it with `put` first. Returns the new
+    x and the keys and values attended to, [B, K, S, D]."""
     dt = cfg.dtype
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("bte,ehd->bthd", h, p["wq"].astype(dt))
@@ -267,12 +276,9 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, mask, kv, write_slots):
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = _constrain(cfg, q, ("batch", "length", "heads", "kv"))
-    new_kv = None
-    if kv is not None:
-        rows = jnp.arange(x.shape[0])[:, None]
-        k = kv[0].at[rows, write_slots].set(k.astype(kv[0].dtype), mode="drop")
-        v = kv[1].at[rows, write_slots].set(v.astype(kv[1].dtype), mode="drop")
-        new_kv = (k, v)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if cached is not None:
+        k, v = put(cached[0], k, 2), put(cached[1], v, 2)
     attn = attention(q, k.astype(dt), v.astype(dt), mask)
     x = x + jnp.einsum("bthd,hde->bte", attn, p["wo"].astype(dt))
     x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
@@ -282,7 +288,7 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, mask, kv, write_slots):
     hidden = _constrain(cfg, jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
     x = x + jnp.einsum("btm,me->bte", hidden, p["w_down"].astype(dt))
     x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
-    return x, new_kv
+    return x, (k, v)
 
 
 def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_window):
@@ -296,15 +302,20 @@ def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_win
 
 
 def attention(q, k, v, mask):
-    """Grouped-query attention; q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S]. Softmax in float32."""
+    """Grouped-query attention; q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. Softmax in float32."""
     B, T, H, D = q.shape
-    K = k.shape[2]
+    K = k.shape[1]
     q = q.reshape(B, T, K, H // K, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) / math.sqrt(D)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(D)
     # A finite minimum keeps fully masked rows (padding queries) free of NaN.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    if T == 1:
+        # A decode step: XLA:CPU runs this product as B*K tiny [G, S] x [S, D] matmuls, twice as
+        # slow as one fused multiply-and-sum over S (which at T > 1 would hold a [.., T, S, D] array).
+        out = jnp.sum(probs[..., None] * v[:, :, None, None], axis=-2).transpose(0, 3, 1, 2, 4)
+    else:
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(B, T, H, D)
 
 

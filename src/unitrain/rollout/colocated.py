@@ -72,7 +72,6 @@ def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
     logits = logits.astype(jnp.float32)
     if greedy:
         token = jnp.argmax(logits, axis=-1)
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
     else:
         scaled = logits / temperature
         if top_k:
@@ -86,10 +85,15 @@ def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
             keep = (mass_before < top_p).at[:, 0].set(True)
             threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
             scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
-        logprobs = jax.nn.log_softmax(scaled, axis=-1)
         token = jax.random.categorical(key, scaled, axis=-1)
     token = token.astype(jnp.int32)
-    return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    return token, _logprob(logits if greedy else scaled, token)
+
+
+def _logprob(logits, token):
+    """log_softmax(logits)[token] without the [B, V] log_softmax."""
+    picked = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 # ---------------------------------------------------------------------------------------------
