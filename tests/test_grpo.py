@@ -39,6 +39,7 @@ def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
     groups, stats = step.sample_groups(0)
     assert len(groups) == 4 and stats["sampling_rounds"] == 1
     rows = step.to_rows(groups)
+    P = rows["inputs"].shape[1] - rows["targets"].shape[1]  # the prompts end at column P
     r = 0
     for g in groups:
         prompt = list(g.prompt.ids)
@@ -46,7 +47,9 @@ def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
         for tokens, length, logprobs in zip(c.tokens, c.lengths, c.logprobs):
             seq = prompt + list(tokens[:length])
             mask = rows["loss_mask"][r].astype(bool)
-            assert list(rows["inputs"][r, :len(seq)]) == seq and rows["inputs_segmentation"][r, len(seq):].sum() == 0
+            real = rows["inputs_segmentation"][r] > 0
+            assert list(rows["inputs"][r][real]) == seq and list(rows["inputs_position"][r][real]) == list(range(len(seq)))
+            assert list(rows["inputs"][r, P - len(prompt):P]) == prompt
             assert list(rows["targets"][r][mask]) == list(tokens[:length])  # exactly the sampled tokens
             np.testing.assert_array_equal(rows["sampler_logprobs"][r][mask], logprobs[:length])
             r += 1

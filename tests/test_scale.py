@@ -65,20 +65,19 @@ def grpo_update(cfg, batch_np):
 
 def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
     rng = np.random.default_rng(0)
-    rows, length = 8, 24
-    tokens = rng.integers(3, 100, (rows, length)).astype(np.int32)
+    rows, prompt, length = 8, 8, 16  # 8-token prompts, 16 completion columns
+    tokens = rng.integers(3, 100, (rows, prompt + length)).astype(np.int32)
     mask = np.zeros((rows, length), np.int32)
     for r in range(rows):
-        mask[r, 5:5 + rng.integers(3, 18)] = 1
-    batch = {"inputs": tokens, "inputs_position": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
-             "inputs_segmentation": np.ones((rows, length), np.int32), "targets": np.roll(tokens, -1, axis=1),
+        mask[r, :rng.integers(3, 16)] = 1
+    logprobs = lambda: (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32)  # noqa: E731
+    batch = {"inputs": tokens, "inputs_position": np.tile(np.arange(prompt + length, dtype=np.int32), (rows, 1)),
+             "inputs_segmentation": np.ones((rows, prompt + length), np.int32), "targets": tokens[:, prompt:],
              "loss_mask": mask, "advantages": rng.normal(size=rows).astype(np.float32),
-             "old_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32),
-             "ref_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32),
-             "sampler_logprobs": (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32)}
+             "old_logprobs": logprobs(), "ref_logprobs": logprobs(), "sampler_logprobs": logprobs()}
     # Two iterations: the update reads the old logprobs (with one, it would use its own).
     common = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "kl_coef=0.1", "eps_clip_c=3.0",
-              "loss_agg_mode=seq-mean-token-sum-norm", "rollout_max_response_len=24", "num_iterations=2"]
+              "loss_agg_mode=seq-mean-token-sum-norm", "rollout_max_response_len=16", "num_iterations=2"]
     # The 1-device reference: the same config (8 rows per update) on a mesh of the first device only.
     with only_first_device():
         reference = grpo_update(config(tmp_path, *common, "per_device_batch_size=1"), batch)

@@ -13,10 +13,13 @@ One step (`GRPOTask.step`):
      updated: the loss takes its own logprobs under stop_gradient and the old pass is skipped;
   4. run `num_iterations` passes over the rows in mini-batches, one optimizer update each.
 
-Row layout of the train batch ([rows, L], L = the step's longest prompt + completion rounded up to a
-power of two, at most max_prompt_length + rollout_max_response_len): the prompt, then the completion,
-then padding. `targets` is the next token; `loss_mask` is 1 at the positions
-whose target is a sampled completion token (up to and including its stop token).
+Row layout of the train batch, as the sampler lays out its own rows: `inputs` (and its positions
+and segments) [rows, P + C] is the prompt left-padded to end at column P, then the completion
+right-padded to C columns (P and C: the step's longest prompt and completion rounded up to a power
+of two, C at most rollout_max_response_len). The completion-side arrays are [rows, C]: `targets`
+are the completion tokens, predicted from columns P-1 .. P+C-2, and `loss_mask` is 1 for the
+sampled ones (up to and including the stop token). Only those C columns go through the output
+head: the prompt's logits are never computed.
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss
 
 
 def token_stats(graphdef, temperature: float, chunk_size: int, params, batch, with_entropy: bool = False):
-    """losses.TokenStats of the targets at the sampling temperature, float32 [B, T]."""
+    """losses.TokenStats of the completion tokens at the sampling temperature, float32 [rows, C]."""
     model = nnx.merge(graphdef, params)
     hidden = model.hidden_states(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-    return losses.token_stats(model.logits, hidden, batch["targets"], chunk_size, temperature, with_entropy)
+    C = batch["targets"].shape[1]
+    P = hidden.shape[1] - C
+    return losses.token_stats(model.logits, hidden[:, P - 1:P - 1 + C], batch["targets"], chunk_size, temperature,
+                              with_entropy)
 
 
 def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batch) -> dict:
@@ -73,7 +79,6 @@ class GRPOTask(Task):
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
-        self.max_length = cfg.max_prompt_length + cfg.rollout_max_response_len
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
         self.separate_old = cfg.updates_per_step > 1 or cfg.use_kl_in_reward
         # The reference policy is the starting one, kept only when a KL term needs it.
@@ -180,27 +185,28 @@ class GRPOTask(Task):
                               self.run.tokenizer, self.reward_fn)
 
     def to_rows(self, groups) -> dict:
-        """Prompt + completion rows, right-padded, with next-token targets and the loss mask."""
-        longest = max(len(g.prompt.ids) + int(g.completions.lengths.max()) for g in groups)
-        # Rows as long as this step needs, rounded up to a power of two: bounded recompilation.
-        L = min(bucket_prompt_length(longest), self.max_length)
+        """The rows of the module docstring's layout, from the groups' prompts and completions."""
+        # As long as this step needs, rounded up to a power of two: bounded recompilation.
+        P = bucket_prompt_length(max(len(g.prompt.ids) for g in groups))
+        C = min(bucket_prompt_length(max(int(g.completions.lengths.max()) for g in groups)),
+                self.cfg.rollout_max_response_len)
         rows, pad = len(groups) * self.cfg.n_samples_per_prompt, self.run.tokenizer.pad_id
-        arrays = {k: np.zeros((rows, L), np.int32) for k in ROW_KEYS}
-        arrays["inputs"][:], arrays["targets"][:] = pad, pad
-        arrays["sampler_logprobs"] = np.zeros((rows, L), np.float32)
+        arrays = {k: np.zeros((rows, P + C), np.int32) for k in ("inputs", "inputs_position", "inputs_segmentation")}
+        arrays.update(targets=np.full((rows, C), pad, np.int32), loss_mask=np.zeros((rows, C), np.int32),
+                      sampler_logprobs=np.zeros((rows, C), np.float32))
+        arrays["inputs"][:] = pad
         r = 0
         for group in groups:
             ids = list(group.prompt.ids)
             c = group.completions
             for tokens, length, logprobs in zip(c.tokens, c.lengths, c.logprobs):
-                seq = ids + list(tokens[:length])
-                n, p = len(seq), len(ids)
-                arrays["inputs"][r, :n] = seq
-                arrays["inputs_position"][r, :n] = np.arange(n)
-                arrays["inputs_segmentation"][r, :n] = 1
-                arrays["targets"][r, :n - 1] = seq[1:]
-                arrays["loss_mask"][r, p - 1:n - 1] = 1  # position i predicts token i + 1
-                arrays["sampler_logprobs"][r, p - 1:n - 1] = logprobs[:length]
+                start, end = P - len(ids), P + length
+                arrays["inputs"][r, start:end] = ids + list(tokens[:length])
+                arrays["inputs_position"][r, start:end] = np.arange(end - start)
+                arrays["inputs_segmentation"][r, start:end] = 1
+                arrays["targets"][r, :length] = tokens[:length]
+                arrays["loss_mask"][r, :length] = 1
+                arrays["sampler_logprobs"][r, :length] = logprobs[:length]
                 r += 1
         return arrays
 
