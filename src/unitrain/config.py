@@ -127,6 +127,7 @@ RULES: dict[str, Rule] = {
     "dtype": DTYPE,
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
+    "attention": choices_of("unitrain.models.decoder", "ATTENTION"),
     **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn") for axis in MESH_AXES},
     "mode": builtin_or_plugin(MODES),
     "model_source": builtin_or_plugin(SOURCES),
@@ -225,7 +226,7 @@ RULES: dict[str, Rule] = {
 }
 
 # The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without
-# the run-time choices (model_name, dtype, weight_dtype, remat_policy, scan_layers).
+# the run-time choices (model_name, dtype, weight_dtype, remat_policy, scan_layers, attention).
 MODEL_KEYS = (
     "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads",
     "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling_type",
@@ -249,6 +250,22 @@ def _check_logical_axis_rules(c: dict) -> str | None:
     return None
 
 
+def _check_attention(c: dict) -> str | None:
+    """A fused attention kernel must run on this platform, and is our decoder's (Tunix's models bring their own)."""
+    if c["attention"] in ("auto", "xla"):
+        return None
+    if c["model_source"] != "unitrain":
+        return f"attention={c['attention']} is a kernel of model_source unitrain; model_source {c['model_source']} brings its own attention (use auto or xla)"
+    import jax  # here, not at the top: importing this module must not initialise JAX's backends
+    from unitrain.models import decoder
+
+    try:
+        decoder.attention_kernel(c["attention"], jax.default_backend(), c["dtype"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _check_one_fill(c: dict) -> str | None:
     fills = [k for k in RULES if k.endswith("_parallelism") and c[k] == -1]
     return f"only one *_parallelism may be -1 (fill), got {' and '.join(fills)}" if len(fills) > 1 else None
@@ -263,6 +280,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
     lambda c: None if c["rope_scaling_type"] != "llama3" or c["rope_high_freq_factor"] > c["rope_low_freq_factor"] else
     "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor",
     _check_logical_axis_rules,
+    _check_attention,
     _check_one_fill,
     lambda c: None if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"] else
     f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})",

@@ -15,6 +15,8 @@ checkpoint does not depend on how the stack is executed.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 import os
 from typing import Any
@@ -26,6 +28,8 @@ from flax import nnx, struct
 
 from unitrain import checkpoint, sharding
 
+log = logging.getLogger("unitrain")
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 REMAT_POLICIES = {
     "none": None,
@@ -33,6 +37,22 @@ REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_saveable,
     "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+# The `attention` key: the reference einsums (xla), a platform's fused kernel, or auto.
+ATTENTION = ("auto", "xla", "cudnn", "splash")
+
+
+def attention_kernel(choice: str, platform: str, dtype: str) -> str:
+    """The implementation the `attention` choice runs on `platform` (jax.default_backend()) at compute
+    `dtype`: auto is cuDNN on a GPU in 16 bits, splash on a TPU, else xla. ValueError where it cannot run."""
+    fused = {"gpu": "cudnn", "tpu": "splash"}.get(platform)
+    if choice == "auto":
+        return fused if fused == "splash" or (fused == "cudnn" and dtype != "float32") else "xla"
+    if choice not in ("xla", fused):
+        device = "a GPU" if choice == "cudnn" else "a TPU"
+        raise ValueError(f"attention={choice} runs on {device}, and this platform is {platform}; use xla or auto")
+    if choice == "cudnn" and dtype == "float32":
+        raise ValueError("attention=cudnn needs dtype bfloat16 or float16 (cuDNN's fused attention has no float32)")
+    return choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +82,7 @@ class ModelConfig:
     weight_dtype: str = "float32"
     remat_policy: str = "none"
     scan_layers: bool = True
+    attention: str = "xla"
     logical_axis_rules: tuple = ()
 
     @classmethod
@@ -220,8 +241,8 @@ class Decoder(nnx.Module):
         cos, sin = rope_tables(cfg, positions)
         params = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
         if cache is None:
-            mask = attention_mask(segment_ids, positions, segment_ids, positions, cfg.sliding_window)
-            x, new_cache = _run_stack(cfg, x, params, lambda x, p: _layer(cfg, p, x, cos, sin, mask)[0]), None
+            attend = _attention_fn(cfg, segment_ids, positions)
+            x, new_cache = _run_stack(cfg, x, params, lambda x, p: _layer(cfg, p, x, cos, sin, attend)[0]), None
         else:
             x, new_cache = _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
@@ -251,19 +272,20 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache
     put = lambda a, new, axis: jax.lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), column, axis)
     segments, slot_positions = put(cache.segment_ids, segment_ids, 1), put(cache.positions, positions, 1)
     mask = attention_mask(segment_ids, positions, segments, slot_positions, cfg.sliding_window)
+    attend = functools.partial(attention, mask=mask)
     ks, vs = [], []
     for i in range(cfg.num_decoder_layers):
         p = jax.lax.optimization_barrier(jax.tree.map(lambda a: a[i], params))
-        x, (k, v) = _layer(cfg, p, x, cos, sin, mask, (cache.k[i], cache.v[i]), put)
+        x, (k, v) = _layer(cfg, p, x, cos, sin, attend, (cache.k[i], cache.v[i]), put)
         ks.append(k)
         vs.append(v)
     return x, KVCache(k=ks, v=vs, segment_ids=segments, positions=slot_positions, end=cache.end + x.shape[1])
 
 
-def _layer(cfg: ModelConfig, p, x, cos, sin, mask, cached=None, put=None):
-    """One pre-norm block: x + attention(norm(x)), then x + SwiGLU(norm(x)). With `cached` (this
-    layer's cache keys and values), this call's are written into it with `put` first. Returns the new
-    x and the keys and values attended to, [B, K, S, D]."""
+def _layer(cfg: ModelConfig, p, x, cos, sin, attend, cached=None, put=None):
+    """One pre-norm block: x + attend(q, k, v) of norm(x), then x + SwiGLU(norm(x)). With `cached`
+    (this layer's cache keys and values), this call's are written into it with `put` first. Returns
+    the new x and the keys and values attended to, [B, K, S, D]."""
     dt = cfg.dtype
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("bte,ehd->bthd", h, p["wq"].astype(dt))
@@ -279,7 +301,7 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, mask, cached=None, put=None):
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if cached is not None:
         k, v = put(cached[0], k, 2), put(cached[1], v, 2)
-    attn = attention(q, k.astype(dt), v.astype(dt), mask)
+    attn = attend(q, k.astype(dt), v.astype(dt))
     x = x + jnp.einsum("bthd,hde->bte", attn, p["wo"].astype(dt))
     x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
@@ -317,6 +339,64 @@ def attention(q, k, v, mask):
     else:
         out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(B, T, H, D)
+
+
+def _attention_fn(cfg: ModelConfig, segment_ids, positions):
+    """attend(q, k, v) of a call without a cache, by the kernel the `attention` key picks. The fused
+    kernels serve training and scoring; a cache call (prefill, decode) always takes the reference."""
+    kernel = attention_kernel(cfg.attention, jax.default_backend(), cfg.dtype)
+    if kernel == "splash":
+        return functools.partial(splash_attention, segment_ids=segment_ids, window=cfg.sliding_window,
+                                 rules=cfg.logical_axis_rules)
+    mask = attention_mask(segment_ids, positions, segment_ids, positions, cfg.sliding_window)
+    if kernel == "cudnn":
+        return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
+    return functools.partial(attention, mask=mask)
+
+
+def dot_product_attention(q, k, v, mask, implementation):
+    """jax.nn.dot_product_attention (cuDNN's fused kernel on a GPU) on the reference's inputs:
+    q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. The mask carries segments, causality and the window,
+    so any positions work."""
+    kv = lambda a: a.transpose(0, 2, 1, 3)
+    return jax.nn.dot_product_attention(q, kv(k), kv(v), mask=mask[:, None], implementation=implementation)
+
+
+SPLASH_BLOCK = 128  # the length splash attention's blocks divide
+
+
+def splash_attention(q, k, v, segment_ids, window, rules=(), interpret=False):
+    """JAX's Pallas splash attention (TPU; `interpret` runs it anywhere): q [B,T,H,D], k/v [B,K,T,D].
+
+    Causality and the window are read from the token order within each segment, which equals the
+    positions' order in every row unitrain builds (packed, left- or right-padded: positions count
+    up by one inside a segment); padding is segment 0. The length is padded to a multiple of
+    SPLASH_BLOCK. Under a mesh the kernel runs per shard of the batch and heads (shard_map)."""
+    B, T, H, D = q.shape
+    S = -(-T // SPLASH_BLOCK) * SPLASH_BLOCK
+    pad = lambda a, axis: jnp.pad(a, [(0, S - T) if i == axis else (0, 0) for i in range(a.ndim)])
+    q = pad(q.transpose(0, 2, 1, 3) / jnp.asarray(math.sqrt(D), q.dtype), 2)
+    args = (q, pad(k, 2), pad(v, 2), pad(segment_ids, 1))
+    run = functools.partial(_splash, window=window, interpret=interpret)
+    if not jax.sharding.get_abstract_mesh().empty and rules:
+        heads = sharding.logical_to_spec(("batch", "heads", None, None), rules)
+        kv_heads = sharding.logical_to_spec(("batch", "kv_heads", None, None), rules)
+        rows = sharding.logical_to_spec(("batch", None), rules)
+        run = jax.shard_map(run, in_specs=(heads, kv_heads, kv_heads, rows), out_specs=heads, check_vma=False)
+    return run(*args)[:, :, :T].transpose(0, 2, 1, 3)
+
+
+def _splash(q, k, v, segment_ids, window, interpret):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU kernels: only when chosen
+
+    H, S = q.shape[1], q.shape[2]
+    causal = splash.CausalMask((S, S)) if window is None else splash.LocalMask((S, S), (window - 1, 0), offset=0)
+    block = max(b for b in (512, 256, SPLASH_BLOCK) if S % b == 0)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+    kernel = splash.make_splash_mha(splash.MultiHeadMask([causal] * H), block_sizes=sizes, head_shards=1,
+                                    q_seq_shards=1, interpret=interpret)
+    return jax.vmap(kernel)(q, k, v, splash.SegmentIds(q=segment_ids, kv=segment_ids))
 
 
 def rms_norm(x, weight, eps):
@@ -376,6 +456,9 @@ def source(cfg, mesh) -> Decoder:
     """The decoder of the config with its parameters placed in their shardings: random init, HF
     weights, or the parameters of a unitrain checkpoint (`load_parameters_path`)."""
     model_cfg = ModelConfig.from_config(cfg)
+    platform = jax.default_backend()
+    kernel = attention_kernel(model_cfg.attention, platform, model_cfg.dtype)
+    log.info("attention: %s%s", kernel, f" (auto on {platform})" if model_cfg.attention == "auto" else "")
     rules = model_cfg.logical_axis_rules
     # Checked on the abstract model, before any parameter is materialised.
     sharding.check_not_replicated(nnx.state(nnx.eval_shape(lambda: create(model_cfg))), mesh, rules,

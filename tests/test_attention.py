@@ -1,0 +1,156 @@
+"""The `attention` key: the kernels equal the reference einsums (packed segments, padding, sliding
+windows, GQA) where they have a CPU path, the platform rules, and the KV cache under a window."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from unitrain import sharding
+from unitrain.config import ConfigError, load_config
+from unitrain.models import decoder as model_lib
+
+B, T, H, K, D = 2, 100, 4, 2, 16  # T not a multiple of the splash block: the kernel pads it
+
+
+def packed_inputs(seed=0):
+    """q/k/v and one row of three packed sequences and padding, one row of one sequence."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)) * 2, jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, K, T, D)) * 2, jnp.float32) for _ in range(2))
+    lengths = ([40, 35, 15], [T])
+    segments = np.zeros((B, T), np.int32)
+    positions = np.zeros((B, T), np.int32)
+    for b, row in enumerate(lengths):
+        start = 0
+        for s, n in enumerate(row):
+            segments[b, start:start + n], positions[b, start:start + n] = s + 1, np.arange(n)
+            start += n
+    return q, k, v, jnp.asarray(segments), jnp.asarray(positions)
+
+
+def reference(q, k, v, segments, positions, window):
+    mask = model_lib.attention_mask(segments, positions, segments, positions, window)
+    return model_lib.attention(q, k, v, mask)
+
+
+def loss_and_grads(attend, q, k, v):
+    """A loss over the real (nonzero-segment) queries, its value and gradients in q, k, v."""
+    weights = jnp.asarray(np.random.default_rng(9).normal(size=(B, T, H, D)), jnp.float32)
+    real = (packed_inputs()[3] > 0)[:, :, None, None]
+    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.where(real, attend(q, k, v) * weights, 0)),
+                                      argnums=(0, 1, 2)))(q, k, v)
+
+
+def assert_same_on_real_tokens(out, expected, segments):
+    real = np.asarray(segments) > 0
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(expected)[real], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_dot_product_attention_equals_reference(window):
+    """The cudnn choice's code path (jax.nn.dot_product_attention) on its CPU implementation."""
+    q, k, v, segments, positions = packed_inputs()
+    mask = model_lib.attention_mask(segments, positions, segments, positions, window)
+    fused = functools.partial(model_lib.dot_product_attention, mask=mask, implementation="xla")
+    expected = functools.partial(model_lib.attention, mask=mask)
+    assert_same_on_real_tokens(fused(q, k, v), expected(q, k, v), segments)
+    (value, grads), (ref_value, ref_grads) = loss_and_grads(fused, q, k, v), loss_and_grads(expected, q, k, v)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_splash_attention_equals_reference(window):
+    """The splash kernel in Pallas' interpreter: values and gradients on the real tokens."""
+    q, k, v, segments, positions = packed_inputs()
+    splash = functools.partial(model_lib.splash_attention, segment_ids=segments, window=window, interpret=True)
+    expected = lambda q, k, v: reference(q, k, v, segments, positions, window)
+    assert_same_on_real_tokens(jax.jit(splash)(q, k, v), expected(q, k, v), segments)
+    (value, grads), (ref_value, ref_grads) = loss_and_grads(splash, q, k, v), loss_and_grads(expected, q, k, v)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
+CFG = model_lib.ModelConfig(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
+                            num_kv_heads=2, head_dim=8, sliding_window=5)
+
+
+@pytest.mark.parametrize("kernel", ["splash", "cudnn"])
+def test_model_with_a_kernel_equals_the_reference(monkeypatch, kernel):
+    """The decoder's plumbing of each kernel (layouts, segment ids, window), run on its CPU path."""
+    model = model_lib.create(CFG, 0)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(1, 64, (2, 12)), jnp.int32)
+    segments = jnp.asarray([[1] * 7 + [2] * 4 + [0], [1] * 12], jnp.int32)
+    positions = jnp.asarray([list(range(7)) + list(range(4)) + [0], list(range(12))], jnp.int32)
+    expected = model(tokens, positions, segments)[0]
+    monkeypatch.setattr(model_lib, "attention_kernel", lambda *_: kernel)
+    monkeypatch.setattr(model_lib, "splash_attention", functools.partial(model_lib.splash_attention, interpret=True))
+    fused = model_lib.dot_product_attention
+    monkeypatch.setattr(model_lib, "dot_product_attention", lambda q, k, v, mask, implementation: fused(
+        q, k, v, mask, "xla"))
+    model.cfg = dataclasses.replace(CFG, attention=kernel)
+    assert_same_on_real_tokens(model(tokens, positions, segments)[0], expected, segments)
+
+
+def test_kernel_choice_by_platform():
+    pick = model_lib.attention_kernel
+    assert pick("auto", "cpu", "float32") == "xla" and pick("auto", "tpu", "float32") == "splash"
+    assert pick("auto", "gpu", "bfloat16") == "cudnn" and pick("auto", "gpu", "float32") == "xla"
+    assert pick("xla", "tpu", "bfloat16") == "xla" and pick("cudnn", "gpu", "bfloat16") == "cudnn"
+    for choice, platform, dtype in [("cudnn", "cpu", "bfloat16"), ("splash", "gpu", "bfloat16"),
+                                    ("cudnn", "gpu", "float32")]:
+        with pytest.raises(ValueError, match=f"attention={choice}"):
+            pick(choice, platform, dtype)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("cudnn", "attention=cudnn runs on a GPU, and this platform is cpu; use xla or auto"),
+    ("splash", "attention=splash runs on a TPU, and this platform is cpu; use xla or auto"),
+    ("flash", "config key 'attention' expects one of auto | xla | cudnn | splash"),
+])
+def test_an_unsupported_choice_is_one_config_line(value, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(["configs/base.yml", f"attention={value}"])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cache_decode_under_a_sliding_window_equals_full_forward():
+    """Left-padded prefill, then one token per call: the window is measured in positions, so the
+    padding columns the cache holds do not count."""
+    model = model_lib.create(CFG, 2)
+    rng = np.random.default_rng(3)
+    lens, prefill, steps = (9, 3), 9, 6
+    seqs = [rng.integers(1, 64, n + steps) for n in lens]
+    tokens, positions, segments = (np.zeros((2, prefill), np.int32) for _ in range(3))
+    for b, n in enumerate(lens):
+        tokens[b, prefill - n:], positions[b, prefill - n:], segments[b, prefill - n:] = seqs[b][:n], np.arange(n), 1
+    call = jax.jit(lambda *a: model(*a))
+    logits, cache = call(tokens, positions, segments, model.init_cache(2, prefill + steps))
+    got = [[np.asarray(logits[b, -1])] for b in range(2)]
+    for i in range(steps - 1):
+        pos = np.asarray(lens) + i
+        tok = np.asarray([seqs[b][p] for b, p in enumerate(pos)])
+        logits, cache = call(tok[:, None], pos[:, None], np.ones((2, 1), np.int32), cache)
+        for b in range(2):
+            got[b].append(np.asarray(logits[b, 0]))
+    for b, n in enumerate(lens):
+        full = np.asarray(model(jnp.asarray(seqs[b][None, :-1]), jnp.arange(n + steps - 1)[None],
+                                jnp.ones((1, n + steps - 1), jnp.int32))[0][0])
+        np.testing.assert_allclose(np.stack(got[b]), full[n - 1:], atol=1e-4, rtol=1e-5)
+
+
+def test_splash_attention_under_a_mesh_runs_per_shard():
+    """Batch over data x fsdp, heads over tensor (shard_map): the same values as the reference."""
+    mesh = sharding.create_mesh({"data": 2, "fsdp": 2, "tensor": 2}, {"data": 1, "fsdp": 1, "tensor": 1})
+    rules = sharding.rules_from_config(sharding.DEFAULT_RULES)
+    q, k, v, segments, positions = (jnp.concatenate([a, a]) for a in packed_inputs())
+    splash = jax.jit(functools.partial(model_lib.splash_attention, window=7, rules=rules, interpret=True))
+    with jax.set_mesh(mesh):
+        out = splash(q, k, v, segments)
+    assert_same_on_real_tokens(out, reference(q, k, v, segments, positions, 7), segments)
