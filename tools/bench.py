@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import metrics, models, rollout, sharding, tasks
+from unitrain import lora, metrics, models, rollout, sharding, tasks
 from unitrain import step as step_lib
 from unitrain.config import ConfigError, load_config
 from unitrain.data import load_tokenizer
@@ -83,21 +83,28 @@ def _abstract(shapes, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
+def _with_lora(cfg, model, mesh):
+    """lora_rank > 0: the model with adapters (and its base stored as lora_base_dtype), as build_run has it."""
+    return lora.apply(model, cfg, mesh) if cfg.lora_rank else model
+
+
 def abstract_run(cfg) -> tuple[RunContext, dict]:
     """The run of `cfg` with every array abstract (ShapeDtypeStructs carrying the shardings
     build_run would give them): nothing is allocated and no weights are read."""
     mesh = sharding.mesh_from_config(cfg)
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
-    model = nnx.eval_shape(lambda: models.build(cfg.replace(load_parameters_path=""), mesh))
+    model = nnx.eval_shape(lambda: _with_lora(cfg, models.build(cfg.replace(load_parameters_path=""), mesh), mesh))
     graphdef, shapes = nnx.split(model)
     try:
         param_shardings = sharding.logical_shardings(model.param_axes(), mesh, rules)
     except ValueError as e:  # a dimension that does not divide over its mesh axes: a config mistake
         raise ConfigError(str(e)) from None
     params = _abstract(nnx.to_pure_dict(shapes), param_shardings)
-    optimizer = make_optimizer(cfg, model.decay_mask())
-    opt_state = _abstract(jax.eval_shape(optimizer.init, params),
-                          step_lib.opt_state_shardings(optimizer, params, param_shardings, mesh))
+    adapters_only = cfg.lora_rank > 0  # LoRA: the optimizer holds the adapters alone
+    optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only))
+    trained, trained_shardings = (lora.trainable(t, adapters_only) for t in (params, param_shardings))
+    opt_state = _abstract(jax.eval_shape(optimizer.init, trained),
+                          step_lib.opt_state_shardings(optimizer, trained, trained_shardings, mesh))
     state = {"params": params, "opt_state": opt_state,
              "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))}
     run = RunContext(cfg=cfg, mesh=mesh, rules=rules, tokenizer=load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code),

@@ -55,6 +55,7 @@ class Target:
     lead: int  # leading `layers` axes
     n_in: int  # input axes after them
     dtype: str
+    axes: tuple  # logical axis names of the weight
 
     @property
     def in_axes(self) -> tuple[int, ...]:
@@ -89,13 +90,15 @@ def apply(model, cfg, mesh):
     targets = find_targets(model.param_axes(), nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg.lora_target)
     base_graphdef, base_state = nnx.split(model)
 
+    rules = sharding.rules_from_config(cfg.logical_axis_rules)
+
     def build(state):
         return LoraModel(nnx.merge(base_graphdef, state), targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_base_dtype,
-                         cfg.seed)
+                         cfg.seed, rules)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(build, base_state))
     axes = nnx.merge(graphdef, abstract).param_axes()
-    shardings = sharding.logical_shardings(axes, mesh, sharding.rules_from_config(cfg.logical_axis_rules))
+    shardings = sharding.logical_shardings(axes, mesh, rules)
     params = jax.jit(lambda state: nnx.to_pure_dict(nnx.state(build(state))), out_shardings=shardings,
                      donate_argnums=0)(base_state)
     nnx.replace_by_pure_dict(abstract, params)
@@ -116,7 +119,7 @@ def find_targets(axes: dict, params: dict, pattern: str) -> tuple[Target, ...]:
             raise ConfigError(f"lora_target matches {'/'.join(path)} (axes {names}), which is not a projection with "
                               "the embed axis first or last; narrow lora_target")
         n_in = 1 if inner[0] == "embed" else len(inner) - 1
-        found.append(Target(path, lead, n_in, str(_get(params, path).dtype)))
+        found.append(Target(path, lead, n_in, str(_get(params, path).dtype), tuple(names)))
     if not found:
         raise ConfigError(f"lora_target '{pattern}' matches no parameter of the model")
     return tuple(found)
@@ -164,8 +167,9 @@ def dequantise(q) -> jax.Array:
 class LoraModel(nnx.Module):
     """A model with low-rank adapters on its `targets`; the model interface of models/base.py."""
 
-    def __init__(self, base, targets: tuple[Target, ...], rank: int, alpha: float, base_dtype: str, seed: int):
-        self.targets, self.rank, self.alpha = targets, rank, alpha
+    def __init__(self, base, targets: tuple[Target, ...], rank: int, alpha: float, base_dtype: str, seed: int,
+                 rules: tuple = ()):
+        self.targets, self.rank, self.alpha, self.rules = targets, rank, alpha, rules
         graphdef, state = nnx.split(base)
         params, adapters = nnx.to_pure_dict(state), {}
         for t, key in zip(targets, jax.random.split(jax.random.key(seed), len(targets))):
@@ -196,10 +200,17 @@ class LoraModel(nnx.Module):
             w = dequantise(w) if isinstance(w, qwix.QArray) else w
             adapter = _get(self.lora, t.path)
             update = delta(adapter["a"][...], adapter["b"][...], w.shape, t)
-            merged = w.astype(jnp.float32) + self.alpha / self.rank * update
-            params = _set(params, t.path, merged.astype(t.dtype))
+            merged = (w.astype(jnp.float32) + self.alpha / self.rank * update).astype(t.dtype)
+            params = _set(params, t.path, self._constrain(merged, t.axes))
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
+
+    def _constrain(self, x, axes):
+        """The merged weight in the sharding of the weight it replaces: XLA would otherwise be free to
+        gather a dequantised weight whole on every device."""
+        if jax.sharding.get_abstract_mesh().empty or not self.rules:
+            return x
+        return jax.lax.with_sharding_constraint(x, sharding.logical_to_spec(axes, self.rules))
 
     def __call__(self, tokens, positions, segment_ids, cache=None):
         return self.merged()(tokens, positions, segment_ids, cache)
