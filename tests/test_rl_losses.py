@@ -319,3 +319,49 @@ def test_optional_metrics_and_errors():
         losses.aggregate(d["values"], d["mask"], "seq-mean-token-sum-norm")
     with pytest.raises(ValueError):
         losses.aggregate(d["values"], d["mask"], "sum")
+
+
+# ------------------------------------------------------------------ GSPO (sequence-level ratio)
+
+def np_gspo(logp, old, adv, mask, eps_lo, eps_hi):
+    """GSPO by its definition, float64: per row s = exp(mean_t (logp - old)), loss_i = max(-A s,
+    -A clip(s)), averaged over rows with tokens; d loss_i / d logp_t = -A s / n_i where unclipped, else 0."""
+    logp, old, m = (x.astype(np.float64) for x in (logp, old, mask))
+    n = m.sum(-1)
+    rows = n > 0
+    s = np.exp(((logp - old) * m).sum(-1) / np.maximum(n, 1))
+    A = adv.astype(np.float64)
+    pg1, pg2 = -A * s, -A * np.clip(s, 1 - eps_lo, 1 + eps_hi)
+    loss = np.where(rows, np.maximum(pg1, pg2), 0.0).sum() / rows.sum()
+    grad = np.where((pg1 >= pg2) & rows, -A * s / np.maximum(n, 1), 0.0)[:, None] * m / rows.sum()
+    return loss, grad, s, pg2 > pg1
+
+
+def test_gspo_loss_and_gradient_match_numpy():
+    d = _batch()
+    # Rows 0 and 4 move out of the clip range in the direction their advantage's sign clips; the others stay inside.
+    shift = np.where(np.arange(B) % 4 == 0, 0.08 * np.sign(d["adv"]), 0.004)
+    old = (d["logp"] - shift[:, None] + np.random.default_rng(1).normal(0, 0.004, (B, T))).astype(np.float32)
+    eps_lo, eps_hi = 0.02, 0.03
+
+    def loss(lp):
+        s, n, met = losses.policy_loss(lp, old, d["adv"], d["mask"], eps_clip=eps_lo, eps_clip_high=eps_hi,
+                                       loss_agg_mode="seq-mean-token-mean", policy_loss_type="gspo")
+        return s / n, met
+
+    (value, met), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(d["logp"]))
+    want, want_grad, s, clipped = np_gspo(d["logp"], old, d["adv"], d["mask"], eps_lo, eps_hi)
+    assert clipped.any() and not clipped[np.asarray(LENGTHS) > 0].all()  # both branches exercised
+    np.testing.assert_allclose(float(value), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
+    m = d["mask"].astype(bool)
+    tok = lambda x: np.broadcast_to(x[:, None], (B, T))[m].sum()
+    np.testing.assert_allclose(float(met["ratio"][0]), tok(s), rtol=1e-5)  # the row's ratio at its tokens
+    assert float(met["pg_clipfrac"][0]) == tok(clipped.astype(float))
+
+
+def test_gspo_refuses_token_level_aggregation_and_dual_clip():
+    d = _batch()
+    for kw in ({"loss_agg_mode": "token-mean"}, {"loss_agg_mode": "seq-mean-token-mean", "eps_clip_c": 3.0}):
+        with pytest.raises(ValueError, match="gspo"):
+            losses.policy_loss(d["logp"], d["old"], d["adv"], d["mask"], eps_clip=0.2, policy_loss_type="gspo", **kw)

@@ -77,9 +77,11 @@ def cross_entropy(stats: TokenStats, weights, z_loss_weight: float = 0.0):
 ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "gspo")
 
 _WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
 _LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios to [-20, 20] before exp
+_GSPO_LOG_RATIO_MAX = 10.0  # verl's compute_policy_loss_gspo clamps the log sequence ratio above at 10
 
 
 def compute_advantages(rewards, group_ids, num_groups: int, estimator: str, norm_by_std: bool = True,
@@ -198,14 +200,38 @@ def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | No
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
+def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "ppo"):
+    """log(ratio) per token [B,T], float32, for the clipped surrogate of `policy_loss_type`:
+
+    - "ppo":  clip(logp - old, -20, 20), the token's own ratio (verl "vanilla").
+    - "gspo": GSPO's length-normalised sequence ratio s_i = exp(mean_t (logp - old)) over row i's
+              masked tokens (Zheng et al. 2025), in verl's token-level form (compute_policy_loss_gspo):
+              log s_i,t = sg(log s_i) + logp_t - sg(logp_t), clamped above at 10. Its value is
+              log s_i at every token of the row; its gradient is that of logp_t alone, so with
+              seq-mean-token-mean each row's gradient is s_i * A_i * mean_t grad logp_t = grad s_i * A_i.
+    """
+    logp = jnp.asarray(logprobs, jnp.float32)
+    old = jnp.asarray(old_logprobs, jnp.float32)
+    if policy_loss_type == "ppo":
+        return jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    if policy_loss_type == "gspo":
+        m = jnp.asarray(mask, jnp.float32)
+        seq = ((logp - old) * m).sum(axis=-1) / jnp.maximum(m.sum(axis=-1), 1.0)
+        sg = jax.lax.stop_gradient
+        return jnp.minimum(sg(seq)[..., None] + logp - sg(logp), _GSPO_LOG_RATIO_MAX)
+    raise ValueError(f"unknown policy loss {policy_loss_type!r}; expected one of {POLICY_LOSSES}")
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, eps_clip_high: float | None = None,
                 eps_clip_c: float | None = None, loss_agg_mode: str = "token-mean", horizon: int | None = None,
                 ref_logprobs=None, kl_coef: float = 0.0, kl_type: str = "low_var_kl", entropy=None,
-                entropy_coef: float = 0.0):
-    """PPO/GRPO clipped surrogate (verl compute_policy_loss "vanilla"), plus optional KL and entropy terms.
+                entropy_coef: float = 0.0, policy_loss_type: str = "ppo"):
+    """PPO/GRPO clipped surrogate (verl compute_policy_loss "vanilla") or GSPO's sequence-level one
+    (verl compute_policy_loss_gspo), plus optional KL and entropy terms.
 
-    logprobs, old_logprobs, mask (and ref_logprobs, entropy when given) [B,T]; advantages [B]
-    (broadcast over tokens) or [B,T]. Per token, with ratio = exp(clip(logp - old, -20, 20)):
+    logprobs, old_logprobs, mask (and ref_logprobs, entropy when given) [B,T]; advantages
+    [B] (broadcast over tokens) or [B,T]. Per token, with ratio = exp(log_importance_ratio(...,
+    policy_loss_type)) (PPO: the token's ratio; GSPO: the row's length-normalised sequence ratio):
         pg1 = -A * ratio
         pg2 = -A * clip(ratio, 1 - eps_clip, 1 + (eps_clip_high or eps_clip))
         pg  = max(pg1, pg2)
@@ -214,6 +240,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, ep
                     - entropy_coef * entropy                      [when entropy given, entropy_coef != 0]
     then (loss_sum, denominator) = aggregate(loss_t, mask, loss_agg_mode, horizon). Aggregation is linear,
     so this equals verl's pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each aggregated alike.
+    GSPO is a sequence-level objective: it takes loss_agg_mode "seq-mean-token-mean" (which verl's GSPO
+    forces; the others would weight a sequence by its length) and no dual clip (verl has none for it);
+    anything else raises ValueError (config.py refuses it before the run).
 
     Returns (loss_sum, denominator, metrics). metrics maps name -> (sum, count), float32 scalars with
     stop_gradient; the exact average over micro-batches/devices is sum(sums) / sum(counts):
@@ -221,21 +250,23 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, ep
       pg_clipfrac        tokens with pg2 > pg1 (the clip is active)                / tokens
       pg_clipfrac_lower  tokens with A < 0 and max(pg1, pg2) > pg3 (dual clip active) / tokens  (0 if off)
       approx_kl          k3 estimate of KL(old || new): ratio - 1 - log ratio, per token / tokens
-      ratio              ratio per token / tokens
+                         (GSPO: of the sequence ratio, so the length-normalised KL of the row)
+      ratio              ratio per token / tokens (GSPO: the row's sequence ratio at each of its tokens)
       kl                 kl_penalty(logp, ref, kl_type) per token / tokens     (only when ref_logprobs given)
       entropy            entropy per token / tokens                              (only when entropy given)
     """
     if eps_clip_c is not None and not eps_clip_c > 1.0:
         raise ValueError(f"eps_clip_c (dual-clip constant) must be > 1, got {eps_clip_c}")
+    if policy_loss_type == "gspo" and (loss_agg_mode != "seq-mean-token-mean" or eps_clip_c is not None):
+        raise ValueError("gspo needs loss_agg_mode 'seq-mean-token-mean' and no dual clip (eps_clip_c None)")
     logp = jnp.asarray(logprobs, jnp.float32)
-    old = jnp.asarray(old_logprobs, jnp.float32)
     m = jnp.asarray(mask, jnp.float32)
     adv = jnp.asarray(advantages, jnp.float32)
     if adv.ndim == logp.ndim - 1:
         adv = adv[..., None]
     adv = jnp.broadcast_to(adv, logp.shape)
 
-    log_ratio = jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = log_importance_ratio(logp, old_logprobs, m, policy_loss_type)
     ratio = jnp.exp(log_ratio)
     high = eps_clip if eps_clip_high is None else eps_clip_high
     pg1 = -adv * ratio

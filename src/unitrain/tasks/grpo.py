@@ -115,7 +115,7 @@ class GRPOTask(Task):
             batch["loss_mask"], eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
             loss_agg_mode=cfg.loss_agg_mode, horizon=cfg.rollout_max_response_len,
             ref_logprobs=batch["ref_logprobs"] if kl_in_loss else None, kl_coef=cfg.kl_coef if kl_in_loss else 0.0,
-            kl_type=cfg.kl_type, entropy=stats.entropy, entropy_coef=cfg.entropy_coef)
+            kl_type=cfg.kl_type, entropy=stats.entropy, entropy_coef=cfg.entropy_coef, policy_loss_type=cfg.policy_loss)
         mask = batch["loss_mask"].astype(jnp.float32)
         gap = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(old)) * mask
         metrics["sampler_trainer_logprob_gap"] = (gap.sum(), mask.sum())
