@@ -365,3 +365,78 @@ def test_gspo_refuses_token_level_aggregation_and_dual_clip():
     for kw in ({"loss_agg_mode": "token-mean"}, {"loss_agg_mode": "seq-mean-token-mean", "eps_clip_c": 3.0}):
         with pytest.raises(ValueError, match="gspo"):
             losses.policy_loss(d["logp"], d["old"], d["adv"], d["mask"], eps_clip=0.2, policy_loss_type="gspo", **kw)
+
+
+# ------------------------------------------------------------------ rollout/trainer mismatch correction
+
+def np_rollout_is(old, sampler, mask, level, mode, upper, lower):
+    """verl's compute_rollout_importance_weights, float64, row by row."""
+    old, sampler, m = (x.astype(np.float64) for x in (old, sampler, mask))
+    w = np.zeros_like(old)
+    for b in range(len(m)):
+        lw = (old[b] - sampler[b]) * m[b]
+        n = max(m[b].sum(), 1)
+        lw = {"token": lw, "sequence": np.full(T, lw.sum()), "geometric": np.full(T, lw.sum() / n)}[level]
+        w[b] = np.exp(np.clip(lw, -20, 20))
+    outside = (w > upper) | (w < lower)
+    if mode == "truncate":
+        return np.minimum(w, upper) * m, m, w
+    kept = m * ~outside
+    return w * kept, kept, w
+
+
+@pytest.mark.parametrize("level", losses.ROLLOUT_IS_LEVELS)
+@pytest.mark.parametrize("mode, lower", [("truncate", None), ("mask", None), ("mask", 0.7)])
+def test_rollout_correction_matches_numpy(level, mode, lower):
+    d = _batch()
+    # The sampler's logprobs: the old ones shifted per row plus noise, so that weights land below,
+    # inside and above [lower, 2] at every level.
+    shift = np.array([-1.0, 0.9, 0.2, 0.0, -0.1, 0.5])[:, None]
+    noise = np.random.default_rng(2).uniform(-0.5, 0.5, (B, T)) * (0.2 if level == "sequence" else 1.0)
+    sampler = (d["old"] - shift - noise).astype(np.float32)
+    upper = 2.0
+    weights, kept, met = jax.jit(lambda o, s, m: losses.rollout_correction(
+        o, s, m, level=level, mode=mode, threshold=upper, threshold_lower=lower))(d["old"], sampler, d["mask"])
+    low = 1 / upper if lower is None else lower
+    want_w, want_kept, raw = np_rollout_is(d["old"], sampler, d["mask"], level, mode, upper, low)
+    np.testing.assert_allclose(np.asarray(weights), want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(kept), want_kept)
+    m = d["mask"] > 0
+    assert (raw[m] > upper).any() and (raw[m] <= upper).any()  # truncation / masking really happens
+    tokens = m.sum()
+    expect = {"rollout_is_mean": (raw[m].sum(), tokens), "rollout_is_max": (raw[m].max(), 1),
+              "rollout_is_fraction_high": ((raw[m] > upper).sum(), tokens),
+              "rollout_is_fraction_low": ((raw[m] < low).sum(), tokens)}
+    if mode == "mask":
+        dropped = d["mask"] - want_kept
+        rows = m.any(-1)
+        expect["rollout_is_masked_fraction"] = (dropped.sum(), tokens)
+        expect["rollout_is_seq_masked_fraction"] = ((dropped.sum(-1) > 0)[rows].sum(), rows.sum())
+        assert 0 < dropped.sum() < tokens
+    assert set(met) == set(expect)
+    for k, (s, c) in expect.items():
+        np.testing.assert_allclose([float(met[k][0]), float(met[k][1])], [s, c], rtol=1e-5, err_msg=k)
+
+    # In the loss: each token's pg term times its weight, aggregated over the kept tokens only.
+    lp = d["logp"]
+    s, n, _ = losses.policy_loss(lp, d["old"], d["adv"], kept, eps_clip=0.2, loss_agg_mode="seq-mean-token-mean",
+                                 pg_weights=weights)
+    r = np.exp(lp.astype(np.float64) - d["old"])
+    A = d["adv"].astype(np.float64)[:, None]
+    pg = np.maximum(-A * r, -A * np.clip(r, 0.8, 1.2)) * want_w
+    want_s, want_n = np_aggregate(pg, want_kept, "seq-mean-token-mean")
+    np.testing.assert_allclose([float(s), float(n)], [want_s, want_n], rtol=1e-5)
+
+
+def test_rollout_correction_weights_are_constants():
+    """With the old pass skipped the old logprobs are the loss's own: the weights must not carry a gradient."""
+    d = _batch()
+
+    def loss(lp):
+        w, kept, _ = losses.rollout_correction(lp, d["old"], d["mask"], level="token", mode="truncate", threshold=2.0)
+        s, n, _ = losses.policy_loss(lp, jax.lax.stop_gradient(lp), d["adv"], kept, eps_clip=0.2, pg_weights=w)
+        return s / n
+
+    g = np.asarray(jax.grad(loss)(jnp.asarray(d["logp"])))
+    w = np.minimum(np.exp(np.clip(d["logp"].astype(np.float64) - d["old"], -20, 20)), 2.0) * d["mask"]
+    np.testing.assert_allclose(g, -d["adv"][:, None] * w / d["mask"].sum(), rtol=1e-5, atol=1e-7)

@@ -40,6 +40,9 @@ def test_gspo_trains_and_clips_sequences(tmp_path, varied_reward):
 @pytest.mark.parametrize("overrides, named", [
     (("policy_loss=gspo",), "loss_agg_mode"),
     (("policy_loss=gspo", "loss_agg_mode=seq-mean-token-mean", "eps_clip_c=3.0"), "eps_clip_c"),
+    (("rollout_is_threshold_lower=0.5",), "rollout_is_threshold_lower"),
+    (("rollout_is=true", "rollout_decoding=beam"), "rollout_is"),
+    (("rollout_is_threshold=0.5",), "rollout_is_threshold"),
 ])
 def test_nonsense_combinations_stop_with_one_line(tmp_path, capsys, overrides, named):
     with pytest.raises(ConfigError, match=named):
@@ -48,3 +51,32 @@ def test_nonsense_combinations_stop_with_one_line(tmp_path, capsys, overrides, n
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0] and "Traceback" not in err[0]
+
+
+# With top-p the sampler draws from a renormalised nucleus, so its logprobs exceed the trainer's:
+# every token's weight exp(old - sampler) is the nucleus' mass, below 1 (an untrained model puts
+# no token above 0.9).
+def test_rollout_is_truncate_sees_the_nucleus(tmp_path, varied_reward):
+    cfg = config(tmp_path, varied_reward, "steps=2", "rollout_top_p=0.9", "rollout_is=true")
+    assert train.train(cfg) == 0
+    for line in metrics(cfg):
+        assert 0.5 < line["rollout_is_mean"] < 1 and line["rollout_is_max"] < 1
+        assert line["rollout_is_fraction_high"] == 0 and line["rollout_is_fraction_low"] == 0
+        assert "rollout_is_masked_fraction" not in line and math.isfinite(line["loss"])
+
+
+def test_rollout_is_mask_rejects_what_is_out_of_range(tmp_path, varied_reward):
+    # The old pass runs (two iterations); every geometric weight is below 0.999: all rows are rejected,
+    # so nothing is left to train on.
+    cfg = config(tmp_path, varied_reward, "steps=1", "rollout_top_p=0.9", "rollout_is=true", "num_iterations=2",
+                 "rollout_is_level=geometric", "rollout_is_mode=mask", "rollout_is_threshold_lower=0.999")
+    assert train.train(cfg) == 0
+    (line,) = metrics(cfg)
+    assert line["rollout_is_masked_fraction"] == 1 and line["rollout_is_seq_masked_fraction"] == 1
+    assert line["loss"] == 0 and line["grad_norm"] == 0
+    # Sequence level with the default range: the product over 6 tokens of ~0.9 straddles 1/2.
+    cfg = config(tmp_path, varied_reward, "run_name=seq", "steps=1", "rollout_top_p=0.9", "rollout_is=true",
+                 "rollout_is_level=sequence", "rollout_is_mode=mask")
+    assert train.train(cfg) == 0
+    (line,) = metrics(cfg)
+    assert 0 <= line["rollout_is_masked_fraction"] <= 1 and line["rollout_is_max"] < 1 and math.isfinite(line["loss"])

@@ -192,8 +192,12 @@ RULES: dict[str, Rule] = {
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),
     "eps_clip_c": optional(Rule(lambda v: _is_num(v) and v > 1, "a number > 1")),
-    "policy_loss": choices_of("unitrain.losses", "POLICY_LOSSES"),
     "loss_agg_mode": choices_of("unitrain.losses", "LOSS_AGG_MODES"),
+    "policy_loss": choices_of("unitrain.losses", "POLICY_LOSSES"),
+    "rollout_is_level": choices_of("unitrain.losses", "ROLLOUT_IS_LEVELS"),
+    "rollout_is_mode": choices_of("unitrain.losses", "ROLLOUT_IS_MODES"),
+    "rollout_is_threshold": Rule(lambda v: _is_num(v) and v > 1, "a number > 1"),
+    "rollout_is_threshold_lower": optional(Rule(lambda v: _is_num(v) and 0 < v < 1, "a number in (0, 1)")),
     "kl_coef": NON_NEGATIVE,
     "kl_type": choices_of("unitrain.losses", "KL_TYPES"),
     "entropy_coef": NON_NEGATIVE,
@@ -311,11 +315,15 @@ CHECKS: list[Callable[[dict], str | None]] = [
     "mode=grpo cannot score SID->title records (rewards compare SIDs); set the third rec_task_weights entry to 0",
     lambda c: None if "sid_rank" not in [r.strip() for r in c["reward"].split(",")] or c["rollout_decoding"] == "beam"
     or c["sid_index_path"] else
+    "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)",
     lambda c: None if c["policy_loss"] != "gspo" or c["loss_agg_mode"] == "seq-mean-token-mean" else
     f"policy_loss=gspo is a sequence-level objective and needs loss_agg_mode=seq-mean-token-mean, got {c['loss_agg_mode']}",
     lambda c: None if c["policy_loss"] != "gspo" or c["eps_clip_c"] is None else
     "policy_loss=gspo has no dual clip; set eps_clip_c=null",
-    "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)",
+    lambda c: None if c["rollout_is_threshold_lower"] is None or c["rollout_is_mode"] == "mask" else
+    "rollout_is_threshold_lower bounds rollout_is_mode=mask only (truncate caps above); set it to null or rollout_is_mode=mask",
+    lambda c: None if not c["rollout_is"] or c["rollout_decoding"] == "sample" else
+    "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for",
 ]
 
 

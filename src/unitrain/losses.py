@@ -78,6 +78,8 @@ ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo")
+ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
+ROLLOUT_IS_MODES = ("truncate", "mask")
 
 _WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
 _LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios to [-20, 20] before exp
@@ -200,7 +202,7 @@ def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | No
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
-def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "ppo"):
+def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "ppo", pg_weights=None):
     """log(ratio) per token [B,T], float32, for the clipped surrogate of `policy_loss_type`:
 
     - "ppo":  clip(logp - old, -20, 20), the token's own ratio (verl "vanilla").
@@ -225,17 +227,19 @@ def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, eps_clip_high: float | None = None,
                 eps_clip_c: float | None = None, loss_agg_mode: str = "token-mean", horizon: int | None = None,
                 ref_logprobs=None, kl_coef: float = 0.0, kl_type: str = "low_var_kl", entropy=None,
-                entropy_coef: float = 0.0, policy_loss_type: str = "ppo"):
+                entropy_coef: float = 0.0, policy_loss_type: str = "ppo", pg_weights=None):
     """PPO/GRPO clipped surrogate (verl compute_policy_loss "vanilla") or GSPO's sequence-level one
     (verl compute_policy_loss_gspo), plus optional KL and entropy terms.
 
-    logprobs, old_logprobs, mask (and ref_logprobs, entropy when given) [B,T]; advantages
+    logprobs, old_logprobs, mask (and ref_logprobs, entropy, pg_weights when given) [B,T]; advantages
     [B] (broadcast over tokens) or [B,T]. Per token, with ratio = exp(log_importance_ratio(...,
     policy_loss_type)) (PPO: the token's ratio; GSPO: the row's length-normalised sequence ratio):
         pg1 = -A * ratio
         pg2 = -A * clip(ratio, 1 - eps_clip, 1 + (eps_clip_high or eps_clip))
         pg  = max(pg1, pg2)
         dual clip (eps_clip_c > 1 given): pg3 = -A * eps_clip_c; pg = min(pg3, pg) where A < 0.
+        pg_weights given (the rollout correction's weights): pg = pg * pg_weights, as verl multiplies
+                    pg_losses by rollout_is_weights; the KL and entropy terms are not weighted.
         loss_t = pg + kl_coef * kl_penalty(logp, ref, kl_type)   [when ref_logprobs given, kl_coef > 0]
                     - entropy_coef * entropy                      [when entropy given, entropy_coef != 0]
     then (loss_sum, denominator) = aggregate(loss_t, mask, loss_agg_mode, horizon). Aggregation is linear,
@@ -279,6 +283,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, ep
     else:
         pg = clipped
         lower = jnp.zeros_like(pg)
+    if pg_weights is not None:
+        pg = pg * jax.lax.stop_gradient(jnp.asarray(pg_weights, jnp.float32))
 
     loss_t = pg
     kl = None
@@ -310,6 +316,66 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, ep
     if entropy is not None:
         metrics["entropy"] = tok(entropy)
     return loss_sum, denom, metrics
+
+
+def rollout_correction(old_logprobs, sampler_logprobs, mask, *, level: str, mode: str, threshold: float,
+                       threshold_lower: float | None = None):
+    """Importance weights for the gap between the policy that sampled the tokens (the sampler's
+    logprobs: another engine, other kernels, or a policy k versions old) and the trainer's old policy,
+    as verl's compute_rollout_importance_weights (rollout_is) and slime's TIS/MIS do.
+
+    old_logprobs, sampler_logprobs, mask [B,T]. With log w_t = old_t - sampler_t on masked tokens,
+    the raw weight at each token is, by `level`:
+      - "token":     w_t = exp(clip(log w_t, -20, 20))
+      - "sequence":  w_i = exp(clip(sum_t log w_t, -20, 20)), the product of the row's token ratios
+      - "geometric": w_i = exp(clip(mean_t log w_t, -20, 20)), their geometric mean
+    (sequence levels: w_i at every token of row i). With lower = threshold_lower or 1 / threshold,
+    by `mode`:
+      - "truncate" (TIS): weight = min(w, threshold); the mask is unchanged.
+      - "mask" (MIS, rejection): tokens ("token") or whole rows (sequence levels) whose w lies outside
+                  [lower, threshold] leave the mask; the kept ones keep their weight w (verl).
+    Returns (weights, mask, metrics): weights [B,T] float32 (0 off the mask) for policy_loss's
+    pg_weights, the mask the whole loss then aggregates under, and metrics name -> (sum, count) with
+    stop_gradient, computed on the raw w over the tokens of the given mask:
+      rollout_is_mean                 w per token / tokens
+      rollout_is_max                  the largest w (count 1: over several micro-batches or updates,
+                                      the mean of their maxima)
+      rollout_is_fraction_high        tokens with w > threshold / tokens   (truncate: those truncated)
+      rollout_is_fraction_low         tokens with w < lower / tokens
+      rollout_is_masked_fraction      (mask) tokens taken out of the loss / tokens
+      rollout_is_seq_masked_fraction  (mask) rows with a token taken out / rows with tokens
+    The inputs are constants of the loss (the old logprobs may be the current ones under
+    stop_gradient when the old pass is skipped): nothing here is differentiated.
+    """
+    sg = jax.lax.stop_gradient
+    m = jnp.asarray(mask, jnp.float32)
+    log_w = jnp.where(m > 0, sg(jnp.asarray(old_logprobs, jnp.float32)) - jnp.asarray(sampler_logprobs, jnp.float32),
+                      0.0)
+    if level == "sequence":
+        log_w = jnp.broadcast_to(log_w.sum(axis=-1, keepdims=True), m.shape)
+    elif level == "geometric":
+        log_w = jnp.broadcast_to(log_w.sum(axis=-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0),
+                                 m.shape)
+    elif level != "token":
+        raise ValueError(f"unknown rollout_is_level {level!r}; expected one of {ROLLOUT_IS_LEVELS}")
+    w = jnp.exp(jnp.clip(log_w, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    lower = 1.0 / threshold if threshold_lower is None else threshold_lower
+    high, low = (w > threshold).astype(jnp.float32), (w < lower).astype(jnp.float32)
+    tokens = m.sum()
+    metrics = {"rollout_is_mean": ((w * m).sum(), tokens), "rollout_is_max": ((w * m).max(), jnp.float32(1.0)),
+               "rollout_is_fraction_high": ((high * m).sum(), tokens),
+               "rollout_is_fraction_low": ((low * m).sum(), tokens)}
+    if mode == "truncate":
+        weights, kept = jnp.minimum(w, threshold) * m, m
+    elif mode == "mask":
+        kept = m * (1.0 - jnp.maximum(high, low))
+        weights = w * kept
+        rows = (m.sum(-1) > 0).astype(jnp.float32)
+        metrics["rollout_is_masked_fraction"] = ((m - kept).sum(), tokens)
+        metrics["rollout_is_seq_masked_fraction"] = ((rows * ((m - kept).sum(-1) > 0)).sum(), rows.sum())
+    else:
+        raise ValueError(f"unknown rollout_is_mode {mode!r}; expected one of {ROLLOUT_IS_MODES}")
+    return sg(weights), sg(kept), jax.tree.map(sg, metrics)
 
 
 # ----------------------------------------------------------------------------------------------

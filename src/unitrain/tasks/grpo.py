@@ -109,13 +109,20 @@ class GRPOTask(Task):
         cfg = self.cfg
         stats = self.stats(params, batch, with_entropy=True)
         old = batch["old_logprobs"] if self.separate_old else jax.lax.stop_gradient(stats.logprobs)
+        mask, weights, is_metrics = batch["loss_mask"], None, {}
+        if cfg.rollout_is:  # against the old policy, whichever pass it came from
+            weights, mask, is_metrics = losses.rollout_correction(
+                old, batch["sampler_logprobs"], mask, level=cfg.rollout_is_level, mode=cfg.rollout_is_mode,
+                threshold=cfg.rollout_is_threshold, threshold_lower=cfg.rollout_is_threshold_lower)
         kl_in_loss = cfg.kl_coef > 0 and not cfg.use_kl_in_reward
         loss_sum, denom, metrics = losses.policy_loss(
             stats.logprobs, old, batch["advantages"],
-            batch["loss_mask"], eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
+            mask, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
             loss_agg_mode=cfg.loss_agg_mode, horizon=cfg.rollout_max_response_len,
             ref_logprobs=batch["ref_logprobs"] if kl_in_loss else None, kl_coef=cfg.kl_coef if kl_in_loss else 0.0,
-            kl_type=cfg.kl_type, entropy=stats.entropy, entropy_coef=cfg.entropy_coef, policy_loss_type=cfg.policy_loss)
+            kl_type=cfg.kl_type, entropy=stats.entropy, entropy_coef=cfg.entropy_coef, policy_loss_type=cfg.policy_loss,
+            pg_weights=weights)
+        metrics.update(is_metrics)
         mask = batch["loss_mask"].astype(jnp.float32)
         gap = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(old)) * mask
         metrics["sampler_trainer_logprob_gap"] = (gap.sum(), mask.sum())
