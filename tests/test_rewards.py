@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from unitrain.config import ConfigError, load_config
-from unitrain.rewards import RewardError, final_answer, make_reward_fn
+from unitrain.rewards import RewardError, final_answer, make_reward_fn, overlong_penalty
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl"
@@ -279,3 +279,12 @@ def test_inputs_must_match_in_length():
         rewards()(["p"], ["a", "b"], ["l", "l"])
     total, per = rewards()([], [], [])
     assert total.shape == (0,) and math.isclose(total.sum(), 0.0) and per["exact_match"].shape == (0,)
+
+
+def test_overlong_penalty_is_dapos_linear_buffer():
+    lengths = np.arange(0, 21)
+    got = overlong_penalty(lengths, max_len=20, buffer_len=4, factor=2.0)
+    # Independent: 0 up to L_max - L_cache = 16, then -factor * (len - 16) / 4, -2 at 20.
+    want = [0.0 if n <= 16 else -2.0 * (n - 16) / 4 for n in lengths]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.dtype == np.float32 and got[18] == -1.0 and got[20] == -2.0

@@ -5,13 +5,18 @@ test_rewards.py; here each option runs in a real GRPO loop and its config checks
 import json
 import math
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from unitrain import train
 from unitrain.config import ConfigError
+from unitrain.rollout.base import Completions
+from unitrain.rollout.groups import Group
+from unitrain.tasks.grpo import truncated_rows
 
 from conftest import REPO
-from test_grpo import FAST, config
+from test_grpo import FAST, config, make_step
 
 
 def metrics(cfg) -> list[dict]:
@@ -43,6 +48,7 @@ def test_gspo_trains_and_clips_sequences(tmp_path, varied_reward):
     (("rollout_is_threshold_lower=0.5",), "rollout_is_threshold_lower"),
     (("rollout_is=true", "rollout_decoding=beam"), "rollout_is"),
     (("rollout_is_threshold=0.5",), "rollout_is_threshold"),
+    (("overlong_buffer_len=6",), "overlong_buffer_len"),
 ])
 def test_nonsense_combinations_stop_with_one_line(tmp_path, capsys, overrides, named):
     with pytest.raises(ConfigError, match=named):
@@ -80,3 +86,55 @@ def test_rollout_is_mask_rejects_what_is_out_of_range(tmp_path, varied_reward):
     assert train.train(cfg) == 0
     (line,) = metrics(cfg)
     assert 0 <= line["rollout_is_masked_fraction"] <= 1 and line["rollout_is_max"] < 1 and math.isfinite(line["loss"])
+
+
+# ------------------------------------------------------------------ DAPO overlong handling
+
+def test_truncated_rows_are_those_without_a_stop_token():
+    tokens = np.array([[5, 2, 0], [5, 6, 7], [5, 6, 2], [0, 0, 0]], np.int32)  # 2 = EOS
+    lengths = np.array([2, 3, 3, 0], np.int32)
+    c = Completions(tokens, (np.arange(3) < lengths[:, None]).astype(np.int32), np.zeros((4, 3), np.float32), lengths, 0)
+    group = Group(prompt=None, completions=c, texts=[], rewards=np.zeros(4, np.float32), per_reward={})
+    assert list(truncated_rows([group, group], (2,))) == [False, True, False, True] * 2
+
+
+def _step_seeing(task, params):
+    """Runs task.step(0) and returns (its metrics, the groups it sampled, the batch its update got)."""
+    seen = {}
+    sample, update = task.sample_groups, task.update
+
+    def sample_groups(step):
+        seen["groups"], stats = sample(step)
+        return seen["groups"], stats
+
+    def record_update(state, batch):
+        seen["batch"] = dict(batch)
+        return update(state, batch)
+
+    task.sample_groups, task.update = sample_groups, record_update
+    state = {"params": params, "opt_state": task.run.optimizer.init(params), "step": jnp.int32(0)}
+    _, m = task.step(state, 0)
+    return m, seen["groups"], seen["batch"]
+
+
+def test_overlong_penalty_and_filter_in_a_grpo_step(tmp_path, varied_reward):
+    cfg = config(tmp_path, varied_reward, "overlong_buffer_len=3", "overlong_penalty_factor=0.5", "overlong_filter=true")
+    task, _, params, _ = make_step(cfg)
+    m, groups, batch = _step_seeing(task, params)
+    eos = task.run.tokenizer.eos_id
+    for g in groups:  # the reward is the plugin's plus DAPO's penalty, by the formula, from the lengths
+        lengths = g.completions.lengths.astype(np.float64)
+        want = np.where(lengths <= 6 - 3, 0.0, -0.5 * (lengths - 3) / 3)
+        np.testing.assert_allclose(g.per_reward["overlong"], want, rtol=1e-6)
+        np.testing.assert_allclose(g.rewards, g.per_reward["varied_reward:score"] + want, rtol=1e-6)
+    lengths = np.concatenate([g.completions.lengths for g in groups])
+    last = np.concatenate([g.completions.tokens[np.arange(len(g.completions.lengths)),
+                                                np.maximum(g.completions.lengths - 1, 0)] for g in groups])
+    cut = last != eos
+    assert cut.any()  # the untrained model rarely stops within 6 tokens
+    want_mask = (np.arange(batch["loss_mask"].shape[1]) < lengths[:, None]) & ~cut[:, None]
+    np.testing.assert_array_equal(batch["loss_mask"], want_mask)
+    assert m["overlong_filtered_fraction"] == pytest.approx(cut.mean())
+    assert m["reward_overlong_min"] == pytest.approx(-0.5 * (lengths.max() - 3) / 3)
+    assert m["loss_denominator"] == max(1.0, float(want_mask.sum()))
+

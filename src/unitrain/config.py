@@ -198,6 +198,8 @@ RULES: dict[str, Rule] = {
     "rollout_is_mode": choices_of("unitrain.losses", "ROLLOUT_IS_MODES"),
     "rollout_is_threshold": Rule(lambda v: _is_num(v) and v > 1, "a number > 1"),
     "rollout_is_threshold_lower": optional(Rule(lambda v: _is_num(v) and 0 < v < 1, "a number in (0, 1)")),
+    "overlong_buffer_len": Rule(lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0 = off)"),
+    "overlong_penalty_factor": POSITIVE,
     "kl_coef": NON_NEGATIVE,
     "kl_type": choices_of("unitrain.losses", "KL_TYPES"),
     "entropy_coef": NON_NEGATIVE,
@@ -324,6 +326,8 @@ CHECKS: list[Callable[[dict], str | None]] = [
     "rollout_is_threshold_lower bounds rollout_is_mode=mask only (truncate caps above); set it to null or rollout_is_mode=mask",
     lambda c: None if not c["rollout_is"] or c["rollout_decoding"] == "sample" else
     "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for",
+    lambda c: None if c["overlong_buffer_len"] < c["rollout_max_response_len"] else
+    f"overlong_buffer_len ({c['overlong_buffer_len']}) must be below rollout_max_response_len ({c['rollout_max_response_len']})",
 ]
 
 

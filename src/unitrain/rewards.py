@@ -199,6 +199,17 @@ def sid_rank_reward(prompts: list[str], completions: list[str], labels: list[str
     return [0.0 if hit else -w / sum(weights) for hit, w in zip(hits, weights)]
 
 
+# ---------------------------------------------------------------- length (DAPO)
+
+def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025; verl's DAPO reward manager), a reward term
+    from completion lengths in tokens (stop token included) [N] -> float32 [N]: with L_max = max_len
+    and L_cache = buffer_len, 0 for length <= L_max - L_cache, then falling linearly to -factor at
+    L_max: min(0, -(length - (L_max - L_cache)) / L_cache) * factor."""
+    exceed = np.asarray(lengths, np.float64) - (max_len - buffer_len)
+    return (np.minimum(0.0, -exceed / buffer_len) * factor).astype(np.float32)
+
+
 # Name -> factory(cfg) -> reward: factories let `math` import lazily and `format` compile once.
 BUILTINS: dict[str, Callable[..., Reward]] = {
     "math": make_math_reward,

@@ -5,13 +5,15 @@ One step (`GRPOTask.step`):
   1. push the current parameters to the sampler (rollout/base.py; colocated by default: no copy)
      and sample n completions for each prompt, in rounds of `over_sampling_batch_size` prompts until
      `rollout_batch_size` groups pass the filter (rollout/groups.py);
-  2. score them (rewards.py), optionally subtract the KL to the reference from the reward, and turn
-     rewards into advantages per group (losses.compute_advantages);
+  2. score them (rewards.py; with overlong_buffer_len DAPO's overlong penalty is one more reward term),
+     optionally subtract the KL to the reference from the reward, and turn rewards into advantages per
+     group (losses.compute_advantages); with overlong_filter, cut completions then leave the loss mask;
   3. recompute the sampled tokens' logprobs with the trainer's forward (the PPO "old" policy) and,
      with a KL term, the reference model's, in one pass over the rows. With one optimizer update per
      step (one mini-batch, num_iterations 1) and no KL in the reward, the old policy is the one being
      updated: the loss takes its own logprobs under stop_gradient and the old pass is skipped;
-  4. run `num_iterations` passes over the rows in mini-batches, one optimizer update each.
+  4. run `num_iterations` passes over the rows in mini-batches, one optimizer update each, of the
+     PPO or GSPO loss (`policy_loss`), with rollout_is weighted against the sampler's logprobs.
 
 Row layout of the train batch, as the sampler lays out its own rows: `inputs` (and its positions
 and segments) [rows, P + C] is the prompt left-padded to end at column P, then the completion
@@ -24,6 +26,7 @@ head: the prompt's logits are never computed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -64,6 +67,12 @@ def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batc
     if ref_device is not None:
         out["ref_logprobs"] = stats(jax.device_put(ref_params, ref_device), batch).logprobs
     return out
+
+
+def truncated_rows(groups, stop_ids) -> np.ndarray:
+    """[rows] bool: the completions that end without a stop token (cut at the length limit)."""
+    return np.concatenate([[length == 0 or tokens[length - 1] not in stop_ids
+                            for tokens, length in zip(g.completions.tokens, g.completions.lengths)] for g in groups])
 
 
 class GRPOTask(Task):
@@ -158,6 +167,10 @@ class GRPOTask(Task):
         batch["advantages"] = np.asarray(losses.compute_advantages(
             rewards_, group_ids, len(groups), cfg.advantage_estimator, cfg.advantage_norm_by_std,
             weights=mask.sum(axis=1).astype(np.float32) if cfg.advantage_estimator == "reinforce_pp" else None))
+        if cfg.overlong_filter:  # DAPO; after the advantages: cut completions still count in their group's baseline
+            truncated = truncated_rows(groups, self.sampling.stop_token_ids)
+            batch["loss_mask"] = batch["loss_mask"] * ~truncated[:, None]
+            stats["overlong_filtered_fraction"] = float(truncated.mean())
         t2 = time.perf_counter()
         state, update_metrics = self.update(state, batch)
         t3 = time.perf_counter()
@@ -187,9 +200,20 @@ class GRPOTask(Task):
     def collect(self, prompts, key):
         """One prompt batch's scored groups: ranked (beam.py) or from the sampler's generate."""
         if self.beams is not None:
-            return collect_ranked_groups(self.sampler, prompts, self.beams, key, self.run.tokenizer, self.reward_fn)
-        return collect_groups(self.sampler, prompts, self.cfg.n_samples_per_prompt, self.sampling, key,
-                              self.run.tokenizer, self.reward_fn)
+            groups = collect_ranked_groups(self.sampler, prompts, self.beams, key, self.run.tokenizer, self.reward_fn)
+        else:
+            groups = collect_groups(self.sampler, prompts, self.cfg.n_samples_per_prompt, self.sampling, key,
+                                    self.run.tokenizer, self.reward_fn)
+        return [self.with_overlong_penalty(g) for g in groups] if self.cfg.overlong_buffer_len else groups
+
+    def with_overlong_penalty(self, group):
+        """DAPO's soft overlong punishment added to the group's rewards (as the reward term "overlong"),
+        before a dynamic-sampling filter sees the group."""
+        cfg = self.cfg
+        penalty = rewards.overlong_penalty(group.completions.lengths, cfg.rollout_max_response_len,
+                                           cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+        return dataclasses.replace(group, rewards=group.rewards + penalty,
+                                   per_reward={**group.per_reward, "overlong": penalty})
 
     def to_rows(self, groups) -> dict:
         """The rows of the module docstring's layout, from the groups' prompts and completions."""
@@ -250,7 +274,7 @@ class GRPOTask(Task):
                    "response_length_max": lengths.max(),
                    "response_clip_ratio": float(np.mean(lengths >= self.cfg.rollout_max_response_len)),
                    "zero_std_group_fraction": float(np.mean([np.std(g.rewards) == 0 for g in groups]))}
-        for name in self.reward_fn.names:
+        for name in self.reward_fn.names + ("overlong",) * bool(self.cfg.overlong_buffer_len):
             values = np.concatenate([g.per_reward[name] for g in groups])
             metrics.update({f"reward_{name}_{stat}": getattr(values, stat)() for stat in ("mean", "std", "min", "max")})
         return {k: float(v) for k, v in metrics.items()}
