@@ -5,6 +5,7 @@ test_rewards.py; here each option runs in a real GRPO loop and its config checks
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -138,3 +139,26 @@ def test_overlong_penalty_and_filter_in_a_grpo_step(tmp_path, varied_reward):
     assert m["reward_overlong_min"] == pytest.approx(-0.5 * (lengths.max() - 3) / 3)
     assert m["loss_denominator"] == max(1.0, float(want_mask.sum()))
 
+
+# ------------------------------------------------------------------ what an external engine gets
+
+def test_export_policy_writes_the_given_weights_and_version(tmp_path):
+    import torch
+    import transformers
+    from flax import nnx
+
+    from unitrain import export, run
+
+    built, state = run.build_run(config(tmp_path))
+    root = tmp_path / "engine"
+    export.export_policy(built, state["params"], 1, str(root))
+    # Version 2 = other weights: the folder must hold exactly these, and version 1 is gone.
+    params = jax.tree.map(lambda x: x * 1.5, state["params"])
+    path = export.export_policy(built, params, 2, str(root))
+    assert sorted(p.name for p in root.iterdir()) == ["version_2"] and path == str(root / "version_2")
+    assert json.load(open(root / "version_2" / export.POLICY_VERSION_FILE)) == {"version": 2}
+    tokens = np.array([[3, 17, 42, 9, 100]], np.int32)
+    ours, _ = nnx.merge(built.graphdef, params)(tokens, np.arange(5)[None], np.ones_like(tokens))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    theirs = hf(torch.tensor(tokens, dtype=torch.long)).logits.detach().numpy()
+    np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-4, rtol=1e-4)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 from flax import nnx
+
+POLICY_VERSION_FILE = "unitrain_version.json"  # beside an export_policy folder's weights: {"version": v}
 
 
 def export_hf(run, params, path: str) -> None:
@@ -38,3 +41,20 @@ def export_hf(run, params, path: str) -> None:
     with open(config_file, "w") as f:
         json.dump({**config, **ids}, f, indent=2, sort_keys=True)
     transformers.GenerationConfig(**ids).save_pretrained(path)
+
+
+def export_policy(run, params, version: int, root: str) -> str:
+    """The policy of `version` as an HF folder an inference engine (vLLM, SGLang) loads as it loads any
+    model: export_hf of `params` into <root>/version_<version>, with POLICY_VERSION_FILE saying the
+    version. Earlier version_* folders under `root` are removed once the new one is complete, so a
+    long run keeps one copy on disk. An engine's Sampler calls this from update_weights (every
+    process must: gathering is a collective; process 0 writes); returns the folder."""
+    path = os.path.join(root, f"version_{version}")
+    export_hf(run, params, path)
+    if jax.process_index() == 0:
+        with open(os.path.join(path, POLICY_VERSION_FILE), "w") as f:
+            json.dump({"version": version}, f)
+        for name in os.listdir(root):
+            if name.startswith("version_") and name != f"version_{version}":
+                shutil.rmtree(os.path.join(root, name))
+    return path

@@ -8,6 +8,35 @@ a sampler on its own devices or an external engine (vLLM, SGLang) is one more im
 named in the config as `sampler: pkg.module:factory` with factory(run: RunContext) -> Sampler.
 Nothing downstream depends on where the tokens came from: the trainer recomputes the logprobs it
 needs and `Completions.version` says which policy produced them.
+
+The contract, for the author of a sampler on another engine (vLLM, SGLang, a server):
+
+  weights  The trainer calls `update_weights(params, version)` on every process after each optimizer
+           update, before the next `generate`; `params` is the model's pure dict of global jax.Arrays
+           in the trainer's shardings, `version` counts the updates (the GRPO step). The next train
+           step donates these buffers: a sampler that reads them later than during this call, or
+           from another thread, copies them first. An engine that loads HF checkpoints calls
+           `unitrain.export.export_policy(run, params, version, root)`: every process calls it, it
+           writes the policy as an HF folder (weights, config, the run's tokenizer, so token ids
+           agree) at <root>/version_<version> with the version in `unitrain_version.json`, and
+           returns the folder for the engine to load (vLLM: a new LLM or its weight reload;
+           SGLang: update_weights_from_disk).
+  generate Every process calls `generate(prompt_ids, sampling, key)` with the same prompts and key and
+           must get the same whole result (an engine queried by process 0 broadcasts it, e.g.
+           jax.experimental.multihost_utils.broadcast_one_to_all). It returns `Completions` with one
+           row per prompt, in order, N = sampling.max_new_tokens columns: `tokens` int32 (any pad
+           after a row's end), `mask` int32 1 on the generated tokens up to and including the stop
+           token, `lengths` = mask.sum(1), and `logprobs` float32, each token's log-probability
+           under the distribution it was drawn from (after temperature, top-k, top-p; 0 off the
+           mask): `rollout_is` corrects the loss for their gap to the trainer's. A row ends after
+           any of `sampling.stop_token_ids` or at N tokens; temperature 0 is greedy; `key` seeds
+           the sampling (jax.random.key_data(key) gives integers for an engine's seed).
+  version  `Completions.version` is the `version` of the weights the tokens were sampled with
+           (the last update_weights the engine had applied when it began them), not the trainer's
+           current one: a sampler that runs ahead reports the version it really used.
+  options  `beam_search` is outside the protocol: ranked rollouts (rollout_decoding=beam,
+           sid_index_path) and the recommendation evals call it, so only a sampler that has it
+           serves them (the colocated one does).
 """
 
 from __future__ import annotations
