@@ -64,6 +64,23 @@ def test_compile_only_tiny_fsdp8_reports_sharded_memory():
     assert memory["argument"] >= result["param_bytes_per_device"] + result["opt_state_bytes_per_device"]
 
 
+def test_compile_only_compiles_the_grpo_and_dpo_updates():
+    """The update of each RL mode, at the longest rows its config allows: GRPO rows of the prompt
+    bucket (32 for 20 prompt tokens) plus 8 completion columns; DPO pairs of two sequences."""
+    cfg = load_config(["configs/base.yml", *OVERRIDES])
+    flops = decoder.create(decoder.ModelConfig.from_config(cfg)).flops_per_token
+    grpo = ["--mode", "grpo", "kl_coef=0.1", "rollout_batch_size=4", "n_samples_per_prompt=4",
+            "max_prompt_length=20", "rollout_max_response_len=8"]
+    for args, mode, sequences, length in ((grpo, "grpo", 16, 32 + 8), (["mode=dpo"], "dpo", 2 * 16, 32)):
+        proc = run_bench("configs/base.yml", *OVERRIDES, *args, "--compile-only")
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["config"]["mode"] == mode and result["memory_per_device"]["temp"] > 0
+        assert result["model_flops_per_device"] == flops(length) * sequences * length / 8
+    proc = run_bench("configs/base.yml", *OVERRIDES, "--mode", "sampler", "--compile-only")
+    assert proc.returncode == 2 and proc.stderr.startswith("bench: --compile-only compiles an update")
+
+
 def test_abstract_state_matches_init_state():
     """The abstract state --compile-only compiles for has the shapes, dtypes and shardings of the real one."""
     import jax

@@ -18,8 +18,9 @@ tokens, one segment per row, every target weighted, placed on device once, so no
 timed. Each timed step is waited for through its metrics. The MFU denominator is the jnp.dot rate
 measured in this run (metrics.peak_flops_per_device), unless peak_flops_per_device is set.
 
---compile-only lowers and compiles the same step for the config's mesh without allocating anything:
-parameters, optimizer state and batch are abstract arrays (jax.ShapeDtypeStruct with the shardings
+--compile-only lowers and compiles one optimizer update of the config's mode (the SFT step; with
+mode=dpo the DPO update; with --mode grpo the GRPO update of rows of the longest prompt and
+completion) for the config's mesh without allocating anything: parameters, optimizer state and batch are abstract arrays (jax.ShapeDtypeStruct with the shardings
 training would give them), so a model far larger than this machine's memory can be sized here. It
 prints the compiler's memory analysis per device (arguments, outputs, temporaries, generated code,
 aliased = donated bytes, and total_estimate = arguments + outputs + temporaries - aliased), the
@@ -119,15 +120,35 @@ def bytes_per_device(tree) -> int:
                for x in jax.tree.leaves(tree))
 
 
+def update_batch(cfg, shardings: dict) -> dict:
+    """One update's batch of the config's mode as abstract arrays in `shardings`, at the longest
+    rows the config allows (GRPO: the longest prompt and completion)."""
+    rows = cfg.rows_per_update
+    if cfg.mode == "grpo":
+        completion = cfg.rollout_max_response_len
+        width = lambda key: rollout.colocated.bucket_prompt_length(cfg.max_prompt_length) + completion \
+            if key.startswith("inputs") else completion  # noqa: E731
+    else:
+        width = lambda key: cfg.max_target_length  # noqa: E731
+
+    def spec(key, where):
+        floating = key == "advantages" or key.endswith(("logprobs", "logps"))
+        shape = (rows,) if len(where.spec) == 1 else (rows, width(key))
+        return jax.ShapeDtypeStruct(shape, jnp.float32 if floating else jnp.int32, sharding=where)
+
+    return {key: spec(key, where) for key, where in shardings.items()}
+
+
 def compile_only(cfg) -> dict:
-    """Compiles the SFT step on abstract state and batch; returns the compiler's per-device memory."""
+    """Compiles one optimizer update of the config's mode (sft, dpo, grpo) on abstract state and
+    batch; returns the compiler's per-device memory."""
     run, state = abstract_run(cfg.replace(eval_interval=0))
     mesh, task = run.mesh, tasks.create(run)
-    rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
-    batch = {k: jax.ShapeDtypeStruct((rows, cfg.max_target_length), jnp.int32, sharding=s)
-             for k, s in task.batch_shardings().items()}
+    shardings = task.batch_shardings()
+    update = step_lib.make_train_step(task.loss, cfg, run.optimizer, run.state_shardings, shardings)
+    batch = update_batch(cfg, shardings)
     start = time.perf_counter()
-    compiled = run.programs.compiled("train_step", task.update, state, batch)
+    compiled = run.programs.compiled(f"{cfg.mode} update", update, state, batch)
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     per_device = None
@@ -150,11 +171,11 @@ def compile_only(cfg) -> dict:
         "opt_state_bytes_per_device": bytes_per_device(state["opt_state"]),
         "memory_per_device": per_device,
         "cost_analysis_flops": float(flops) if flops is not None else None,
-        "model_flops_per_device": run.model.flops_per_token(cfg.max_target_length) * rows * cfg.max_target_length
-        / mesh.size,
+        "model_flops_per_device": sum(run.model.flops_per_token(x.shape[1]) * x.size for key, x in batch.items()
+                                      if key.endswith("inputs")) / mesh.size,
         "compile_seconds": compile_seconds,
         "config": {k: cfg[k] for k in CONFIG_KEYS}
-        | {"global_batch_rows": rows, "mesh_shape": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
+        | {"mode": cfg.mode, "global_batch_rows": cfg.rows_per_update, "mesh_shape": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
            "num_devices": mesh.size, "platform": jax.devices()[0].platform},
     }
 
@@ -271,12 +292,16 @@ def main(argv: list[str] | None = None) -> int:
         if opts.steps < 1 or opts.warmup < 0:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         cfg = load_config(args)
+        if opts.compile_only and opts.mode == "sampler":
+            raise ConfigError("--compile-only compiles an update: --mode sft (with mode=dpo for DPO) or --mode grpo")
         if opts.mode == "sampler":
             result = bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
+        elif opts.compile_only:
+            result = compile_only(cfg.replace(mode=opts.mode) if opts.mode == "grpo" else cfg)
         elif opts.mode == "grpo":
             result = bench_grpo(cfg, opts.prompts, opts.samples, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
         else:
-            result = compile_only(cfg) if opts.compile_only else bench(cfg, opts.steps, opts.warmup)
+            result = bench(cfg, opts.steps, opts.warmup)
     except ConfigError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2

@@ -51,7 +51,8 @@ def init_state(params: dict, optimizer: optax.GradientTransformation, mesh, opt_
 def frozen_copy(params: dict, host_offload: bool = False) -> dict:
     """A copy of the parameters that training never touches (a reference policy), optionally kept
     in pinned host memory between uses."""
-    copy = jax.tree.map(jnp.copy, params)
+    # Abstract parameters (tools/bench.py --compile-only) have nothing to copy.
+    copy = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jnp.copy(x), params)
     return sharding.with_memory_kind(copy, "pinned_host") if host_offload else copy
 
 
