@@ -71,7 +71,7 @@ def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
     """-> (token [B] int32, logprob [B] float32) of the token under the distribution it came from."""
     logits = logits.astype(jnp.float32)
     if greedy:
-        token = jnp.argmax(logits, axis=-1)
+        token = _argmax(logits)
     else:
         scaled = logits / temperature
         if top_k:
@@ -85,9 +85,16 @@ def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
             keep = (mass_before < top_p).at[:, 0].set(True)
             threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
             scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
-        token = jax.random.categorical(key, scaled, axis=-1)
-    token = token.astype(jnp.int32)
+        # jax.random.categorical's Gumbel-max draw, the same noise, with the faster argmax.
+        token = _argmax(scaled + jax.random.gumbel(key, scaled.shape, scaled.dtype))
     return token, _logprob(logits if greedy else scaled, token)
+
+
+def _argmax(x):
+    """jnp.argmax over the last axis (the first maximum) as two plain reductions: XLA:CPU runs
+    argmax's (value, index) reduction unvectorised, about 3x slower over a row of logits."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
 
 def _logprob(logits, token):
