@@ -302,7 +302,10 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, attend, cached=None, put=None):
     if cached is not None:
         k, v = put(cached[0], k, 2), put(cached[1], v, 2)
     attn = attend(q, k.astype(dt), v.astype(dt))
-    x = x + jnp.einsum("bthd,hde->bte", attn, p["wo"].astype(dt))
+    # One contracted axis (heads x head_dim): with two, XLA may pick their order by the attention
+    # output's layout and transpose the weight to match, on every decode step.
+    flat = lambda a, n: a.reshape(*a.shape[:n], -1, *a.shape[n + 2:])
+    x = x + jnp.einsum("btf,fe->bte", flat(attn, 2), flat(p["wo"], 0).astype(dt))
     x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     gate = jnp.einsum("bte,em->btm", h, p["w_gate"].astype(dt))
@@ -324,21 +327,23 @@ def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_win
 
 
 def attention(q, k, v, mask):
-    """Grouped-query attention; q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. Softmax in float32."""
+    """Grouped-query attention; q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. Softmax in float32.
+    Queries go [B,K,G,T,D], the keys' order: at T = 1 (a decode step) every transpose is then a
+    reshape, and XLA moves no weight or cache to fit a layout."""
     B, T, H, D = q.shape
     K = k.shape[1]
-    q = q.reshape(B, T, K, H // K, D)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(D)
+    q = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(D)
     # A finite minimum keeps fully masked rows (padding queries) free of NaN.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     if T == 1:
-        # A decode step: XLA:CPU runs this product as B*K tiny [G, S] x [S, D] matmuls, twice as
-        # slow as one fused multiply-and-sum over S (which at T > 1 would hold a [.., T, S, D] array).
-        out = jnp.sum(probs[..., None] * v[:, :, None, None], axis=-2).transpose(0, 3, 1, 2, 4)
+        # XLA:CPU runs this product as B*K tiny [G, S] x [S, D] matmuls, twice as slow as one fused
+        # multiply-and-sum over S (which at T > 1 would hold a [.., T, S, D] array).
+        out = jnp.sum(probs[..., None] * v[:, :, None, None], axis=-2)
     else:
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
-    return out.reshape(B, T, H, D)
+        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 def _attention_fn(cfg: ModelConfig, segment_ids, positions):
