@@ -196,3 +196,11 @@ def test_sampled_tokens_equal_a_naive_uncached_loop(temperature):
     np.testing.assert_array_equal(out.tokens, tokens)
     np.testing.assert_allclose(out.logprobs, logprobs, atol=1e-4)
     assert len(set(tokens.ravel())) > 8  # sampled, not a few greedy favourites
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (3, 1000)])
+def test_gumbel_noise_is_jax_randoms_bit_for_bit(shape):
+    for i in range(3):
+        key = jax.random.fold_in(jax.random.key(11), i)
+        np.testing.assert_array_equal(jax.jit(colocated._gumbel, static_argnums=1)(key, shape),
+                                      jax.random.gumbel(key, shape, np.float32))
