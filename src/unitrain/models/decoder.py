@@ -109,10 +109,6 @@ class KVCache:
     positions: jax.Array  # [batch, max_length]
     end: jax.Array  # [batch] int32: the next column, the same in every row
 
-    @property
-    def max_length(self) -> int:
-        return self.segment_ids.shape[1]
-
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> KVCache:
     kv = jnp.zeros((batch_size, cfg.num_kv_heads, max_length, cfg.head_dim), cfg.dtype)
