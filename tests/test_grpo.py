@@ -11,7 +11,6 @@ import pytest
 
 from unitrain import evals, losses, run, tasks, train
 from unitrain.rollout.groups import Group, nonzero_std, select_groups
-from unitrain.tasks import grpo
 from unitrain.config import ConfigError, load_config
 
 from conftest import REPO, sigterm_after_step
