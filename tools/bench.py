@@ -124,12 +124,12 @@ def update_batch(cfg, shardings: dict) -> dict:
     """One update's batch of the config's mode as abstract arrays in `shardings`, at the longest
     rows the config allows (GRPO: the longest prompt and completion)."""
     rows = cfg.rows_per_update
-    if cfg.mode == "grpo":
-        completion = cfg.rollout_max_response_len
-        width = lambda key: rollout.colocated.bucket_prompt_length(cfg.max_prompt_length) + completion \
-            if key.startswith("inputs") else completion  # noqa: E731
-    else:
-        width = lambda key: cfg.max_target_length  # noqa: E731
+
+    def width(key):
+        if cfg.mode != "grpo":
+            return cfg.max_target_length
+        prompt = rollout.colocated.bucket_prompt_length(cfg.max_prompt_length) if key.startswith("inputs") else 0
+        return prompt + cfg.rollout_max_response_len
 
     def spec(key, where):
         floating = key == "advantages" or key.endswith(("logprobs", "logps"))

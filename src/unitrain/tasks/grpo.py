@@ -132,9 +132,9 @@ class GRPOTask(Task):
             kl_type=cfg.kl_type, entropy=stats.entropy, entropy_coef=cfg.entropy_coef, policy_loss_type=cfg.policy_loss,
             pg_weights=weights)
         metrics.update(is_metrics)
-        mask = batch["loss_mask"].astype(jnp.float32)
-        gap = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(old)) * mask
-        metrics["sampler_trainer_logprob_gap"] = (gap.sum(), mask.sum())
+        sampled = batch["loss_mask"].astype(jnp.float32)
+        gap = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(old)) * sampled
+        metrics["sampler_trainer_logprob_gap"] = (gap.sum(), sampled.sum())
         return loss_sum, (denom, metrics)
 
     def batch_shardings(self) -> dict:
