@@ -255,10 +255,29 @@ def test_mesh_fill(args, mesh, dcn):
 
 def test_mesh_errors():
     assert "multiply to 3 but there are 8 devices" in error([BASE, "ici_fsdp_parallelism=3"])
-    assert "only one *_parallelism may be -1" in error([BASE, "ici_data_parallelism=-1"])
-    assert "only one *_parallelism may be -1" in error([BASE, "dcn_data_parallelism=-1"])
+    assert "only one ici_*/dcn_*_parallelism may be -1" in error([BASE, "ici_data_parallelism=-1"])
+    assert "only one ici_*/dcn_*_parallelism may be -1" in error([BASE, "dcn_data_parallelism=-1"])
     assert "ici_fsdp_parallelism=-1 cannot fill the mesh" in error([BASE, "ici_data_parallelism=3"])
     assert "expects -1 (fill the remaining devices) or a positive int" in error([BASE, "ici_data_parallelism=0"])
+
+
+def test_rollout_devices_split_the_mesh():
+    cfg = load("sampler=mesh", "rollout_devices=2", "rollout_tensor_parallelism=2")
+    assert cfg.mesh_shape == {"data": 1, "fsdp": 6, "tensor": 1} and cfg.global_batch_size == 6 * cfg.per_device_batch_size
+    assert cfg.rollout_mesh_shape == {"data": 1, "fsdp": 1, "tensor": 2}
+    assert load().rollout_mesh_shape == {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+def test_rollout_device_errors():
+    mesh = ["sampler=mesh"]
+    assert "sampler mesh samples on devices of its own: set rollout_devices" in error([BASE, *mesh])
+    assert "rollout_devices=4 needs a sampler that runs on them" in error([BASE, "rollout_devices=4"])
+    assert "rollout_devices (8) must be below the 8 devices" in error([BASE, *mesh, "rollout_devices=8"])
+    assert "rollout_*_parallelism sizes multiply to 3 but there are 4 devices" in error(
+        [BASE, *mesh, "rollout_devices=4", "rollout_data_parallelism=3"])
+    assert "only one rollout_*_parallelism may be -1" in error([BASE, *mesh, "rollout_devices=4", "rollout_fsdp_parallelism=-1"])
+    assert "'rollout_devices' expects an int >= 0" in error([BASE, "rollout_devices=-1"])
+    assert "'max_staleness' expects an int >= 0" in error([BASE, "max_staleness=-2"])
 
 
 @pytest.mark.parametrize("rules, message", [

@@ -32,10 +32,15 @@ def make_step(cfg):
     return task, built.graphdef, state["params"], built.mesh
 
 
+def first_groups(task, params):
+    """The groups of step 0, sampled with `params`."""
+    return task.rollouts.take(0, lambda version: task.sampler.update_weights(params, version))
+
+
 def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
     cfg = config(tmp_path)
     step, graphdef, params, mesh = make_step(cfg)
-    groups, stats = step.sample_groups(0)
+    groups, stats = first_groups(step, params)
     assert len(groups) == 4 and stats["sampling_rounds"] == 1
     rows = step.to_rows(groups)
     P = rows["inputs"].shape[1] - rows["targets"].shape[1]  # the prompts end at column P
@@ -80,7 +85,7 @@ def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
     cfg = config(tmp_path, "reward=parity_reward:score", "dynamic_sampling_filter=nonzero_std",
                  "over_sampling_batch_size=8", "max_sampling_rounds=3", "rollout_temperature=2.0")
     step, graphdef, params, mesh = make_step(cfg)
-    groups, stats = step.sample_groups(0)
+    groups, stats = first_groups(step, params)
     kept = [g for g in groups if np.std(g.rewards) > 0]
     assert len(groups) == 4
     assert stats["groups_refilled"] == 4 - len(kept)
@@ -93,7 +98,7 @@ def test_first_iteration_ratio_is_one_and_gradient_is_plain_policy_gradient(tmp_
     cfg = config(tmp_path, "rollout_temperature=1.0", "loss_agg_mode=token-mean", "num_iterations=2")
     step, graphdef, params, mesh = make_step(cfg)
     assert step.separate_old
-    groups, _ = step.sample_groups(0)
+    groups, _ = first_groups(step, params)
     batch = step.to_rows(groups)
     batch.update(step.logprobs(params, batch))
     rewards_ = np.concatenate([g.rewards for g in groups]) + np.arange(16) * 0.1  # nonzero advantages
@@ -125,7 +130,7 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
     skip, _, params, _ = make_step(config(tmp_path, *overrides))
     assert not skip.separate_old and "old_logprobs" not in skip.batch_shardings()
     separate, _, _, _ = make_step(config(tmp_path, *overrides, "num_iterations=2"))
-    groups, _ = skip.sample_groups(0)
+    groups, _ = first_groups(skip, params)
     rows = skip.to_rows(groups)
     rows["advantages"] = np.linspace(-1, 1, 16).astype(np.float32)
     fed = {**rows, **separate.logprobs(params, rows)}

@@ -102,17 +102,17 @@ def test_truncated_rows_are_those_without_a_stop_token():
 def _step_seeing(task, params):
     """Runs task.step(0) and returns (its metrics, the groups it sampled, the batch its update got)."""
     seen = {}
-    sample, update = task.sample_groups, task.update
+    take, update = task.rollouts.take, task.update
 
-    def sample_groups(step):
-        seen["groups"], stats = sample(step)
+    def record_take(step, push):
+        seen["groups"], stats = take(step, push)
         return seen["groups"], stats
 
     def record_update(state, batch):
         seen["batch"] = dict(batch)
         return update(state, batch)
 
-    task.sample_groups, task.update = sample_groups, record_update
+    task.rollouts.take, task.update = record_take, record_update
     state = {"params": params, "opt_state": task.run.optimizer.init(params), "step": jnp.int32(0)}
     _, m = task.step(state, 0)
     return m, seen["groups"], seen["batch"]

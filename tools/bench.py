@@ -108,7 +108,8 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
                           step_lib.opt_state_shardings(optimizer, trained, trained_shardings, mesh))
     state = {"params": params, "opt_state": opt_state,
              "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))}
-    run = RunContext(cfg=cfg, mesh=mesh, rules=rules, tokenizer=load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code),
+    run = RunContext(cfg=cfg, mesh=mesh, rollout_mesh=None, rules=rules,
+                     tokenizer=load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code),
                      model=model, graphdef=graphdef, init_params=params, optimizer=optimizer,
                      state_shardings=jax.tree.map(lambda x: x.sharding, state), programs=step_lib.CompileCache(mesh))
     return run, state
@@ -245,6 +246,19 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
             "num_devices": run.mesh.size}
 
 
+class _SamePrompts:
+    """A prompt stream of one batch, again and again (nothing to checkpoint)."""
+
+    def __init__(self, batch: dict):
+        self.batch = batch
+
+    def __next__(self) -> dict:
+        return self.batch
+
+    def get_state(self):
+        return None
+
+
 def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int, steps: int, warmup: int) -> dict:
     """Time of whole GRPO steps (rollout, rewards, advantages, logprobs, update) on random prompts of
     `prompt_len` ids, `samples` completions of `new_tokens` each (no stop token)."""
@@ -253,8 +267,8 @@ def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int
     run, state = build_run(cfg)
     task = tasks.create(run)
     task.sampling = dataclasses.replace(task.sampling, stop_token_ids=())
-    task.data_iterator = iter(lambda: {"num_dropped": 0, "prompts": [
-        Prompt(tuple(ids), "", "") for ids in random_prompts(prompts, prompt_len, run.model.vocab_size, cfg.seed)]}, None)
+    task.rollouts.prompts = _SamePrompts({"num_dropped": 0, "prompts": [
+        Prompt(tuple(ids), "", "") for ids in random_prompts(prompts, prompt_len, run.model.vocab_size, cfg.seed)]})
     times, parts = [], []
     for step in range(warmup + steps):
         start = time.perf_counter()

@@ -96,10 +96,13 @@ def optional(rule: Rule) -> Rule:
 POSITIVE = Rule(lambda v: _is_num(v) and v > 0, "a positive number")
 POSITIVE_INT = Rule(lambda v: _is_num(v) and isinstance(v, int) and v > 0, "a positive int")
 NON_NEGATIVE = Rule(lambda v: _is_num(v) and v >= 0, "a number >= 0")
+NON_NEGATIVE_INT = Rule(lambda v: _is_num(v) and isinstance(v, int) and v >= 0, "an int >= 0")
 NAME = Rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
 MESH_SIZE = Rule(lambda v: v == -1 or v >= 1, "-1 (fill the remaining devices) or a positive int")
 DTYPE = choices("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "tensor")
+TRAINER_MESH_KEYS = [f"{net}_{axis}_parallelism" for net in ("ici", "dcn") for axis in MESH_AXES]
+ROLLOUT_MESH_KEYS = [f"rollout_{axis}_parallelism" for axis in MESH_AXES]
 
 # Per-key constraints beyond the type (which comes from the default in base.yml): a new key that
 # needs one adds a row here, e.g. "learning_rate": NON_NEGATIVE.
@@ -128,7 +131,9 @@ RULES: dict[str, Rule] = {
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
     "attention": choices_of("unitrain.models.decoder", "ATTENTION"),
-    **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn") for axis in MESH_AXES},
+    **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn", "rollout") for axis in MESH_AXES},
+    "rollout_devices": NON_NEGATIVE_INT,
+    "max_staleness": NON_NEGATIVE_INT,
     "mode": builtin_or_plugin(MODES),
     "model_source": builtin_or_plugin(SOURCES),
     "sampler": builtin_or_plugin(SAMPLERS),
@@ -273,8 +278,21 @@ def _check_attention(c: dict) -> str | None:
 
 
 def _check_one_fill(c: dict) -> str | None:
-    fills = [k for k in RULES if k.endswith("_parallelism") and c[k] == -1]
-    return f"only one *_parallelism may be -1 (fill), got {' and '.join(fills)}" if len(fills) > 1 else None
+    for keys, which in ((TRAINER_MESH_KEYS, "ici_*/dcn_*"), (ROLLOUT_MESH_KEYS, "rollout_*")):
+        fills = [k for k in keys if c[k] == -1]
+        if len(fills) > 1:
+            return f"only one {which}_parallelism may be -1 (fill), got {' and '.join(fills)}"
+    return None
+
+
+def _check_rollout_devices(c: dict) -> str | None:
+    """Devices set apart for rollouts serve a sampler that uses them, come equally from every process,
+    and leave the trainer some."""
+    if c["sampler"] == "mesh" and not c["rollout_devices"]:
+        return "sampler mesh samples on devices of its own: set rollout_devices (and the rollout_*_parallelism sizes)"
+    if c["sampler"] == "colocated" and c["rollout_devices"]:
+        return f"rollout_devices={c['rollout_devices']} needs a sampler that runs on them: sampler: mesh (or a plugin)"
+    return None
 
 
 # Cross-key checks: each returns None or what is wrong (impossible combinations of valid values).
@@ -288,6 +306,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
     _check_logical_axis_rules,
     _check_attention,
     _check_one_fill,
+    _check_rollout_devices,
     lambda c: None if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"] else
     f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})",
     lambda c: None if c["process_id"] < c["num_processes"] else
@@ -344,7 +363,7 @@ def derive(cfg: dict) -> dict:
     out["tensorboard_dir"] = posixpath.join(run_dir, "tensorboard")
     out["metrics_file"] = posixpath.join(run_dir, "metrics.jsonl")
     out["evaluates"] = out["eval_interval"] > 0 or out["action"] == "eval"  # the mode builds its evaluators
-    out["mesh_shape"], out["dcn_mesh_shape"] = _mesh_shapes(out)
+    out["mesh_shape"], out["dcn_mesh_shape"], out["rollout_mesh_shape"] = _mesh_shapes(out)
     num_devices = math.prod(out["mesh_shape"].values()) * math.prod(out["dcn_mesh_shape"].values())
     out["global_batch_size"] = out["per_device_batch_size"] * num_devices  # rows per micro-batch
     out["rows_per_update"] = out["global_batch_size"] * out["gradient_accumulation_steps"]
@@ -361,20 +380,32 @@ def derive(cfg: dict) -> dict:
     return out
 
 
-def _mesh_shapes(c: dict) -> tuple[dict, dict]:
+def _mesh_shapes(c: dict) -> tuple[dict, dict, dict]:
+    """The trainer's ici and dcn mesh shapes over the devices rollout_devices leaves it, and the
+    rollout mesh's shape over those (all 1 without rollout devices)."""
     import jax  # here, not at the top: importing this module must not initialise JAX's backends
 
-    n = jax.device_count()
-    sizes = {k: c[k] for k in RULES if k.endswith("_parallelism")}
+    n, r, processes = jax.device_count(), c["rollout_devices"], jax.process_count()
+    if r and (r >= n or r % processes):
+        raise ConfigError(f"rollout_devices ({r}) must be below the {n} devices and a multiple of the {processes} "
+                          "processes (each process gives the same number)")
+    trainer = _fill({k: c[k] for k in TRAINER_MESH_KEYS}, n - r, "the ici_* and dcn_* parallelism sizes")
+    rollout = _fill({k: c[k] for k in ROLLOUT_MESH_KEYS}, r or 1, "the rollout_*_parallelism sizes")
+    return tuple({a: sizes[f"{net}_{a}_parallelism"] for a in MESH_AXES}
+                 for net, sizes in (("ici", trainer), ("dcn", trainer), ("rollout", rollout)))
+
+
+def _fill(sizes: dict, n: int, what: str) -> dict:
+    """The sizes with the one -1 set so that they multiply to n devices."""
     fill = [k for k, v in sizes.items() if v == -1]
     others = math.prod(v for v in sizes.values() if v != -1)
     if fill and n % others:
-        raise ConfigError(f"{fill[0]}=-1 cannot fill the mesh: the other *_parallelism sizes multiply to {others}, which does not divide the {n} devices")
+        raise ConfigError(f"{fill[0]}=-1 cannot fill the mesh: the other sizes multiply to {others}, which does not divide the {n} devices")
     if fill:
-        sizes[fill[0]] = n // others
-    elif others != n:
-        raise ConfigError(f"the ici_* and dcn_* parallelism sizes multiply to {others} but there are {n} devices; make the product {n} or set one size to -1")
-    return tuple({a: sizes[f"{net}_{a}_parallelism"] for a in MESH_AXES} for net in ("ici", "dcn"))
+        return {**sizes, fill[0]: n // others}
+    if others != n:
+        raise ConfigError(f"{what} multiply to {others} but there are {n} devices for them; make the product {n} or set one size to -1")
+    return sizes
 
 
 class _FrozenDict(dict):

@@ -26,7 +26,8 @@ class RunContext:
     """Everything built once for a run, handed to the mode."""
 
     cfg: Any  # the frozen Config
-    mesh: Mesh
+    mesh: Mesh  # the trainer's
+    rollout_mesh: Mesh | None  # rollout_devices' mesh (sampler: mesh), None = rollouts share the trainer's
     rules: tuple  # logical axis rules
     tokenizer: Any  # unitrain.data.Tokenizer
     model: Any  # the Model (models/base.py) with its initial parameters placed
@@ -55,7 +56,7 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     adapters_only = cfg.lora_rank > 0
     optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only))
     state = step_lib.init_state(params, optimizer, mesh, cfg.optimizer_host_offload, adapters_only)
-    run = RunContext(cfg=cfg, mesh=mesh, rules=rules, tokenizer=tokenizer, model=model, graphdef=graphdef,
+    run = RunContext(cfg=cfg, mesh=mesh, rollout_mesh=sharding.rollout_mesh_from_config(cfg), rules=rules, tokenizer=tokenizer, model=model, graphdef=graphdef,
                      init_params=params, optimizer=optimizer, state_shardings=jax.tree.map(lambda x: x.sharding, state),
                      programs=step_lib.CompileCache(mesh))
     return run, state

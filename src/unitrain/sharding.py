@@ -71,8 +71,30 @@ def create_mesh(ici_shape: dict, dcn_shape: dict, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES)
 
 
+def split_devices(rollout_devices: int) -> tuple[list, list]:
+    """(the trainer's devices, the rollout's): each process gives its last rollout_devices /
+    process_count local devices to rollouts, so that both meshes span every process."""
+    per_process = rollout_devices // jax.process_count()
+    by_process: dict = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    local = [sorted(ds, key=lambda d: d.id) for _, ds in sorted(by_process.items())]
+    cut = len(local[0]) - per_process
+    return [d for ds in local for d in ds[:cut]], [d for ds in local for d in ds[cut:]]
+
+
 def mesh_from_config(cfg) -> Mesh:
-    return create_mesh(cfg.mesh_shape, cfg.dcn_mesh_shape)
+    """The trainer's mesh, over the devices rollout_devices leaves it."""
+    return create_mesh(cfg.mesh_shape, cfg.dcn_mesh_shape, split_devices(cfg.rollout_devices)[0])
+
+
+def rollout_mesh_from_config(cfg) -> Mesh | None:
+    """The rollout mesh (axes as the trainer's, so the same logical rules apply), or None without
+    rollout_devices. Its devices are ordered process by process: `data` spans the processes."""
+    if not cfg.rollout_devices:
+        return None
+    devices = np.array(split_devices(cfg.rollout_devices)[1]).reshape([cfg.rollout_mesh_shape[a] for a in MESH_AXES])
+    return Mesh(devices, MESH_AXES)
 
 
 def _is_variable(x) -> bool:

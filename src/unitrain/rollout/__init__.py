@@ -5,6 +5,7 @@ them without importing JAX) and the factory.
 `sampler` picks the engine:
 
     colocated        the training parameters, sampled in-process (default)
+    mesh             the same sampler on rollout_devices of its own, weights pushed after each update (mesh.py)
     pkg.module:fn    any fn(run) -> Sampler (another mesh, an external engine)
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 # Short names of the built-in samplers and dynamic-sampling filters ("module:symbol", imported
 # only when chosen).
-SAMPLERS = {"colocated": "unitrain.rollout.colocated:from_run"}
+SAMPLERS = {"colocated": "unitrain.rollout.colocated:from_run", "mesh": "unitrain.rollout.mesh:from_run"}
 FILTERS = {"nonzero_std": "unitrain.rollout.groups:nonzero_std"}
 
 

@@ -34,6 +34,11 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
   version  `Completions.version` is the `version` of the weights the tokens were sampled with
            (the last update_weights the engine had applied when it began them), not the trainer's
            current one: a sampler that runs ahead reports the version it really used.
+  submit   Optional: `submit(prompt_ids, sampling, key)` starts what generate would compute and
+           returns at once an object whose `.result()` gives those Completions. With it, rollouts
+           sampled ahead of the trainer (max_staleness, rollout/buffer.py) run while the trainer
+           updates; without it they are generated when submitted. Calls to submit and result
+           happen in the same order on every process.
   options  `beam_search` is outside the protocol: ranked rollouts (rollout_decoding=beam,
            sid_index_path) and the recommendation evals call it, so only a sampler that has it
            serves them (the colocated one does).
@@ -90,3 +95,20 @@ class Sampler(Protocol):
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
         """`sampling.max_new_tokens` tokens after each prompt. Every process passes the same prompts
         and key and gets the whole result."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """The `submit` handle of completions already generated."""
+
+    completions: Completions
+
+    def result(self) -> Completions:
+        return self.completions
+
+
+def submit(sampler: Sampler, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array):
+    """The sampler's submit where it has one (sampling runs on while the caller goes on), else generate now."""
+    if hasattr(sampler, "submit"):
+        return sampler.submit(prompt_ids, sampling, key)
+    return Done(sampler.generate(prompt_ids, sampling, key))

@@ -212,6 +212,13 @@ class ColocatedSampler:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
         """`logprobs` is each sampled token's log-prob under the temperature-scaled, top-k/top-p
         filtered distribution it was drawn from (greedy: log-softmax of the raw logits)."""
+        return self.submit(prompt_ids, sampling, key).result()
+
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> "Pending":
+        """generate, dispatched: returns at once while the devices sample; `.result()` waits for the
+        Completions. Later calls (a train step on other devices) run meanwhile."""
+        if self.params is None:
+            raise RuntimeError("the sampler has no weights yet: call update_weights first")
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt")
         lens = np.asarray([len(p) for p in prompt_ids], np.int32)
@@ -230,13 +237,13 @@ class ColocatedSampler:
             block = full_rows_to_global(block, {"tokens": rows2d, "positions": rows2d, "segments": rows2d,
                                                 "prompt_lens": sharding.batch_sharding(self.mesh, self.rules, ("batch",))})
             stop_ids = full_rows_to_global({"stop": stop_ids}, sharding.replicated(self.mesh))["stop"]
+            key = jax.device_put(key, sharding.replicated(self.mesh))  # it may come from the trainer's mesh
         args = (self.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"], stop_ids,
                 np.float32(sampling.temperature if not greedy else 1.0), np.float32(sampling.top_p), key)
         static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules)
         out = self.programs(f"generate (batch={B} prompt={P} new={N})", None, *args, static=static,
                             build=lambda: _build(self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules))
-        out = {k: to_host(v)[:n_real] for k, v in out.items()}
-        return Completions(out["tokens"], out["mask"], out["logprobs"], out["lengths"], self.version)
+        return Pending(out, n_real, self.version)
 
     def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
         """The `beams.width` best sequences of each prompt with their total logprobs (rollout/beam.py:
@@ -250,6 +257,17 @@ class ColocatedSampler:
         B = bucket_batch_size(len(lens), batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1)
         block = _left_padded(prompt_ids, B, bucket_prompt_length(max(lens)), self.pad_id)
         return beam.search(self, block, len(lens), beams, key)
+
+
+class Pending:
+    """A dispatched generate: its device arrays and the version of the weights it samples with."""
+
+    def __init__(self, out: dict, n_real: int, version: int):
+        self.out, self.n_real, self.version = out, n_real, version
+
+    def result(self) -> Completions:
+        out = {k: to_host(v)[:self.n_real] for k, v in self.out.items()}
+        return Completions(out["tokens"], out["mask"], out["logprobs"], out["lengths"], self.version)
 
 
 def _left_padded(prompt_ids: list[list[int]], B: int, P: int, pad_id: int) -> dict:

@@ -10,6 +10,7 @@ A group is one prompt's n completions with their decoded texts and rewards. Filt
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from unitrain import plugins
 from unitrain.config import ConfigError
 from unitrain.rollout import FILTERS
-from unitrain.rollout.base import Completions, Sampler, SamplingParams
+from unitrain.rollout.base import Completions, Sampler, SamplingParams, submit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +33,15 @@ class Group:
 def collect_groups(sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array,
                    tokenizer, reward_fn) -> list[Group]:
     """n completions of every prompt in one generate call, decoded and scored."""
-    out = sampler.generate([list(p.ids) for p in prompts for _ in range(n)], sampling, key)
-    return _scored_groups(prompts, n, out, tokenizer, reward_fn)
+    return start_groups(sampler, prompts, n, sampling, key, tokenizer, reward_fn)()
+
+
+def start_groups(sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array,
+                 tokenizer, reward_fn) -> Callable[[], list[Group]]:
+    """collect_groups, started: the sampler samples (rollout/base.submit) while the caller goes on;
+    the function returned waits for the completions and scores them."""
+    pending = submit(sampler, [list(p.ids) for p in prompts for _ in range(n)], sampling, key)
+    return lambda: _scored_groups(prompts, n, pending.result(), tokenizer, reward_fn)
 
 
 def collect_ranked_groups(sampler, prompts: list, beams, key: jax.Array, tokenizer, reward_fn) -> list[Group]:

@@ -41,7 +41,8 @@ from unitrain.evals import TaskEvaluator
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import bucket_prompt_length
 from unitrain.rec_eval import RecEvaluator, sid_beams
-from unitrain.rollout.groups import collect_groups, collect_ranked_groups, make_filter, samples_markdown, select_groups
+from unitrain.rollout.buffer import RolloutBuffer
+from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
 from unitrain.tasks.base import RunContext, Task
 
 ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "sampler_logprobs")
@@ -84,7 +85,9 @@ class GRPOTask(Task):
         self.sampler = rollout.make_sampler(run)
         # Every process samples the same prompts with the same key (the sampler wants identical
         # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
-        self.data_iterator = data.make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+        prompts = data.make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+        self.rollouts = RolloutBuffer(cfg, prompts, self.start_round, self.keep)
+        self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
@@ -150,10 +153,17 @@ class GRPOTask(Task):
 
     def step(self, state, step: int):
         cfg, t0 = self.cfg, time.perf_counter()
-        self.sampler.update_weights(state["params"], step)
         if self.ref_params is not None and cfg.lora_rank:
             self.ref_params = lora.adapters_off(state["params"])
-        groups, stats = self.sample_groups(step)
+        pushed = []
+
+        def push(version):
+            start = time.perf_counter()
+            self.sampler.update_weights(state["params"], version)
+            pushed.append(time.perf_counter() - start)
+
+        groups, stats = self.rollouts.take(step, push)
+        stats["time_weight_push"] = sum(pushed)
         t1 = time.perf_counter()
         batch = self.to_rows(groups)
         if self.logprob_fn is not None:
@@ -182,38 +192,26 @@ class GRPOTask(Task):
         return state, metrics
 
     # -- the pieces of a step
-    def sample_groups(self, step: int):
-        """Rounds of sampling until rollout_batch_size groups pass the filter (or the cap is hit)."""
-        cfg = self.cfg
-        kept, dropped, rounds, prompts_dropped = [], [], 0, 0
-        while len(kept) < cfg.rollout_batch_size and rounds < cfg.max_sampling_rounds:
-            batch = next(self.data_iterator)
-            prompts_dropped += batch["num_dropped"]
-            key = jax.random.fold_in(jax.random.key(cfg.seed), step * cfg.max_sampling_rounds + rounds)
-            for group in self.collect(batch["prompts"], key):
-                (kept if self.keep is None or self.keep(group) else dropped).append(group)
-            rounds += 1
-        groups, discarded, refilled = select_groups(kept, dropped, cfg.rollout_batch_size)
-        return groups, {"sampling_rounds": rounds, "groups_discarded": discarded, "groups_refilled": refilled,
-                        "prompts_dropped": prompts_dropped}
-
-    def collect(self, prompts, key):
-        """One prompt batch's scored groups: ranked (beam.py) or from the sampler's generate."""
+    def start_round(self, prompts, key):
+        """One prompt batch's rollouts, started (rollout/buffer.py): -> the function that waits for
+        its groups, scored; ranked rollouts (beam.py) are computed here."""
         if self.beams is not None:
             groups = collect_ranked_groups(self.sampler, prompts, self.beams, key, self.run.tokenizer, self.reward_fn)
-        else:
-            groups = collect_groups(self.sampler, prompts, self.cfg.n_samples_per_prompt, self.sampling, key,
-                                    self.run.tokenizer, self.reward_fn)
-        return [self.with_overlong_penalty(g) for g in groups] if self.cfg.overlong_buffer_len else groups
+            return lambda: self.with_overlong_penalty(groups)
+        finish = start_groups(self.sampler, prompts, self.cfg.n_samples_per_prompt, self.sampling, key,
+                              self.run.tokenizer, self.reward_fn)
+        return lambda: self.with_overlong_penalty(finish())
 
-    def with_overlong_penalty(self, group):
-        """DAPO's soft overlong punishment added to the group's rewards (as the reward term "overlong"),
-        before a dynamic-sampling filter sees the group."""
+    def with_overlong_penalty(self, groups):
+        """DAPO's soft overlong punishment (with overlong_buffer_len) added to each group's rewards
+        (as the reward term "overlong"), before a dynamic-sampling filter sees the group."""
         cfg = self.cfg
-        penalty = rewards.overlong_penalty(group.completions.lengths, cfg.rollout_max_response_len,
-                                           cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
-        return dataclasses.replace(group, rewards=group.rewards + penalty,
-                                   per_reward={**group.per_reward, "overlong": penalty})
+        if not cfg.overlong_buffer_len:
+            return groups
+        penalties = [rewards.overlong_penalty(g.completions.lengths, cfg.rollout_max_response_len,
+                                              cfg.overlong_buffer_len, cfg.overlong_penalty_factor) for g in groups]
+        return [dataclasses.replace(g, rewards=g.rewards + p, per_reward={**g.per_reward, "overlong": p})
+                for g, p in zip(groups, penalties)]
 
     def to_rows(self, groups) -> dict:
         """The rows of the module docstring's layout, from the groups' prompts and completions."""

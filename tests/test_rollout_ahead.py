@@ -1,0 +1,120 @@
+"""Rollouts on devices of their own (sampler: mesh) and ahead of the trainer (max_staleness): the
+split is the colocated run when nothing runs ahead, every sample is at most max_staleness versions
+old (from its version tag), and a run stopped with rounds in flight resumes at the right prompt."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from unitrain import run, sharding, train
+from unitrain.config import load_config
+from unitrain.rollout.mesh import push
+
+from conftest import REPO
+
+GRPO = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "rollout_max_response_len=6",
+        "eval_interval=0", "log_period=1", "builtin_task_digits=1", "max_prompt_length=16", "learning_rate=1e-3",
+        "warmup_steps=0", "lr_schedule=constant", "kl_coef=0.01", "reward=scored_prompts:score"]
+SPLIT = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2"]  # 8 rows per update, as colocated on 8
+
+# The reward: varied (so advantages are not all zero) and a log of every prompt it scores, which is
+# every prompt a step trains on, in order; SIGTERM after KILL_AFTER scored samples.
+REWARD = """
+import os, signal
+calls = 0
+def score(prompt, completion, label):
+    global calls
+    calls += 1
+    with open(os.environ["PROMPT_LOG"], "a") as f:
+        f.write(prompt.replace("\\n", " ") + "\\n")
+    if calls == int(os.environ.get("KILL_AFTER", 0)):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return float(sum(map(ord, completion)) % 3)
+"""
+
+
+@pytest.fixture
+def reward_log(tmp_path, monkeypatch):
+    (tmp_path / "scored_prompts.py").write_text(REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def use(name):
+        monkeypatch.setenv("PROMPT_LOG", str(tmp_path / f"{name}.log"))
+        return tmp_path / f"{name}.log"
+    return use
+
+
+def run_grpo(tmp_path, name, *overrides) -> int:
+    import scored_prompts  # a fresh count of calls for each run
+    scored_prompts.calls = 0
+    cfg = load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", f"run_name={name}",
+                       *GRPO, *overrides])
+    return train.train(cfg)
+
+
+def metrics(tmp_path, name) -> dict:
+    lines = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")]
+    return {l["step"]: l for l in lines if "loss" in l}
+
+
+def test_staleness_zero_on_a_rollout_mesh_equals_the_colocated_run(tmp_path, reward_log):
+    reward_log("colocated")
+    assert run_grpo(tmp_path, "colocated", "steps=3", "per_device_batch_size=1") == 0
+    reward_log("split")
+    assert run_grpo(tmp_path, "split", "steps=3", *SPLIT) == 0
+    a, b = metrics(tmp_path, "colocated"), metrics(tmp_path, "split")
+    assert sorted(b) == [0, 1, 2]
+    for key in ("loss", "reward_mean", "kl", "response_length_mean", "grad_norm"):
+        np.testing.assert_allclose([b[s][key] for s in b], [a[s][key] for s in b], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert all(b[s]["rollout_staleness_max"] == 0 and b[s]["rollouts_in_flight"] == 0 for s in b)
+    assert all(b[s]["time_weight_push"] > 0 for s in b)
+
+
+def test_rollouts_run_ahead_by_at_most_max_staleness_versions(tmp_path, reward_log):
+    reward_log("ahead")
+    assert run_grpo(tmp_path, "ahead", "steps=4", *SPLIT, "max_staleness=1") == 0
+    m = metrics(tmp_path, "ahead")
+    # From the samples' version tags: step s trains on samples of version s - 1 (step 0: its own).
+    assert [m[s]["rollout_staleness_max"] for s in range(4)] == [0, 1, 1, 1]
+    assert [m[s]["rollout_staleness_mean"] for s in range(4)] == [0, 1, 1, 1]
+    assert [m[s]["rollouts_in_flight"] for s in range(4)] == [1, 1, 1, 0]  # none beyond the last step
+    assert all(np.isfinite(m[s]["loss"]) and m[s]["grad_norm"] > 0 for s in m)
+    assert len(set(m[s]["kl"] for s in m)) > 1  # the policy moves away from the reference
+
+
+def test_a_run_stopped_with_rounds_in_flight_resumes_at_the_next_unused_prompt(tmp_path, reward_log):
+    straight = reward_log("straight")
+    assert run_grpo(tmp_path, "straight", "steps=5", *SPLIT, "max_staleness=2") == 0
+    stopped = reward_log("stopped")
+    os.environ["KILL_AFTER"] = "16"  # SIGTERM while step 1 scores its samples: it finishes, saves and stops
+    try:
+        assert run_grpo(tmp_path, "stopped", "steps=5", *SPLIT, "max_staleness=2") == train.EXIT_SIGTERM
+    finally:
+        del os.environ["KILL_AFTER"]
+    assert metrics(tmp_path, "stopped")[1]["rollouts_in_flight"] == 2  # two rounds were sampled ahead, unused
+    assert run_grpo(tmp_path, "stopped", "steps=5", *SPLIT, "max_staleness=2") == 0
+    assert sorted(metrics(tmp_path, "stopped")) == [0, 1, 2, 3, 4]
+    trained_on = straight.read_text().splitlines()
+    assert len(trained_on) == 5 * 2 * 4
+    assert stopped.read_text().splitlines() == trained_on  # neither repeated nor skipped
+
+
+def test_push_places_the_weights_on_the_rollout_mesh():
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *SPLIT, "rollout_fsdp_parallelism=2"])
+    built, state = run.build_run(cfg)
+    from unitrain.rollout.mesh import from_run
+    sampler = from_run(built)
+    sampler.update_weights(state["params"], 7)
+    rollout_devices = set(sharding.split_devices(4)[1])
+    assert sampler.version == 7 and sampler.push_seconds > 0
+    for pushed, trained in zip(jax.tree.leaves(sampler.params), jax.tree.leaves(state["params"])):
+        assert set(pushed.sharding.device_set) == rollout_devices and not set(trained.sharding.device_set) & rollout_devices
+        np.testing.assert_array_equal(np.asarray(pushed), np.asarray(trained))
+    embed = sampler.params["embed"]
+    assert embed.sharding.spec == sharding.logical_to_spec(("vocab", "embed"), built.rules)
+    assert embed.addressable_shards[0].data.shape[1] == embed.shape[1] // 2  # fsdp over 2 on the rollout mesh
+    replicated = push(state["params"], jax.tree.map(lambda _: sharding.replicated(built.rollout_mesh), state["params"]))
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(replicated))
