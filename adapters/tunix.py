@@ -297,23 +297,25 @@ class TunixModel(nnx.Module):
         self.hf_config, self.hf_tensors = hf_config, hf_tensors
 
     def __call__(self, tokens, positions, segment_ids, cache: Cache | None = None):
-        net = self._compute_net()
+        return self._forward(self._compute_net(), tokens, positions, segment_ids, cache)
+
+    def hidden_states(self, tokens, positions, segment_ids, cache: Cache | None = None):
+        hidden, new_cache = self._forward(_headless(self._compute_net()), tokens, positions, segment_ids, cache)
+        return hidden if cache is None else (hidden, new_cache)
+
+    def _forward(self, net, tokens, positions, segment_ids, cache):
+        """net's output in the compute dtype and the updated cache (None without one)."""
         if cache is None:
             mask = _attention_mask(segment_ids, positions, segment_ids, positions)
-            logits, _ = net(tokens, positions, None, mask)
-            return logits.astype(self.dtype), None
+            out, _ = net(tokens, positions, None, mask)
+            return out.astype(self.dtype), None
         # Tunix writes this call's keys and values at column end_index (mod the cache length); so do we.
         start = cache.layers["layer_0"]["end_index"][0] % cache.segment_ids.shape[1]
         segments = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, start))
         slot_positions = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, start))
         mask = _attention_mask(segment_ids, positions, segments, slot_positions)
-        logits, layers = net(tokens, positions, cache.layers, mask)
-        return logits.astype(self.dtype), Cache(layers=layers, segment_ids=segments, positions=slot_positions)
-
-    def hidden_states(self, tokens, positions, segment_ids):
-        mask = _attention_mask(segment_ids, positions, segment_ids, positions)
-        hidden, _ = _headless(self._compute_net())(tokens, positions, None, mask)
-        return hidden.astype(self.dtype)
+        out, layers = net(tokens, positions, cache.layers, mask)
+        return out.astype(self.dtype), Cache(layers=layers, segment_ids=segments, positions=slot_positions)
 
     def logits(self, hidden):
         net = self._compute_net()

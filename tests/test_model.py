@@ -68,6 +68,39 @@ def test_kv_cache_decode_equals_full_forward(scan_layers):
     np.testing.assert_array_equal(filled, np.asarray(prompt_lens) + decode_steps)
 
 
+@nnx.jit
+def prefill(model, tokens, positions, segment_ids, cache):
+    """The sampler's prefill: hidden states with the cache filled, the output head applied apart."""
+    hidden, cache = model.hidden_states(tokens, positions, segment_ids, cache)
+    return hidden, model.logits(hidden), cache
+
+
+@nnx.jit
+def uncached_hidden(model, seq):
+    t = len(seq)
+    return model.hidden_states(seq[None], jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))[0]
+
+
+def test_cached_hidden_states_equal_the_uncached_forward_and_fill_the_calls_cache():
+    model = sharp_model(CFG)
+    rng = np.random.default_rng(3)
+    seqs, width = [rng.integers(0, 128, n) for n in (7, 4)], 8
+    columns = [slice(width - len(s), width) for s in seqs]  # left padding, as the sampler lays prompts out
+    tokens, positions, segments = (np.zeros((2, width), np.int32) for _ in range(3))
+    for b, (s, real) in enumerate(zip(seqs, columns)):
+        tokens[b, real], positions[b, real], segments[b, real] = s, np.arange(len(s)), 1
+    block = tuple(map(jnp.asarray, (tokens, positions, segments)))
+    empty = model_lib.init_cache(model.cfg, batch_size=2, max_length=12)
+    hidden, logits, cache = prefill(model, *block, empty)
+    for b, (s, real) in enumerate(zip(seqs, columns)):
+        np.testing.assert_allclose(np.asarray(hidden[b, real]), np.asarray(uncached_hidden(model, jnp.asarray(s))),
+                                   atol=1e-4, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(logits[b, real]), full_forward(model, s), atol=1e-4, rtol=1e-5)
+    _, call_cache = call(model, *block, empty)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-6, rtol=0), cache, call_cache)
+    assert int(cache.end[0]) == width and np.asarray(cache.segment_ids).sum() == sum(map(len, seqs))
+
+
 def test_packed_row_equals_separate_rows():
     model = sharp_model(CFG)
     rng = np.random.default_rng(1)

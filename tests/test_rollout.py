@@ -204,3 +204,15 @@ def test_gumbel_noise_is_jax_randoms_bit_for_bit(shape):
         key = jax.random.fold_in(jax.random.key(11), i)
         np.testing.assert_array_equal(jax.jit(colocated._gumbel, static_argnums=1)(key, shape),
                                       jax.random.gumbel(key, shape, np.float32))
+
+
+def test_prefill_runs_the_output_head_on_the_last_column_only():
+    """Only the last prompt column is sampled from: no [B, P, V] logits in the program."""
+    B, P, N, V = 4, 16, 8, 96  # V unlike any other dimension of CFG
+    graphdef, params = nnx.split(model_lib.create(dataclasses.replace(CFG, vocab_size=V), 0))
+    block = colocated._left_padded(PROMPTS, B, P, pad_id=0)
+    program = colocated._build(graphdef, B, P, N, 0, greedy=False, top_k=0, use_top_p=False, cache_rules=None)
+    text = program.lower(nnx.to_pure_dict(params), block["tokens"], block["positions"], block["segments"],
+                         block["prompt_lens"], np.zeros((0,), np.int32), np.float32(1.0), np.float32(1.0),
+                         jax.random.key(0)).as_text()
+    assert f"tensor<{B}x1x{V}xf32>" in text and f"tensor<{B}x{P}x{V}x" not in text

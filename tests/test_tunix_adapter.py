@@ -327,3 +327,26 @@ def test_hidden_states_through_the_head_give_the_call_logits(families, name):
 
     got = jax.jit(head_of_hidden)(params, *map(jnp.asarray, PACKED[:3]))
     np.testing.assert_allclose(np.asarray(got), family.compiled, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cached_hidden_states_equal_the_uncached_forward_and_fill_the_calls_cache(families, name):
+    """The sampler's prefill (rollout/colocated.py): hidden states with the cache filled, then the head."""
+    family = families(name)
+    graphdef, params = nnx.split(family.model)
+    B = len(DECODE_ROWS)
+
+    def prefill(p, prompt):
+        model = nnx.merge(graphdef, p)
+        empty = model.init_cache(B, P + N)
+        hidden, cache = model.hidden_states(prompt["tokens"], prompt["positions"], prompt["segments"], empty)
+        _, call_cache = model(prompt["tokens"], prompt["positions"], prompt["segments"], empty)
+        uncached = model.hidden_states(*map(jnp.asarray, PACKED[:3]))
+        return hidden, model.logits(hidden), cache, call_cache, uncached
+
+    hidden, logits, cache, call_cache, uncached = jax.jit(prefill)(params, decode_batch()[0])
+    for b, (row, start, n) in enumerate(r for r in DECODE_ROWS if r):
+        np.testing.assert_allclose(np.asarray(hidden[b, P - n:]), uncached[row, start:start + n], atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.asarray(logits[b, P - n:]), family.compiled[row, start:start + n], atol=TOL, rtol=0)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-6, rtol=0), cache, call_cache)
+    assert int(cache.layers["layer_0"]["end_index"][0]) == P

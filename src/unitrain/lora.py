@@ -215,8 +215,8 @@ class LoraModel(nnx.Module):
     def __call__(self, tokens, positions, segment_ids, cache=None):
         return self.merged()(tokens, positions, segment_ids, cache)
 
-    def hidden_states(self, tokens, positions, segment_ids):
-        return self.merged().hidden_states(tokens, positions, segment_ids)
+    def hidden_states(self, tokens, positions, segment_ids, cache=None):
+        return self.merged().hidden_states(tokens, positions, segment_ids, cache)
 
     def logits(self, hidden):
         # Every targeted weight is merged, but XLA drops the merges the output head does not use.

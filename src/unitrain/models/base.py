@@ -33,10 +33,13 @@ class Model(Protocol):
         logits of the full forward.
         """
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """The final-normed hidden states [B, T, E] (compute dtype) of the call without a cache:
-        `logits(hidden_states(...))` equals the call's logits. The losses take this path so that
-        they can compute the logits a chunk of positions at a time (losses.token_stats)."""
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                      cache: Any = None) -> jax.Array | tuple[jax.Array, Any]:
+        """The call split before its output head: the final-normed hidden states [B, T, E] (compute
+        dtype), such that `logits(hidden)` equals the call's logits. Without a cache, the hidden
+        states alone: the losses compute the logits from them a chunk of positions at a time
+        (losses.token_stats). With a cache, (hidden, the updated cache) as the call gives it: the
+        sampler's prefill runs the head on the last column only, the one it samples from."""
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The output head: hidden [B, T, E] -> logits [B, T, V] (compute dtype)."""

@@ -217,8 +217,9 @@ class Decoder(nnx.Module):
         hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
         return self.logits(hidden), new_cache
 
-    def hidden_states(self, tokens, positions, segment_ids):
-        return self._hidden(tokens, positions, segment_ids, None)[0]
+    def hidden_states(self, tokens, positions, segment_ids, cache: KVCache | None = None):
+        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
+        return hidden if cache is None else (hidden, new_cache)
 
     def logits(self, hidden):
         cfg = self.cfg

@@ -111,7 +111,9 @@ def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, 
             temperature, length_penalty, rng):
         model = nnx.merge(graphdef, params)
         axes = model.cache_axes()
-        logits, cache = model(tokens, positions, segments, sharded_cache(model, B, P + N, cache_rules))
+        hidden, cache = model.hidden_states(tokens, positions, segments, sharded_cache(model, B, P + N, cache_rules))
+        # Left padding: the last column holds every prompt's last token, the only one decoded from.
+        logits = model.logits(hidden[:, -1:])[:, 0]
         # The prompt is prefilled once; its beams share copies of its cache rows.
         if cache_rules is None:
             constrain = lambda c: c
@@ -157,7 +159,7 @@ def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, 
         zeros = jnp.zeros((R,), jnp.int32)
         carry = (cache, zeros, score, ~jnp.isfinite(score), jnp.full((R, N), pad_id, jnp.int32),
                  jnp.zeros((R, N), jnp.float32), zeros, zeros, jnp.zeros((R,), bool))
-        carry = advance(carry, jnp.repeat(logits[:, -1], W, axis=0), 0)
+        carry = advance(carry, jnp.repeat(logits, W, axis=0), 0)
 
         def body(loop):
             i, carry = loop

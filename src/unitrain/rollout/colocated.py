@@ -155,9 +155,10 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
                                            greedy=greedy, top_k=top_k, use_top_p=use_top_p)
         is_stop = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
 
-        logits, cache = model(tokens, positions, segments, cache)
-        # Left padding: every real row's last prompt token sits in the last column.
-        token, logprob = sample(logits[:, -1], 0)
+        hidden, cache = model.hidden_states(tokens, positions, segments, cache)
+        # Left padding: every real row's last prompt token sits in the last column, the only one
+        # sampled from, so the output head runs on it alone.
+        token, logprob = sample(model.logits(hidden[:, -1:])[:, 0], 0)
         done = prompt_lens == 0  # batch-padding rows never emit
         emit = ~done
         out_tokens = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(jnp.where(emit, token, pad_id))
