@@ -64,3 +64,16 @@ def test_grpo_two_processes_equal_one_and_resume(tmp_path):
         a, b = curve(straight, key), curve(two, key)
         assert sorted(b) == [0, 1, 2]
         np.testing.assert_allclose([b[s] for s in range(3)], [a[s] for s in range(3)], rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_split_meshes_two_processes_equal_one(tmp_path):
+    """Each process gives 2 of its 4 devices to the rollout mesh; rollouts run one version ahead."""
+    split = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2", "max_staleness=1", "steps=3"]
+    straight = one_process(tmp_path, "one", *GRPO, *split)
+    out = run_two_processes(f"base_output_directory={tmp_path}", "run_name=two", *GRPO, *split)
+    assert "rollouts on their own mesh {'data': 4, 'fsdp': 1, 'tensor': 1} over 4 devices" in out[0].output
+    for key in ("loss", "reward_mean", "kl"):
+        a, b = curve(straight, key), curve(tmp_path / "two", key)
+        assert sorted(b) == [0, 1, 2]
+        np.testing.assert_allclose([b[s] for s in range(3)], [a[s] for s in range(3)], rtol=1e-4, atol=1e-6)
+    assert curve(tmp_path / "two", "rollout_staleness_max") == {0: 0, 1: 1, 2: 1}

@@ -83,6 +83,13 @@ def test_rollouts_run_ahead_by_at_most_max_staleness_versions(tmp_path, reward_l
     assert [m[s]["rollouts_in_flight"] for s in range(4)] == [1, 1, 1, 0]  # none beyond the last step
     assert all(np.isfinite(m[s]["loss"]) and m[s]["grad_norm"] > 0 for s in m)
     assert len(set(m[s]["kl"] for s in m)) > 1  # the policy moves away from the reference
+    # Ahead on the trainer's own devices: the round in flight reads the weights the next update
+    # donates, and still samples from them (the same samples, so the same losses).
+    reward_log("colocated_ahead")
+    assert run_grpo(tmp_path, "colocated_ahead", "steps=4", "per_device_batch_size=1", "max_staleness=1") == 0
+    c = metrics(tmp_path, "colocated_ahead")
+    for key in ("loss", "reward_mean", "kl", "rollout_staleness_max"):
+        np.testing.assert_allclose([c[s][key] for s in m], [m[s][key] for s in m], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 def test_a_run_stopped_with_rounds_in_flight_resumes_at_the_next_unused_prompt(tmp_path, reward_log):

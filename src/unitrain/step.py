@@ -9,6 +9,7 @@ and the moves of rows between host and global arrays.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -167,6 +168,11 @@ class CompileCache:
                      memory.argument_size_in_bytes / 2**20, memory.output_size_in_bytes / 2**20,
                      memory.temp_size_in_bytes / 2**20)
         return compiled
+
+
+def in_mesh(mesh):
+    """`with in_mesh(mesh):` sets the mesh for what runs inside (None: leaves the caller's)."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def _in_mesh(program, mesh):

@@ -33,7 +33,7 @@ from flax import nnx
 
 from unitrain import sharding
 from unitrain.rollout.base import Completions, SamplingParams
-from unitrain.step import CompileCache, full_rows_to_global, to_host
+from unitrain.step import CompileCache, full_rows_to_global, in_mesh, to_host
 
 log = logging.getLogger("unitrain")
 
@@ -238,13 +238,16 @@ class ColocatedSampler:
             block = full_rows_to_global(block, {"tokens": rows2d, "positions": rows2d, "segments": rows2d,
                                                 "prompt_lens": sharding.batch_sharding(self.mesh, self.rules, ("batch",))})
             stop_ids = full_rows_to_global({"stop": stop_ids}, sharding.replicated(self.mesh))["stop"]
-            key = jax.device_put(key, sharding.replicated(self.mesh))  # it may come from the trainer's mesh
+            # The key may come from another mesh (the trainer's) or another process's device: its bits
+            # are placed like any other input.
+            bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(key))}, sharding.replicated(self.mesh))
+            key = jax.random.wrap_key_data(bits["key"])
         args = (self.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"], stop_ids,
                 np.float32(sampling.temperature if not greedy else 1.0), np.float32(sampling.top_p), key)
         static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules)
         out = self.programs(f"generate (batch={B} prompt={P} new={N})", None, *args, static=static,
                             build=lambda: _build(self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules))
-        return Pending(out, n_real, self.version)
+        return Pending(out, n_real, self.version, self.mesh)
 
     def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
         """The `beams.width` best sequences of each prompt with their total logprobs (rollout/beam.py:
@@ -257,17 +260,19 @@ class ColocatedSampler:
             raise ValueError("beam_search needs prompts of at least one token")
         B = bucket_batch_size(len(lens), batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1)
         block = _left_padded(prompt_ids, B, bucket_prompt_length(max(lens)), self.pad_id)
-        return beam.search(self, block, len(lens), beams, key)
+        with in_mesh(self.mesh):
+            return beam.search(self, block, len(lens), beams, key)
 
 
 class Pending:
     """A dispatched generate: its device arrays and the version of the weights it samples with."""
 
-    def __init__(self, out: dict, n_real: int, version: int):
-        self.out, self.n_real, self.version = out, n_real, version
+    def __init__(self, out: dict, n_real: int, version: int, mesh):
+        self.out, self.n_real, self.version, self.mesh = out, n_real, version, mesh
 
     def result(self) -> Completions:
-        out = {k: to_host(v)[:self.n_real] for k, v in self.out.items()}
+        with in_mesh(self.mesh):  # gathering them runs on their mesh, which may not be the caller's
+            out = {k: to_host(v)[:self.n_real] for k, v in self.out.items()}
         return Completions(out["tokens"], out["mask"], out["logprobs"], out["lengths"], self.version)
 
 
