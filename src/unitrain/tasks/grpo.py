@@ -2,9 +2,11 @@
 old/reference logprobs, and the clipped policy loss.
 
 One step (`GRPOTask.step`):
-  1. push the current parameters to the sampler (rollout/base.py; colocated by default: no copy)
-     and sample n completions for each prompt, in rounds of `over_sampling_batch_size` prompts until
-     `rollout_batch_size` groups pass the filter (rollout/groups.py);
+  1. take the step's rollouts from the buffer (rollout/buffer.py): rounds of `over_sampling_batch_size`
+     prompts, n completions each, until `rollout_batch_size` groups pass the filter (rollout/groups.py).
+     Rounds sampled ahead (max_staleness) come first; a round the step samples itself, and the rounds
+     it leaves in flight for the steps after, use its parameters, pushed to the sampler first
+     (rollout/base.py; colocated by default: no copy; sampler mesh: a timed copy to its devices);
   2. score them (rewards.py; with overlong_buffer_len DAPO's overlong penalty is one more reward term),
      optionally subtract the KL to the reference from the reward, and turn rewards into advantages per
      group (losses.compute_advantages); with overlong_filter, cut completions then leave the loss mask;
