@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+from flax import nnx
 
 from unitrain.models import decoder
 from unitrain.config import load_config
@@ -112,3 +114,18 @@ def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
     step = bench.bench_grpo(cfg, prompts=2, samples=4, prompt_len=8, new_tokens=4, steps=2, warmup=1)
     assert len(step["step_times"]) == 2
     assert 0 < step["time_rollout"] + step["time_logprob"] + step["time_update"] <= step["step_time_median"] * 1.5
+
+
+def test_push_mode_times_the_copy_to_the_rollout_mesh():
+    import bench
+
+    cfg = load_config(["configs/base.yml", "model_name=tiny", "mode=grpo", "sampler=mesh", "rollout_devices=4",
+                       "per_device_batch_size=2", "rollout_fsdp_parallelism=2"])
+    result = bench.bench_push(cfg, steps=2, warmup=1)
+    model = decoder.create(decoder.ModelConfig.from_config(cfg))
+    sizes = [x.size for x in jax.tree.leaves(nnx.state(model))]
+    assert result["parameters"] == sum(sizes) and result["gigabytes"] == sum(sizes) * 4 / 1e9  # float32 weights
+    assert len(result["push_times"]) == 2 and result["push_seconds_median"] > 0 and result["through_hosts_seconds_median"] > 0
+    assert result["rollout_mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and result["trainer_mesh"]["fsdp"] == 4
+    proc = run_bench("configs/base.yml", "model_name=tiny", "--mode", "push")  # sampler colocated: nothing to push
+    assert proc.returncode == 2 and "--mode push times the weight push of sampler=mesh" in proc.stderr

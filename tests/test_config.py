@@ -262,16 +262,18 @@ def test_mesh_errors():
 
 
 def test_rollout_devices_split_the_mesh():
-    cfg = load("sampler=mesh", "rollout_devices=2", "rollout_tensor_parallelism=2")
-    assert cfg.mesh_shape == {"data": 1, "fsdp": 6, "tensor": 1} and cfg.global_batch_size == 6 * cfg.per_device_batch_size
-    assert cfg.rollout_mesh_shape == {"data": 1, "fsdp": 1, "tensor": 2}
+    cfg = load("mode=grpo", "sampler=mesh", "rollout_devices=4", "rollout_tensor_parallelism=2", "per_device_batch_size=4")
+    assert cfg.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 1} and cfg.global_batch_size == 4 * 4
+    assert cfg.rollout_mesh_shape == {"data": 2, "fsdp": 1, "tensor": 2}
     assert load().rollout_mesh_shape == {"data": 1, "fsdp": 1, "tensor": 1}
 
 
 def test_rollout_device_errors():
-    mesh = ["sampler=mesh"]
+    mesh = ["mode=grpo", "sampler=mesh"]
     assert "sampler mesh samples on devices of its own: set rollout_devices" in error([BASE, *mesh])
-    assert "rollout_devices=4 needs a sampler that runs on them" in error([BASE, "rollout_devices=4"])
+    assert "rollout_devices=4 needs a sampler that runs on them" in error([BASE, "mode=grpo", "rollout_devices=4"])
+    assert "mode=sft trains on no rollouts" in error([BASE, "max_staleness=1"])
+    assert "mode=dpo trains on no rollouts" in error([BASE, "mode=dpo", "sampler=mesh", "rollout_devices=4"])
     assert "rollout_devices (8) must be below the 8 devices" in error([BASE, *mesh, "rollout_devices=8"])
     assert "rollout_*_parallelism sizes multiply to 3 but there are 4 devices" in error(
         [BASE, *mesh, "rollout_devices=4", "rollout_data_parallelism=3"])

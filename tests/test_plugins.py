@@ -167,7 +167,7 @@ def test_choice_lists_come_from_the_registries():
     from unitrain.tasks import MODES
 
     base = str(REPO / "configs" / "base.yml")
-    needs = {"mesh": ["rollout_devices=4"]}  # the keys a choice needs beside it
+    needs = {"mesh": ["mode=grpo", "rollout_devices=4"]}  # the keys a choice needs beside it
     for key, table in (("mode", MODES), ("model_source", SOURCES), ("sampler", SAMPLERS)):
         for name in table:
             assert load_config([base, f"{key}={name}", "per_device_batch_size=1", *needs.get(name, [])])[key] == name

@@ -4,12 +4,17 @@
     python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--out mem.json]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
+    python tools/bench.py [CONFIG_YML] model_name=qwen2.5-0.5b mode=grpo sampler=mesh rollout_devices=4 --mode push
 
 --mode sampler times `--steps` calls of the configured sampler (after `--warmup` calls) on random
 prompt ids with no stop token, from the ids to decoded text, and reports the median tokens/s.
 --mode grpo times `--steps` whole GRPO steps (rollout, rewards, advantages, logprobs, update) on
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
-its parts. Both do the work of ../shared/bench/tunix_peer (see its README) with the same flags.
+its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
+updates). Both do the work of ../shared/bench/tunix_peer (see its README) with the same flags.
+--mode push times `--steps` weight pushes of sampler=mesh (the trainer's parameters copied to the
+rollout mesh, update_weights) for the config's model (random weights of its shape) and reports the
+median seconds and GB/s.
 
 The mesh, model, optimizer state and step are built by unitrain.run.build_run and the SFT task from the config
 (default configs/base.yml; key=value are ordinary config overrides). Each step sees the configured
@@ -60,6 +65,7 @@ from unitrain.config import ConfigError, load_config
 from unitrain.data import load_tokenizer
 from unitrain.data.prompts import Prompt
 from unitrain.optimizer import make_optimizer
+from unitrain.rollout import mesh as rollout_mesh
 from unitrain.rollout.base import SamplingParams
 from unitrain.run import RunContext, build_run
 
@@ -262,7 +268,7 @@ class _SamePrompts:
 def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int, steps: int, warmup: int) -> dict:
     """Time of whole GRPO steps (rollout, rewards, advantages, logprobs, update) on random prompts of
     `prompt_len` ids, `samples` completions of `new_tokens` each (no stop token)."""
-    cfg = cfg.replace(mode="grpo", rollout_batch_size=prompts, n_samples_per_prompt=samples, eval_interval=0,
+    cfg = cfg.replace(mode="grpo", rollout_batch_size=prompts, n_samples_per_prompt=samples, eval_interval=0, steps=warmup + steps,
                       rollout_max_response_len=new_tokens, max_prompt_length=max(cfg.max_prompt_length, prompt_len))
     run, state = build_run(cfg)
     task = tasks.create(run)
@@ -275,12 +281,37 @@ def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int
         state, step_metrics = task.step(state, step)
         step_metrics = jax.device_get(step_metrics)
         times.append(time.perf_counter() - start)
-        parts.append({k: float(step_metrics[k]) for k in ("time_rollout", "time_logprob", "time_update")})
+        parts.append({k: float(step_metrics[k]) for k in ("time_rollout", "time_weight_push", "time_logprob", "time_update")})
     timed = parts[warmup:]
     return {"mode": "grpo", "prompts": prompts, "samples": samples, "prompt_len": prompt_len, "new_tokens": new_tokens,
             "step_time_median": statistics.median(times[warmup:]), "step_times": times[warmup:],
             **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
-            "kl_coef": cfg.kl_coef, "device_kind": jax.devices()[0].device_kind, "num_devices": run.mesh.size}
+            "kl_coef": cfg.kl_coef, "sampler": cfg.sampler, "max_staleness": cfg.max_staleness,
+            "device_kind": jax.devices()[0].device_kind, "num_devices": run.mesh.size,
+            "rollout_devices": cfg.rollout_devices}
+
+
+def bench_push(cfg, steps: int, warmup: int) -> dict:
+    """Time of update_weights of sampler=mesh: the parameters copied to the rollout mesh."""
+    if cfg.sampler != "mesh":
+        raise ConfigError("--mode push times the weight push of sampler=mesh (set sampler=mesh and rollout_devices)")
+    run, state = build_run(cfg)
+    sampler = rollout.make_sampler(run)
+    times, through_hosts = [], []
+    for version in range(warmup + steps):
+        sampler.update_weights(state["params"], version)
+        times.append(sampler.push_seconds)
+        start = time.perf_counter()  # the multi-process path (each parameter through the hosts), in one process
+        jax.block_until_ready(jax.tree.map(rollout_mesh._through_hosts, state["params"], sampler.shardings))
+        through_hosts.append(time.perf_counter() - start)
+    median = statistics.median(times[warmup:])
+    gigabytes = sum(x.nbytes for x in jax.tree.leaves(state["params"])) / 1e9
+    return {"mode": "push", "parameters": sum(x.size for x in jax.tree.leaves(state["params"])),
+            "weight_dtype": cfg.weight_dtype, "gigabytes": gigabytes, "push_seconds_median": median,
+            "push_times": times[warmup:], "gigabytes_per_sec": gigabytes / median,
+            "through_hosts_seconds_median": statistics.median(through_hosts[warmup:]), "trainer_mesh": dict(run.mesh.shape),
+            "rollout_mesh": dict(run.rollout_mesh.shape), "processes": jax.process_count(),
+            "device_kind": jax.devices()[0].device_kind}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the step on abstract arrays and print its memory per device; run nothing")
-    parser.add_argument("--mode", choices=("sft", "sampler", "grpo"), default="sft",
-                        help="sft: the train step | sampler: rollout tokens/s | grpo: whole GRPO steps")
+    parser.add_argument("--mode", choices=("sft", "sampler", "grpo", "push"), default="sft",
+                        help="sft: the train step | sampler: rollout tokens/s | grpo: whole GRPO steps | "
+                             "push: the weight push of sampler=mesh")
     parser.add_argument("--batch", type=int, default=16, help="sampler: prompts per call")
     parser.add_argument("--prompts", type=int, default=4, help="grpo: prompts per step")
     parser.add_argument("--samples", type=int, default=4, help="grpo: completions per prompt")
@@ -306,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         if opts.steps < 1 or opts.warmup < 0:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         cfg = load_config(args)
-        if opts.compile_only and opts.mode == "sampler":
+        if opts.compile_only and opts.mode in ("sampler", "push"):
             raise ConfigError("--compile-only compiles an update: --mode sft (with mode=dpo for DPO) or --mode grpo")
-        if opts.mode == "sampler":
+        if opts.mode == "push":
+            result = bench_push(cfg, opts.steps, opts.warmup)
+        elif opts.mode == "sampler":
             result = bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
         elif opts.compile_only:
             result = compile_only(cfg.replace(mode=opts.mode) if opts.mode == "grpo" else cfg)

@@ -292,6 +292,8 @@ def _check_rollout_devices(c: dict) -> str | None:
         return "sampler mesh samples on devices of its own: set rollout_devices (and the rollout_*_parallelism sizes)"
     if c["sampler"] == "colocated" and c["rollout_devices"]:
         return f"rollout_devices={c['rollout_devices']} needs a sampler that runs on them: sampler: mesh (or a plugin)"
+    if c["mode"] in ("sft", "dpo") and (c["rollout_devices"] or c["max_staleness"]):
+        return f"rollout_devices and max_staleness serve RL rollouts; mode={c['mode']} trains on no rollouts"
     return None
 
 
