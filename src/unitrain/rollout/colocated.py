@@ -18,7 +18,7 @@ Programs are compiled through the run's CompileCache, keyed by the graph, B, P, 
 sampling choices and the parameter shapes and shardings; every compile is logged. Temperature,
 top-p and the stop ids are runtime values: changing them does not recompile (only greedy vs
 sampling, top-k, top-p on/off and the number of stop ids are static). The model is used only
-through the model interface (call, init_cache, cache_axes).
+through the model interface (call, hidden_states with a cache, logits, init_cache, cache_axes).
 """
 
 from __future__ import annotations
