@@ -81,6 +81,7 @@ def test_rollouts_run_ahead_by_at_most_max_staleness_versions(tmp_path, reward_l
     assert [m[s]["rollout_staleness_max"] for s in range(4)] == [0, 1, 1, 1]
     assert [m[s]["rollout_staleness_mean"] for s in range(4)] == [0, 1, 1, 1]
     assert [m[s]["rollouts_in_flight"] for s in range(4)] == [1, 1, 1, 0]  # none beyond the last step
+    assert "rollout_tokens_per_sec" not in m[1]  # sampled ahead, their time is not time_rollout
     assert all(np.isfinite(m[s]["loss"]) and m[s]["grad_norm"] > 0 for s in m)
     assert len(set(m[s]["kl"] for s in m)) > 1  # the policy moves away from the reference
     # Ahead on the trainer's own devices: the round in flight reads the weights the next update
@@ -110,7 +111,7 @@ def test_a_run_stopped_with_rounds_in_flight_resumes_at_the_next_unused_prompt(t
 
 
 def test_push_places_the_weights_on_the_rollout_mesh():
-    cfg = load_config([str(REPO / "configs" / "base.yml"), *SPLIT, "rollout_fsdp_parallelism=2"])
+    cfg = load_config([str(REPO / "configs" / "base.yml"), "mode=grpo", *SPLIT, "rollout_fsdp_parallelism=2"])
     built, state = run.build_run(cfg)
     from unitrain.rollout.mesh import from_run
     sampler = from_run(built)

@@ -186,9 +186,11 @@ class GRPOTask(Task):
         t2 = time.perf_counter()
         state, update_metrics = self.update(state, batch)
         t3 = time.perf_counter()
+        # time_rollout is the time the step waited for its rollouts; only on-policy is that their sampling time.
         metrics = {**update_metrics, **stats, **self.rollout_metrics(groups),
-                   "time_rollout": t1 - t0, "time_logprob": t2 - t1, "time_update": t3 - t2,
-                   "rollout_tokens_per_sec": float(mask.sum()) / max(t1 - t0, 1e-9)}
+                   "time_rollout": t1 - t0, "time_logprob": t2 - t1, "time_update": t3 - t2}
+        if not cfg.max_staleness:
+            metrics["rollout_tokens_per_sec"] = float(mask.sum()) / max(t1 - t0, 1e-9)
         if step % cfg.sample_log_period == 0:
             self.text = samples_markdown(groups)
         return state, metrics
