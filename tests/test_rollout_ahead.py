@@ -126,3 +126,20 @@ def test_push_places_the_weights_on_the_rollout_mesh():
     assert embed.addressable_shards[0].data.shape[1] == embed.shape[1] // 2  # fsdp over 2 on the rollout mesh
     replicated = push(state["params"], jax.tree.map(lambda _: sharding.replicated(built.rollout_mesh), state["params"]))
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(replicated))
+
+
+def test_a_stream_that_runs_out_ends_the_run_at_the_step_that_lacks_prompts(tmp_path, reward_log, capsys):
+    """Rounds sampled ahead stop where the prompts do: the steps that have prompts train, the first
+    that has none stops the run with one line (exit 2)."""
+    reward_log("short")
+    data = tmp_path / "six.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", "run_name=short", *GRPO,
+            f"dataset_path={data}", "num_epochs=1", "steps=5", *SPLIT, "max_staleness=2"]
+    import scored_prompts
+    scored_prompts.calls = 0
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "prompt stream ran out" in err and "num_epochs" in err
+    assert sorted(metrics(tmp_path, "short")) == [0, 1, 2]  # 6 prompts, 2 a step
+    assert len((tmp_path / "short.log").read_text().splitlines()) == 6 * 4

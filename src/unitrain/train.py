@@ -236,6 +236,9 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
     except NonFiniteLoss as e:
         log.error("stopping: %s; %s", e, good.set_aside_bad())
         return EXIT_NAN
+    except ConfigError:  # found by a step (the prompts ran out): the step before it trained, its line is written
+        good.finite(pending.flush())
+        raise
     finally:
         profiler.close()
         checkpointer.wait()

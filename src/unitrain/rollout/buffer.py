@@ -66,14 +66,14 @@ class RolloutBuffer:
         cfg = self.cfg
         kept, dropped, taken = [], [], []
         while len(kept) < cfg.rollout_batch_size and len(taken) < cfg.max_sampling_rounds:
-            if not self.in_flight:
-                self._submit(step, push)
+            if not self.in_flight and not self._submit(step, push):
+                break  # the prompt stream ran out: select_groups says so if the step is short
             taken.append(self.in_flight.popleft())
             for group in taken[-1].groups():
                 (kept if self.keep is None or self.keep(group) else dropped).append(group)
-        # No more ahead than the remaining steps can take.
-        while len(self.in_flight) < min(cfg.max_staleness, cfg.steps - 1 - step):
-            self._submit(step, push)
+        # No more ahead than the remaining steps can take (or the stream has).
+        while len(self.in_flight) < min(cfg.max_staleness, cfg.steps - 1 - step) and self._submit(step, push):
+            pass
         groups, discarded, refilled = select_groups(kept, dropped, cfg.rollout_batch_size)
         staleness = np.asarray([step - g.completions.version for g in groups])
         return groups, {"sampling_rounds": len(taken), "groups_discarded": discarded, "groups_refilled": refilled,
@@ -81,13 +81,18 @@ class RolloutBuffer:
                         "rollout_staleness_mean": float(staleness.mean()), "rollout_staleness_max": int(staleness.max()),
                         "rollouts_in_flight": len(self.in_flight)}
 
-    def _submit(self, step: int, push: Callable[[int], None]) -> None:
+    def _submit(self, step: int, push: Callable[[int], None]) -> bool:
+        """Submits the next round; False if the prompt stream has none left."""
+        position = self.prompts.get_state()
+        try:
+            batch = next(self.prompts)
+        except StopIteration:
+            return False
         if self.pushed != step:
             push(step)
             self.pushed = step
         count = self.submitted[1] if self.submitted[0] == step else 0
         self.submitted = (step, count + 1)
-        position = self.prompts.get_state()
-        batch = next(self.prompts)
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), step), count)
         self.in_flight.append(Round(self.start_round(batch["prompts"], key), position, batch["num_dropped"]))
+        return True

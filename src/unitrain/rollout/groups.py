@@ -88,5 +88,6 @@ def select_groups(kept: list, dropped: list, batch_size: int) -> tuple[list, int
     refilled = min(max(0, batch_size - len(kept)), len(dropped))
     groups = (kept + dropped[:refilled])[:batch_size]
     if len(groups) < batch_size:
-        raise ConfigError("the prompt stream ran out before a rollout batch was full; raise num_epochs")
+        raise ConfigError(f"the prompt stream ran out before a rollout batch of {batch_size} groups was full; "
+                          "raise num_epochs or lower steps")
     return groups, len(dropped) - refilled, refilled
