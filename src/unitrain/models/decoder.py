@@ -285,9 +285,7 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, attend, cached=None, put=None):
     the new x and the keys and values attended to, [B, K, S, D]."""
     dt = cfg.dtype
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("bte,ehd->bthd", h, p["wq"].astype(dt))
-    k = jnp.einsum("bte,ekd->btkd", h, p["wk"].astype(dt))
-    v = jnp.einsum("bte,ekd->btkd", h, p["wv"].astype(dt))
+    q, k, v = (_dense(h, p[name].astype(dt)) for name in ("wq", "wk", "wv"))
     if cfg.qkv_bias:
         q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
     if cfg.qk_norm:
@@ -301,16 +299,24 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, attend, cached=None, put=None):
     attn = attend(q, k.astype(dt), v.astype(dt))
     # One contracted axis (heads x head_dim): with two, XLA may pick their order by the attention
     # output's layout and transpose the weight to match, on every decode step.
-    flat = lambda a, n: a.reshape(*a.shape[:n], -1, *a.shape[n + 2:])
-    x = x + jnp.einsum("btf,fe->bte", flat(attn, 2), flat(p["wo"], 0).astype(dt))
+    x = x + _dense(attn, p["wo"].astype(dt), n_in=2)
     x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("bte,em->btm", h, p["w_gate"].astype(dt))
-    up = jnp.einsum("bte,em->btm", h, p["w_up"].astype(dt))
-    hidden = _constrain(cfg, jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    x = x + jnp.einsum("btm,me->bte", hidden, p["w_down"].astype(dt))
+    hidden = jax.nn.silu(_dense(h, p["w_gate"].astype(dt))) * _dense(h, p["w_up"].astype(dt))
+    hidden = _constrain(cfg, hidden, ("batch", "length", "mlp"))
+    x = x + _dense(hidden, p["w_down"].astype(dt))
     x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
     return x, (k, v)
+
+
+def _dense(x, w, n_in=1):
+    """x's last `n_in` axes contracted with w's first: one matmul of the rows flattened to one axis
+    by the weight flattened to two (both reshapes are bitcasts). The weight gradient then contracts
+    a single row axis; over batch and length XLA:CPU would first copy the activation or its gradient
+    into a transposed layout, for every projection of every layer (a third of the SFT step)."""
+    rows = x.shape[:x.ndim - n_in]
+    y = x.reshape(math.prod(rows), -1) @ w.reshape(math.prod(w.shape[:n_in]), -1)
+    return y.reshape(*rows, *w.shape[n_in:])
 
 
 def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_window):
@@ -330,17 +336,55 @@ def attention(q, k, v, mask):
     B, T, H, D = q.shape
     K = k.shape[1]
     q = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(D)
-    # A finite minimum keeps fully masked rows (padding queries) free of NaN.
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     if T == 1:
         # XLA:CPU runs this product as B*K tiny [G, S] x [S, D] matmuls, twice as slow as one fused
         # multiply-and-sum over S (which at T > 1 would hold a [.., T, S, D] array).
+        probs = _softmax_probs(q, k, mask).astype(v.dtype)
         out = jnp.sum(probs[..., None] * v[:, :, None, None], axis=-2)
     else:
-        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+        out = _attend(q, k, v, mask)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _softmax_probs(q, k, mask):
+    """[B,K,G,T,S] float32 softmax of the scaled scores of q [B,K,G,T,D] and k [B,K,S,D]."""
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    # A finite minimum keeps fully masked rows (padding queries) free of NaN.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+@jax.custom_vjp
+def _attend(q, k, v, mask):
+    """softmax(q k^T / sqrt(D)) v of q [B,K,G,T,D], k/v [B,K,S,D], mask [B,T,S]; its VJP is
+    attention's own backward (see _attend_bwd) instead of autodiff's of the softmax."""
+    return _attend_fwd(q, k, v, mask)[0]
+
+
+def _attend_fwd(q, k, v, mask):
+    probs = _softmax_probs(q, k, mask)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v)
+    return out, (q, k, v, probs, out, jnp.any(mask, axis=-1))
+
+
+def _attend_bwd(residuals, d_out):
+    """The softmax's gradient as FlashAttention's backward writes it, p * (dp - rowsum(d_out * out)):
+    the row sums come from [.., T, D] arrays, where autodiff's reduces the [.., T, S] product p * dp
+    (in XLA:CPU inside the dp matmul's fusion, at several times the matmul's cost) and masks it
+    again. Masked entries have p = 0, so they need no mask; only a query with no key at all
+    (uniform p over the masked scores) is zeroed, by its row's flag `live`."""
+    q, k, v, probs, out, live = residuals
+    d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_out, v).astype(jnp.float32)
+    row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    scale = jnp.where(live[:, None, None, :, None], 1 / math.sqrt(q.shape[-1]), 0.0)
+    d_scores = (probs * (d_probs - row) * scale).astype(q.dtype)
+    d_q = jnp.einsum("bkgts,bksd->bkgtd", d_scores, k)
+    d_k = jnp.einsum("bkgts,bkgtd->bksd", d_scores, q)
+    d_v = jnp.einsum("bkgts,bkgtd->bksd", probs.astype(d_out.dtype), d_out)
+    return d_q, d_k, d_v, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def _attention_fn(cfg: ModelConfig, segment_ids, positions):
