@@ -297,19 +297,19 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
         raise ConfigError("--mode push times the weight push of sampler=mesh (set sampler=mesh and rollout_devices)")
     run, state = build_run(cfg)
     sampler = rollout.make_sampler(run)
-    times, through_hosts = [], []
+    times, via_hosts = [], []
     for version in range(warmup + steps):
         sampler.update_weights(state["params"], version)
         times.append(sampler.push_seconds)
         start = time.perf_counter()  # the multi-process path (each parameter through the hosts), in one process
-        jax.block_until_ready(jax.tree.map(rollout_mesh._through_hosts, state["params"], sampler.shardings))
-        through_hosts.append(time.perf_counter() - start)
+        jax.block_until_ready(jax.tree.map(rollout_mesh.through_hosts, state["params"], sampler.shardings))
+        via_hosts.append(time.perf_counter() - start)
     median = statistics.median(times[warmup:])
     gigabytes = sum(x.nbytes for x in jax.tree.leaves(state["params"])) / 1e9
     return {"mode": "push", "parameters": sum(x.size for x in jax.tree.leaves(state["params"])),
             "weight_dtype": cfg.weight_dtype, "gigabytes": gigabytes, "push_seconds_median": median,
             "push_times": times[warmup:], "gigabytes_per_sec": gigabytes / median,
-            "through_hosts_seconds_median": statistics.median(through_hosts[warmup:]), "trainer_mesh": dict(run.mesh.shape),
+            "through_hosts_seconds_median": statistics.median(via_hosts[warmup:]), "trainer_mesh": dict(run.mesh.shape),
             "rollout_mesh": dict(run.rollout_mesh.shape), "processes": jax.process_count(),
             "device_kind": jax.devices()[0].device_kind}
 

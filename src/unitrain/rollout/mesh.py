@@ -50,10 +50,11 @@ def push(params, shardings):
     """The parameters in `shardings` (on other devices than theirs)."""
     if jax.process_count() == 1:
         return jax.device_put(params, shardings)
-    return jax.tree.map(_through_hosts, params, shardings)
+    return jax.tree.map(through_hosts, params, shardings)
 
 
-def _through_hosts(x, target):
+def through_hosts(x, target):
+    """x in `target` by way of every process's host memory: the multi-process push of one parameter."""
     whole = multihost_utils.process_allgather(x, tiled=True)
     return jax.make_array_from_callback(x.shape, target, lambda index: whole[index])
 
