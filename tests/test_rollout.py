@@ -157,11 +157,13 @@ def test_prompts_in_one_bucket_compile_once(caplog):
     assert colocated.bucket_batch_size(9, 8) == 16 and colocated.bucket_batch_size(3, 6) == 6
 
 
-def test_sharded_greedy_equals_unsharded():
-    mesh = sharding.create_mesh({"data": 1, "fsdp": 8, "tensor": 1}, {"data": 1, "fsdp": 1, "tensor": 1})
+@pytest.mark.parametrize("fsdp, tensor", [(8, 1), (4, 2)])
+def test_sharded_greedy_equals_unsharded(fsdp, tensor):
+    """fsdp and tensor parallel (the decode step's fused q/k/v weight splits over the KV heads)."""
+    mesh = sharding.create_mesh({"data": 1, "fsdp": fsdp, "tensor": tensor}, {"data": 1, "fsdp": 1, "tensor": 1})
     cfg = dataclasses.replace(CFG, logical_axis_rules=sharding.DEFAULT_RULES)
     model = scaled(sharding.init_sharded(lambda: model_lib.create(cfg), mesh, sharding.DEFAULT_RULES))
-    assert model.embed[...].addressable_shards[0].data.shape == (64, 32 // 8)
+    assert model.embed[...].addressable_shards[0].data.shape == (64 // tensor, 32 // fsdp)
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     out = generate(model, PROMPTS, params, jax.random.key(0), mesh=mesh, rules=sharding.DEFAULT_RULES)
     reference = greedy(tiny_model(), PROMPTS)
