@@ -49,8 +49,6 @@ class RolloutBuffer:
         returns its scored groups; `keep(group)`: the dynamic-sampling filter (None = keep all)."""
         self.cfg, self.prompts, self.start_round, self.keep = cfg, prompts, start_round, keep
         self.in_flight: collections.deque[Round] = collections.deque()
-        self.pushed = None  # the version of the sampler's weights, as far as take knows
-        self.submitted = (None, 0)  # (step, rounds it submitted): the key of the next round
 
     def get_state(self):
         return self.in_flight[0].position if self.in_flight else self.prompts.get_state()
@@ -64,15 +62,33 @@ class RolloutBuffer:
         """The step's groups and what it took to get them. `push(version)` puts this step's weights
         on the sampler; it is called once, before the first round this step submits."""
         cfg = self.cfg
+        submitted = 0
+
+        def submit() -> bool:
+            """Submits the next round (the first one pushes the step's weights); False if the
+            prompt stream has none left."""
+            nonlocal submitted
+            position = self.prompts.get_state()
+            try:
+                batch = next(self.prompts)
+            except StopIteration:
+                return False
+            if not submitted:
+                push(step)
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), step), submitted)
+            submitted += 1
+            self.in_flight.append(Round(self.start_round(batch["prompts"], key), position, batch["num_dropped"]))
+            return True
+
         kept, dropped, taken = [], [], []
         while len(kept) < cfg.rollout_batch_size and len(taken) < cfg.max_sampling_rounds:
-            if not self.in_flight and not self._submit(step, push):
+            if not self.in_flight and not submit():
                 break  # the prompt stream ran out: select_groups says so if the step is short
             taken.append(self.in_flight.popleft())
             for group in taken[-1].groups():
                 (kept if self.keep is None or self.keep(group) else dropped).append(group)
         # No more ahead than the remaining steps can take (or the stream has).
-        while len(self.in_flight) < min(cfg.max_staleness, cfg.steps - 1 - step) and self._submit(step, push):
+        while len(self.in_flight) < min(cfg.max_staleness, cfg.steps - 1 - step) and submit():
             pass
         groups, discarded, refilled = select_groups(kept, dropped, cfg.rollout_batch_size)
         staleness = np.asarray([step - g.completions.version for g in groups])
@@ -80,19 +96,3 @@ class RolloutBuffer:
                         "prompts_dropped": sum(r.num_dropped for r in taken),
                         "rollout_staleness_mean": float(staleness.mean()), "rollout_staleness_max": int(staleness.max()),
                         "rollouts_in_flight": len(self.in_flight)}
-
-    def _submit(self, step: int, push: Callable[[int], None]) -> bool:
-        """Submits the next round; False if the prompt stream has none left."""
-        position = self.prompts.get_state()
-        try:
-            batch = next(self.prompts)
-        except StopIteration:
-            return False
-        if self.pushed != step:
-            push(step)
-            self.pushed = step
-        count = self.submitted[1] if self.submitted[0] == step else 0
-        self.submitted = (step, count + 1)
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), step), count)
-        self.in_flight.append(Round(self.start_round(batch["prompts"], key), position, batch["num_dropped"]))
-        return True
