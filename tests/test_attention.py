@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from unitrain import sharding
 from unitrain.config import ConfigError, load_config
@@ -154,3 +155,57 @@ def test_splash_attention_under_a_mesh_runs_per_shard():
     with jax.set_mesh(mesh):
         out = splash(q, k, v, segments)
     assert_same_on_real_tokens(out, reference(q, k, v, segments, positions, 7), segments)
+
+
+@pytest.mark.parametrize("chunk, window", [(16, None), (37, 7), (99, None)])
+def test_query_chunks_equal_whole_rows(chunk, window):
+    """attention_chunk_size: chunks that divide T or not (padding queries), packed rows, a window;
+    values and the gradients in q, k, v against the whole rows at once."""
+    q, k, v, segments, positions = packed_inputs()
+    mask = model_lib.attention_mask(segments, positions, segments, positions, window)
+    chunked = functools.partial(model_lib.attention, mask=mask, chunk_size=chunk)
+    whole = functools.partial(model_lib.attention, mask=mask)
+    assert_same_on_real_tokens(jax.jit(chunked)(q, k, v), whole(q, k, v), segments)
+    (value, grads), (ref_value, ref_grads) = loss_and_grads(chunked, q, k, v), loss_and_grads(whole, q, k, v)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_query_chunks_bound_the_backward_memory():
+    """The compiled gradient holds one chunk's float32 scores, not the whole [T, S] ones."""
+    n, heads = 1024, 4
+    q = jax.ShapeDtypeStruct((1, n, heads, D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, heads, n, D), jnp.float32)
+    mask = jnp.tril(jnp.ones((n, n), bool))[None]
+
+    def temp_bytes(chunk):
+        loss = lambda q, k, v: jnp.sum(model_lib.attention(q, k, v, mask, chunk))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+    whole, chunked = temp_bytes(0), temp_bytes(128)
+    assert whole >= 2 * heads * n * n * 4 and chunked < whole / 4
+
+
+def test_model_with_query_chunks_equals_whole_rows():
+    """attention_chunk_size through the decoder: logits and parameter gradients of packed rows, and
+    a cached prefill (the sampler's) followed by one decode step."""
+    tokens = jnp.asarray(np.random.default_rng(1).integers(1, 64, (2, 12)), jnp.int32)
+    segments = jnp.asarray([[1] * 7 + [2] * 4 + [0], [1] * 12], jnp.int32)
+    positions = jnp.asarray([list(range(7)) + list(range(4)) + [0], list(range(12))], jnp.int32)
+    real = np.asarray(segments) > 0
+
+    def run(chunk):
+        model = model_lib.create(dataclasses.replace(CFG, attention_chunk_size=chunk), 0)
+        loss = lambda m: jnp.sum(jnp.where(segments[..., None] > 0, m(tokens, positions, segments)[0], 0) ** 2)
+        grads = nnx.grad(loss)(model)
+        logits, cache = model(tokens, positions, segments, model.init_cache(2, 13))
+        step, _ = model(tokens[:, :1], positions[:, -1:] + 1, jnp.ones((2, 1), jnp.int32), cache)
+        return model(tokens, positions, segments)[0], grads, logits, step
+
+    got, expected = run(5), run(0)
+    assert_same_on_real_tokens(got[0], expected[0], segments)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), nnx.to_pure_dict(got[1]),
+                 nnx.to_pure_dict(expected[1]))
+    np.testing.assert_allclose(np.asarray(got[2])[real], np.asarray(expected[2])[real], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(got[3], expected[3], atol=2e-5, rtol=2e-5)

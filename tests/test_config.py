@@ -203,7 +203,8 @@ def test_model_keys_match_base_yml_model_section():
     text = (CONFIGS / "base.yml").read_text()
     section = re.search(r"^# -+ model\n(.*?)^# -+ ", text, re.S | re.M).group(1)
     keys = re.findall(r"^(\w+):", section, re.M)
-    assert tuple(k for k in keys if k not in ("model_source", "model_name", "dtype", "weight_dtype", "remat_policy", "scan_layers", "attention")) \
+    assert tuple(k for k in keys if k not in ("model_source", "model_name", "dtype", "weight_dtype", "remat_policy", "scan_layers", "attention",
+                                         "attention_chunk_size")) \
         == MODEL_KEYS
 
 

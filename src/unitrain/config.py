@@ -152,6 +152,7 @@ RULES: dict[str, Rule] = {
     "max_grad_norm": NON_NEGATIVE,
     "z_loss_weight": NON_NEGATIVE,
     "logits_chunk_size": NON_NEGATIVE,
+    "attention_chunk_size": NON_NEGATIVE,
     "action": choices("train", "eval", "export"),
     "resume_step": optional(POSITIVE_INT),
     "checkpoint_period": POSITIVE_INT,

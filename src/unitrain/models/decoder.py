@@ -83,6 +83,7 @@ class ModelConfig:
     remat_policy: str = "none"
     scan_layers: bool = True
     attention: str = "xla"
+    attention_chunk_size: int = 0
     logical_axis_rules: tuple = ()
 
     @classmethod
@@ -274,7 +275,7 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache
     put = lambda a, new, axis: jax.lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), column, axis)
     segments, slot_positions = put(cache.segment_ids, segment_ids, 1), put(cache.positions, positions, 1)
     mask = attention_mask(segment_ids, positions, segments, slot_positions, cfg.sliding_window)
-    attend = functools.partial(cached_attention, mask=mask)
+    attend = functools.partial(cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size)
     decode = x.shape[1] == 1
     ks, vs = [], []
     for i in range(cfg.num_decoder_layers):
@@ -376,15 +377,38 @@ def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_win
     return allowed
 
 
-def attention(q, k, v, mask):
-    """Grouped-query attention; q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. Softmax in float32."""
+def attention(q, k, v, mask, chunk_size=0):
+    """Grouped-query attention; q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. Softmax in float32.
+    With 0 < chunk_size < T the queries go `chunk_size` at a time (`_attend_in_chunks`)."""
     B, T, H, D = q.shape
     K = k.shape[1]
     q = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
-    return _attend(q, k, v, mask).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    out = (_attend(q, k, v, mask) if not chunk_size or chunk_size >= T
+           else _attend_in_chunks(q, k, v, mask, chunk_size))
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def cached_attention(q, k_t, v, mask):
+def _attend_in_chunks(q, k, v, mask, size):
+    """_attend of `size` queries at a time in a `lax.map`, each chunk under `jax.checkpoint`: the
+    largest arrays, forward and backward, are one chunk's [B, K, G, size, S] float32 scores, not the
+    whole [.., T, S] (3 GiB at 4096 tokens for a 1.5B model's heads), for one more scores matmul in
+    the backward. Keys and values enter the chunks as float32 so that their gradients, summed over
+    the chunks, are summed in float32. Padding queries (T not a multiple of `size`) see no key."""
+    B, K, G, T, D = q.shape
+    n = -(-T // size)
+    pad = n * size - T
+    queries = jnp.pad(q, [(0, 0)] * 3 + [(0, pad), (0, 0)]).reshape(B, K, G, n, size, D).transpose(3, 0, 1, 2, 4, 5)
+    masks = jnp.pad(mask, [(0, 0), (0, pad), (0, 0)]).reshape(B, n, size, -1).swapaxes(0, 1)
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def chunk(xs):
+        return _attend(xs[0], k32.astype(k.dtype), v32.astype(v.dtype), xs[1])
+
+    out = jax.lax.map(jax.checkpoint(chunk), (queries, masks))  # [n, B, K, G, size, D]
+    return out.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, n * size, D)[:, :, :, :T]
+
+
+def cached_attention(q, k_t, v, mask, chunk_size=0):
     """attention over a KV cache, whose keys are transposed: k_t [B,K,D,S], v [B,K,S,D].
 
     A decode step (T = 1) is two fused multiply-and-sums, over D and then over S, each reducing a
@@ -395,7 +419,7 @@ def cached_attention(q, k_t, v, mask):
     B, T, H, D = q.shape
     K = v.shape[1]
     if T > 1:
-        return attention(q, k_t.swapaxes(2, 3), v, mask)
+        return attention(q, k_t.swapaxes(2, 3), v, mask, chunk_size)
     q = q.reshape(B, K, H // K, D, 1).astype(jnp.float32)
     scores = jnp.sum(q * k_t[:, :, None].astype(jnp.float32), axis=-2) / math.sqrt(D)  # [B,K,G,S]
     probs = _masked_softmax(scores, mask[:, None]).astype(v.dtype)
@@ -457,7 +481,7 @@ def _attention_fn(cfg: ModelConfig, segment_ids, positions):
     mask = attention_mask(segment_ids, positions, segment_ids, positions, cfg.sliding_window)
     if kernel == "cudnn":
         return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
-    return functools.partial(attention, mask=mask)
+    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size)
 
 
 def dot_product_attention(q, k, v, mask, implementation):
