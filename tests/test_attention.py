@@ -197,13 +197,20 @@ def test_model_with_query_chunks_equals_whole_rows():
 
     def run(chunk):
         model = model_lib.create(dataclasses.replace(CFG, attention_chunk_size=chunk), 0)
-        loss = lambda m: jnp.sum(jnp.where(segments[..., None] > 0, m(tokens, positions, segments)[0], 0) ** 2)
-        grads = nnx.grad(loss)(model)
-        logits, cache = model(tokens, positions, segments, model.init_cache(2, 13))
-        step, _ = model(tokens[:, :1], positions[:, -1:] + 1, jnp.ones((2, 1), jnp.int32), cache)
-        return model(tokens, positions, segments)[0], grads, logits, step
+        def loss(m):
+            logits = m(tokens, positions, segments)[0]
+            return jnp.sum(jnp.where(segments[..., None] > 0, logits, 0) ** 2), logits
+
+        (_, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+        call = nnx.jit(lambda m, *a: m(*a))
+        prefill, cache = call(model, tokens, positions, segments, model.init_cache(2, 13))
+        step, _ = call(model, tokens[:, :1], positions[:, -1:] + 1, jnp.ones((2, 1), jnp.int32), cache)
+        graphdef, state = nnx.split(model)
+        forward = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens, positions, segments)[0])(state)
+        return logits, grads, prefill, step, str(forward).count("scan[")
 
     got, expected = run(5), run(0)
+    assert got[4] > expected[4]  # the chunks' lax.map is there
     assert_same_on_real_tokens(got[0], expected[0], segments)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), nnx.to_pure_dict(got[1]),
                  nnx.to_pure_dict(expected[1]))
