@@ -83,7 +83,7 @@ class ModelConfig:
     remat_policy: str = "none"
     scan_layers: bool = True
     attention: str = "xla"
-    attention_chunk_size: int = 0
+    attention_chunk_size: int = 1024  # as base.yml: models built outside a run config (HF adapter, tools) chunk alike
     logical_axis_rules: tuple = ()
 
     @classmethod
