@@ -187,6 +187,17 @@ def test_query_chunks_bound_the_backward_memory():
     assert whole >= 2 * heads * n * n * 4 and chunked < whole / 4
 
 
+def test_the_backward_keeps_no_probabilities():
+    """What the forward keeps for the backward (the VJP's residuals): the inputs, the output, the
+    mask and per-query statistics; no float array of the [T, S] probabilities (recomputed instead)."""
+    q, k, v, segments, positions = packed_inputs()
+    mask = model_lib.attention_mask(segments, positions, segments, positions, None)
+    _, backward = jax.vjp(functools.partial(model_lib.attention, mask=mask), q, k, v)
+    kept = [x for x in jax.tree.leaves(backward) if jnp.issubdtype(x.dtype, jnp.floating)]
+    T = q.shape[1]
+    assert kept and all(x.size < q.size * T // q.shape[-1] for x in kept), [x.shape for x in kept]
+
+
 def test_model_with_query_chunks_equals_whole_rows():
     """attention_chunk_size through the decoder: logits and parameter gradients of packed rows, and
     a cached prefill (the sampler's) followed by one decode step."""

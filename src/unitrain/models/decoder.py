@@ -432,10 +432,11 @@ def _masked_softmax(scores, mask):
     return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
 
 
-def _softmax_probs(q, k, mask):
-    """[B,K,G,T,S] float32 softmax of the scaled scores of q [B,K,G,T,D] and k [B,K,S,D]."""
+def _masked_scores(q, k, mask):
+    """[B,K,G,T,S] float32 scaled scores of q [B,K,G,T,D] and k [B,K,S,D], masked entries at the
+    float32 minimum (finite: a query with no key at all gets a uniform softmax, not NaN)."""
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    return _masked_softmax(scores, mask[:, None, None])
+    return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
 
 
 @jax.custom_vjp
@@ -446,9 +447,17 @@ def _attend(q, k, v, mask):
 
 
 def _attend_fwd(q, k, v, mask):
-    probs = _softmax_probs(q, k, mask)
+    """The output and, as FlashAttention keeps, each query's row maximum and log-sum-exp relative
+    to it [B,K,G,T] instead of its [.., T, S] probabilities: the backward recomputes them with one
+    more scores matmul, where keeping them costs writing, holding (a float32 [B, H, T, T] per layer
+    until the backward) and reading them again. (The two parts stay apart: for a query with no key
+    the maximum is the float32 minimum, which would absorb the sum's log.)"""
+    scores = _masked_scores(q, k, mask)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(scores - top), axis=-1, keepdims=True))
+    probs = jnp.exp(scores - top - log_sum)
     out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v)
-    return out, (q, k, v, probs, out, jnp.any(mask, axis=-1))
+    return out, (q, k, v, mask, top, log_sum, out)
 
 
 def _attend_bwd(residuals, d_out):
@@ -457,7 +466,9 @@ def _attend_bwd(residuals, d_out):
     (in XLA:CPU inside the dp matmul's fusion, at several times the matmul's cost) and masks it
     again. Masked entries have p = 0, so they need no mask; only a query with no key at all
     (uniform p over the masked scores) is zeroed, by its row's flag `live`."""
-    q, k, v, probs, out, live = residuals
+    q, k, v, mask, top, log_sum, out = residuals
+    probs = jnp.exp(_masked_scores(q, k, mask) - top - log_sum)
+    live = jnp.any(mask, axis=-1)
     d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_out, v).astype(jnp.float32)
     row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     scale = jnp.where(live[:, None, None, :, None], 1 / math.sqrt(q.shape[-1]), 0.0)
