@@ -422,21 +422,20 @@ def cached_attention(q, k_t, v, mask, chunk_size=0):
         return attention(q, k_t.swapaxes(2, 3), v, mask, chunk_size)
     q = q.reshape(B, K, H // K, D, 1).astype(jnp.float32)
     scores = jnp.sum(q * k_t[:, :, None].astype(jnp.float32), axis=-2) / math.sqrt(D)  # [B,K,G,S]
-    probs = _masked_softmax(scores, mask[:, None]).astype(v.dtype)
+    probs = jax.nn.softmax(_masked(scores, mask[:, None]), axis=-1).astype(v.dtype)
     out = jnp.sum(probs[..., None] * v[:, :, None], axis=-2)
     return out.reshape(B, 1, H, D)
 
 
-def _masked_softmax(scores, mask):
-    # A finite minimum keeps fully masked rows (padding queries) free of NaN.
-    return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+def _masked(scores, mask):
+    # A finite minimum: a query with no key at all (padding) gets a uniform softmax, not NaN.
+    return jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
 
 
 def _masked_scores(q, k, mask):
-    """[B,K,G,T,S] float32 scaled scores of q [B,K,G,T,D] and k [B,K,S,D], masked entries at the
-    float32 minimum (finite: a query with no key at all gets a uniform softmax, not NaN)."""
+    """[B,K,G,T,S] float32 scaled scores of q [B,K,G,T,D] and k [B,K,S,D], masked (`_masked`)."""
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    return _masked(scores, mask[:, None, None])
 
 
 @jax.custom_vjp
