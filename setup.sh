@@ -24,7 +24,7 @@ case "$accel" in
 esac
 # torch (test extra) is pinned to a CPU build; install it first so nothing pulls a CUDA torch.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q "$jax_spec>=0.10,<0.11" -e ".[test,tunix,wandb]"
+.venv/bin/python -m pip install -q "$jax_spec>=0.10,<0.12" -e ".[test,tunix,wandb]"
 # Tunix's model library (model_source=tunix): its requirements came with the tunix extra; the
 # package itself without its safetensors<0.8 pin (see pyproject.toml).
 .venv/bin/python -m pip install -q --no-deps "google-tunix==0.1.7"
