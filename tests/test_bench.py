@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 from flax import nnx
 
+from unitrain import metrics
 from unitrain.models import decoder
 from unitrain.config import load_config
+from unitrain.run import build_run
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = ["model_name=tiny", "per_device_batch_size=2", "max_target_length=32", "matmul_peak_size=128"]
@@ -111,9 +114,41 @@ def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
     sampled = bench.bench_sampler(cfg, batch=8, prompt_len=8, new_tokens=6, reps=2, warmup=1)
     assert sampled["tokens_per_call"] == 8 * 6
     assert sampled["tokens_per_sec"] == 48 / sampled["call_time_median"]
+    step_time = (sampled["call_time_median"] - sampled["first_token_call_time_median"]) / 5
+    assert sampled["decode_step_time"] == pytest.approx(step_time)
+    assert sampled["decode_tokens_per_sec"] == pytest.approx(8 / step_time)
+    assert sampled["decode_bandwidth_fraction"] == pytest.approx(
+        sampled["decode_bytes_per_step"] / step_time / (sampled["memory_bandwidth_per_device"] * sampled["num_devices"]))
     step = bench.bench_grpo(cfg, prompts=2, samples=4, prompt_len=8, new_tokens=4, steps=2, warmup=1)
     assert len(step["step_times"]) == 2
     assert 0 < step["time_rollout"] + step["time_logprob"] + step["time_update"] <= step["step_time_median"] * 1.5
+
+
+def test_decode_bytes_are_the_weights_and_the_whole_cache(tiny_checkpoint):
+    """Counted from the checkpoint's own files: its safetensors' elements in the compute dtype, and
+    keys and values of every layer over the padded block (16-token prompt bucket + new tokens)."""
+    import bench
+    from safetensors import safe_open
+
+    path = tiny_checkpoint("qwen2")
+    hf = json.loads((Path(path) / "config.json").read_text())
+    with safe_open(str(Path(path) / "model.safetensors"), "np") as f:
+        elements = sum(f.get_tensor(name).size for name in f.keys())
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        cfg = load_config(["configs/base.yml", f"load_parameters_path={path}", f"dtype={dtype}"])
+        run, state = build_run(cfg)
+        rows, length = 8, 16 + 6
+        head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+        kv = hf["num_hidden_layers"] * 2 * rows * hf["num_key_value_heads"] * head_dim * length * size
+        columns = 2 * rows * length * 4 + rows * 4  # segment ids, positions, the write column
+        got = bench.decode_bytes_per_step(run.model, state["params"], dtype, batch=5, prompt_len=9, new_tokens=6)
+        assert got == elements * size + kv + columns
+
+
+def test_memory_bandwidth_is_bytes_over_the_sum_time():
+    """The read rate of a jitted sum: a 64 MiB array read in a plausible time for any machine."""
+    bandwidth = metrics.measure_memory_bandwidth(2**26, iters=3)
+    assert 1e8 < bandwidth < 1e13
 
 
 def test_push_mode_times_the_copy_to_the_rollout_mesh():

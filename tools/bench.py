@@ -7,7 +7,9 @@
     python tools/bench.py [CONFIG_YML] model_name=qwen2.5-0.5b mode=grpo sampler=mesh rollout_devices=4 --mode push
 
 --mode sampler times `--steps` calls of the configured sampler (after `--warmup` calls) on random
-prompt ids with no stop token, from the ids to decoded text, and reports the median tokens/s.
+prompt ids with no stop token, from the ids to decoded text, and reports the median tokens/s; then
+it times one-token calls to split off the decode step (its time, tokens/s, the bytes it reads and
+their rate as a fraction of the devices' memory bandwidth, measured with a jitted sum).
 --mode grpo times `--steps` whole GRPO steps (rollout, rewards, advantages, logprobs, update) on
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
 its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
@@ -230,26 +232,57 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
     """Tokens/s of the configured sampler: `batch` prompts of `prompt_len` random ids, `new_tokens`
-    each, no stop token (every row runs to the end); a call is timed from the ids to decoded text."""
+    each, no stop token (every row runs to the end); a call is timed from the ids to decoded text.
+
+    The decode step's time is the call's minus a one-token call's (the prefill and set-up), over
+    the other new_tokens - 1 tokens; its bytes are what one decode step reads at least: every
+    weight in the compute dtype and the whole KV cache of the padded block the sampler runs.
+    """
     run, state = build_run(cfg.replace(eval_interval=0))
     sampler = rollout.make_sampler(run)
     sampler.update_weights(state["params"], 0)
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k,
-                              top_p=cfg.rollout_top_p, stop_token_ids=())
-    times, generated = [], set()
-    for i in range(warmup + reps):
-        start = time.perf_counter()
-        out = sampler.generate(prompts, sampling, jax.random.key(i))
-        [run.tokenizer.decode(t[:n]) for t, n in zip(out.tokens, out.lengths)]
-        times.append(time.perf_counter() - start)
-        generated.add(int(out.lengths.sum()))
-    median = statistics.median(times[warmup:])
-    (tokens,) = generated  # every call generates every row to the end
-    return {"mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "tokens_per_call": tokens, "tokens_per_sec": tokens / median, "call_time_median": median,
-            "call_times": times[warmup:], "sampler": cfg.sampler, "device_kind": jax.devices()[0].device_kind,
-            "num_devices": run.mesh.size}
+
+    def timed_calls(n_new: int) -> tuple[list[float], int]:
+        sampling = SamplingParams(max_new_tokens=n_new, temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k,
+                                  top_p=cfg.rollout_top_p, stop_token_ids=())
+        times, generated = [], set()
+        for i in range(warmup + reps):
+            start = time.perf_counter()
+            out = sampler.generate(prompts, sampling, jax.random.key(i))
+            [run.tokenizer.decode(t[:n]) for t, n in zip(out.tokens, out.lengths)]
+            times.append(time.perf_counter() - start)
+            generated.add(int(out.lengths.sum()))
+        (tokens,) = generated  # every call generates every row to the end
+        return times[warmup:], tokens
+
+    times, tokens = timed_calls(new_tokens)
+    median = statistics.median(times)
+    result = {"mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+              "tokens_per_call": tokens, "tokens_per_sec": tokens / median, "call_time_median": median,
+              "call_times": times, "sampler": cfg.sampler, "device_kind": jax.devices()[0].device_kind,
+              "num_devices": run.mesh.size}
+    if new_tokens > 1:
+        first = statistics.median(timed_calls(1)[0])
+        step_time = (median - first) / (new_tokens - 1)
+        step_bytes = decode_bytes_per_step(run.model, state["params"], cfg.dtype, batch, prompt_len, new_tokens)
+        bandwidth = metrics.measure_memory_bandwidth()
+        result |= {"first_token_call_time_median": first, "decode_step_time": step_time,
+                   "decode_tokens_per_sec": batch / step_time, "decode_bytes_per_step": step_bytes,
+                   "memory_bandwidth_per_device": bandwidth,
+                   "decode_bandwidth_fraction": step_bytes / step_time / (bandwidth * run.mesh.size)}
+    return result
+
+
+def decode_bytes_per_step(model, params, dtype: str, batch: int, prompt_len: int, new_tokens: int) -> int:
+    """Bytes one decode step reads: every parameter in the compute `dtype` (as the sampler applies
+    them; an untied input table is counted whole, though a step reads `batch` of its rows) and the
+    whole KV cache, which the sampler makes for the bucketed batch and prompt length."""
+    rows = rollout.colocated.bucket_batch_size(batch)
+    length = rollout.colocated.bucket_prompt_length(prompt_len) + new_tokens
+    weights = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
+    cache = jax.eval_shape(lambda: model.init_cache(rows, length))
+    return int(weights + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
 
 
 class _SamePrompts:

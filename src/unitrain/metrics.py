@@ -216,6 +216,22 @@ def measure_matmul_peak(dtype: str = "float32", n: int = 2048, iters: int = 10) 
     return 2 * n**3 / statistics.median(times)
 
 
+def measure_memory_bandwidth(nbytes: int = 2**29, iters: int = 10) -> float:
+    """Bytes/s that a jitted sum over an `nbytes` float32 array reads on one device of this machine
+    now (median of `iters`): the denominator of the sampler's decode bandwidth fraction, measured
+    like the matmul peak rather than taken from a datasheet."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    for _ in range(2):
+        total(x).block_until_ready()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / statistics.median(times)
+
+
 def peak_flops_per_device(cfg) -> float:
     """cfg.peak_flops_per_device if set, else the jnp.dot rate measured now in the compute dtype."""
     if cfg.peak_flops_per_device is not None:
