@@ -11,7 +11,7 @@ import jax
 import pytest
 from flax import nnx
 
-from unitrain import metrics
+from unitrain import metrics, rollout
 from unitrain.models import decoder
 from unitrain.config import load_config
 from unitrain.run import build_run
@@ -137,11 +137,14 @@ def test_decode_bytes_are_the_weights_and_the_whole_cache(tiny_checkpoint):
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         cfg = load_config(["configs/base.yml", f"load_parameters_path={path}", f"dtype={dtype}"])
         run, state = build_run(cfg)
-        rows, length = 8, 16 + 6
+        sampler = rollout.make_sampler(run)
+        rows, columns = sampler.block_shape(5, 9)
+        assert (rows, columns) == (8, 16)  # powers of two, prompts at least 16 (generate's bucketing)
+        length = columns + 6
         head_dim = hf["hidden_size"] // hf["num_attention_heads"]
         kv = hf["num_hidden_layers"] * 2 * rows * hf["num_key_value_heads"] * head_dim * length * size
         columns = 2 * rows * length * 4 + rows * 4  # segment ids, positions, the write column
-        got = bench.decode_bytes_per_step(run.model, state["params"], dtype, batch=5, prompt_len=9, new_tokens=6)
+        got = bench.decode_bytes_per_step(run.model, state["params"], dtype, rows, length)
         assert got == elements * size + kv + columns
 
 

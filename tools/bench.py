@@ -265,7 +265,8 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
     if new_tokens > 1:
         first = statistics.median(timed_calls(1)[0])
         step_time = (median - first) / (new_tokens - 1)
-        step_bytes = decode_bytes_per_step(run.model, state["params"], cfg.dtype, batch, prompt_len, new_tokens)
+        rows, columns = sampler.block_shape(batch, prompt_len)
+        step_bytes = decode_bytes_per_step(run.model, state["params"], cfg.dtype, rows, columns + new_tokens)
         bandwidth = metrics.measure_memory_bandwidth()
         result |= {"first_token_call_time_median": first, "decode_step_time": step_time,
                    "decode_tokens_per_sec": batch / step_time, "decode_bytes_per_step": step_bytes,
@@ -274,12 +275,10 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
     return result
 
 
-def decode_bytes_per_step(model, params, dtype: str, batch: int, prompt_len: int, new_tokens: int) -> int:
+def decode_bytes_per_step(model, params, dtype: str, rows: int, length: int) -> int:
     """Bytes one decode step reads: every parameter in the compute `dtype` (as the sampler applies
-    them; an untied input table is counted whole, though a step reads `batch` of its rows) and the
-    whole KV cache, which the sampler makes for the bucketed batch and prompt length."""
-    rows = rollout.colocated.bucket_batch_size(batch)
-    length = rollout.colocated.bucket_prompt_length(prompt_len) + new_tokens
+    them; an untied input table is counted whole, though a step reads a row per sequence) and the
+    whole KV cache of the sampler's padded block, `rows` x `length` positions."""
     weights = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
     cache = jax.eval_shape(lambda: model.init_cache(rows, length))
     return int(weights + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))

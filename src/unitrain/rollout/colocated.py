@@ -210,6 +210,13 @@ class ColocatedSampler:
     def update_weights(self, params, version: int) -> None:
         self.params, self.version = params, version  # colocated: the trainer's own arrays, no copy
 
+    def block_shape(self, n_prompts: int, longest: int) -> tuple[int, int]:
+        """(rows, prompt columns) of the left-padded block that generate and beam_search run for
+        `n_prompts` prompts of at most `longest` tokens: both bucketed, the rows to a multiple of
+        the mesh's batch parallelism."""
+        multiple = batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1
+        return bucket_batch_size(n_prompts, multiple), bucket_prompt_length(longest)
+
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
         """`logprobs` is each sampled token's log-prob under the temperature-scaled, top-k/top-p
         filtered distribution it was drawn from (greedy: log-softmax of the raw logits)."""
@@ -226,8 +233,7 @@ class ColocatedSampler:
         if lens.min() < 1:
             raise ValueError("every prompt needs at least one token")
         n_real, N = len(prompt_ids), sampling.max_new_tokens
-        B = bucket_batch_size(n_real, batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1)
-        P = bucket_prompt_length(int(lens.max()))
+        B, P = self.block_shape(n_real, int(lens.max()))
         block = _left_padded(prompt_ids, B, P, self.pad_id)
         greedy = sampling.temperature == 0.0
         top_k = 0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k
@@ -258,8 +264,7 @@ class ColocatedSampler:
         lens = [len(p) for p in prompt_ids]
         if not lens or min(lens) < 1:
             raise ValueError("beam_search needs prompts of at least one token")
-        B = bucket_batch_size(len(lens), batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1)
-        block = _left_padded(prompt_ids, B, bucket_prompt_length(max(lens)), self.pad_id)
+        block = _left_padded(prompt_ids, *self.block_shape(len(lens), max(lens)), self.pad_id)
         with in_mesh(self.mesh):
             return beam.search(self, block, len(lens), beams, key)
 
