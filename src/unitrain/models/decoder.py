@@ -83,7 +83,7 @@ class ModelConfig:
     remat_policy: str = "none"
     scan_layers: bool = True
     attention: str = "xla"
-    attention_chunk_size: int = 1024  # as base.yml: models built outside a run config (HF adapter, tools) chunk alike
+    attention_chunk_size: int = 256  # as base.yml: models built outside a run config (HF adapter, tools) chunk alike
     logical_axis_rules: tuple = ()
 
     @classmethod
@@ -377,15 +377,31 @@ def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_win
     return allowed
 
 
-def attention(q, k, v, mask, chunk_size=0):
+def attention(q, k, v, mask, chunk_size=0, causal_columns=False):
     """Grouped-query attention; q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. Softmax in float32.
-    With 0 < chunk_size < T the queries go `chunk_size` at a time (`_attend_in_chunks`)."""
+    With 0 < chunk_size < T the queries go `chunk_size` at a time: `_attend_causal_chunks` where
+    `causal_columns` (k and v are the queries' own columns and no query attends a later one, as in
+    every row unitrain builds: positions count up along a segment's columns), else `_attend_in_chunks`."""
     B, T, H, D = q.shape
     K = k.shape[1]
     q = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
-    out = (_attend(q, k, v, mask) if not chunk_size or chunk_size >= T
-           else _attend_in_chunks(q, k, v, mask, chunk_size))
+    if not chunk_size or chunk_size >= T:
+        out = _attend(q, k, v, mask)
+    else:
+        out = (_attend_causal_chunks if causal_columns else _attend_in_chunks)(q, k, v, mask, chunk_size)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _attend_causal_chunks(q, k, v, mask, size):
+    """The chunks of `_attend_in_chunks`, each reading the keys up to its own last query only: the
+    blocks above the diagonal (at 2048 tokens in chunks of 256, 7/16 of the scores) are never
+    computed, forward or backward. The chunks differ in shape, so they are unrolled, not mapped."""
+    T = q.shape[3]
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    chunk = jax.checkpoint(lambda q, k, v, mask: _attend(q, k.astype(q.dtype), v.astype(q.dtype), mask))
+    outs = [chunk(q[:, :, :, start:start + size], k32[:, :, :start + size], v32[:, :, :start + size],
+                  mask[:, start:start + size, :start + size]) for start in range(0, T, size)]
+    return jnp.concatenate(outs, axis=3)
 
 
 def _attend_in_chunks(q, k, v, mask, size):
@@ -491,7 +507,7 @@ def _attention_fn(cfg: ModelConfig, segment_ids, positions):
     mask = attention_mask(segment_ids, positions, segment_ids, positions, cfg.sliding_window)
     if kernel == "cudnn":
         return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
-    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size)
+    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=True)
 
 
 def dot_product_attention(q, k, v, mask, implementation):
