@@ -26,7 +26,8 @@ class Model(Protocol):
         """logits [B, T, V] (compute dtype) and the updated cache (None when `cache` is None).
 
         tokens, positions, segment_ids: int32 [B, T]. positions restart at 0 in every packed
-        sequence; segment 0 is padding; a token attends causally within its own nonzero segment.
+        sequence and count up along its columns; segment 0 is padding; a token attends causally
+        within its own nonzero segment (a model may skip the keys in later columns).
         With a cache (one sequence per row), a call adds its non-padding tokens at their positions
         and they attend to everything the row has cached before them: a prefill of a left- or
         right-padded prompt block, then one token per row per call at the next positions, gives the
