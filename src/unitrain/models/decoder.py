@@ -398,30 +398,31 @@ def _attend_causal_chunks(q, k, v, mask, size):
     computed, forward or backward. The chunks differ in shape, so they are unrolled, not mapped."""
     T = q.shape[3]
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-    chunk = jax.checkpoint(lambda q, k, v, mask: _attend(q, k.astype(q.dtype), v.astype(q.dtype), mask))
-    outs = [chunk(q[:, :, :, start:start + size], k32[:, :, :start + size], v32[:, :, :start + size],
-                  mask[:, start:start + size, :start + size]) for start in range(0, T, size)]
+    outs = [_attend_chunk(q[:, :, :, start:start + size], k32[:, :, :start + size], v32[:, :, :start + size],
+                          mask[:, start:start + size, :start + size]) for start in range(0, T, size)]
     return jnp.concatenate(outs, axis=3)
 
 
 def _attend_in_chunks(q, k, v, mask, size):
-    """_attend of `size` queries at a time in a `lax.map`, each chunk under `jax.checkpoint`: the
-    largest arrays, forward and backward, are one chunk's [B, K, G, size, S] float32 scores, not the
-    whole [.., T, S] (3 GiB at 4096 tokens for a 1.5B model's heads), for one more scores matmul in
-    the backward. Keys and values enter the chunks as float32 so that their gradients, summed over
-    the chunks, are summed in float32. Padding queries (T not a multiple of `size`) see no key."""
+    """_attend of `size` queries at a time in a `lax.map` of `_attend_chunk`: the largest arrays,
+    forward and backward, are one chunk's [B, K, G, size, S] float32 scores, not the whole
+    [.., T, S] (3 GiB at 4096 tokens for a 1.5B model's heads), for one more scores matmul in the
+    backward. Padding queries (T not a multiple of `size`) see no key."""
     B, K, G, T, D = q.shape
     n = -(-T // size)
     pad = n * size - T
     queries = jnp.pad(q, [(0, 0)] * 3 + [(0, pad), (0, 0)]).reshape(B, K, G, n, size, D).transpose(3, 0, 1, 2, 4, 5)
     masks = jnp.pad(mask, [(0, 0), (0, pad), (0, 0)]).reshape(B, n, size, -1).swapaxes(0, 1)
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-
-    def chunk(xs):
-        return _attend(xs[0], k32.astype(k.dtype), v32.astype(v.dtype), xs[1])
-
-    out = jax.lax.map(jax.checkpoint(chunk), (queries, masks))  # [n, B, K, G, size, D]
+    out = jax.lax.map(lambda xs: _attend_chunk(xs[0], k32, v32, xs[1]), (queries, masks))  # [n, B, K, G, size, D]
     return out.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, n * size, D)[:, :, :, :T]
+
+
+@jax.checkpoint
+def _attend_chunk(q, k32, v32, mask):
+    """_attend of one chunk of queries, recomputed in the backward. Keys and values come in as
+    float32 so that their gradients, summed over the chunks, are summed in float32."""
+    return _attend(q, k32.astype(q.dtype), v32.astype(q.dtype), mask)
 
 
 def cached_attention(q, k_t, v, mask, chunk_size=0):
