@@ -82,8 +82,38 @@ def test_compile_only_compiles_the_grpo_and_dpo_updates():
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result["config"]["mode"] == mode and result["memory_per_device"]["temp"] > 0
         assert result["model_flops_per_device"] == flops(length) * sequences * length / 8
-    proc = run_bench("configs/base.yml", *OVERRIDES, "--mode", "sampler", "--compile-only")
-    assert proc.returncode == 2 and proc.stderr.startswith("bench: --compile-only compiles an update")
+    proc = run_bench("configs/base.yml", *OVERRIDES, "--mode", "push", "--compile-only")
+    assert proc.returncode == 2 and proc.stderr.startswith("bench: --compile-only compiles a program")
+
+
+def test_compile_only_sampler_sizes_the_program_generate_runs():
+    """--mode sampler --compile-only on fsdp=8: the generate program of the bucketed block (5 prompts
+    of 9 ids -> 8 rows x 16 columns) and its KV cache (keys and values of every layer over 16 + 6
+    columns, segment ids, positions, the write column). In process: real weights then hit the same
+    compiled program, so the figures are those of the program generate runs."""
+    import bench
+
+    args = ["model_name=tiny", "ici_fsdp_parallelism=8"]
+    proc = run_bench("configs/base.yml", *args, "--mode", "sampler", "--compile-only", "--batch", "5",
+                     "--prompt-len", "9", "--new-tokens", "6")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    cfg = load_config(["configs/base.yml", *args])
+    kv = cfg.num_decoder_layers * 2 * 8 * cfg.num_kv_heads * cfg.head_dim * (16 + 6) * 4
+    assert result["block_shape"] == [8, 16] and result["kv_cache_bytes"] == kv + 2 * 8 * 22 * 4 + 8 * 4
+    memory = result["memory_per_device"]
+    assert memory["argument"] >= result["param_bytes_per_device"] > 0 and memory["temp"] > 0
+    assert result["config"]["mesh_shape"]["fsdp"] == 8
+
+    run, state = build_run(cfg)
+    sampler = rollout.make_sampler(run)
+    prompts, sampling = [[1] * 9] * 5, bench.rollout_sampling(cfg, 6)
+    sampler.update_weights(bench.abstract_run(cfg)[1]["params"], 0)
+    sampler.program(prompts, sampling, jax.random.key(0))
+    assert len(run.programs) == 1
+    sampler.update_weights(state["params"], 0)
+    assert sampler.generate(prompts, sampling, jax.random.key(1)).tokens.shape == (5, 6)
+    assert len(run.programs) == 1  # no second compile: the abstract weights had the real ones' signature
 
 
 def test_abstract_state_matches_init_state():

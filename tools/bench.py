@@ -1,7 +1,7 @@
 """Times unitrain's jitted SFT train step, its sampler or whole GRPO steps and prints one JSON line.
 
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
-    python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--out mem.json]
+    python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler] [--out mem.json]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
     python tools/bench.py [CONFIG_YML] model_name=qwen2.5-0.5b mode=grpo sampler=mesh rollout_devices=4 --mode push
@@ -34,6 +34,10 @@ aliased = donated bytes, and total_estimate = arguments + outputs + temporaries 
 parameter and optimizer-state bytes per device, the mesh, and the compiler's FLOP count if it gives
 one (XLA counts a loop body once, so with scan_layers=true or gradient accumulation that figure is
 far below the step's work; model_flops_per_device is the analytic count bench's MFU uses).
+With --mode sampler it compiles instead the colocated sampler's generate program for `--batch`
+prompts of `--prompt-len` ids and `--new-tokens` new ones, with the rollout_* sampling keys: the
+same program, through the same compile cache, that generate runs on real weights of those
+shardings; it also prints the KV cache's bytes (all rows) and the bucketed block (rows, columns).
 load_parameters_path is not read (the shapes come from the model keys, which default to its architecture). To size
 an N-device mesh on a CPU machine, make the process see N devices, e.g. for fsdp over 8:
 
@@ -83,9 +87,10 @@ def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
             "targets": tokens[:, 1:], "targets_segmentation": ones.copy()}
 
 
-CONFIG_KEYS = ("model_name", "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers",
-               "num_query_heads", "num_kv_heads", "head_dim", "dtype", "weight_dtype", "remat_policy",
-               "scan_layers", "per_device_batch_size", "gradient_accumulation_steps", "max_target_length")
+MODEL_KEYS = ("model_name", "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers",
+              "num_query_heads", "num_kv_heads", "head_dim", "dtype", "weight_dtype")
+CONFIG_KEYS = MODEL_KEYS + ("remat_policy", "scan_layers", "per_device_batch_size", "gradient_accumulation_steps",
+                            "max_target_length")
 
 
 def _abstract(shapes, shardings):
@@ -159,13 +164,6 @@ def compile_only(cfg) -> dict:
     start = time.perf_counter()
     compiled = run.programs.compiled(f"{cfg.mode} update", update, state, batch)
     compile_seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    per_device = None
-    if memory is not None:
-        per_device = {name: int(getattr(memory, f"{name}_size_in_bytes"))
-                      for name in ("argument", "output", "temp", "generated_code", "alias")}
-        per_device["total_estimate"] = (per_device["argument"] + per_device["output"] + per_device["temp"]
-                                        - per_device["alias"])
     try:
         cost = compiled.cost_analysis()
     except Exception:  # not every backend implements it
@@ -178,7 +176,7 @@ def compile_only(cfg) -> dict:
         "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
         "param_bytes_per_device": bytes_per_device(state["params"]),
         "opt_state_bytes_per_device": bytes_per_device(state["opt_state"]),
-        "memory_per_device": per_device,
+        "memory_per_device": memory_per_device(compiled),
         "cost_analysis_flops": float(flops) if flops is not None else None,
         "model_flops_per_device": sum(run.model.flops_per_token(x.shape[1]) * x.size for key, x in batch.items()
                                       if key.endswith("inputs")) / mesh.size,
@@ -187,6 +185,41 @@ def compile_only(cfg) -> dict:
         | {"mode": cfg.mode, "global_batch_rows": cfg.rows_per_update, "mesh_shape": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
            "num_devices": mesh.size, "platform": jax.devices()[0].platform},
     }
+
+
+def memory_per_device(compiled) -> dict | None:
+    """The compiler's memory analysis of one device's program, in bytes (None where it gives none)."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return None
+    per_device = {name: int(getattr(memory, f"{name}_size_in_bytes"))
+                  for name in ("argument", "output", "temp", "generated_code", "alias")}
+    per_device["total_estimate"] = per_device["argument"] + per_device["output"] + per_device["temp"] - per_device["alias"]
+    return per_device
+
+
+def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Compiles the colocated sampler's generate program for `batch` prompts of `prompt_len` ids,
+    `new_tokens` each, with the config's sampling flags, on abstract weights in the shardings
+    training gives them; returns the compiler's per-device memory and the KV cache's bytes."""
+    if cfg.sampler != "colocated":
+        raise ConfigError(f"--compile-only --mode sampler compiles the colocated sampler's program, not sampler={cfg.sampler}"
+                          " (for the rollout mesh's, give the mesh keys its shape)")
+    run, state = abstract_run(cfg.replace(eval_interval=0))
+    sampler = rollout.make_sampler(run)
+    sampler.update_weights(state["params"], 0)
+    prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
+    start = time.perf_counter()
+    compiled, _ = sampler.program(prompts, rollout_sampling(cfg, new_tokens), jax.random.key(0))
+    compile_seconds = time.perf_counter() - start
+    rows, columns = sampler.block_shape(batch, prompt_len)
+    cache = jax.eval_shape(lambda: run.model.init_cache(rows, columns + new_tokens))
+    return {"compile_only": True, "mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "block_shape": [rows, columns], "param_bytes_per_device": bytes_per_device(state["params"]),
+            "kv_cache_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)),
+            "memory_per_device": memory_per_device(compiled), "compile_seconds": compile_seconds,
+            "config": {k: cfg[k] for k in MODEL_KEYS}
+            | {"mesh_shape": dict(run.mesh.shape), "num_devices": run.mesh.size, "platform": jax.devices()[0].platform}}
 
 
 def bench(cfg, steps: int, warmup: int) -> dict:
@@ -230,6 +263,12 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return np.random.default_rng(seed).integers(1, vocab, (n, length)).tolist()
 
 
+def rollout_sampling(cfg, new_tokens: int) -> SamplingParams:
+    """The config's rollout sampling flags, `new_tokens` per row and no stop token."""
+    return SamplingParams(max_new_tokens=new_tokens, temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k,
+                          top_p=cfg.rollout_top_p, stop_token_ids=())
+
+
 def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
     """Tokens/s of the configured sampler: `batch` prompts of `prompt_len` random ids, `new_tokens`
     each, no stop token (every row runs to the end); a call is timed from the ids to decoded text.
@@ -244,8 +283,7 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
 
     def timed_calls(n_new: int) -> tuple[list[float], int]:
-        sampling = SamplingParams(max_new_tokens=n_new, temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k,
-                                  top_p=cfg.rollout_top_p, stop_token_ids=())
+        sampling = rollout_sampling(cfg, n_new)
         times, generated = [], set()
         for i in range(warmup + reps):
             start = time.perf_counter()
@@ -370,10 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         if opts.steps < 1 or opts.warmup < 0:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         cfg = load_config(args)
-        if opts.compile_only and opts.mode in ("sampler", "push"):
-            raise ConfigError("--compile-only compiles an update: --mode sft (with mode=dpo for DPO) or --mode grpo")
+        if opts.compile_only and opts.mode == "push":
+            raise ConfigError("--compile-only compiles a program: --mode sft (with mode=dpo for DPO), grpo or sampler")
         if opts.mode == "push":
             result = bench_push(cfg, opts.steps, opts.warmup)
+        elif opts.mode == "sampler" and opts.compile_only:
+            result = compile_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens)
         elif opts.mode == "sampler":
             result = bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
         elif opts.compile_only:

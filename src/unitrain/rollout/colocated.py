@@ -225,6 +225,13 @@ class ColocatedSampler:
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> "Pending":
         """generate, dispatched: returns at once while the devices sample; `.result()` waits for the
         Completions. Later calls (a train step on other devices) run meanwhile."""
+        program, args = self.program(prompt_ids, sampling, key)
+        return Pending(program(*args), len(prompt_ids), self.version, self.mesh)
+
+    def program(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array):
+        """(the compiled generate program, its arguments) for these prompts: compiled once per bucket
+        and static choice (module docstring). The weights may be abstract (jax.ShapeDtypeStruct with
+        their shardings): tools/bench.py sizes the program's memory that way without running it."""
         if self.params is None:
             raise RuntimeError("the sampler has no weights yet: call update_weights first")
         if not prompt_ids:
@@ -232,8 +239,8 @@ class ColocatedSampler:
         lens = np.asarray([len(p) for p in prompt_ids], np.int32)
         if lens.min() < 1:
             raise ValueError("every prompt needs at least one token")
-        n_real, N = len(prompt_ids), sampling.max_new_tokens
-        B, P = self.block_shape(n_real, int(lens.max()))
+        N = sampling.max_new_tokens
+        B, P = self.block_shape(len(prompt_ids), int(lens.max()))
         block = _left_padded(prompt_ids, B, P, self.pad_id)
         greedy = sampling.temperature == 0.0
         top_k = 0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k
@@ -251,9 +258,10 @@ class ColocatedSampler:
         args = (self.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"], stop_ids,
                 np.float32(sampling.temperature if not greedy else 1.0), np.float32(sampling.top_p), key)
         static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules)
-        out = self.programs(f"generate (batch={B} prompt={P} new={N})", None, *args, static=static,
-                            build=lambda: _build(self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules))
-        return Pending(out, n_real, self.version, self.mesh)
+        program = self.programs.compiled(
+            f"generate (batch={B} prompt={P} new={N})", None, *args, static=static,
+            build=lambda: _build(self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules))
+        return program, args
 
     def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
         """The `beams.width` best sequences of each prompt with their total logprobs (rollout/beam.py:
