@@ -13,7 +13,7 @@ from flax import nnx
 
 from unitrain import metrics, rollout
 from unitrain.models import decoder
-from unitrain.config import load_config
+from unitrain.config import ConfigError, load_config
 from unitrain.run import build_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,6 +114,10 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     sampler.update_weights(state["params"], 0)
     assert sampler.generate(prompts, sampling, jax.random.key(1)).tokens.shape == (5, 6)
     assert len(run.programs) == 1  # no second compile: the abstract weights had the real ones' signature
+    mesh_cfg = load_config(["configs/base.yml", "model_name=tiny", "mode=grpo", "sampler=mesh", "rollout_devices=4",
+                            "per_device_batch_size=2"])
+    with pytest.raises(ConfigError, match="compiles the colocated sampler's program, not sampler=mesh"):
+        bench.compile_sampler(mesh_cfg, 5, 9, 6)
 
 
 def test_abstract_state_matches_init_state():
