@@ -213,10 +213,9 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
     compiled, _ = sampler.program(prompts, rollout_sampling(cfg, new_tokens), jax.random.key(0))
     compile_seconds = time.perf_counter() - start
     rows, columns = sampler.block_shape(batch, prompt_len)
-    cache = jax.eval_shape(lambda: run.model.init_cache(rows, columns + new_tokens))
     return {"compile_only": True, "mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
             "block_shape": [rows, columns], "param_bytes_per_device": bytes_per_device(state["params"]),
-            "kv_cache_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)),
+            "kv_cache_bytes": cache_bytes(run.model, rows, columns + new_tokens),
             "memory_per_device": memory_per_device(compiled), "compile_seconds": compile_seconds,
             "config": {k: cfg[k] for k in MODEL_KEYS}
             | {"mesh_shape": dict(run.mesh.shape), "num_devices": run.mesh.size, "platform": jax.devices()[0].platform}}
@@ -318,8 +317,13 @@ def decode_bytes_per_step(model, params, dtype: str, rows: int, length: int) -> 
     them; an untied input table is counted whole, though a step reads a row per sequence) and the
     whole KV cache of the sampler's padded block, `rows` x `length` positions."""
     weights = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
+    return int(weights + cache_bytes(model, rows, length))
+
+
+def cache_bytes(model, rows: int, length: int) -> int:
+    """Bytes of the model's whole KV cache for `rows` x `length` positions (nothing allocated)."""
     cache = jax.eval_shape(lambda: model.init_cache(rows, length))
-    return int(weights + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
 
 
 class _SamePrompts:
