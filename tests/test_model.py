@@ -38,12 +38,13 @@ def full_forward(model, seq):
     return np.asarray(logits[0])
 
 
-@pytest.mark.parametrize("relayout", [True, False], ids=["decode_weights", "stacked_weights"])
+@pytest.mark.parametrize("copies", [True, False], ids=["cpu_route", "accelerator_route"])
 @pytest.mark.parametrize("scan_layers", [True, False])
-def test_kv_cache_decode_equals_full_forward(scan_layers, relayout, monkeypatch):
-    """Left-padded prefill then token-by-token decode gives the logits of the unpadded full forward,
-    whether a decode step applies `_decode_weights` (CPU) or the stacked weights (accelerators)."""
-    monkeypatch.setattr(model_lib, "decode_relayout", lambda platform: relayout)
+def test_kv_cache_decode_equals_full_forward(scan_layers, copies, monkeypatch):
+    """A left-padded prefill in two calls, then token-by-token decode, gives the logits of the
+    unpadded full forward, on either route of `_run_cached`: a scanned prefill and decode steps
+    applying `_decode_weights` (CPU), or the stacked weights unrolled (accelerators)."""
+    monkeypatch.setattr(model_lib, "copies_weight_slices", lambda platform: copies)
     cached_call = nnx.jit(lambda model, *args: model(*args))  # traced afresh under this route
     model = sharp_model(dataclasses.replace(CFG, scan_layers=scan_layers))
     rng = np.random.default_rng(0)
@@ -59,7 +60,11 @@ def test_kv_cache_decode_equals_full_forward(scan_layers, relayout, monkeypatch)
     # Causal: the full forward of the whole sequence holds the expected logits of every prefix.
     expected = [full_forward(model, s) for s in seqs]
     cache = model_lib.init_cache(model.cfg, batch_size=2, max_length=16)
-    logits, cache = cached_call(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments), cache)
+    chunks = []
+    for part in (slice(0, 4), slice(4, prefill_len)):  # the second attends to the first's keys in the cache
+        logits, cache = cached_call(model, *(jnp.asarray(a[:, part]) for a in (tokens, positions, segments)), cache)
+        chunks.append(logits)
+    logits = jnp.concatenate(chunks, axis=1)
     # The sharp weights give logits up to ~40: float32 reordering alone moves them by up to ~5e-4.
     close = functools.partial(np.testing.assert_allclose, atol=1e-3, rtol=1e-5)
     for b, n in enumerate(prompt_lens):
