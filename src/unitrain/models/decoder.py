@@ -297,9 +297,9 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache
         # would otherwise convert all layers' weights to float32 ahead of the scan (2.4 GiB more at
         # 1.5B), where this way it converts one layer's slices per step.
         as_bits = lambda w: jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w
-        from_bits = lambda w: jax.lax.bitcast_convert_type(w, jnp.bfloat16) if w.dtype == jnp.uint16 else w
-        layer = lambda x, xs: _layer(cfg, jax.tree.map(from_bits, xs[0]), x, cos, sin, attend,
-                                     write_into(xs[1], xs[2]))
+        dtypes = jax.tree.map(lambda w: w.dtype, params)
+        weights = lambda bits: jax.tree.map(jax.lax.bitcast_convert_type, bits, dtypes)
+        layer = lambda x, xs: _layer(cfg, weights(xs[0]), x, cos, sin, attend, write_into(xs[1], xs[2]))
         x, (ks, vs) = jax.lax.scan(layer, x, (jax.tree.map(as_bits, params), jnp.stack(cache.k), jnp.stack(cache.v)))
         ks, vs = list(ks), list(vs)
     else:
