@@ -39,14 +39,16 @@ def full_forward(model, seq):
 
 
 @pytest.mark.parametrize("copies", [True, False], ids=["cpu_route", "accelerator_route"])
-@pytest.mark.parametrize("scan_layers,dtype", [(True, "float32"), (False, "float32"), (True, "bfloat16")])
-def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, copies, monkeypatch):
+@pytest.mark.parametrize("scan_layers,dtype,tied", [(True, "float32", False), (False, "float32", False),
+                                                    (True, "bfloat16", False), (True, "float32", True)])
+def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, monkeypatch):
     """A left-padded prefill in two calls, then token-by-token decode, gives the logits of the
     unpadded full forward, on either route of `_run_cached`: a scanned prefill and decode steps
-    applying `_decode_weights` (CPU), or the stacked weights unrolled (accelerators)."""
+    applying `_decode_weights` and the hoisted head (CPU), or the stacked weights unrolled
+    (accelerators)."""
     monkeypatch.setattr(model_lib, "copies_weight_slices", lambda platform: copies)
     cached_call = nnx.jit(lambda model, *args: model(*args))  # traced afresh under this route
-    cfg = dataclasses.replace(CFG, scan_layers=scan_layers, dtype=dtype, weight_dtype=dtype)
+    cfg = dataclasses.replace(CFG, scan_layers=scan_layers, dtype=dtype, weight_dtype=dtype, tie_word_embeddings=tied)
     # bfloat16 rounding of the sharp weights' large logits would hide an error: plain weights there.
     model = sharp_model(cfg) if dtype == "float32" else model_lib.create(cfg, 0)
     rng = np.random.default_rng(0)
