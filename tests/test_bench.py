@@ -158,9 +158,11 @@ def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
     assert 0 < step["time_rollout"] + step["time_logprob"] + step["time_update"] <= step["step_time_median"] * 1.5
 
 
-def test_decode_bytes_are_the_weights_and_the_whole_cache(tiny_checkpoint):
+@pytest.mark.parametrize("phases", [1, 4])
+def test_decode_bytes_are_the_weights_and_the_cache_attended(tiny_checkpoint, phases):
     """Counted from the checkpoint's own files: its safetensors' elements in the compute dtype, and
-    keys and values of every layer over the padded block (16-token prompt bucket + new tokens)."""
+    keys and values of every layer over the padded block (16-token prompt bucket + the new tokens
+    of the step's phase), averaged over the 5 decode steps of 6 new tokens."""
     import bench
     from safetensors import safe_open
 
@@ -174,12 +176,13 @@ def test_decode_bytes_are_the_weights_and_the_whole_cache(tiny_checkpoint):
         sampler = rollout.make_sampler(run)
         rows, columns = sampler.block_shape(5, 9)
         assert (rows, columns) == (8, 16)  # powers of two, prompts at least 16 (generate's bucketing)
-        length = columns + 6
         head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-        kv = hf["num_hidden_layers"] * 2 * rows * hf["num_key_value_heads"] * head_dim * length * size
-        columns = 2 * rows * length * 4 + rows * 4  # segment ids, positions, the write column
-        got = bench.decode_bytes_per_step(run.model, state["params"], dtype, rows, length)
-        assert got == elements * size + kv + columns
+        # 4 phases of 6 tokens end at tokens 2, 3, 5, 6: steps 1 to 5 attend over these many new columns.
+        lengths = [columns + n for n in ((6, 6, 6, 6, 6) if phases == 1 else (2, 3, 5, 5, 6))]
+        cache = [hf["num_hidden_layers"] * 2 * rows * hf["num_key_value_heads"] * head_dim * length * size
+                 + 2 * rows * length * 4 + rows * 4 for length in lengths]  # + segment ids, positions, the write column
+        got = bench.decode_bytes_per_step(run.model, state["params"], dtype, rows, columns, 6, phases)
+        assert got == pytest.approx(elements * size + sum(cache) / 5, rel=1e-12)
 
 
 def test_memory_bandwidth_is_bytes_over_the_sum_time():

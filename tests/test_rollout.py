@@ -53,8 +53,10 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def generate(model, prompts, sampling, key, mesh=None, rules=None):
-    return colocated.ColocatedSampler(model, mesh=mesh, rules=rules).generate(prompts, sampling, key)
+def generate(model, prompts, sampling, key, mesh=None, rules=None, cache_phases=3):
+    """The sampler's draws, its decode loop in phases (a cache grown twice) unless told otherwise."""
+    sampler = colocated.ColocatedSampler(model, mesh=mesh, rules=rules, cache_phases=cache_phases)
+    return sampler.generate(prompts, sampling, key)
 
 
 def greedy(model, prompts, n=6, **kw):
@@ -151,10 +153,25 @@ def test_prompts_in_one_bucket_compile_once(caplog):
         a = sampler.generate([list(range(1, 6))] * 3, params, jax.random.key(0))
         b = sampler.generate([list(range(1, 10))] * 4, params, jax.random.key(0))
     compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled generate")]
-    assert len(compiles) == 1 and compiles[0].startswith("compiled generate (batch=4 prompt=16 new=7)")
+    assert len(compiles) == 1 and compiles[0].startswith("compiled generate (batch=4 prompt=16 new=7 cache phases=1)")
     assert a.tokens.shape == (3, 7) and b.tokens.shape == (4, 7)
     assert colocated.bucket_prompt_length(17) == 32 and colocated.bucket_batch_size(3, 8) == 8
     assert colocated.bucket_batch_size(9, 8) == 16 and colocated.bucket_batch_size(3, 6) == 6
+
+
+@pytest.mark.parametrize("phases, new_tokens, compiled", [(4, 7, 4), (3, 2, 2)])
+def test_rollout_cache_phases_reach_the_sampler(caplog, phases, new_tokens, compiled):
+    """The config key picks the decode loop's phases (fewer when there are fewer new tokens)."""
+    from conftest import make_cfg
+    from unitrain import rollout
+    from unitrain.run import build_run
+
+    run, state = build_run(make_cfg(model_name="tiny", rollout_cache_phases=phases))
+    sampler = rollout.make_sampler(run)
+    sampler.update_weights(state["params"], 0)
+    with caplog.at_level(logging.INFO, logger="unitrain"):
+        out = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=1.0), jax.random.key(0))
+    assert f"new={new_tokens} cache phases={compiled})" in caplog.text and out.tokens.shape == (4, new_tokens)
 
 
 @pytest.mark.parametrize("fsdp, tensor", [(8, 1), (4, 2)])
@@ -190,10 +207,12 @@ def naive_sample(model, prompts, n, temperature, key):
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_sampled_tokens_equal_a_naive_uncached_loop(temperature):
+@pytest.mark.parametrize("temperature, cache_phases", [(1.0, 1), (1.0, 3), (0.6, 3), (1.0, 20)])
+def test_sampled_tokens_equal_a_naive_uncached_loop(temperature, cache_phases):
+    """One loop over the whole cache, three phases, and more phases than tokens (one per token)."""
     model, key = tiny_model(), jax.random.key(7)
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=temperature), key)
+    sampling = SamplingParams(max_new_tokens=8, temperature=temperature)
+    out = generate(model, PROMPTS, sampling, key, cache_phases=cache_phases)
     tokens, logprobs = naive_sample(model, PROMPTS, 8, temperature, key)
     np.testing.assert_array_equal(out.tokens, tokens)
     np.testing.assert_allclose(out.logprobs, logprobs, atol=1e-4)
@@ -213,7 +232,8 @@ def test_prefill_runs_the_output_head_on_the_last_column_only():
     B, P, N, V = 4, 16, 8, 96  # V unlike any other dimension of CFG
     graphdef, params = nnx.split(model_lib.create(dataclasses.replace(CFG, vocab_size=V), 0))
     block = colocated._left_padded(PROMPTS, B, P, pad_id=0)
-    program = colocated._build(graphdef, B, P, N, 0, greedy=False, top_k=0, use_top_p=False, cache_rules=None)
+    program = colocated._build(graphdef, B, P, N, 0, greedy=False, top_k=0, use_top_p=False, cache_rules=None,
+                               cache_phases=1)
     text = program.lower(nnx.to_pure_dict(params), block["tokens"], block["positions"], block["segments"],
                          block["prompt_lens"], np.zeros((0,), np.int32), np.float32(1.0), np.float32(1.0),
                          jax.random.key(0)).as_text()

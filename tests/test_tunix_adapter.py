@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec
 from unitrain import sharding
 from unitrain.adapters import tunix
 from unitrain.config import ConfigError
-from unitrain.rollout.colocated import sharded_cache
+from unitrain.rollout.base import SamplingParams
+from unitrain.rollout.colocated import ColocatedSampler, sharded_cache
 
 # Tunix 0.1.7 uses APIs that jax 0.10 and flax 0.12 deprecate (Variable.value, pxla.thread_resources, ...).
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -192,6 +193,18 @@ def test_sharded_decode_matches_single_device(families):
     model = tunix.load(family.path, mesh=mesh)
     for ours, ref in zip(decode(model, mesh, sharding.DEFAULT_RULES), family.decoded):
         np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+
+
+def test_sampler_phases_grow_the_cache_to_the_same_draws(families):
+    """The sampler's decode phases grow Tunix's cache by empty columns (cache_axes' `length`): the
+    draws of one loop over the whole cache, for rows of different prompt lengths."""
+    model = families("qwen2").model
+    prompts = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 11, 8, 1], [12]]
+    sampling = SamplingParams(max_new_tokens=7, temperature=1.0)
+    one, phased = (ColocatedSampler(model, cache_phases=k).generate(prompts, sampling, jax.random.key(4)) for k in (1, 3))
+    np.testing.assert_array_equal(phased.tokens, one.tokens)
+    np.testing.assert_allclose(phased.logprobs, one.logprobs, atol=1e-5, rtol=0)
+    assert len(set(one.tokens.ravel())) > 7
 
 
 def test_indivisible_or_replicated_parameters_are_config_errors(families):

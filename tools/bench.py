@@ -274,7 +274,8 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
 
     The decode step's time is the call's minus a one-token call's (the prefill and set-up), over
     the other new_tokens - 1 tokens; its bytes are what one decode step reads at least: every
-    weight in the compute dtype and the whole KV cache of the padded block the sampler runs.
+    weight in the compute dtype and the KV cache its phase attends over (rollout_cache_phases),
+    averaged over the steps.
     """
     run, state = build_run(cfg.replace(eval_interval=0))
     sampler = rollout.make_sampler(run)
@@ -303,7 +304,8 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
         first = statistics.median(timed_calls(1)[0])
         step_time = (median - first) / (new_tokens - 1)
         rows, columns = sampler.block_shape(batch, prompt_len)
-        step_bytes = decode_bytes_per_step(run.model, state["params"], cfg.dtype, rows, columns + new_tokens)
+        step_bytes = decode_bytes_per_step(run.model, state["params"], cfg.dtype, rows, columns, new_tokens,
+                                           cfg.rollout_cache_phases)
         bandwidth = metrics.measure_memory_bandwidth()
         result |= {"first_token_call_time_median": first, "decode_step_time": step_time,
                    "decode_tokens_per_sec": batch / step_time, "decode_bytes_per_step": step_bytes,
@@ -312,12 +314,17 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
     return result
 
 
-def decode_bytes_per_step(model, params, dtype: str, rows: int, length: int) -> int:
-    """Bytes one decode step reads: every parameter in the compute `dtype` (as the sampler applies
-    them; an untied input table is counted whole, though a step reads a row per sequence) and the
-    whole KV cache of the sampler's padded block, `rows` x `length` positions."""
+def decode_bytes_per_step(model, params, dtype: str, rows: int, prompt_columns: int, new_tokens: int,
+                          phases: int) -> float:
+    """Bytes one decode step reads, averaged over the new_tokens - 1 steps: every parameter in the
+    compute `dtype` (as the sampler applies them; an untied input table is counted whole, though a
+    step reads a row per sequence) and the KV cache its phase attends over (rollout/colocated.py):
+    `rows` x (`prompt_columns` + the phase's last token count) positions."""
     weights = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
-    return int(weights + cache_bytes(model, rows, length))
+    ends = rollout.colocated.phase_ends(new_tokens, phases)
+    spans = [(end, end - max(start, 1)) for start, end in zip([0, *ends], ends)]  # the loop runs tokens 1..N-1
+    cache = sum(steps * cache_bytes(model, rows, prompt_columns + end) for end, steps in spans)
+    return weights + cache / max(1, new_tokens - 1)
 
 
 def cache_bytes(model, rows: int, length: int) -> int:

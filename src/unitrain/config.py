@@ -193,6 +193,7 @@ RULES: dict[str, Rule] = {
     "rollout_temperature": POSITIVE,
     "rollout_top_p": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
     "rollout_top_k": NON_NEGATIVE,
+    "rollout_cache_phases": POSITIVE_INT,
     "advantage_estimator": choices_of("unitrain.losses", "ADV_ESTIMATORS"),
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),

@@ -49,7 +49,9 @@ class Model(Protocol):
         """An empty KV cache for `batch_size` rows of up to `max_length` positions (a pytree)."""
 
     def cache_axes(self) -> Any:
-        """Logical axis names of init_cache's arrays: the same pytree with a tuple per array."""
+        """Logical axis names of init_cache's arrays: the same pytree with a tuple per array. Zeros
+        appended along the `length` axis of every array are empty columns: the sampler grows a cache
+        that way."""
 
     def param_axes(self) -> dict:
         """Logical axis names of every parameter: a pure dict like nnx.to_pure_dict(params), a tuple

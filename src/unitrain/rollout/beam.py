@@ -33,7 +33,7 @@ from flax import nnx
 
 from unitrain import sharding
 from unitrain.rollout.base import Completions
-from unitrain.rollout.colocated import sharded_cache
+from unitrain.rollout.colocated import constrain_cache, sharded_cache
 from unitrain.rollout.trie import Trie
 from unitrain.step import full_rows_to_global, to_host
 
@@ -115,12 +115,7 @@ def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, 
         # Left padding: the last column holds every prompt's last token, the only one decoded from.
         logits = model.logits(hidden[:, -1:])[:, 0]
         # The prompt is prefilled once; its beams share copies of its cache rows.
-        if cache_rules is None:
-            constrain = lambda c: c
-        else:
-            specs = jax.tree.map(lambda a: sharding.logical_to_spec(a, cache_rules), axes,
-                                 is_leaf=lambda x: isinstance(x, tuple))
-            constrain = lambda c: jax.lax.with_sharding_constraint(c, specs)
+        constrain = lambda c: constrain_cache(model, c, cache_rules)
         cache = constrain(_rows(cache, axes, lambda x, a: jnp.repeat(x, W, axis=a)))
         lens = jnp.repeat(prompt_lens, W)
         real = lens > 0  # batch-padding rows never emit

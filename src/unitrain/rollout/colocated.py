@@ -1,5 +1,5 @@
 """The colocated JAX sampler: samples with the training parameters themselves (no copy), prefill
-of a left-padded prompt block, then decode in one `lax.while_loop`.
+of a left-padded prompt block, then decode in `lax.while_loop`s.
 
     sampler = ColocatedSampler(model, pad_id=tok.pad_id, mesh=mesh, rules=rules)
     sampler.update_weights(state["params"], version=step)
@@ -19,6 +19,12 @@ sampling choices and the parameter shapes and shardings; every compile is logged
 top-p and the stop ids are runtime values: changing them does not recompile (only greedy vs
 sampling, top-k, top-p on/off and the number of stop ids are static). The model is used only
 through the model interface (call, hidden_states with a cache, logits, init_cache, cache_axes).
+
+The decode runs in `cache_phases` loops over near-equal spans of the N tokens, the KV cache grown
+by empty columns at each one's start: attention reads the prompt and the tokens so far rounded up
+to the phase's end, not all P + N columns (the sampler 1.05x faster at 16 x 64 prompt tokens + 128,
+1.19x at + 512, with 4 phases on the Tunix benchmark's checkpoint, CPU). Each phase compiles its own
+loop body, so compile time grows with their number.
 """
 
 from __future__ import annotations
@@ -139,7 +145,11 @@ def _logprob(logits, token):
 def sharded_cache(model, batch: int, length: int, rules):
     """The model's empty KV cache, constrained to the shardings its logical axes get under `rules`
     (None: unconstrained). Call inside a jitted function."""
-    cache = model.init_cache(batch, length)
+    return constrain_cache(model, model.init_cache(batch, length), rules)
+
+
+def constrain_cache(model, cache, rules):
+    """`cache` constrained to the shardings its logical axes get under `rules` (None: as it is)."""
     if rules is None:
         return cache
     specs = jax.tree.map(lambda axes: sharding.logical_to_spec(axes, rules), model.cache_axes(),
@@ -147,10 +157,26 @@ def sharded_cache(model, batch: int, length: int, rules):
     return jax.lax.with_sharding_constraint(cache, specs)
 
 
-def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: int, use_top_p: bool, cache_rules):
+def grown_cache(model, cache, columns: int, rules):
+    """`cache` with `columns` more empty columns: every array zero-padded along its `length` axis
+    (the model interface's promise, models/base.py), constrained as `constrain_cache`."""
+    pad = lambda x, axes: jnp.pad(x, [(0, columns if name == "length" else 0) for name in axes])
+    return constrain_cache(model, jax.tree.map(pad, cache, model.cache_axes()), rules)
+
+
+def phase_ends(new_tokens: int, phases: int) -> list[int]:
+    """The token counts at which the decode loop's phases end: `phases` near-equal spans of
+    `new_tokens` (fewer when there are fewer tokens than phases)."""
+    return sorted({-(-new_tokens * (j + 1) // phases) for j in range(phases)})
+
+
+def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: int, use_top_p: bool, cache_rules,
+           cache_phases: int):
+    ends = phase_ends(N, cache_phases)
+
     def run(params, tokens, positions, segments, prompt_lens, stop_ids, temperature, top_p, rng):
         model = nnx.merge(graphdef, params)
-        cache = sharded_cache(model, B, P + N, cache_rules)
+        cache = sharded_cache(model, B, P + ends[0], cache_rules)
         sample = lambda logits, i: _sample(logits, jax.random.fold_in(rng, i), temperature, top_p,
                                            greedy=greedy, top_k=top_k, use_top_p=use_top_p)
         is_stop = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
@@ -185,7 +211,14 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
             return i + 1, cache, out_tokens, out_mask, out_logprobs, done, token
 
         carry = (jnp.int32(1), cache, out_tokens, out_mask, out_logprobs, done, jnp.where(emit, token, pad_id))
-        _, _, out_tokens, out_mask, out_logprobs, _, _ = jax.lax.while_loop(cond, body, carry)
+        # Token i writes cache column P + i - 1: a phase ending at token `end` needs P + end - 1
+        # columns, and attention reads only those, not the P + N of the whole call.
+        for start, end in zip([0, *ends], ends):
+            if start:
+                i, cache, *rest = carry
+                carry = (i, grown_cache(model, cache, end - start, cache_rules), *rest)
+            carry = jax.lax.while_loop(lambda c, end=end: cond(c) & (c[0] < end), body, carry)
+        _, _, out_tokens, out_mask, out_logprobs, _, _ = carry
         return {"tokens": out_tokens, "mask": out_mask, "logprobs": out_logprobs,
                 "lengths": out_mask.sum(axis=1, dtype=jnp.int32)}
 
@@ -198,12 +231,14 @@ class ColocatedSampler:
     Under a mesh the parameters must already be sharded; the prompt block is split over the
     logical `batch` axis of `rules`. With several processes every process passes the same prompts
     and gets the whole result back. Top-k keeps every token tied with the k-th largest logit.
+    `cache_phases` (config rollout_cache_phases): the decode loop's phases (module docstring).
     """
 
-    def __init__(self, model, *, pad_id: int = 0, mesh=None, rules=None, programs: CompileCache | None = None):
+    def __init__(self, model, *, pad_id: int = 0, mesh=None, rules=None, programs: CompileCache | None = None,
+                 cache_phases: int = 1):
         self.graphdef, params = nnx.split(model)
         self.params, self.version = nnx.to_pure_dict(params), 0
-        self.vocab_size, self.pad_id, self.mesh = model.vocab_size, pad_id, mesh
+        self.vocab_size, self.pad_id, self.mesh, self.cache_phases = model.vocab_size, pad_id, mesh, cache_phases
         self.rules = sharding.rules_from_config(rules or sharding.DEFAULT_RULES) if mesh is not None else None
         self.programs = programs if programs is not None else CompileCache(mesh)
 
@@ -257,10 +292,11 @@ class ColocatedSampler:
             key = jax.random.wrap_key_data(bits["key"])
         args = (self.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"], stop_ids,
                 np.float32(sampling.temperature if not greedy else 1.0), np.float32(sampling.top_p), key)
-        static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules)
+        static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules, self.cache_phases)
         program = self.programs.compiled(
-            f"generate (batch={B} prompt={P} new={N})", None, *args, static=static,
-            build=lambda: _build(self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules))
+            f"generate (batch={B} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})", None,
+            *args, static=static,
+            build=lambda: _build(*static))
         return program, args
 
     def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
@@ -305,4 +341,4 @@ def _left_padded(prompt_ids: list[list[int]], B: int, P: int, pad_id: int) -> di
 def from_run(run) -> ColocatedSampler:
     """The sampler factory of `sampler: colocated`."""
     return ColocatedSampler(run.model, pad_id=run.tokenizer.pad_id, mesh=run.mesh, rules=run.rules,
-                            programs=run.programs)
+                            programs=run.programs, cache_phases=run.cfg.rollout_cache_phases)

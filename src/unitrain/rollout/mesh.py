@@ -28,8 +28,8 @@ log = logging.getLogger("unitrain")
 class RolloutMeshSampler(ColocatedSampler):
     """The colocated sampler's programs on the rollout mesh; `push_seconds` is the last push's time."""
 
-    def __init__(self, model, *, pad_id: int, mesh, rules):
-        super().__init__(model, pad_id=pad_id, mesh=mesh, rules=rules)
+    def __init__(self, model, *, pad_id: int, mesh, rules, cache_phases: int = 1):
+        super().__init__(model, pad_id=pad_id, mesh=mesh, rules=rules, cache_phases=cache_phases)
         try:  # the rollout mesh may split a dimension the trainer's did not
             shardings = sharding.state_shardings(nnx.state(model), mesh, self.rules)
         except ValueError as e:
@@ -64,4 +64,5 @@ def from_run(run) -> RolloutMeshSampler:
     mesh = run.rollout_mesh
     log.info("rollouts on their own mesh %s over %d devices; the trainer's: %s over %d", dict(mesh.shape), mesh.size,
              dict(run.mesh.shape), run.mesh.size)
-    return RolloutMeshSampler(run.model, pad_id=run.tokenizer.pad_id, mesh=mesh, rules=run.rules)
+    return RolloutMeshSampler(run.model, pad_id=run.tokenizer.pad_id, mesh=mesh, rules=run.rules,
+                              cache_phases=run.cfg.rollout_cache_phases)
