@@ -211,8 +211,8 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
             return i + 1, cache, out_tokens, out_mask, out_logprobs, done, token
 
         carry = (jnp.int32(1), cache, out_tokens, out_mask, out_logprobs, done, jnp.where(emit, token, pad_id))
-        # Token i writes cache column P + i - 1: a phase ending at token `end` needs P + end - 1
-        # columns, and attention reads only those, not the P + N of the whole call.
+        # Token i writes cache column P + i - 1, so the phase of the tokens before `end` fits in P + end
+        # columns (the last spare, as in one loop's P + N) and attends over those alone.
         for start, end in zip([0, *ends], ends):
             if start:
                 i, cache, *rest = carry
@@ -295,8 +295,7 @@ class ColocatedSampler:
         static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules, self.cache_phases)
         program = self.programs.compiled(
             f"generate (batch={B} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})", None,
-            *args, static=static,
-            build=lambda: _build(*static))
+            *args, static=static, build=lambda: _build(*static))
         return program, args
 
     def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
