@@ -158,6 +158,25 @@ def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
     assert 0 < step["time_rollout"] + step["time_logprob"] + step["time_update"] <= step["step_time_median"] * 1.5
 
 
+def test_sampler_against_an_override_times_both_in_turn(tiny_checkpoint, capsys):
+    """--against: A and B alternate in one process; the speedup is the median of the pairs' ratios;
+    the same draws are reported as such, and a different temperature's draws as different."""
+    import bench
+
+    common = ["configs/base.yml", f"load_parameters_path={tiny_checkpoint('qwen2')}", "--mode", "sampler",
+              "--batch", "4", "--prompt-len", "8", "--new-tokens", "6", "--steps", "3", "--warmup", "1"]
+    for override, same in (("rollout_cache_phases=1", True), ("rollout_temperature=0.5", False)):
+        assert bench.main([*common, "--against", override]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        a, b = result["call_times"], result["against"]["call_times"]
+        assert len(a) == len(b) == 3 and result["against"]["same_tokens"] is same
+        ratios = sorted(x / y for x, y in zip(a, b))
+        assert result["against"]["speedup_median"] == pytest.approx(ratios[1])
+        assert result["tokens_per_sec"] == pytest.approx(24 / sorted(a)[1])
+    assert bench.main([*common, "--against", "rollout_cache_phases=1", "--compile-only"]) == 2
+    assert "--against times two samplers side by side" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("phases", [1, 4])
 def test_decode_bytes_are_the_weights_and_the_cache_attended(tiny_checkpoint, phases):
     """Counted from the checkpoint's own files: its safetensors' elements in the compute dtype, and

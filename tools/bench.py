@@ -3,6 +3,7 @@
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
     python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler] [--out mem.json]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
+    python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --against rollout_cache_phases=1
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
     python tools/bench.py [CONFIG_YML] model_name=qwen2.5-0.5b mode=grpo sampler=mesh rollout_devices=4 --mode push
 
@@ -10,6 +11,10 @@
 prompt ids with no stop token, from the ids to decoded text, and reports the median tokens/s; then
 it times one-token calls to split off the decode step (its time, tokens/s, the bytes it reads and
 their rate as a fraction of the devices' memory bandwidth, measured with a jitted sum).
+With `--against key=value` (repeatable) it times instead the configured sampler (A) and one of
+the config with those overrides (B) in turn, A B A B, in one process, on the same prompts and keys:
+each one's median, B's speedup as the median of the pairs' A/B time ratios (side by side, so less
+at the mercy of a shared machine's drift than two runs), and whether both drew the same tokens.
 --mode grpo times `--steps` whole GRPO steps (rollout, rewards, advantages, logprobs, update) on
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
 its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
@@ -314,6 +319,36 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
     return result
 
 
+def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int,
+                          warmup: int) -> dict:
+    """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys."""
+    samplers = []
+    for c in (cfg, cfg_b):
+        run, state = build_run(c.replace(eval_interval=0))  # each run compiles its own programs
+        sampler = rollout.make_sampler(run)
+        sampler.update_weights(state["params"], 0)
+        samplers.append((sampler, rollout_sampling(c, new_tokens)))
+    tokenizer = run.tokenizer
+    prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
+    times, same = ([], []), True
+    for i in range(warmup + reps):
+        outs = []
+        for (sampler, sampling), series in zip(samplers, times):
+            start = time.perf_counter()
+            out = sampler.generate(prompts, sampling, jax.random.key(i))
+            [tokenizer.decode(t[:n]) for t, n in zip(out.tokens, out.lengths)]
+            series.append(time.perf_counter() - start)
+            outs.append(out.tokens)
+        same &= bool((outs[0] == outs[1]).all())
+    a, b = (t[warmup:] for t in times)
+    tokens = batch * new_tokens
+    return {"mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "tokens_per_sec": tokens / statistics.median(a), "call_times": a,
+            "against": {"tokens_per_sec": tokens / statistics.median(b), "call_times": b,
+                        "speedup_median": statistics.median(x / y for x, y in zip(a, b)), "same_tokens": same},
+            "device_kind": jax.devices()[0].device_kind}
+
+
 def decode_bytes_per_step(model, params, dtype: str, rows: int, prompt_columns: int, new_tokens: int,
                           phases: int) -> float:
     """Bytes one decode step reads, averaged over the new_tokens - 1 steps: every parameter in the
@@ -411,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4, help="grpo: completions per prompt")
     parser.add_argument("--prompt-len", type=int, default=64, help="sampler, grpo: prompt ids")
     parser.add_argument("--new-tokens", type=int, default=128, help="sampler, grpo: tokens generated per completion")
+    parser.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
+                        help="sampler: also time the sampler of the config with this override, A B A B in one process")
     opts = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     args = opts.args
     if not args or "=" in args[0]:
@@ -419,12 +456,17 @@ def main(argv: list[str] | None = None) -> int:
         if opts.steps < 1 or opts.warmup < 0:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         cfg = load_config(args)
+        if opts.against and (opts.mode != "sampler" or opts.compile_only):
+            raise ConfigError("--against times two samplers side by side: --mode sampler, without --compile-only")
         if opts.compile_only and opts.mode == "push":
             raise ConfigError("--compile-only compiles a program: --mode sft (with mode=dpo for DPO), grpo or sampler")
         if opts.mode == "push":
             result = bench_push(cfg, opts.steps, opts.warmup)
         elif opts.mode == "sampler" and opts.compile_only:
             result = compile_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens)
+        elif opts.mode == "sampler" and opts.against:
+            result = bench_sampler_against(cfg, load_config([*args, *opts.against]), opts.batch, opts.prompt_len,
+                                           opts.new_tokens, opts.steps, opts.warmup)
         elif opts.mode == "sampler":
             result = bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
         elif opts.compile_only:
