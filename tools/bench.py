@@ -322,14 +322,14 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
 def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int,
                           warmup: int) -> dict:
     """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys."""
+    runs = [build_run(c.replace(eval_interval=0)) for c in (cfg, cfg_b)]  # each compiles its own programs
     samplers = []
-    for c in (cfg, cfg_b):
-        run, state = build_run(c.replace(eval_interval=0))  # each run compiles its own programs
+    for (run, state), c in zip(runs, (cfg, cfg_b)):
         sampler = rollout.make_sampler(run)
         sampler.update_weights(state["params"], 0)
         samplers.append((sampler, rollout_sampling(c, new_tokens)))
-    tokenizer = run.tokenizer
-    prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
+    tokenizer = runs[0][0].tokenizer
+    prompts = random_prompts(batch, prompt_len, runs[0][0].model.vocab_size, cfg.seed)
     times, same = ([], []), True
     for i in range(warmup + reps):
         outs = []
