@@ -291,10 +291,8 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
         sampling = rollout_sampling(cfg, n_new)
         times, generated = [], set()
         for i in range(warmup + reps):
-            start = time.perf_counter()
-            out = sampler.generate(prompts, sampling, jax.random.key(i))
-            [run.tokenizer.decode(t[:n]) for t, n in zip(out.tokens, out.lengths)]
-            times.append(time.perf_counter() - start)
+            seconds, out = timed_generate(sampler, prompts, sampling, jax.random.key(i), run.tokenizer)
+            times.append(seconds)
             generated.add(int(out.lengths.sum()))
         (tokens,) = generated  # every call generates every row to the end
         return times[warmup:], tokens
@@ -319,6 +317,14 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
     return result
 
 
+def timed_generate(sampler, prompts, sampling, key, tokenizer):
+    """(seconds from the ids to decoded text, the Completions) of one generate call."""
+    start = time.perf_counter()
+    out = sampler.generate(prompts, sampling, key)
+    [tokenizer.decode(t[:n]) for t, n in zip(out.tokens, out.lengths)]
+    return time.perf_counter() - start, out
+
+
 def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int,
                           warmup: int) -> dict:
     """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys."""
@@ -334,10 +340,8 @@ def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: i
     for i in range(warmup + reps):
         outs = []
         for (sampler, sampling), series in zip(samplers, times):
-            start = time.perf_counter()
-            out = sampler.generate(prompts, sampling, jax.random.key(i))
-            [tokenizer.decode(t[:n]) for t, n in zip(out.tokens, out.lengths)]
-            series.append(time.perf_counter() - start)
+            seconds, out = timed_generate(sampler, prompts, sampling, jax.random.key(i), tokenizer)
+            series.append(seconds)
             outs.append(out.tokens)
         same &= bool((outs[0] == outs[1]).all())
     a, b = (t[warmup:] for t in times)
