@@ -1,5 +1,6 @@
-"""`adapters/` ships as the subpackage unitrain.adapters, in editable and in wheel installs."""
+"""`adapters/` ships as the subpackage unitrain.adapters, in editable and in wheel installs, and a wheel holds every module."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,11 +17,21 @@ def test_editable_install_maps_adapters_folder():
 
 
 def test_wheel_contains_and_installs_unitrain_adapters(tmp_path):
+    # Built from a clean copy: setuptools would add a stale build/ folder's modules to the wheel.
+    source = tmp_path / "source"
+    for name in ("src", "adapters"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(REPO)], check=True)
+                    str(tmp_path / "dist"), str(source)], check=True)
     (wheel,) = (tmp_path / "dist").glob("unitrain-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "unitrain/adapters/hf.py" in names and "unitrain/train.py" in names
+    sources = [("unitrain", REPO / "src" / "unitrain"), ("unitrain/adapters", REPO / "adapters")]
+    modules = {f"{package}/{path.relative_to(folder).as_posix()}" for package, folder in sources
+               for path in folder.rglob("*.py")}
+    assert "unitrain/rollout/colocated.py" in modules
+    assert not modules - set(names), f"modules missing from the wheel: {sorted(modules - set(names))}"
     assert not any(n.startswith("adapters/") for n in names)  # never a top-level `adapters` package
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"),
                     str(wheel)], check=True)

@@ -197,7 +197,7 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: fl
 
 
 def measure_matmul_peak(dtype: str = "float32", n: int = 2048, iters: int = 10) -> float:
-    """FLOP/s that a jitted n x n `jnp.dot` reaches on one device of this machine now (median of `iters`).
+    """FLOP/s that a jitted n x n `jnp.dot` reaches on one device of this machine now.
 
     The MFU denominator: measured, not a datasheet number, so MFU is comparable across machines where
     the achievable matmul rate is what bounds a training step.
@@ -205,31 +205,30 @@ def measure_matmul_peak(dtype: str = "float32", n: int = 2048, iters: int = 10) 
     key_a, key_b = jax.random.split(jax.random.key(0))
     a = jax.random.normal(key_a, (n, n), dtype)
     b = jax.random.normal(key_b, (n, n), dtype)
-    dot = jax.jit(jnp.dot)
-    for _ in range(2):  # compile, then one more to settle clocks and caches
-        dot(a, b).block_until_ready()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        dot(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / _seconds_per_call(jax.jit(jnp.dot), (a, b), iters)
 
 
 def measure_memory_bandwidth(nbytes: int = 2**29, iters: int = 10) -> float:
     """Bytes/s that a jitted sum over an `nbytes` float32 array reads on one device of this machine
-    now (median of `iters`): the denominator of the sampler's decode bandwidth fraction, measured
-    like the matmul peak rather than taken from a datasheet."""
+    now: the denominator of the sampler's decode bandwidth fraction, measured like the matmul peak
+    rather than taken from a datasheet."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    for _ in range(2):
-        total(x).block_until_ready()
-    times = []
-    for _ in range(iters):
+    return x.nbytes / _seconds_per_call(jax.jit(jnp.sum), (x,), iters)
+
+
+def _seconds_per_call(fn, args, iters: int) -> float:
+    """Median over 3 rounds of the mean time of `iters` calls queued back to back: on an accelerator
+    one blocked call also times the dispatch and the wait (tens of microseconds), which is a large
+    part of a millisecond kernel."""
+    for _ in range(2):  # compile, then one more to settle clocks and caches
+        fn(*args).block_until_ready()
+    rounds = []
+    for _ in range(3):
         start = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / statistics.median(times)
+        results = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(results)
+        rounds.append((time.perf_counter() - start) / iters)
+    return statistics.median(rounds)
 
 
 def peak_flops_per_device(cfg) -> float:
