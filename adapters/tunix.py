@@ -330,6 +330,9 @@ class TunixModel(nnx.Module):
         graphdef, state = nnx.split(self.net)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(self.dtype), state))
 
+    def for_decoding(self):
+        return self  # Tunix's layers are separate modules: no stacked weight to slice
+
     def init_cache(self, batch_size: int, max_length: int) -> Cache:
         d = self.dims
         kv = jnp.zeros((batch_size, max_length, d.kv_heads, d.head_dim), self.dtype)

@@ -42,12 +42,13 @@ def full_forward(model, seq):
 @pytest.mark.parametrize("scan_layers,dtype,tied", [(True, "float32", False), (False, "float32", False),
                                                     (True, "bfloat16", False), (True, "float32", True)])
 def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, monkeypatch):
-    """A left-padded prefill in two calls, then token-by-token decode, gives the logits of the
-    unpadded full forward, on either route of `_run_cached`: a scanned prefill and decode steps
-    applying `_decode_weights` and the hoisted head (CPU), or the stacked weights unrolled
-    (accelerators)."""
+    """A left-padded prefill in two calls, then token-by-token decode through `for_decoding`, gives
+    the logits of the unpadded full forward, on either route of `_run_cached`: a scanned prefill and
+    decode steps applying a `Decoding`'s decode weights and head (CPU, GPU), or the stacked weights
+    unrolled (TPU)."""
     monkeypatch.setattr(model_lib, "copies_weight_slices", lambda platform: copies)
     cached_call = nnx.jit(lambda model, *args: model(*args))  # traced afresh under this route
+    decode_call = nnx.jit(lambda model, *args: model.for_decoding()(*args))
     cfg = dataclasses.replace(CFG, scan_layers=scan_layers, dtype=dtype, weight_dtype=dtype, tie_word_embeddings=tied)
     # bfloat16 rounding of the sharp weights' large logits would hide an error: plain weights there.
     model = sharp_model(cfg) if dtype == "float32" else model_lib.create(cfg, 0)
@@ -76,7 +77,7 @@ def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, m
     for step in range(decode_steps):
         pos = np.asarray(prompt_lens) + step
         tok = np.asarray([seqs[b][pos[b]] for b in range(2)])
-        logits, cache = cached_call(model, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None], jnp.ones((2, 1), jnp.int32), cache)
+        logits, cache = decode_call(model, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None], jnp.ones((2, 1), jnp.int32), cache)
         for b in range(2):
             close(np.asarray(logits[b, 0]), expected[b][pos[b]])
     filled = np.asarray(cache.segment_ids).sum(axis=1)
@@ -206,3 +207,26 @@ def test_dense_equals_the_einsum_and_its_gradients():
     plain = lambda x, w: jnp.sum(jnp.einsum("btij,ijo->bto", x, w) ** 2)
     np.testing.assert_allclose(jax.grad(dense)(x, w), jax.grad(plain)(x, w), rtol=1e-5)
     np.testing.assert_allclose(jax.grad(dense, argnums=1)(x, w), jax.grad(plain, argnums=1)(x, w), rtol=1e-5)
+
+
+@pytest.mark.parametrize("matmuls", [False, True], ids=["multiply_and_sum", "matmuls"])
+def test_decode_step_attention_matches_numpy(matmuls):
+    """A decode step's attention over a transposed key cache, either route of `cached_attention`,
+    equals softmax(q k^T / sqrt(D)) v over each row's unmasked columns, grouped-query heads shared."""
+    rng = np.random.default_rng(0)
+    B, K, G, D, S = 3, 2, 3, 8, 11
+    q = rng.normal(size=(B, 1, K * G, D)).astype(np.float32)
+    k, v = (rng.normal(size=(B, K, S, D)).astype(np.float32) for _ in range(2))
+    mask = rng.random((B, 1, S)) < 0.6
+    mask[:, 0, 0] = True  # every row attends somewhere
+    out = model_lib.cached_attention(jnp.asarray(q), jnp.asarray(k).swapaxes(2, 3), jnp.asarray(v),
+                                     jnp.asarray(mask), matmuls=matmuls)
+    expected = np.zeros((B, 1, K * G, D), np.float32)
+    for b in range(B):
+        for h in range(K * G):
+            kv = h // G
+            scores = k[b, kv] @ q[b, 0, h] / np.sqrt(D)
+            scores = np.where(mask[b, 0], scores, -np.inf)
+            p = np.exp(scores - scores.max())
+            expected[b, 0, h] = (p / p.sum()) @ v[b, kv]
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)

@@ -222,6 +222,10 @@ class LoraModel(nnx.Module):
         # Every targeted weight is merged, but XLA drops the merges the output head does not use.
         return self.merged().logits(hidden)
 
+    def for_decoding(self):
+        """The merged model's: the adapters are merged once per sampler call, not per token."""
+        return self.merged().for_decoding()
+
     # -- the rest of the model interface
     @property
     def vocab_size(self) -> int:

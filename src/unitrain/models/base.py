@@ -45,6 +45,13 @@ class Model(Protocol):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The output head: hidden [B, T, E] -> logits [B, T, V] (compute dtype)."""
 
+    def for_decoding(self) -> "Model":
+        """The model as a sampler's token loop calls it: made inside the sampler's jitted program
+        before its loops (once per call, not per token), it gives the same outputs for the same
+        calls. A model may prepare its weights there for decode steps (our decoder slices each
+        layer's out of the stacked ones where XLA would copy the slices on every step); one that
+        needs nothing returns itself."""
+
     def init_cache(self, batch_size: int, max_length: int) -> Any:
         """An empty KV cache for `batch_size` rows of up to `max_length` positions (a pytree)."""
 

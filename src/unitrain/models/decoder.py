@@ -218,29 +218,33 @@ class Decoder(nnx.Module):
 
         hf.save(self, path)
 
+    def for_decoding(self):
+        """Where a stacked weight's slices are copies (`copies_weight_slices`), a `Decoding` that
+        makes each layer's decode weights and the head once, outside the sampler's token loop;
+        elsewhere the decoder itself, whose slices cost nothing."""
+        return Decoding(self) if copies_weight_slices(jax.default_backend()) else self
+
     def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
         hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
-        decode_step = cache is not None and tokens.shape[1] == 1
-        return self.logits(hidden, decode_step and copies_weight_slices(jax.default_backend())), new_cache
+        return self.logits(hidden), new_cache
 
     def hidden_states(self, tokens, positions, segment_ids, cache: KVCache | None = None):
         hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
         return hidden if cache is None else (hidden, new_cache)
 
-    def logits(self, hidden, hoist_head: bool = False):
-        """`hoist_head` (decode steps on CPU): the head in the compute dtype behind an optimization
-        barrier, which lets XLA hoist it out of the sampler's token loop as it does the decode
-        weights; a tied embedding is then transposed once per call, inputs first (the sampler
-        1.05x faster on the Tunix benchmark's checkpoint, for one more copy of the embedding)."""
-        cfg = self.cfg
-        head = (self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]).astype(cfg.dtype)
-        if hoist_head:
-            head = jax.lax.optimization_barrier(head)
-        logits = jnp.einsum("bte,ev->btv", hidden, head)
-        return _constrain(cfg, logits, ("batch", "length", "vocab"))
+    def logits(self, hidden):
+        return self._apply_head(hidden, self._head())
 
-    def _hidden(self, tokens, positions, segment_ids, cache):
-        """The final-normed hidden states [B, T, E] and the updated cache."""
+    def _head(self):
+        """The output head [E, V] in the compute dtype (a tied embedding transposed)."""
+        cfg = self.cfg
+        return (self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]).astype(cfg.dtype)
+
+    def _apply_head(self, hidden, head):
+        return _constrain(self.cfg, jnp.einsum("bte,ev->btv", hidden, head), ("batch", "length", "vocab"))
+
+    def _hidden(self, tokens, positions, segment_ids, cache, layers=None):
+        """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`."""
         cfg = self.cfg
         # FSDP gathers a weight before use: an fsdp-sharded table gathered by fsdp-sharded tokens
         # would otherwise make XLA rematerialise the whole lookup.
@@ -253,7 +257,7 @@ class Decoder(nnx.Module):
             attend = _attention_fn(cfg, segment_ids, positions)
             x, new_cache = _run_stack(cfg, x, params, lambda x, p: _layer(cfg, p, x, cos, sin, attend)[0]), None
         else:
-            x, new_cache = _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache)
+            x, new_cache = _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache, layers)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         return x, new_cache
 
@@ -270,36 +274,61 @@ def _run_stack(cfg, x, params, layer):
 
 
 def copies_weight_slices(platform: str) -> bool:
-    """Whether XLA on `platform` copies a slice of a stacked weight wherever it is used (XLA:CPU),
-    where XLA:TPU reads it in place (GPU taken alike, unmeasured); where it does, a cached call
-    takes the route `_run_cached` describes.
-
-    In the sampler's token loop the copies would be every weight on every step. Behind an
-    optimization barrier the decode weights are hoisted out of that loop by XLA's loop-invariant
-    code motion, so they are made once per call instead of once per token (the decode step 1.7x
-    faster at Qwen2.5-0.5B, f32). They are a second copy of every layer weight for the whole call,
-    so a TPU keeps the weights as they are: Qwen2.5-1.5B's generate program (bf16, 16 x 256 + 512)
-    needs 0.71 GiB of temporaries there, 2.98 GiB with them."""
-    return platform == "cpu"
+    """Whether XLA on `platform` copies a slice of a stacked weight wherever it is used: XLA:CPU
+    and XLA:GPU do, XLA:TPU reads it in place. In the sampler's token loop the copies would be every
+    layer weight on every step (on an H100, 1.3 ms of a 3.9 ms Llama-3.2-1B decode step, 64 rows,
+    bfloat16), so there `Decoder.for_decoding` makes them once per call instead. That is a second
+    copy of every layer weight for the whole call, which a TPU does without: Qwen2.5-1.5B's generate
+    program (bf16, 16 x 256 + 512) needs 0.71 GiB of temporaries there, 2.98 GiB with it."""
+    return platform in ("cpu", "gpu")
 
 
-def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache):
+class Decoding:
+    """A Decoder as the sampler's token loop calls it (`Decoder.for_decoding`): made inside the
+    sampler's program before its loops, it holds each layer's `_decode_weights` sliced out of the
+    stacked ones, and the head in the compute dtype (a tied embedding transposed once), so that
+    no decode step copies a weight. Its calls give the decoder's outputs."""
+
+    def __init__(self, model: Decoder):
+        self.model = model
+        cfg = model.cfg
+        params = {name: var[...] for name, var in nnx.state(model.layers, nnx.Param).items()}
+        self.layers = [_decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)]
+        self.head = model._head()
+
+    def __getattr__(self, name):  # the rest of the model interface: the decoder's own
+        return getattr(self.model, name)
+
+    def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
+        hidden, new_cache = self.hidden_states(tokens, positions, segment_ids, cache)
+        return self.logits(hidden), new_cache
+
+    def hidden_states(self, tokens, positions, segment_ids, cache: KVCache | None = None):
+        return self.model._hidden(tokens, positions, segment_ids, cache, self.layers)
+
+    def logits(self, hidden):
+        return self.model._apply_head(hidden, self.head)
+
+    def for_decoding(self):
+        return self
+
+
+def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache, layers=None):
     """The layers over a KV cache: each writes this call's keys and values at the cache's next
-    columns and attends over the whole cache. They run unrolled on the stacked weights, the cache
-    being one array per layer, but where `copies_weight_slices` a decode step (T = 1) applies the
-    `_decode_weights` and a prefill (T > 1) scans the layers over the cache stacked, so that one
-    layer's weight slices are copied at a time, not all of them beside the decode weights.
-    Qwen2.5-1.5B's generate program on XLA:CPU (16 x 256 + 512): temporaries 10.8 -> 6.7 GiB in
-    float32, 12.5 -> 8.5 with bfloat16 compute, 11.9 -> 10.6 in bfloat16. On a TPU the stacked
-    cache would cost 0.43 GiB more."""
+    columns and attends over the whole cache, the cache being one array per layer. The layers run
+    unrolled on `layers` (a `Decoding`'s decode weights) if given, else on slices of the stacked
+    weights; but where `copies_weight_slices` a prefill (T > 1) without them scans the layers over
+    the cache stacked, so that one layer's weight slices are copied at a time. Qwen2.5-1.5B's
+    generate program on XLA:CPU (16 x 256 + 512): temporaries 10.8 -> 6.7 GiB in float32,
+    12.5 -> 8.5 with bfloat16 compute, 11.9 -> 10.6 in bfloat16."""
     column = cache.end[0]
     put = lambda a, new, axis: jax.lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), column, axis)
     segments, slot_positions = put(cache.segment_ids, segment_ids, 1), put(cache.positions, positions, 1)
     mask = attention_mask(segment_ids, positions, segments, slot_positions, cfg.sliding_window)
-    attend = functools.partial(cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size)
+    attend = functools.partial(cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size,
+                               matmuls=jax.default_backend() != "cpu")
     write_into = lambda k_cache, v_cache: lambda k, v: (put(k_cache, k.swapaxes(2, 3), 3), put(v_cache, v, 2))
-    copies = copies_weight_slices(jax.default_backend())
-    if copies and x.shape[1] > 1:
+    if layers is None and x.shape[1] > 1 and copies_weight_slices(jax.default_backend()):
         # bfloat16 weights go in as their bits: XLA:CPU, which computes bfloat16 matmuls in float32,
         # would otherwise convert all layers' weights to float32 ahead of the scan (2.4 GiB more at
         # 1.5B), where this way it converts one layer's slices per step.
@@ -312,9 +341,7 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache
     else:
         ks, vs = [], []
         for i in range(cfg.num_decoder_layers):
-            p = jax.tree.map(lambda a: a[i], params)
-            if copies:
-                p = jax.lax.optimization_barrier(_decode_weights(cfg, p))
+            p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
             x, (k, v) = _layer(cfg, p, x, cos, sin, attend, write_into(cache.k[i], cache.v[i]))
             ks.append(k)
             vs.append(v)
@@ -447,17 +474,18 @@ def _attend_chunk(q, k32, v32, mask):
     return _attend(q, k32.astype(q.dtype), v32.astype(q.dtype), mask)
 
 
-def cached_attention(q, k_t, v, mask, chunk_size=0):
-    """attention over a KV cache, whose keys are transposed: k_t [B,K,D,S], v [B,K,S,D].
+def cached_attention(q, k_t, v, mask, chunk_size=0, matmuls=True):
+    """attention over a KV cache, whose keys are transposed: k_t [B,K,D,S], v [B,K,S,D]: `attention`
+    on the keys transposed back, except for a decode step (T = 1) with `matmuls` off (XLA:CPU).
 
-    A decode step (T = 1) is two fused multiply-and-sums, over D and then over S, each reducing a
-    middle axis of a cache array in its stored order. As matmuls, XLA:CPU runs B*K tiny [G, D] x
-    [D, S] and [G, S] x [S, D] products on one thread: attention with its projections measured alone
-    was 1.4-1.8x slower, more the longer the cache. A prefill (T > 1) is `attention` on the keys
-    transposed back."""
+    That one is two fused multiply-and-sums, over D and then over S, each reducing a middle axis of
+    a cache array in its stored order. As matmuls, XLA:CPU runs B*K tiny [G, D] x [D, S] and
+    [G, S] x [S, D] products on one thread: attention with its projections measured alone was
+    1.4-1.8x slower, more the longer the cache. On an H100 it is the other way round: the
+    multiply-and-sums made Llama-3.2-1B's decode step (64 rows, bfloat16) 1.28x slower."""
     B, T, H, D = q.shape
     K = v.shape[1]
-    if T > 1:
+    if T > 1 or matmuls:
         return attention(q, k_t.swapaxes(2, 3), v, mask, chunk_size)
     q = q.reshape(B, K, H // K, D, 1).astype(jnp.float32)
     scores = jnp.sum(q * k_t[:, :, None].astype(jnp.float32), axis=-2) / math.sqrt(D)  # [B,K,G,S]

@@ -185,6 +185,7 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
         # Left padding: every real row's last prompt token sits in the last column, the only one
         # sampled from, so the output head runs on it alone.
         token, logprob = sample(model.logits(hidden[:, -1:])[:, 0], 0)
+        decoding = model.for_decoding()
         done = prompt_lens == 0  # batch-padding rows never emit
         emit = ~done
         out_tokens = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(jnp.where(emit, token, pad_id))
@@ -199,7 +200,7 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
         def body(carry):
             i, cache, out_tokens, out_mask, out_logprobs, done, last = carry
             pos = (prompt_lens + i - 1)[:, None]
-            logits, cache = model(last[:, None], pos, jnp.ones((B, 1), jnp.int32), cache)
+            logits, cache = decoding(last[:, None], pos, jnp.ones((B, 1), jnp.int32), cache)
             token, logprob = sample(logits[:, 0], i)
             emit = ~done
             token = jnp.where(emit, token, pad_id)
