@@ -243,6 +243,10 @@ class Decoder(nnx.Module):
     def _apply_head(self, hidden, head):
         return _constrain(self.cfg, jnp.einsum("bte,ev->btv", hidden, head), ("batch", "length", "vocab"))
 
+    def _stacked_layers(self) -> dict:
+        """The layer parameters by name, each stacked on its leading `layers` axis."""
+        return {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
+
     def _hidden(self, tokens, positions, segment_ids, cache, layers=None):
         """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`."""
         cfg = self.cfg
@@ -252,7 +256,7 @@ class Decoder(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
         x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
         cos, sin = rope_tables(cfg, positions)
-        params = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
+        params = self._stacked_layers()
         if cache is None:
             attend = _attention_fn(cfg, segment_ids, positions)
             x, new_cache = _run_stack(cfg, x, params, lambda x, p: _layer(cfg, p, x, cos, sin, attend)[0]), None
@@ -293,7 +297,7 @@ class Decoding:
     def __init__(self, model: Decoder):
         self.model = model
         cfg = model.cfg
-        params = {name: var[...] for name, var in nnx.state(model.layers, nnx.Param).items()}
+        params = model._stacked_layers()
         self.layers = [_decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)]
         self.head = model._head()
 

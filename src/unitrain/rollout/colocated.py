@@ -18,7 +18,8 @@ Programs are compiled through the run's CompileCache, keyed by the graph, B, P, 
 sampling choices and the parameter shapes and shardings; every compile is logged. Temperature,
 top-p and the stop ids are runtime values: changing them does not recompile (only greedy vs
 sampling, top-k, top-p on/off and the number of stop ids are static). The model is used only
-through the model interface (call, hidden_states with a cache, logits, init_cache, cache_axes).
+through the model interface (call, hidden_states with a cache, logits, for_decoding, init_cache,
+cache_axes).
 
 The decode runs in `cache_phases` loops over near-equal spans of the N tokens, the KV cache grown
 by empty columns at each one's start: attention reads the prompt and the tokens so far rounded up
