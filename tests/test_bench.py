@@ -1,5 +1,6 @@
 """tools/bench.py as a user runs it: a subprocess on the 8 simulated devices conftest.py sets up."""
 
+import importlib.util
 import json
 import math
 import os
@@ -11,7 +12,7 @@ import jax
 import pytest
 from flax import nnx
 
-from unitrain import metrics, rollout
+from unitrain import metrics, rollout, sharding
 from unitrain.models import decoder
 from unitrain.config import ConfigError, load_config
 from unitrain.run import build_run
@@ -59,6 +60,7 @@ def test_compile_only_tiny_fsdp8_reports_sharded_memory():
     memory = result["memory_per_device"]
     assert memory["argument"] > 0 and memory["temp"] >= 0
     assert memory["total_estimate"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    assert memory["peak"] >= memory["argument"]
     assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 8, "tensor": 1}
     assert result["config"]["num_devices"] == 8
     total_param_bytes = result["num_params"] * 4  # weight_dtype float32
@@ -67,6 +69,49 @@ def test_compile_only_tiny_fsdp8_reports_sharded_memory():
     assert abs(result["opt_state_bytes_per_device"] - 2 * result["param_bytes_per_device"]) < 1024
     # the donated state is in the arguments
     assert memory["argument"] >= result["param_bytes_per_device"] + result["opt_state_bytes_per_device"]
+
+
+def test_compile_for_builds_the_config_mesh_and_program_for_its_devices():
+    """Within sharding.compile_for(devices) the config's mesh sizes, the mesh and the platform the
+    model's choices follow are those of the devices given (here 4 of the 8): what --topology relies on."""
+    import bench
+
+    overrides = ["model_name=tiny", "per_device_batch_size=2", "max_target_length=32"]
+    with sharding.compile_for(jax.devices()[:4]):
+        assert sharding.target_platform() == "cpu"
+        result = bench.compile_only(load_config(["configs/base.yml", *overrides]))
+    assert len(sharding.target_devices()) == 8
+    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert result["config"]["num_devices"] == 4 and result["config"]["global_batch_rows"] == 8
+    whole = bench.compile_only(load_config(["configs/base.yml", *overrides]))
+    assert whole["config"]["num_devices"] == 8
+    assert abs(result["param_bytes_per_device"] - 2 * whole["param_bytes_per_device"]) < 0.1 * result["param_bytes_per_device"]
+
+
+def test_topology_needs_compile_only_a_valid_name_and_libtpu():
+    for args, message in ((["--topology", "v5e:2x2"], "--topology compiles for a TPU slice that is not here"),
+                          (["--compile-only", "--topology", "v5e:2y"], "--topology 'v5e:2y': expected a TPU version")):
+        proc = run_bench("configs/base.yml", "model_name=tiny", *args)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"bench: {message}"), proc.stderr
+    if importlib.util.find_spec("libtpu") is None:
+        proc = run_bench("configs/base.yml", "model_name=tiny", "--compile-only", "--topology", "v5e:2x2")
+        assert proc.returncode == 2 and proc.stderr.startswith("bench: --topology needs libtpu beside jax"), proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install libtpu)")
+def test_topology_compiles_for_a_tpu_slice_that_is_not_here():
+    """v5e:2x2 on this CPU: the program is XLA:TPU's for 4 chips, and the model takes the TPU's
+    kernel (attention=splash, which this CPU's config check refuses)."""
+    args = ["configs/base.yml", *OVERRIDES, "attention=splash", "--compile-only"]
+    refused = run_bench(*args)
+    assert refused.returncode == 2 and "this platform is cpu" in refused.stderr
+    proc = run_bench(*args, "--topology", "v5e:2x2")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["config"]["platform"] == "tpu" and result["config"]["device_kind"].startswith("TPU v5")
+    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    memory = result["memory_per_device"]
+    assert memory["temp"] > 0 and memory["peak"] > memory["argument"]
 
 
 def test_compile_only_compiles_the_grpo_and_dpo_updates():

@@ -269,11 +269,11 @@ def _check_attention(c: dict) -> str | None:
         return None
     if c["model_source"] != "unitrain":
         return f"attention={c['attention']} is a kernel of model_source unitrain; model_source {c['model_source']} brings its own attention (use auto or xla)"
-    import jax  # here, not at the top: importing this module must not initialise JAX's backends
+    from unitrain import sharding  # here, not at the top: importing this module must not initialise JAX's backends
     from unitrain.models import decoder
 
     try:
-        decoder.attention_kernel(c["attention"], jax.default_backend(), c["dtype"])
+        decoder.attention_kernel(c["attention"], sharding.target_platform(), c["dtype"])
     except ValueError as e:
         return str(e)
     return None
@@ -387,9 +387,9 @@ def derive(cfg: dict) -> dict:
 def _mesh_shapes(c: dict) -> tuple[dict, dict, dict]:
     """The trainer's ici and dcn mesh shapes over the devices rollout_devices leaves it, and the
     rollout mesh's shape over those (all 1 without rollout devices)."""
-    import jax  # here, not at the top: importing this module must not initialise JAX's backends
+    from unitrain import sharding  # here, not at the top: importing this module must not initialise JAX's backends
 
-    n, r, processes = jax.device_count(), c["rollout_devices"], jax.process_count()
+    n, r, processes = len(sharding.target_devices()), c["rollout_devices"], sharding.target_process_count()
     if r and (r >= n or r % processes):
         raise ConfigError(f"rollout_devices ({r}) must be below the {n} devices and a multiple of the {processes} "
                           "processes (each process gives the same number)")

@@ -6,6 +6,7 @@ Parameters and activations name their dimensions logically (`embed`, `mlp`, `hea
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -57,9 +58,40 @@ def logical_to_spec(logical_axes: tuple, rules: Rules) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
+_compile_target: list | None = None
+
+
+def target_devices() -> list:
+    """The devices the programs are built for: this job's (jax.devices()), or within `compile_for`
+    a topology's that need not be attached (ahead-of-time compilation)."""
+    return jax.devices() if _compile_target is None else _compile_target
+
+
+def target_platform() -> str:
+    """The platform of `target_devices()` ("cpu", "gpu", "tpu"): the models' kernel and layout choices
+    follow it, so that a program compiled ahead of time for a TPU is the one a TPU would run."""
+    return target_devices()[0].platform
+
+
+def target_process_count() -> int:
+    return len({d.process_index for d in target_devices()})
+
+
+@contextlib.contextmanager
+def compile_for(target: list):
+    """Within: configs, meshes and models are built for `target` (e.g. the devices of
+    jax.experimental.topologies.get_topology_desc) instead of this job's devices."""
+    global _compile_target
+    previous, _compile_target = _compile_target, list(target)
+    try:
+        yield
+    finally:
+        _compile_target = previous
+
+
 def create_mesh(ici_shape: dict, dcn_shape: dict, devices=None) -> Mesh:
     """Mesh with axes (data, fsdp, tensor); dcn sizes span slices (TPU) or processes (GPU/CPU)."""
-    devices = jax.devices() if devices is None else devices
+    devices = target_devices() if devices is None else devices
     ici = [ici_shape[a] for a in MESH_AXES]
     dcn = [dcn_shape[a] for a in MESH_AXES]
     if math.prod(dcn) > 1:
@@ -74,9 +106,9 @@ def create_mesh(ici_shape: dict, dcn_shape: dict, devices=None) -> Mesh:
 def split_devices(rollout_devices: int) -> tuple[list, list]:
     """(the trainer's devices, the rollout's): each process gives its last rollout_devices /
     process_count local devices to rollouts, so that both meshes span every process."""
-    per_process = rollout_devices // jax.process_count()
+    per_process = rollout_devices // target_process_count()
     by_process: dict = {}
-    for d in jax.devices():
+    for d in target_devices():
         by_process.setdefault(d.process_index, []).append(d)
     local = [sorted(ds, key=lambda d: d.id) for _, ds in sorted(by_process.items())]
     cut = len(local[0]) - per_process

@@ -42,7 +42,7 @@ ATTENTION = ("auto", "xla", "cudnn", "splash")
 
 
 def attention_kernel(choice: str, platform: str, dtype: str) -> str:
-    """The implementation the `attention` choice runs on `platform` (jax.default_backend()) at compute
+    """The implementation the `attention` choice runs on `platform` (sharding.target_platform()) at compute
     `dtype`: auto is cuDNN on a GPU in 16 bits, splash on a TPU, else xla. ValueError where it cannot run."""
     fused = {"gpu": "cudnn", "tpu": "splash"}.get(platform)
     if choice == "auto":
@@ -222,7 +222,7 @@ class Decoder(nnx.Module):
         """Where a stacked weight's slices are copies (`copies_weight_slices`), a `Decoding` that
         makes each layer's decode weights and the head once, outside the sampler's token loop;
         elsewhere the decoder itself, whose slices cost nothing."""
-        return Decoding(self) if copies_weight_slices(jax.default_backend()) else self
+        return Decoding(self) if copies_weight_slices(sharding.target_platform()) else self
 
     def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
         hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
@@ -331,9 +331,9 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache
     segments, slot_positions = put(cache.segment_ids, segment_ids, 1), put(cache.positions, positions, 1)
     mask = attention_mask(segment_ids, positions, segments, slot_positions, cfg.sliding_window)
     attend = functools.partial(cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size,
-                               matmuls=jax.default_backend() != "cpu")
+                               matmuls=sharding.target_platform() != "cpu")
     write_into = lambda k_cache, v_cache: lambda k, v: (put(k_cache, k.swapaxes(2, 3), 3), put(v_cache, v, 2))
-    if layers is None and x.shape[1] > 1 and copies_weight_slices(jax.default_backend()):
+    if layers is None and x.shape[1] > 1 and copies_weight_slices(sharding.target_platform()):
         # bfloat16 weights go in as their bits: XLA:CPU, which computes bfloat16 matmuls in float32,
         # would otherwise convert all layers' weights to float32 ahead of the scan (2.4 GiB more at
         # 1.5B), where this way it converts one layer's slices per step.
@@ -556,7 +556,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def _attention_fn(cfg: ModelConfig, segment_ids, positions):
     """attend(q, k, v) of a call without a cache, by the kernel the `attention` key picks. The fused
     kernels serve training and scoring; a cache call (prefill, decode) always takes the reference."""
-    kernel = attention_kernel(cfg.attention, jax.default_backend(), cfg.dtype)
+    kernel = attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype)
     if kernel == "splash":
         return functools.partial(splash_attention, segment_ids=segment_ids, window=cfg.sliding_window,
                                  rules=cfg.logical_axis_rules)
@@ -668,7 +668,7 @@ def source(cfg, mesh) -> Decoder:
     """The decoder of the config with its parameters placed in their shardings: random init, HF
     weights, or the parameters of a unitrain checkpoint (`load_parameters_path`)."""
     model_cfg = ModelConfig.from_config(cfg)
-    platform = jax.default_backend()
+    platform = sharding.target_platform()
     kernel = attention_kernel(model_cfg.attention, platform, model_cfg.dtype)
     log.info("attention: %s%s", kernel, f" (auto on {platform})" if model_cfg.attention == "auto" else "")
     rules = model_cfg.logical_axis_rules
