@@ -60,7 +60,7 @@ With `--topology NAME` it compiles instead for a TPU slice that need not be atta
 train_compile does: NAME is JAX's topology name (v5e:2x2, v5e:16x16, v5p:4x4x4, v6e:8x8), the
 config's mesh spans its devices, the models take the TPU's kernels and layouts
 (sharding.compile_for), and the figures are XLA:TPU's own. It needs libtpu beside jax (`pip install
-libtpu`, or ./setup.sh --tpu); no TPU is touched.
+libtpu`, or ./setup.sh --tpu), not a TPU.
 
 Exit 2 with `bench: <message>` for a config mistake.
 """
@@ -170,7 +170,7 @@ def update_batch(cfg, shardings: dict) -> dict:
 
 def tpu_topology(name: str) -> list:
     """The devices of the TPU slice `name` (e.g. v5e:2x2), for compiling ahead of time without it;
-    each host holds up to 2 x 2 chips, as a v5e, v5p or v6e host does."""
+    each host holds up to 2 x 2 chips, as a v4, v5e, v5p or v6e host does."""
     from jax.experimental import topologies
 
     version, _, shape = name.partition(":")
