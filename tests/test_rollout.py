@@ -150,8 +150,8 @@ def test_prompts_in_one_bucket_compile_once(caplog):
     params = SamplingParams(max_new_tokens=7, temperature=0.0)
     sampler = colocated.ColocatedSampler(model)
     with caplog.at_level(logging.INFO, logger="unitrain"):
-        a = sampler.generate([list(range(1, 6))] * 3, params, jax.random.key(0))
-        b = sampler.generate([list(range(1, 10))] * 4, params, jax.random.key(0))
+        a = sampler.generate([list(range(k, 6)) for k in range(1, 4)], params, jax.random.key(0))
+        b = sampler.generate([list(range(k, 10)) for k in range(1, 5)], params, jax.random.key(0))
     compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled generate")]
     assert len(compiles) == 1 and compiles[0].startswith("compiled generate (batch=4 prompt=16 new=7 cache phases=1)")
     assert a.tokens.shape == (3, 7) and b.tokens.shape == (4, 7)
@@ -182,8 +182,9 @@ def test_sharded_greedy_equals_unsharded(fsdp, tensor):
     model = scaled(sharding.init_sharded(lambda: model_lib.create(cfg), mesh, sharding.DEFAULT_RULES))
     assert model.embed[...].addressable_shards[0].data.shape == (64 // tensor, 32 // fsdp)
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
-    out = generate(model, PROMPTS, params, jax.random.key(0), mesh=mesh, rules=sharding.DEFAULT_RULES)
-    reference = greedy(tiny_model(), PROMPTS)
+    prompts = PROMPTS + PROMPTS[:2] * 2  # 8 rows; with batch split 4 ways, a prefill block of the 4 prompts
+    out = generate(model, prompts, params, jax.random.key(0), mesh=mesh, rules=sharding.DEFAULT_RULES)
+    reference = greedy(tiny_model(), prompts)
     for k in ("tokens", "mask", "lengths"):
         np.testing.assert_array_equal(getattr(out, k), getattr(reference, k))
     np.testing.assert_allclose(out.logprobs, reference.logprobs, atol=1e-4)
@@ -219,6 +220,23 @@ def test_sampled_tokens_equal_a_naive_uncached_loop(temperature, cache_phases):
     assert len(set(tokens.ravel())) > 8  # sampled, not a few greedy favourites
 
 
+REPEATED = [PROMPTS[1]] * 3 + [PROMPTS[0], PROMPTS[3], PROMPTS[0], PROMPTS[1]]  # 7 rows, 3 distinct prompts
+
+
+def test_a_repeated_prompt_is_prefilled_once_and_its_rows_sample_apart(caplog):
+    model, key = tiny_model(), jax.random.key(3)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0)
+    sampler = colocated.ColocatedSampler(model, cache_phases=3)
+    with caplog.at_level(logging.INFO, logger="unitrain"):
+        out = sampler.generate(REPEATED, sampling, key)
+    assert "generate (batch=8 prefill rows=4 prompt=16 new=8" in caplog.text
+    assert sampler.program(REPEATED, sampling, key)[1][1].shape == (4, 16)  # the prefill block: 3 prompts + 1 pad
+    tokens, logprobs = naive_sample(model, REPEATED, 8, 1.0, key)
+    np.testing.assert_array_equal(out.tokens, tokens)
+    np.testing.assert_allclose(out.logprobs, logprobs, atol=1e-4)
+    assert len({tuple(row) for row in out.tokens[:3]}) == 3  # one prompt's samples differ
+
+
 @pytest.mark.parametrize("shape", [(16, 64), (3, 1000)])
 def test_gumbel_noise_is_jax_randoms_bit_for_bit(shape):
     for i in range(3):
@@ -235,6 +253,6 @@ def test_prefill_runs_the_output_head_on_the_last_column_only():
     program = colocated._build(graphdef, B, P, N, 0, greedy=False, top_k=0, use_top_p=False, cache_rules=None,
                                cache_phases=1)
     text = program.lower(nnx.to_pure_dict(params), block["tokens"], block["positions"], block["segments"],
-                         block["prompt_lens"], np.zeros((0,), np.int32), np.float32(1.0), np.float32(1.0),
+                         block["prompt_lens"], None, np.zeros((0,), np.int32), np.float32(1.0), np.float32(1.0),
                          jax.random.key(0)).as_text()
     assert f"tensor<{B}x1x{V}xf32>" in text and f"tensor<{B}x{P}x{V}x" not in text

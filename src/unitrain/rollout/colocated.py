@@ -14,6 +14,10 @@ tokens, no host sync). Shapes are bucketed so that a run compiles a bounded numb
     multiple of the number of devices the `batch` axis is split over; pad rows are dropped;
   - N = max_new_tokens is used as given.
 
+A prompt given several times (GRPO's n samples of a prompt) is prefilled once: the prefill runs
+on the distinct prompts, its rows bucketed like B, and each of the B rows then decodes from a copy
+of its prompt's cache row and first-token logits (every row still draws its own noise).
+
 Programs are compiled through the run's CompileCache, keyed by the graph, B, P, N, the static
 sampling choices and the parameter shapes and shardings; every compile is logged. Temperature,
 top-p and the stop ids are runtime values: changing them does not recompile (only greedy vs
@@ -158,6 +162,12 @@ def constrain_cache(model, cache, rules):
     return jax.lax.with_sharding_constraint(cache, specs)
 
 
+def cache_rows(model, cache, rows, rules):
+    """The cache rows `rows` [B] (indices along the `batch` axis), constrained as `constrain_cache`."""
+    take = lambda x, axes: jnp.take(x, rows, axis=axes.index("batch"))
+    return constrain_cache(model, jax.tree.map(take, cache, model.cache_axes()), rules)
+
+
 def grown_cache(model, cache, columns: int, rules):
     """`cache` with `columns` more empty columns: every array zero-padded along its `length` axis
     (the model interface's promise, models/base.py), constrained as `constrain_cache`."""
@@ -175,9 +185,11 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
            cache_phases: int):
     ends = phase_ends(N, cache_phases)
 
-    def run(params, tokens, positions, segments, prompt_lens, stop_ids, temperature, top_p, rng):
+    def run(params, tokens, positions, segments, prompt_lens, source, stop_ids, temperature, top_p, rng):
+        """tokens, positions, segments: the prefill block of the distinct prompts; prompt_lens [B];
+        source [B]: each row's prefill row (None: the block is the B rows themselves)."""
         model = nnx.merge(graphdef, params)
-        cache = sharded_cache(model, B, P + ends[0], cache_rules)
+        cache = sharded_cache(model, tokens.shape[0], P + ends[0], cache_rules)
         sample = lambda logits, i: _sample(logits, jax.random.fold_in(rng, i), temperature, top_p,
                                            greedy=greedy, top_k=top_k, use_top_p=use_top_p)
         is_stop = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
@@ -185,7 +197,10 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
         hidden, cache = model.hidden_states(tokens, positions, segments, cache)
         # Left padding: every real row's last prompt token sits in the last column, the only one
         # sampled from, so the output head runs on it alone.
-        token, logprob = sample(model.logits(hidden[:, -1:])[:, 0], 0)
+        logits = model.logits(hidden[:, -1:])[:, 0]
+        if source is not None:
+            logits, cache = logits[source], cache_rows(model, cache, source, cache_rules)
+        token, logprob = sample(logits, 0)
         decoding = model.for_decoding()
         done = prompt_lens == 0  # batch-padding rows never emit
         emit = ~done
@@ -278,25 +293,33 @@ class ColocatedSampler:
             raise ValueError("every prompt needs at least one token")
         N = sampling.max_new_tokens
         B, P = self.block_shape(len(prompt_ids), int(lens.max()))
-        block = _left_padded(prompt_ids, B, P, self.pad_id)
+        distinct, source = _distinct(prompt_ids, B)
+        R = self.block_shape(len(distinct), int(lens.max()))[0]
+        if R < B:
+            block = _left_padded(distinct, R, P, self.pad_id)
+            block["prompt_lens"], block["source"] = np.pad(lens, (0, B - len(lens))), source
+        else:
+            block = _left_padded(prompt_ids, B, P, self.pad_id)
         greedy = sampling.temperature == 0.0
         top_k = 0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k
         use_top_p = not greedy and sampling.top_p < 1.0
         stop_ids = np.asarray(sampling.stop_token_ids, np.int32).reshape(-1)
         if self.mesh is not None:
             rows2d = sharding.batch_sharding(self.mesh, self.rules)
-            block = full_rows_to_global(block, {"tokens": rows2d, "positions": rows2d, "segments": rows2d,
-                                                "prompt_lens": sharding.batch_sharding(self.mesh, self.rules, ("batch",))})
+            rows = sharding.batch_sharding(self.mesh, self.rules, ("batch",))
+            block = full_rows_to_global(block, {k: rows2d if v.ndim == 2 else rows for k, v in block.items()})
             stop_ids = full_rows_to_global({"stop": stop_ids}, sharding.replicated(self.mesh))["stop"]
             # The key may come from another mesh (the trainer's) or another process's device: its bits
             # are placed like any other input.
             bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(key))}, sharding.replicated(self.mesh))
             key = jax.random.wrap_key_data(bits["key"])
-        args = (self.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"], stop_ids,
-                np.float32(sampling.temperature if not greedy else 1.0), np.float32(sampling.top_p), key)
+        args = (self.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"],
+                block.get("source"), stop_ids, np.float32(sampling.temperature if not greedy else 1.0),
+                np.float32(sampling.top_p), key)
         static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules, self.cache_phases)
+        rows = f"batch={B} prefill rows={R}" if R < B else f"batch={B}"
         program = self.programs.compiled(
-            f"generate (batch={B} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})", None,
+            f"generate ({rows} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})", None,
             *args, static=static, build=lambda: _build(*static))
         return program, args
 
@@ -324,6 +347,16 @@ class Pending:
         with in_mesh(self.mesh):  # gathering them runs on their mesh, which may not be the caller's
             out = {k: to_host(v)[:self.n_real] for k, v in self.out.items()}
         return Completions(out["tokens"], out["mask"], out["logprobs"], out["lengths"], self.version)
+
+
+def _distinct(prompt_ids: list[list[int]], B: int) -> tuple[list[list[int]], np.ndarray]:
+    """(the distinct prompts in order of first appearance, [B] int32: each row's index among them;
+    rows past the prompts point at the first)."""
+    index: dict[tuple, int] = {}
+    source = np.zeros((B,), np.int32)
+    for b, p in enumerate(prompt_ids):
+        source[b] = index.setdefault(tuple(p), len(index))
+    return [list(p) for p in index], source
 
 
 def _left_padded(prompt_ids: list[list[int]], B: int, P: int, pad_id: int) -> dict:
