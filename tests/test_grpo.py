@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from unitrain import evals, losses, run, tasks, train
+from unitrain.tasks import grpo
 from unitrain.rollout.groups import Group, nonzero_std, select_groups
 from unitrain.config import ConfigError, load_config
 
@@ -150,6 +151,34 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
     for extra in ("num_iterations=2", "per_device_batch_size=1", "use_kl_in_reward=true"):
         task, _, _, _ = make_step(config(tmp_path, *overrides, extra))
         assert task.separate_old and "old_logprobs" in task.batch_shardings(), extra
+
+
+def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(tmp_path):
+    """Each group's prompt columns are computed once per pass: 4 rows a group in the logprob pass,
+    2 in each of the 2 micro-batches of the update (rows j, j+2, ...); the logprobs and the
+    parameters after one update equal those of the passes over every row's own prompt."""
+    overrides = ("per_device_batch_size=1", "gradient_accumulation_steps=2", "rollout_temperature=1.0",
+                 "lr_schedule=constant", "kl_coef=0.1", "adam_eps=1.0", "learning_rate=1.0")
+    shared, graphdef, params, _ = make_step(config(tmp_path, *overrides))
+    plain, _, _, _ = make_step(config(tmp_path, *overrides))
+    assert shared.group_rows == {"logprobs": 4, "update": 2}
+    plain.group_rows = {"logprobs": 1, "update": 1}  # read when the update is first traced
+    rows = shared.to_rows(first_groups(shared, params)[0])
+    assert (rows["inputs"][0::4, :16] == rows["inputs"][3::4, :16]).all()  # the prompt columns of a group
+    stats = lambda group_rows: grpo.token_stats(graphdef, 1.0, 0, params, rows, True, group_rows)
+    for got, want in zip(stats(4), stats(1)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    rows.update(shared.logprobs(params, rows), advantages=np.linspace(-1, 1, 16).astype(np.float32))
+    state = lambda: {"params": jax.tree.map(jnp.copy, params), "opt_state": shared.run.optimizer.init(params),
+                     "step": jnp.int32(0)}
+    (a_state, a), (b_state, b) = shared.update(state(), rows), plain.update(state(), rows)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    for x, y, p in zip(*(jax.tree.leaves(s["params"]) for s in (a_state, b_state, {"params": params}))):
+        x, y, p = (np.asarray(v) for v in (x, y, p))
+        np.testing.assert_allclose(x - p, y - p, atol=1e-4 * np.abs(y - p).max(), rtol=1e-4)
+    uneven, _, _, _ = make_step(config(tmp_path, "per_device_batch_size=1", "n_samples_per_prompt=2",
+                                       "rollout_batch_size=16", "gradient_accumulation_steps=4"))
+    assert uneven.group_rows == {"logprobs": 2, "update": 1}  # 4 micro-batches split a group of 2
 
 
 def test_pass_at_k_matches_brute_force():

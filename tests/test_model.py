@@ -230,3 +230,47 @@ def test_decode_step_attention_matches_numpy(matmuls):
             p = np.exp(scores - scores.max())
             expected[b, 0, h] = (p / p.sum()) @ v[b, kv]
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
+
+
+def grpo_rows(rng, prompts, n, P, C, vocab):
+    """n rows per prompt as GRPO lays them out: the prompt left-padded to end at column P, then a
+    completion of random length right-padded to C columns."""
+    rows = len(prompts) * n
+    tokens, positions, segments = (np.zeros((rows, P + C), np.int32) for _ in range(3))
+    for r in range(rows):
+        prompt = prompts[r // n]
+        completion = rng.integers(1, vocab, rng.integers(1, C + 1))
+        start, end = P - len(prompt), P + len(completion)
+        tokens[r, start:end] = np.concatenate([prompt, completion])
+        positions[r, start:end] = np.arange(end - start)
+        segments[r, start:end] = 1
+    return tokens, positions, segments
+
+
+@pytest.mark.parametrize("scan_layers, remat_policy, window", [(True, "full", None), (False, "none", 5)])
+def test_shared_prefix_hidden_states_equal_the_plain_ones_with_their_gradients(scan_layers, remat_policy, window):
+    """Groups of 3 rows share a prompt (computed once); values and parameter gradients of a loss
+    over the completion columns equal hidden_states' (attention chunked, sliding window too)."""
+    cfg = dataclasses.replace(CFG, scan_layers=scan_layers, remat_policy=remat_policy, sliding_window=window,
+                              attention_chunk_size=4)
+    model = sharp_model(cfg)
+    rng = np.random.default_rng(0)
+    P, C, n = 8, 6, 3
+    prompts = [rng.integers(1, 128, size) for size in (8, 3)]
+    tokens, positions, segments = grpo_rows(rng, prompts, n, P, C, 128)
+    weights = jnp.asarray(rng.normal(size=(len(tokens), P + C, cfg.emb_dim)).astype(np.float32)) * (segments[..., None] > 0)
+
+    def loss(model, shared):
+        hidden = (model.hidden_states_shared_prefix(tokens, positions, segments, P, n) if shared else
+                  model.hidden_states(tokens, positions, segments))
+        return jnp.sum(hidden[:, P - 1:] * weights[:, P - 1:]), hidden
+
+    (value, hidden), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True), static_argnums=1)(model, True)
+    (ref_value, ref_hidden), ref_grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True), static_argnums=1)(model, False)
+    real = segments > 0
+    np.testing.assert_allclose(np.asarray(hidden)[real], np.asarray(ref_hidden)[real], rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+    for (path, g), (_, ref) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
+        # Float32 rounding, amplified by the sharp weights, reaches 3e-5 of a gradient's largest entry.
+        scale = np.abs(ref.get_value()).max()
+        np.testing.assert_allclose(g.get_value(), ref.get_value(), rtol=0, atol=2e-4 * scale, err_msg=str(path))

@@ -250,11 +250,7 @@ class Decoder(nnx.Module):
     def _hidden(self, tokens, positions, segment_ids, cache, layers=None):
         """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`."""
         cfg = self.cfg
-        # FSDP gathers a weight before use: an fsdp-sharded table gathered by fsdp-sharded tokens
-        # would otherwise make XLA rematerialise the whole lookup.
-        table = _constrain(cfg, self.embed[...], ("vocab", "activation_embed"))
-        x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
-        x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
+        x = self._embed(tokens)
         cos, sin = rope_tables(cfg, positions)
         params = self._stacked_layers()
         if cache is None:
@@ -264,6 +260,44 @@ class Decoder(nnx.Module):
             x, new_cache = _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache, layers)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         return x, new_cache
+
+    def hidden_states_shared_prefix(self, tokens, positions, segment_ids, prefix_len: int, group_rows: int):
+        """hidden_states(tokens, positions, segment_ids) of rows that come in runs of `group_rows`
+        sharing their first `prefix_len` columns (a GRPO group's prompt): the prefix is computed once
+        per run, and the later columns attend to their run's keys and values. The later columns
+        attend by the reference kernel, or cuDNN's where `attention` picks it (not splash: their
+        keys outnumber their queries)."""
+        cfg = self.cfg
+        source = jnp.arange(tokens.shape[0]) // group_rows
+        cut = lambda a: (jnp.asarray(a)[::group_rows, :prefix_len], jnp.asarray(a)[:, prefix_len:])
+        (tok_p, tok_c), (pos_p, pos_c), (seg_p, seg_c) = cut(tokens), cut(positions), cut(segment_ids)
+        rope_p, rope_c = rope_tables(cfg, pos_p), rope_tables(cfg, pos_c)
+        attend_p = _attention_fn(cfg, seg_p, pos_p)
+        mask = attention_mask(seg_c, pos_c, jnp.concatenate([seg_p[source], seg_c], 1),
+                              jnp.concatenate([pos_p[source], pos_c], 1), cfg.sliding_window)
+        if attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype) == "cudnn":
+            attend_c = functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
+        else:
+            attend_c = functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size)
+
+        def layer(xs, p):
+            (q_p, k_p, v_p), (q_c, k_c, v_c) = (_attention_inputs(cfg, p, x, *rope) for x, rope in
+                                                 zip(xs, (rope_p, rope_c)))
+            k, v = (jnp.concatenate([a_p[source], a_c], axis=2).astype(cfg.dtype) for a_p, a_c in
+                    ((k_p, k_c), (v_p, v_c)))
+            return (_block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p)),
+                    _block_output(cfg, p, xs[1], attend_c(q_c, k, v)))
+
+        x_p, x_c = _run_stack(cfg, (self._embed(tok_p), self._embed(tok_c)), self._stacked_layers(), layer)
+        return rms_norm(jnp.concatenate([x_p[source], x_c], axis=1), self.final_norm[...], cfg.rms_norm_eps)
+
+    def _embed(self, tokens):
+        cfg = self.cfg
+        # FSDP gathers a weight before use: an fsdp-sharded table gathered by fsdp-sharded tokens
+        # would otherwise make XLA rematerialise the whole lookup.
+        table = _constrain(cfg, self.embed[...], ("vocab", "activation_embed"))
+        x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
+        return _constrain(cfg, x, ("batch", "length", "activation_embed"))
 
 
 def _run_stack(cfg, x, params, layer):
@@ -385,6 +419,14 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, attend, write=None):
     `write(k, v)` stores this call's keys and values [B, K, T, D] and returns the cache's.
     p holds the layer's parameters or its `_decode_weights`. Returns the new x and the keys and
     values attended to."""
+    q, k, v = _attention_inputs(cfg, p, x, cos, sin)
+    if write is not None:
+        k, v = write(k, v)
+    return _block_output(cfg, p, x, attend(q, k.astype(cfg.dtype), v.astype(cfg.dtype))), (k, v)
+
+
+def _attention_inputs(cfg: ModelConfig, p, x, cos, sin):
+    """The block's queries [B, T, H, D] and keys and values [B, K, T, D] of norm(x)."""
     dt = cfg.dtype
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = _project_qkv(cfg, p, h)
@@ -395,10 +437,12 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, attend, write=None):
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = _constrain(cfg, q, ("batch", "length", "heads", "kv"))
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    if write is not None:
-        k, v = write(k, v)
-    attn = attend(q, k.astype(dt), v.astype(dt))
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _block_output(cfg: ModelConfig, p, x, attn):
+    """The rest of the block from the attention's output: x + its projection, then the MLP."""
+    dt = cfg.dtype
     # One contracted axis (heads x head_dim): with two, XLA may pick their order by the attention
     # output's layout and transpose the weight to match, on every decode step.
     x = x + _dense(attn, p["wo"].astype(dt), n_in=2)
@@ -407,8 +451,7 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, attend, write=None):
     hidden = jax.nn.silu(_dense(h, p["w_gate"].astype(dt))) * _dense(h, p["w_up"].astype(dt))
     hidden = _constrain(cfg, hidden, ("batch", "length", "mlp"))
     x = x + _dense(hidden, p["w_down"].astype(dt))
-    x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
-    return x, (k, v)
+    return _constrain(cfg, x, ("batch", "length", "activation_embed"))
 
 
 def _dense(x, w, n_in=1):

@@ -23,7 +23,8 @@ right-padded to C columns (P and C: the step's longest prompt and completion rou
 of two, C at most rollout_max_response_len). The completion-side arrays are [rows, C]: `targets`
 are the completion tokens, predicted from columns P-1 .. P+C-2, and `loss_mask` is 1 for the
 sampled ones (up to and including the stop token). Only those C columns go through the output
-head: the prompt's logits are never computed.
+head: the prompt's logits are never computed. A group's n rows are consecutive and share their P
+prompt columns, which the passes compute once per group where the model can (token_stats).
 """
 
 from __future__ import annotations
@@ -50,12 +51,17 @@ from unitrain.tasks.base import RunContext, Task
 ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "sampler_logprobs")
 
 
-def token_stats(graphdef, temperature: float, chunk_size: int, params, batch, with_entropy: bool = False):
-    """losses.TokenStats of the completion tokens at the sampling temperature, float32 [rows, C]."""
+def token_stats(graphdef, temperature: float, chunk_size: int, params, batch, with_entropy: bool = False,
+                group_rows: int = 1):
+    """losses.TokenStats of the completion tokens at the sampling temperature, float32 [rows, C].
+    group_rows > 1: the rows come in runs of that many copies of one prompt, whose prompt columns
+    the model computes once per run (`hidden_states_shared_prefix`)."""
     model = nnx.merge(graphdef, params)
-    hidden = model.hidden_states(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     C = batch["targets"].shape[1]
-    P = hidden.shape[1] - C
+    P = rows[0].shape[1] - C
+    hidden = (model.hidden_states_shared_prefix(*rows, P, group_rows) if group_rows > 1 else
+              model.hidden_states(*rows))
     return losses.token_stats(model.logits, hidden[:, P - 1:P - 1 + C], batch["targets"], chunk_size, temperature,
                               with_entropy)
 
@@ -94,6 +100,13 @@ class GRPOTask(Task):
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
+        # A group's rows share their prompt: the passes compute it once per group where the rows of
+        # a pass come in whole groups. The logprob pass takes contiguous rows; train_step's micro-batch
+        # j takes rows j, j+k, j+2k, ..., so each group's n rows come to it as a run of n/k.
+        n, k = cfg.n_samples_per_prompt, cfg.gradient_accumulation_steps
+        whole_groups = cfg.rows_per_update % n == 0 and hasattr(run.model, "hidden_states_shared_prefix")
+        self.group_rows = {"logprobs": n if whole_groups else 1,
+                           "update": n // k if whole_groups and n % k == 0 else 1}
         self.separate_old = cfg.updates_per_step > 1 or cfg.use_kl_in_reward
         # The reference policy is the starting one, kept only when a KL term needs it.
         self.ref_params, ref_device = None, None
@@ -103,7 +116,8 @@ class GRPOTask(Task):
             ref_device = step_lib.device_shardings(self.ref_params)
         self.logprob_fn = None
         if self.separate_old or ref_device is not None:
-            self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, self.stats, self.separate_old, ref_device))
+            stats = functools.partial(self.stats, group_rows=self.group_rows["logprobs"])
+            self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, stats, self.separate_old, ref_device))
         self.update_fn = step_lib.make_train_step(self.loss, cfg, run.optimizer, run.state_shardings,
                                                   self.batch_shardings())
         self.evaluator = None
@@ -121,7 +135,7 @@ class GRPOTask(Task):
     def loss(self, params, batch):
         """The clipped policy loss of one micro-batch, in train_step's loss_fn form."""
         cfg = self.cfg
-        stats = self.stats(params, batch, with_entropy=True)
+        stats = self.stats(params, batch, with_entropy=True, group_rows=self.group_rows["update"])
         old = batch["old_logprobs"] if self.separate_old else jax.lax.stop_gradient(stats.logprobs)
         mask, weights, is_metrics = batch["loss_mask"], None, {}
         if cfg.rollout_is:  # against the old policy, whichever pass it came from
