@@ -155,9 +155,10 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
 
 def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(tmp_path):
     """Each group's prompt columns are computed once per pass: 4 rows a group in the logprob pass,
-    2 in each of the 2 micro-batches of the update (rows j, j+2, ...); the logprobs and the
-    parameters after one update equal those of the passes over every row's own prompt."""
-    overrides = ("per_device_batch_size=1", "gradient_accumulation_steps=2", "rollout_temperature=1.0",
+    2 in each of the 2 micro-batches of the update (rows j, j+2, ...), each of the 8 devices holding
+    whole groups; the logprobs and the parameters after one update equal those of the passes over
+    every row's own prompt."""
+    overrides = ("rollout_batch_size=8", "gradient_accumulation_steps=2", "rollout_temperature=1.0",
                  "lr_schedule=constant", "kl_coef=0.1", "adam_eps=1.0", "learning_rate=1.0")
     shared, graphdef, params, _ = make_step(config(tmp_path, *overrides))
     plain, _, _, _ = make_step(config(tmp_path, *overrides))
@@ -168,7 +169,7 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
     stats = lambda group_rows: grpo.token_stats(graphdef, 1.0, 0, params, rows, True, group_rows)
     for got, want in zip(stats(4), stats(1)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    rows.update(shared.logprobs(params, rows), advantages=np.linspace(-1, 1, 16).astype(np.float32))
+    rows.update(shared.logprobs(params, rows), advantages=np.linspace(-1, 1, 32).astype(np.float32))
     state = lambda: {"params": jax.tree.map(jnp.copy, params), "opt_state": shared.run.optimizer.init(params),
                      "step": jnp.int32(0)}
     (a_state, a), (b_state, b) = shared.update(state(), rows), plain.update(state(), rows)
@@ -179,6 +180,8 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
     uneven, _, _, _ = make_step(config(tmp_path, "per_device_batch_size=1", "n_samples_per_prompt=2",
                                        "rollout_batch_size=16", "gradient_accumulation_steps=4"))
     assert uneven.group_rows == {"logprobs": 2, "update": 1}  # 4 micro-batches split a group of 2
+    spread, _, _, _ = make_step(config(tmp_path))
+    assert spread.group_rows == {"logprobs": 1, "update": 1}  # 16 rows: 2 a device, half a group
 
 
 def test_pass_at_k_matches_brute_force():

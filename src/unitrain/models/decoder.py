@@ -268,13 +268,17 @@ class Decoder(nnx.Module):
         attend by the reference kernel, or cuDNN's where `attention` picks it (not splash: their
         keys outnumber their queries)."""
         cfg = self.cfg
-        source = jnp.arange(tokens.shape[0]) // group_rows
-        cut = lambda a: (jnp.asarray(a)[::group_rows, :prefix_len], jnp.asarray(a)[:, prefix_len:])
+        R, T = tokens.shape
+        # A reshape and a repeat, not a strided slice and a gather: with the rows split over devices
+        # in whole runs, each device finds its runs' prefixes on itself.
+        cut = lambda a: (jnp.reshape(a, (R // group_rows, group_rows, T))[:, 0, :prefix_len],
+                         jnp.asarray(a)[:, prefix_len:])
+        copies = lambda a: jnp.repeat(a, group_rows, axis=0)
         (tok_p, tok_c), (pos_p, pos_c), (seg_p, seg_c) = cut(tokens), cut(positions), cut(segment_ids)
         rope_p, rope_c = rope_tables(cfg, pos_p), rope_tables(cfg, pos_c)
         attend_p = _attention_fn(cfg, seg_p, pos_p)
-        mask = attention_mask(seg_c, pos_c, jnp.concatenate([seg_p[source], seg_c], 1),
-                              jnp.concatenate([pos_p[source], pos_c], 1), cfg.sliding_window)
+        mask = attention_mask(seg_c, pos_c, jnp.concatenate([copies(seg_p), seg_c], 1),
+                              jnp.concatenate([copies(pos_p), pos_c], 1), cfg.sliding_window)
         if attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype) == "cudnn":
             attend_c = functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
         else:
@@ -283,13 +287,13 @@ class Decoder(nnx.Module):
         def layer(xs, p):
             (q_p, k_p, v_p), (q_c, k_c, v_c) = (_attention_inputs(cfg, p, x, *rope) for x, rope in
                                                  zip(xs, (rope_p, rope_c)))
-            k, v = (jnp.concatenate([a_p[source], a_c], axis=2).astype(cfg.dtype) for a_p, a_c in
+            k, v = (jnp.concatenate([copies(a_p), a_c], axis=2).astype(cfg.dtype) for a_p, a_c in
                     ((k_p, k_c), (v_p, v_c)))
             return (_block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p)),
                     _block_output(cfg, p, xs[1], attend_c(q_c, k, v)))
 
         x_p, x_c = _run_stack(cfg, (self._embed(tok_p), self._embed(tok_c)), self._stacked_layers(), layer)
-        return rms_norm(jnp.concatenate([x_p[source], x_c], axis=1), self.final_norm[...], cfg.rms_norm_eps)
+        return rms_norm(jnp.concatenate([copies(x_p), x_c], axis=1), self.final_norm[...], cfg.rms_norm_eps)
 
     def _embed(self, tokens):
         cfg = self.cfg

@@ -42,7 +42,7 @@ from unitrain import data, lora, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.evals import TaskEvaluator
 from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.colocated import bucket_prompt_length
+from unitrain.rollout.colocated import batch_parallelism, bucket_prompt_length
 from unitrain.rec_eval import RecEvaluator, sid_beams
 from unitrain.rollout.buffer import RolloutBuffer
 from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
@@ -64,6 +64,19 @@ def token_stats(graphdef, temperature: float, chunk_size: int, params, batch, wi
               model.hidden_states(*rows))
     return losses.token_stats(model.logits, hidden[:, P - 1:P - 1 + C], batch["targets"], chunk_size, temperature,
                               with_entropy)
+
+
+def shared_prompt_rows(cfg, model, devices: int) -> dict:
+    """The runs of rows that share a prompt in the logprob pass and in an update's micro-batch (1:
+    every row computes its own). A pass shares where its rows hold whole groups and every device
+    its own whole groups: the logprob pass takes contiguous rows, and train_step's micro-batch j
+    rows j, j+k, j+2k, ..., so a group's n rows come to it as a run of n/k."""
+    n, k, rows = cfg.n_samples_per_prompt, cfg.gradient_accumulation_steps, cfg.rows_per_update
+    if not hasattr(model, "hidden_states_shared_prefix"):
+        return {"logprobs": 1, "update": 1}
+    fits = lambda rows, run: rows % (run * devices) == 0
+    return {"logprobs": n if fits(rows, n) else 1,
+            "update": n // k if n % k == 0 and fits(rows // k, n // k) else 1}
 
 
 def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batch) -> dict:
@@ -100,13 +113,7 @@ class GRPOTask(Task):
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
             top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
-        # A group's rows share their prompt: the passes compute it once per group where the rows of
-        # a pass come in whole groups. The logprob pass takes contiguous rows; train_step's micro-batch
-        # j takes rows j, j+k, j+2k, ..., so each group's n rows come to it as a run of n/k.
-        n, k = cfg.n_samples_per_prompt, cfg.gradient_accumulation_steps
-        whole_groups = cfg.rows_per_update % n == 0 and hasattr(run.model, "hidden_states_shared_prefix")
-        self.group_rows = {"logprobs": n if whole_groups else 1,
-                           "update": n // k if whole_groups and n % k == 0 else 1}
+        self.group_rows = shared_prompt_rows(cfg, run.model, batch_parallelism(run.mesh, run.rules))
         self.separate_old = cfg.updates_per_step > 1 or cfg.use_kl_in_reward
         # The reference policy is the starting one, kept only when a KL term needs it.
         self.ref_params, ref_device = None, None
