@@ -67,6 +67,7 @@ def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
     rng = np.random.default_rng(0)
     rows, prompt, length = 8, 8, 16  # 8-token prompts, 16 completion columns
     tokens = rng.integers(3, 100, (rows, prompt + length)).astype(np.int32)
+    tokens[:, :prompt] = np.repeat(tokens[::4, :prompt], 4, axis=0)  # a group's 4 rows share its prompt
     mask = np.zeros((rows, length), np.int32)
     for r in range(rows):
         mask[r, :rng.integers(3, 16)] = 1
@@ -78,7 +79,8 @@ def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
     # Two iterations: the update reads the old logprobs (with one, it would use its own).
     common = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "kl_coef=0.1", "eps_clip_c=3.0",
               "loss_agg_mode=seq-mean-token-sum-norm", "rollout_max_response_len=16", "num_iterations=2"]
-    # The 1-device reference: the same config (8 rows per update) on a mesh of the first device only.
+    # The 1-device reference: the same config (8 rows per update) on a mesh of the first device only,
+    # where each group's prompt is computed once (on the 8-device meshes every row computes its own).
     with only_first_device():
         reference = grpo_update(config(tmp_path, *common, "per_device_batch_size=1"), batch)
     for mesh in MESHES.values():

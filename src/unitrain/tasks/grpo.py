@@ -74,7 +74,7 @@ def shared_prompt_rows(cfg, model, devices: int) -> dict:
     n, k, rows = cfg.n_samples_per_prompt, cfg.gradient_accumulation_steps, cfg.rows_per_update
     if not hasattr(model, "hidden_states_shared_prefix"):
         return {"logprobs": 1, "update": 1}
-    fits = lambda rows, run: rows % (run * devices) == 0
+    fits = lambda count, run: count % (run * devices) == 0  # whole runs on every device
     return {"logprobs": n if fits(rows, n) else 1,
             "update": n // k if n % k == 0 and fits(rows // k, n // k) else 1}
 
