@@ -264,9 +264,8 @@ class Decoder(nnx.Module):
     def hidden_states_shared_prefix(self, tokens, positions, segment_ids, prefix_len: int, group_rows: int):
         """hidden_states(tokens, positions, segment_ids) of rows that come in runs of `group_rows`
         sharing their first `prefix_len` columns (a GRPO group's prompt): the prefix is computed once
-        per run, and the later columns attend to their run's keys and values. The later columns
-        attend by the reference kernel, or cuDNN's where `attention` picks it (not splash: their
-        keys outnumber their queries)."""
+        per run, and the later columns attend to their run's keys and values (by the reference kernel
+        or cuDNN's: `_attention_fn` with keys of their own)."""
         cfg = self.cfg
         R, T = tokens.shape
         # A reshape and a repeat, not a strided slice and a gather: with the rows split over devices
@@ -277,12 +276,8 @@ class Decoder(nnx.Module):
         (tok_p, tok_c), (pos_p, pos_c), (seg_p, seg_c) = cut(tokens), cut(positions), cut(segment_ids)
         rope_p, rope_c = rope_tables(cfg, pos_p), rope_tables(cfg, pos_c)
         attend_p = _attention_fn(cfg, seg_p, pos_p)
-        mask = attention_mask(seg_c, pos_c, jnp.concatenate([copies(seg_p), seg_c], 1),
-                              jnp.concatenate([copies(pos_p), pos_c], 1), cfg.sliding_window)
-        if attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype) == "cudnn":
-            attend_c = functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
-        else:
-            attend_c = functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size)
+        attend_c = _attention_fn(cfg, seg_c, pos_c, jnp.concatenate([copies(seg_p), seg_c], 1),
+                                 jnp.concatenate([copies(pos_p), pos_c], 1))
 
         def layer(xs, p):
             (q_p, k_p, v_p), (q_c, k_c, v_c) = (_attention_inputs(cfg, p, x, *rope) for x, rope in
@@ -600,17 +595,21 @@ def _attend_bwd(residuals, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _attention_fn(cfg: ModelConfig, segment_ids, positions):
+def _attention_fn(cfg: ModelConfig, segment_ids, positions, key_segments=None, key_positions=None):
     """attend(q, k, v) of a call without a cache, by the kernel the `attention` key picks. The fused
-    kernels serve training and scoring; a cache call (prefill, decode) always takes the reference."""
+    kernels serve training and scoring; a cache call (prefill, decode) always takes the reference.
+    Keys other than the queries' own columns (key_segments, key_positions) rule out splash, which
+    reads the queries' segments for the keys: the reference serves them there."""
     kernel = attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype)
-    if kernel == "splash":
+    own = key_segments is None
+    if kernel == "splash" and own:
         return functools.partial(splash_attention, segment_ids=segment_ids, window=cfg.sliding_window,
                                  rules=cfg.logical_axis_rules)
-    mask = attention_mask(segment_ids, positions, segment_ids, positions, cfg.sliding_window)
+    keys = (segment_ids, positions) if own else (key_segments, key_positions)
+    mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window)
     if kernel == "cudnn":
         return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
-    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=True)
+    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=own)
 
 
 def dot_product_attention(q, k, v, mask, implementation):
