@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from unitrain import evals, losses, run, tasks, train
+from unitrain import evals, lora, losses, run, tasks, train
 from unitrain.tasks import grpo
 from unitrain.rollout.groups import Group, nonzero_std, select_groups
 from unitrain.config import ConfigError, load_config
@@ -153,13 +153,14 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
         assert task.separate_old and "old_logprobs" in task.batch_shardings(), extra
 
 
-def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(tmp_path):
+@pytest.mark.parametrize("rank", [0, 4])
+def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(tmp_path, rank):
     """Each group's prompt columns are computed once per pass: 4 rows a group in the logprob pass,
     2 in each of the 2 micro-batches of the update (rows j, j+2, ...), each of the 8 devices holding
-    whole groups; the logprobs and the parameters after one update equal those of the passes over
-    every row's own prompt."""
+    whole groups; the logprobs and the parameters after one update (LoRA: the adapters') equal those
+    of the passes over every row's own prompt."""
     overrides = ("rollout_batch_size=8", "gradient_accumulation_steps=2", "rollout_temperature=1.0",
-                 "lr_schedule=constant", "kl_coef=0.1", "adam_eps=1.0", "learning_rate=1.0")
+                 "lr_schedule=constant", "kl_coef=0.1", "adam_eps=1.0", "learning_rate=1.0", f"lora_rank={rank}")
     shared, graphdef, params, _ = make_step(config(tmp_path, *overrides))
     plain, _, _, _ = make_step(config(tmp_path, *overrides))
     assert shared.group_rows == {"logprobs": 4, "update": 2}
@@ -170,7 +171,8 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
     for got, want in zip(stats(4), stats(1)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     rows.update(shared.logprobs(params, rows), advantages=np.linspace(-1, 1, 32).astype(np.float32))
-    state = lambda: {"params": jax.tree.map(jnp.copy, params), "opt_state": shared.run.optimizer.init(params),
+    state = lambda: {"params": jax.tree.map(jnp.copy, params),
+                     "opt_state": shared.run.optimizer.init(lora.trainable(params, rank > 0)),
                      "step": jnp.int32(0)}
     (a_state, a), (b_state, b) = shared.update(state(), rows), plain.update(state(), rows)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)

@@ -222,6 +222,14 @@ class LoraModel(nnx.Module):
         # Every targeted weight is merged, but XLA drops the merges the output head does not use.
         return self.merged().logits(hidden)
 
+    @property
+    def hidden_states_shared_prefix(self):
+        """The merged model's, where the base model has this optional method (models/base.py);
+        elsewhere the attribute is missing, as it is on the base."""
+        if not hasattr(self.base, "hidden_states_shared_prefix"):
+            raise AttributeError("hidden_states_shared_prefix")
+        return lambda *args: self.merged().hidden_states_shared_prefix(*args)
+
     def for_decoding(self):
         """The merged model's: the adapters are merged once per sampler call, not per token."""
         return self.merged().for_decoding()
