@@ -78,6 +78,31 @@ def test_splash_attention_equals_reference(window):
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_splash_attention_after_a_shared_prefix_equals_reference(window):
+    """Queries whose keys are a left-padded prefix of 30 columns and then their own (GRPO's
+    completions after their group's prompt): the causal offset, both paddings, the window."""
+    q, k_own, v_own, segments, _ = packed_inputs()
+    segments = jnp.asarray([[1] * 60 + [0] * (T - 60), [1] * T], jnp.int32)  # completions, padded
+    P, real_p = 30, 24
+    rng = np.random.default_rng(4)
+    k_p, v_p = (jnp.asarray(rng.normal(size=(B, K, P, D)) * 2, jnp.float32) for _ in range(2))
+    seg_p = jnp.asarray([[0] * (P - real_p) + [1] * real_p] * B, jnp.int32)
+    pos_p = jnp.maximum(jnp.arange(P) - (P - real_p), 0)[None].repeat(B, 0)
+    keys = lambda own, prefix: jnp.concatenate([prefix, own], axis=2)
+    seg_k, pos_q = jnp.concatenate([seg_p, segments], 1), real_p + jnp.arange(T)[None].repeat(B, 0)
+    mask = model_lib.attention_mask(segments, pos_q, seg_k, jnp.concatenate([pos_p, pos_q], 1), window)
+    splash = lambda q, k, v: model_lib.splash_attention(q, keys(k, k_p), keys(v, v_p), segments, window,
+                                                         interpret=True, key_segment_ids=seg_k)
+    expected = lambda q, k, v: model_lib.attention(q, keys(k, k_p), keys(v, v_p), mask)
+    assert_same_on_real_tokens(jax.jit(splash)(q, k_own, v_own), expected(q, k_own, v_own), segments)
+    weights = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32) * (segments > 0)[:, :, None, None]
+    grads = lambda attend: jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a) * weights), argnums=(0, 1, 2)))(
+        q, k_own, v_own)
+    for g, r in zip(grads(splash), grads(expected)):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
 CFG = model_lib.ModelConfig(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
                             num_kv_heads=2, head_dim=8, sliding_window=5)
 
@@ -97,6 +122,31 @@ def test_model_with_a_kernel_equals_the_reference(monkeypatch, kernel):
         q, k, v, mask, "xla"))
     model.cfg = dataclasses.replace(CFG, attention=kernel)
     assert_same_on_real_tokens(model(tokens, positions, segments)[0], expected, segments)
+
+
+@pytest.mark.parametrize("kernel", ["splash", "cudnn"])
+def test_shared_prefix_with_a_kernel_equals_the_reference(monkeypatch, kernel):
+    """hidden_states_shared_prefix's plumbing of each kernel: 2 groups of 2 rows sharing a left-padded
+    prompt, then their own completions, against hidden_states by the reference."""
+    model = model_lib.create(CFG, 0)
+    rng = np.random.default_rng(2)
+    P, C = 6, 5
+    tokens, positions, segments = (np.zeros((4, P + C), np.int32) for _ in range(3))
+    for r, (prompt_len, completion_len) in enumerate([(6, 5), (6, 2), (3, 4), (3, 5)]):
+        if r % 2 == 0:
+            prompt = rng.integers(1, 64, prompt_len)
+        start, end = P - prompt_len, P + completion_len
+        tokens[r, start:end] = np.concatenate([prompt, rng.integers(1, 64, completion_len)])
+        positions[r, start:end], segments[r, start:end] = np.arange(end - start), 1
+    expected = model.hidden_states(tokens, positions, segments)
+    monkeypatch.setattr(model_lib, "attention_kernel", lambda *_: kernel)
+    monkeypatch.setattr(model_lib, "splash_attention", functools.partial(model_lib.splash_attention, interpret=True))
+    fused = model_lib.dot_product_attention
+    monkeypatch.setattr(model_lib, "dot_product_attention", lambda q, k, v, mask, implementation: fused(
+        q, k, v, mask, "xla"))
+    model.cfg = dataclasses.replace(CFG, attention=kernel)
+    got = model.hidden_states_shared_prefix(tokens, positions, segments, P, 2)
+    assert_same_on_real_tokens(got, expected, segments)
 
 
 def test_kernel_choice_by_platform():

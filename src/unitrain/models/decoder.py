@@ -264,8 +264,8 @@ class Decoder(nnx.Module):
     def hidden_states_shared_prefix(self, tokens, positions, segment_ids, prefix_len: int, group_rows: int):
         """hidden_states(tokens, positions, segment_ids) of rows that come in runs of `group_rows`
         sharing their first `prefix_len` columns (a GRPO group's prompt): the prefix is computed once
-        per run, and the later columns attend to their run's keys and values (by the reference kernel
-        or cuDNN's: `_attention_fn` with keys of their own)."""
+        per run, and the later columns attend to their run's prefix keys and values and their own
+        (`_attention_fn` with those keys: any kernel; splash with its causal mask offset by the prefix)."""
         cfg = self.cfg
         R, T = tokens.shape
         # A reshape and a repeat, not a strided slice and a gather: with the rows split over devices
@@ -598,13 +598,13 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def _attention_fn(cfg: ModelConfig, segment_ids, positions, key_segments=None, key_positions=None):
     """attend(q, k, v) of a call without a cache, by the kernel the `attention` key picks. The fused
     kernels serve training and scoring; a cache call (prefill, decode) always takes the reference.
-    Keys other than the queries' own columns (key_segments, key_positions) rule out splash, which
-    reads the queries' segments for the keys: the reference serves them there."""
+    Keys other than the queries' own columns (key_segments, key_positions) are a shared prefix's
+    columns followed by the queries' own."""
     kernel = attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype)
     own = key_segments is None
-    if kernel == "splash" and own:
+    if kernel == "splash":
         return functools.partial(splash_attention, segment_ids=segment_ids, window=cfg.sliding_window,
-                                 rules=cfg.logical_axis_rules)
+                                 rules=cfg.logical_axis_rules, key_segment_ids=key_segments)
     keys = (segment_ids, positions) if own else (key_segments, key_positions)
     mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window)
     if kernel == "cudnn":
@@ -623,38 +623,46 @@ def dot_product_attention(q, k, v, mask, implementation):
 SPLASH_BLOCK = 128  # the length splash attention's blocks divide
 
 
-def splash_attention(q, k, v, segment_ids, window, rules=(), interpret=False):
-    """JAX's Pallas splash attention (TPU; `interpret` runs it anywhere): q [B,T,H,D], k/v [B,K,T,D].
+def splash_attention(q, k, v, segment_ids, window, rules=(), interpret=False, key_segment_ids=None):
+    """JAX's Pallas splash attention (TPU; `interpret` runs it anywhere): q [B,T,H,D], k/v [B,K,S,D].
 
-    Causality and the window are read from the token order within each segment, which equals the
-    positions' order in every row unitrain builds (packed, left- or right-padded: positions count
-    up by one inside a segment); padding is segment 0. The length is padded to a multiple of
-    SPLASH_BLOCK. Under a mesh the kernel runs per shard of the batch and heads (shard_map)."""
+    The keys are the queries' own columns (S = T), or those after S - T shared columns
+    (`key_segment_ids` [B, S]: a shared prefix's, then the queries'). Causality and the window are
+    read from the token order within each segment, which equals the positions' order in every row
+    unitrain builds (packed, left- or right-padded: positions count up by one inside a segment);
+    padding is segment 0. Both lengths are padded to a multiple of SPLASH_BLOCK, the keys so that
+    every padding query finds its own column. Under a mesh the kernel runs per shard of the batch
+    and heads (shard_map)."""
     B, T, H, D = q.shape
-    S = -(-T // SPLASH_BLOCK) * SPLASH_BLOCK
-    pad = lambda a, axis: jnp.pad(a, [(0, S - T) if i == axis else (0, 0) for i in range(a.ndim)])
-    q = pad(q.transpose(0, 2, 1, 3) / jnp.asarray(math.sqrt(D), q.dtype), 2)
-    args = (q, pad(k, 2), pad(v, 2), pad(segment_ids, 1))
-    run = functools.partial(_splash, window=window, interpret=interpret)
+    key_segment_ids = segment_ids if key_segment_ids is None else key_segment_ids
+    offset = k.shape[2] - T
+    up = lambda n: -(-n // SPLASH_BLOCK) * SPLASH_BLOCK
+    Tp = up(T)
+    Sp = up(offset + Tp)
+    pad = lambda a, axis, n: jnp.pad(a, [(0, n - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)])
+    q = pad(q.transpose(0, 2, 1, 3) / jnp.asarray(math.sqrt(D), q.dtype), 2, Tp)
+    args = (q, pad(k, 2, Sp), pad(v, 2, Sp), pad(segment_ids, 1, Tp), pad(key_segment_ids, 1, Sp))
+    run = functools.partial(_splash, window=window, offset=offset, interpret=interpret)
     if not jax.sharding.get_abstract_mesh().empty and rules:
         heads = sharding.logical_to_spec(("batch", "heads", None, None), rules)
         kv_heads = sharding.logical_to_spec(("batch", "kv_heads", None, None), rules)
         rows = sharding.logical_to_spec(("batch", None), rules)
-        run = jax.shard_map(run, in_specs=(heads, kv_heads, kv_heads, rows), out_specs=heads, check_vma=False)
+        run = jax.shard_map(run, in_specs=(heads, kv_heads, kv_heads, rows, rows), out_specs=heads, check_vma=False)
     return run(*args)[:, :, :T].transpose(0, 2, 1, 3)
 
 
-def _splash(q, k, v, segment_ids, window, interpret):
+def _splash(q, k, v, q_segments, kv_segments, window, offset, interpret):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU kernels: only when chosen
 
-    H, S = q.shape[1], q.shape[2]
-    causal = splash.CausalMask((S, S)) if window is None else splash.LocalMask((S, S), (window - 1, 0), offset=0)
-    block = max(b for b in (512, 256, SPLASH_BLOCK) if S % b == 0)
+    H, T, S = q.shape[1], q.shape[2], k.shape[2]
+    causal = (splash.CausalMask((T, S), offset=offset) if window is None else
+              splash.LocalMask((T, S), (window - 1, 0), offset=offset))
+    block = max(b for b in (512, 256, SPLASH_BLOCK) if T % b == 0 and S % b == 0)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
     kernel = splash.make_splash_mha(splash.MultiHeadMask([causal] * H), block_sizes=sizes, head_shards=1,
                                     q_seq_shards=1, interpret=interpret)
-    return jax.vmap(kernel)(q, k, v, splash.SegmentIds(q=segment_ids, kv=segment_ids))
+    return jax.vmap(kernel)(q, k, v, splash.SegmentIds(q=q_segments, kv=kv_segments))
 
 
 def rms_norm(x, weight, eps):
