@@ -107,6 +107,16 @@ CFG = model_lib.ModelConfig(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_l
                             num_kv_heads=2, head_dim=8, sliding_window=5)
 
 
+def use_kernel_on_cpu(monkeypatch, model, kernel):
+    """`model` set to `kernel`, which then runs on its CPU path (Pallas' interpreter, XLA's)."""
+    monkeypatch.setattr(model_lib, "attention_kernel", lambda *_: kernel)
+    monkeypatch.setattr(model_lib, "splash_attention", functools.partial(model_lib.splash_attention, interpret=True))
+    fused = model_lib.dot_product_attention
+    monkeypatch.setattr(model_lib, "dot_product_attention", lambda q, k, v, mask, implementation: fused(
+        q, k, v, mask, "xla"))
+    model.cfg = dataclasses.replace(CFG, attention=kernel)
+
+
 @pytest.mark.parametrize("kernel", ["splash", "cudnn"])
 def test_model_with_a_kernel_equals_the_reference(monkeypatch, kernel):
     """The decoder's plumbing of each kernel (layouts, segment ids, window), run on its CPU path."""
@@ -115,12 +125,7 @@ def test_model_with_a_kernel_equals_the_reference(monkeypatch, kernel):
     segments = jnp.asarray([[1] * 7 + [2] * 4 + [0], [1] * 12], jnp.int32)
     positions = jnp.asarray([list(range(7)) + list(range(4)) + [0], list(range(12))], jnp.int32)
     expected = model(tokens, positions, segments)[0]
-    monkeypatch.setattr(model_lib, "attention_kernel", lambda *_: kernel)
-    monkeypatch.setattr(model_lib, "splash_attention", functools.partial(model_lib.splash_attention, interpret=True))
-    fused = model_lib.dot_product_attention
-    monkeypatch.setattr(model_lib, "dot_product_attention", lambda q, k, v, mask, implementation: fused(
-        q, k, v, mask, "xla"))
-    model.cfg = dataclasses.replace(CFG, attention=kernel)
+    use_kernel_on_cpu(monkeypatch, model, kernel)
     assert_same_on_real_tokens(model(tokens, positions, segments)[0], expected, segments)
 
 
@@ -139,12 +144,7 @@ def test_shared_prefix_with_a_kernel_equals_the_reference(monkeypatch, kernel):
         tokens[r, start:end] = np.concatenate([prompt, rng.integers(1, 64, completion_len)])
         positions[r, start:end], segments[r, start:end] = np.arange(end - start), 1
     expected = model.hidden_states(tokens, positions, segments)
-    monkeypatch.setattr(model_lib, "attention_kernel", lambda *_: kernel)
-    monkeypatch.setattr(model_lib, "splash_attention", functools.partial(model_lib.splash_attention, interpret=True))
-    fused = model_lib.dot_product_attention
-    monkeypatch.setattr(model_lib, "dot_product_attention", lambda q, k, v, mask, implementation: fused(
-        q, k, v, mask, "xla"))
-    model.cfg = dataclasses.replace(CFG, attention=kernel)
+    use_kernel_on_cpu(monkeypatch, model, kernel)
     got = model.hidden_states_shared_prefix(tokens, positions, segments, P, 2)
     assert_same_on_real_tokens(got, expected, segments)
 

@@ -1,6 +1,7 @@
 """mode=grpo: rollout rows, dynamic sampling, first-iteration gradient, pass@k, resume, GSM8K path."""
 
 import json
+import logging
 import math
 from itertools import combinations
 
@@ -154,16 +155,18 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("rank", [0, 4])
-def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(tmp_path, rank):
+def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(tmp_path, rank, caplog):
     """Each group's prompt columns are computed once per pass: 4 rows a group in the logprob pass,
     2 in each of the 2 micro-batches of the update (rows j, j+2, ...), each of the 8 devices holding
     whole groups; the logprobs and the parameters after one update (LoRA: the adapters') equal those
     of the passes over every row's own prompt."""
+    caplog.set_level(logging.INFO, logger="unitrain")
     overrides = ("rollout_batch_size=8", "gradient_accumulation_steps=2", "rollout_temperature=1.0",
                  "lr_schedule=constant", "kl_coef=0.1", "adam_eps=1.0", "learning_rate=1.0", f"lora_rank={rank}")
     shared, graphdef, params, _ = make_step(config(tmp_path, *overrides))
     plain, _, _, _ = make_step(config(tmp_path, *overrides))
     assert shared.group_rows == {"logprobs": 4, "update": 2}
+    assert "prompt computed once per 4 rows in the logprob pass and per 2 in the update" in caplog.text
     plain.group_rows = {"logprobs": 1, "update": 1}  # read when the update is first traced
     rows = shared.to_rows(first_groups(shared, params)[0])
     assert (rows["inputs"][0::4, :16] == rows["inputs"][3::4, :16]).all()  # the prompt columns of a group

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 
 import jax
@@ -47,6 +48,8 @@ from unitrain.rec_eval import RecEvaluator, sid_beams
 from unitrain.rollout.buffer import RolloutBuffer
 from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
 from unitrain.tasks.base import RunContext, Task
+
+log = logging.getLogger("unitrain")
 
 ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "sampler_logprobs")
 
@@ -115,6 +118,10 @@ class GRPOTask(Task):
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
         self.group_rows = shared_prompt_rows(cfg, run.model, batch_parallelism(run.mesh, run.rules))
         self.separate_old = cfg.updates_per_step > 1 or cfg.use_kl_in_reward
+        log.info("GRPO passes: old-policy logprobs %s; a group's prompt computed once per %d rows in the "
+                 "logprob pass and per %d in the update (1: each row its own)",
+                 "in a pass of their own" if self.separate_old else "from the update's forward",
+                 self.group_rows["logprobs"], self.group_rows["update"])
         # The reference policy is the starting one, kept only when a KL term needs it.
         self.ref_params, ref_device = None, None
         if cfg.kl_coef > 0:  # with LoRA: the base with its adapters off, the live arrays (no copy; set each step)
