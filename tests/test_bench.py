@@ -200,6 +200,11 @@ def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
         sampled["decode_bytes_per_step"] / step_time / (sampled["memory_bandwidth_per_device"] * sampled["num_devices"]))
     step = bench.bench_grpo(cfg, prompts=2, samples=4, prompt_len=8, new_tokens=4, steps=2, warmup=1)
     assert len(step["step_times"]) == 2
+    # 8 rows on 8 devices: no device holds a whole group; one update of one micro-batch: no old pass
+    assert step["shared_prompt_rows"] == {"logprobs": 1, "update": 1} and not step["old_logprob_pass"]
+    shared = bench.bench_grpo(cfg.replace(per_device_batch_size=4), prompts=8, samples=4, prompt_len=8, new_tokens=2,
+                              steps=1, warmup=0)
+    assert shared["shared_prompt_rows"] == {"logprobs": 4, "update": 4}
     assert 0 < step["time_rollout"] + step["time_logprob"] + step["time_update"] <= step["step_time_median"] * 1.5
 
 

@@ -440,6 +440,7 @@ def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int
             "step_time_median": statistics.median(times[warmup:]), "step_times": times[warmup:],
             **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
             "kl_coef": cfg.kl_coef, "sampler": cfg.sampler, "max_staleness": cfg.max_staleness,
+            "old_logprob_pass": task.separate_old, "shared_prompt_rows": task.group_rows,
             "device_kind": jax.devices()[0].device_kind, "num_devices": run.mesh.size,
             "rollout_devices": cfg.rollout_devices}
 
