@@ -276,8 +276,7 @@ class Decoder(nnx.Module):
         (tok_p, tok_c), (pos_p, pos_c), (seg_p, seg_c) = cut(tokens), cut(positions), cut(segment_ids)
         rope_p, rope_c = rope_tables(cfg, pos_p), rope_tables(cfg, pos_c)
         attend_p = _attention_fn(cfg, seg_p, pos_p)
-        attend_c = _attention_fn(cfg, seg_c, pos_c, jnp.concatenate([copies(seg_p), seg_c], 1),
-                                 jnp.concatenate([copies(pos_p), pos_c], 1))
+        attend_c = _attention_fn(cfg, seg_c, pos_c, prefix=(copies(seg_p), copies(pos_p)))
 
         def layer(xs, p):
             (q_p, k_p, v_p), (q_c, k_c, v_c) = (_attention_inputs(cfg, p, x, *rope) for x, rope in
@@ -595,21 +594,23 @@ def _attend_bwd(residuals, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _attention_fn(cfg: ModelConfig, segment_ids, positions, key_segments=None, key_positions=None):
+def _attention_fn(cfg: ModelConfig, segment_ids, positions, prefix=None):
     """attend(q, k, v) of a call without a cache, by the kernel the `attention` key picks. The fused
     kernels serve training and scoring; a cache call (prefill, decode) always takes the reference.
-    Keys other than the queries' own columns (key_segments, key_positions) are a shared prefix's
-    columns followed by the queries' own."""
+    The keys are the queries' own columns, after a shared prefix's where `prefix` gives its
+    (segment_ids, positions)."""
     kernel = attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype)
-    own = key_segments is None
+    keys = (segment_ids, positions)
+    if prefix is not None:
+        keys = tuple(jnp.concatenate([before, own], axis=1) for before, own in zip(prefix, keys))
     if kernel == "splash":
         return functools.partial(splash_attention, segment_ids=segment_ids, window=cfg.sliding_window,
-                                 rules=cfg.logical_axis_rules, key_segment_ids=key_segments)
-    keys = (segment_ids, positions) if own else (key_segments, key_positions)
+                                 rules=cfg.logical_axis_rules, key_segment_ids=keys[0])
     mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window)
     if kernel == "cudnn":
         return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
-    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=own)
+    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size,
+                             causal_columns=prefix is None)
 
 
 def dot_product_attention(q, k, v, mask, implementation):

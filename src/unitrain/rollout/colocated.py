@@ -317,9 +317,9 @@ class ColocatedSampler:
                 block.get("source"), stop_ids, np.float32(sampling.temperature if not greedy else 1.0),
                 np.float32(sampling.top_p), key)
         static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules, self.cache_phases)
-        rows = f"batch={B} prefill rows={R}" if R < B else f"batch={B}"
+        batch = f"batch={B} prefill rows={R}" if R < B else f"batch={B}"
         program = self.programs.compiled(
-            f"generate ({rows} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})", None,
+            f"generate ({batch} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})", None,
             *args, static=static, build=lambda: _build(*static))
         return program, args
 
