@@ -330,8 +330,11 @@ class TunixModel(nnx.Module):
         graphdef, state = nnx.split(self.net)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(self.dtype), state))
 
-    def for_decoding(self):
-        return self  # Tunix's layers are separate modules: no stacked weight to slice
+    def decode_weights(self):
+        return None  # Tunix's layers are separate modules: no stacked weight to slice
+
+    def for_decoding(self, weights):
+        return self
 
     def init_cache(self, batch_size: int, max_length: int) -> Cache:
         d = self.dims

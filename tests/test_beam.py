@@ -85,7 +85,7 @@ def test_another_trie_of_the_same_buckets_does_not_recompile_and_unconstrained_w
     for trie in (first, second, first):
         ranked = sampler.beam_search(PROMPTS, BeamParams(4, 4, trie, stop_token_ids=(EOS,)), jax.random.key(0))
         assert all(trie.contains(t[:n]) for row, ns in zip(ranked.tokens, ranked.lengths) for t, n in zip(row, ns))
-    assert len(sampler.programs) == 1
+    assert len(sampler.programs) == 2  # the search and the decode weights
 
     beam = sampler.beam_search(PROMPTS, BeamParams(1, 6), jax.random.key(0))
     greedy = sampler.generate(PROMPTS, SamplingParams(6, temperature=0.0), jax.random.key(0))

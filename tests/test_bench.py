@@ -155,10 +155,10 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     prompts, sampling = [[1] * 9] * 5, bench.rollout_sampling(cfg, 6)
     sampler.update_weights(bench.abstract_run(cfg)[1]["params"], 0)
     sampler.program(prompts, sampling, jax.random.key(0))
-    assert len(run.programs) == 1
+    assert len(run.programs) == 2  # generate and the decode weights
     sampler.update_weights(state["params"], 0)
     assert sampler.generate(prompts, sampling, jax.random.key(1)).tokens.shape == (5, 6)
-    assert len(run.programs) == 1  # no second compile: the abstract weights had the real ones' signature
+    assert len(run.programs) == 2  # no more compiles: the abstract weights had the real ones' signature
     mesh_cfg = load_config(["configs/base.yml", "model_name=tiny", "mode=grpo", "sampler=mesh", "rollout_devices=4",
                             "per_device_batch_size=2"])
     with pytest.raises(ConfigError, match="compiles the colocated sampler's program, not sampler=mesh"):

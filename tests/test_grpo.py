@@ -95,6 +95,25 @@ def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
     assert stats["groups_discarded"] + stats["groups_refilled"] + len(kept) <= total
 
 
+def test_the_samplers_decode_weights_are_released_before_an_update_and_after_an_eval(tmp_path, monkeypatch):
+    """The sampler keeps a decode copy of the weights for a version's calls (rollout/colocated.py):
+    the greedy and the sampled evaluation share one, and neither the update nor what follows an
+    evaluation holds one."""
+    built, state = run.build_run(config(tmp_path, "eval_interval=1", "eval_num_samples=4", "eval_n_samples=2",
+                                         "eval_pass_k=2"))
+    task = tasks.create(built)
+    update, seen = task.update, []
+    monkeypatch.setattr(task, "update", lambda state, batch: (seen.append(task.sampler.decode), update(state, batch))[1])
+    made = []
+    decode_weights = task.sampler.decode_weights
+    monkeypatch.setattr(task.sampler, "decode_weights", lambda: made.append(task.sampler.decode is None) or decode_weights())
+    state, _ = task.step(state, 0)
+    assert made == [True] and seen == [None]
+    made.clear()
+    assert "eval_accuracy" in task.evaluate(state["params"], 1)
+    assert made == [True, False] and task.sampler.decode is None
+
+
 def test_first_iteration_ratio_is_one_and_gradient_is_plain_policy_gradient(tmp_path):
     # Two iterations: the old logprobs come from their own forward pass.
     cfg = config(tmp_path, "rollout_temperature=1.0", "loss_agg_mode=token-mean", "num_iterations=2")

@@ -42,13 +42,13 @@ def full_forward(model, seq):
 @pytest.mark.parametrize("scan_layers,dtype,tied", [(True, "float32", False), (False, "float32", False),
                                                     (True, "bfloat16", False), (True, "float32", True)])
 def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, monkeypatch):
-    """A left-padded prefill in two calls, then token-by-token decode through `for_decoding`, gives
-    the logits of the unpadded full forward, on either route of `_run_cached`: a scanned prefill and
-    decode steps applying a `Decoding`'s decode weights and head (CPU, GPU), or the stacked weights
-    unrolled (TPU)."""
+    """A left-padded prefill in two calls, then token-by-token decode through
+    `for_decoding(decode_weights())`, gives the logits of the unpadded full forward, on either route
+    of `_run_cached`: a scanned prefill and decode steps applying a `Decoding`'s decode weights and
+    head (CPU, GPU), or the stacked weights unrolled (TPU)."""
     monkeypatch.setattr(model_lib, "copies_weight_slices", lambda platform: copies)
     cached_call = nnx.jit(lambda model, *args: model(*args))  # traced afresh under this route
-    decode_call = nnx.jit(lambda model, *args: model.for_decoding()(*args))
+    decode_call = nnx.jit(lambda model, *args: model.for_decoding(model.decode_weights())(*args))
     cfg = dataclasses.replace(CFG, scan_layers=scan_layers, dtype=dtype, weight_dtype=dtype, tie_word_embeddings=tied)
     # bfloat16 rounding of the sharp weights' large logits would hide an error: plain weights there.
     model = sharp_model(cfg) if dtype == "float32" else model_lib.create(cfg, 0)

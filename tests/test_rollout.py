@@ -230,7 +230,7 @@ def test_a_repeated_prompt_is_prefilled_once_and_its_rows_sample_apart(caplog):
     with caplog.at_level(logging.INFO, logger="unitrain"):
         out = sampler.generate(REPEATED, sampling, key)
     assert "generate (batch=8 prefill rows=4 prompt=16 new=8" in caplog.text
-    assert sampler.program(REPEATED, sampling, key)[1][1].shape == (4, 16)  # the prefill block: 3 prompts + 1 pad
+    assert sampler.program(REPEATED, sampling, key)[1][2].shape == (4, 16)  # the prefill block: 3 prompts + 1 pad
     tokens, logprobs = naive_sample(model, REPEATED, 8, 1.0, key)
     np.testing.assert_array_equal(out.tokens, tokens)
     np.testing.assert_allclose(out.logprobs, logprobs, atol=1e-4)
@@ -245,14 +245,39 @@ def test_gumbel_noise_is_jax_randoms_bit_for_bit(shape):
                                       jax.random.gumbel(key, shape, np.float32))
 
 
+def test_decode_weights_are_made_once_per_weight_version():
+    """A version's calls share one decode copy of the weights; update_weights and release drop it,
+    so that the next call samples the new policy, not a stale copy of the old."""
+    model = tiny_model()
+    graphdef, params = nnx.split(model)
+    other = jax.tree.map(lambda w: w * 1.5, nnx.to_pure_dict(params))
+    sampler = colocated.ColocatedSampler(model)
+    sampling, key = SamplingParams(max_new_tokens=8, temperature=1.0), jax.random.key(3)
+    first = sampler.generate(PROMPTS, sampling, key)
+    kept = sampler.decode
+    assert kept is not None  # CPU: the layers' slices are copies, made outside the token loop
+    np.testing.assert_array_equal(sampler.generate(PROMPTS, sampling, key).tokens, first.tokens)
+    assert sampler.decode is kept
+    sampler.update_weights(other, 1)
+    moved = sampler.generate(PROMPTS, sampling, key)
+    fresh = colocated.ColocatedSampler(nnx.merge(graphdef, other)).generate(PROMPTS, sampling, key)
+    np.testing.assert_array_equal(moved.tokens, fresh.tokens)
+    np.testing.assert_allclose(moved.logprobs, fresh.logprobs, atol=1e-6)
+    assert not np.array_equal(moved.tokens, first.tokens)
+    sampler.release()
+    assert sampler.decode is None
+    np.testing.assert_array_equal(sampler.generate(PROMPTS, sampling, key).tokens, fresh.tokens)
+
+
 def test_prefill_runs_the_output_head_on_the_last_column_only():
     """Only the last prompt column is sampled from: no [B, P, V] logits in the program."""
     B, P, N, V = 4, 16, 8, 96  # V unlike any other dimension of CFG
-    graphdef, params = nnx.split(model_lib.create(dataclasses.replace(CFG, vocab_size=V), 0))
+    model = model_lib.create(dataclasses.replace(CFG, vocab_size=V), 0)
+    graphdef, params = nnx.split(model)
     block = colocated._left_padded(PROMPTS, B, P, pad_id=0)
     program = colocated._build(graphdef, B, P, N, 0, greedy=False, top_k=0, use_top_p=False, cache_rules=None,
                                cache_phases=1)
-    text = program.lower(nnx.to_pure_dict(params), block["tokens"], block["positions"], block["segments"],
+    text = program.lower(nnx.to_pure_dict(params), model.decode_weights(), block["tokens"], block["positions"], block["segments"],
                          block["prompt_lens"], None, np.zeros((0,), np.int32), np.float32(1.0), np.float32(1.0),
                          jax.random.key(0)).as_text()
     assert f"tensor<{B}x1x{V}xf32>" in text and f"tensor<{B}x{P}x{V}x" not in text

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from unitrain import data
-from unitrain.rollout.base import SamplingParams
+from unitrain.rollout.base import SamplingParams, release
 from unitrain.rollout.groups import collect_groups, samples_markdown
 
 
@@ -53,4 +53,5 @@ class TaskEvaluator:
             counts = self.correct(self.groups(cfg.eval_n_samples, sampled, jax.random.key(1))).sum(axis=1)
             result[f"eval_pass_at_{cfg.eval_pass_k}"] = float(np.mean(
                 [pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in counts]))
+        release(self.sampler)
         return result

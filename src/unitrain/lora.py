@@ -230,9 +230,12 @@ class LoraModel(nnx.Module):
             raise AttributeError("hidden_states_shared_prefix")
         return lambda *args: self.merged().hidden_states_shared_prefix(*args)
 
-    def for_decoding(self):
-        """The merged model's: the adapters are merged once per sampler call, not per token."""
-        return self.merged().for_decoding()
+    def decode_weights(self):
+        """The merged model's: the sampler makes them once per weight version, not per token."""
+        return self.merged().decode_weights()
+
+    def for_decoding(self, weights):
+        return self.merged().for_decoding(weights)
 
     # -- the rest of the model interface
     @property

@@ -22,6 +22,7 @@ import numpy as np
 from unitrain import data
 from unitrain.data import recommendation
 from unitrain.data.sft import split_path
+from unitrain.rollout.base import release
 from unitrain.rollout.beam import BeamParams
 from unitrain.rollout.trie import sid_trie
 
@@ -79,6 +80,7 @@ class RecEvaluator:
     def __call__(self, params, step: int) -> dict:
         self.sampler.update_weights(params, step)
         predictions = self.predict()
+        release(self.sampler)
         targets = [e["target"] for e in self.examples]
         metrics = hr_ndcg([[sid for sid, _ in p] for p in predictions], targets, self.cfg.rec_eval_k)
         self._write(step, predictions)

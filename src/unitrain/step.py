@@ -179,7 +179,7 @@ def _in_mesh(program, mesh):
     def call(*args):
         with jax.set_mesh(mesh):
             return program(*args)
-    call.memory_analysis, call.cost_analysis = program.memory_analysis, program.cost_analysis
+    call.memory_analysis, call.cost_analysis, call.out_info = program.memory_analysis, program.cost_analysis, program.out_info
     return call
 
 

@@ -45,12 +45,16 @@ class Model(Protocol):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The output head: hidden [B, T, E] -> logits [B, T, V] (compute dtype)."""
 
-    def for_decoding(self) -> "Model":
-        """The model as a sampler's token loop calls it: made inside the sampler's jitted program
-        before its loops (once per call, not per token), it gives the same outputs for the same
-        calls. A model may prepare its weights there for decode steps (our decoder slices each
-        layer's out of the stacked ones where XLA would copy the slices on every step); one that
-        needs nothing returns itself."""
+    def decode_weights(self) -> Any:
+        """What a sampler's token loop needs made from the parameters, as a pytree of arrays (None:
+        nothing; our decoder: each layer's weights sliced out of the stacked ones, where XLA would
+        copy the slices on every step). A sampler makes it in a program of its own once per
+        weight version and passes it to `for_decoding` in every call with those weights."""
+
+    def for_decoding(self, weights: Any) -> "Model":
+        """The model as a sampler's token loop calls it, given `decode_weights()` of the same
+        parameters: it gives the same outputs for the same calls. One that needs nothing returns
+        itself."""
 
     def init_cache(self, batch_size: int, max_length: int) -> Any:
         """An empty KV cache for `batch_size` rows of up to `max_length` positions (a pytree)."""

@@ -218,11 +218,19 @@ class Decoder(nnx.Module):
 
         hf.save(self, path)
 
-    def for_decoding(self):
-        """Where a stacked weight's slices are copies (`copies_weight_slices`), a `Decoding` that
-        makes each layer's decode weights and the head once, outside the sampler's token loop;
-        elsewhere the decoder itself, whose slices cost nothing."""
-        return Decoding(self) if copies_weight_slices(sharding.target_platform()) else self
+    def decode_weights(self):
+        """Where a stacked weight's slices are copies (`copies_weight_slices`), what a `Decoding`
+        runs on: each layer's `_decode_weights` sliced out of the stacked ones, and the head in the
+        compute dtype (a tied embedding transposed); elsewhere None, the slices costing nothing."""
+        cfg = self.cfg
+        if not copies_weight_slices(sharding.target_platform()):
+            return None
+        params = self._stacked_layers()
+        return {"layers": [_decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)],
+                "head": self._head()}
+
+    def for_decoding(self, weights):
+        return self if weights is None else Decoding(self, weights)
 
     def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
         hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
@@ -313,25 +321,21 @@ def copies_weight_slices(platform: str) -> bool:
     """Whether XLA on `platform` copies a slice of a stacked weight wherever it is used: XLA:CPU
     and XLA:GPU do, XLA:TPU reads it in place. In the sampler's token loop the copies would be every
     layer weight on every step (on an H100, 1.3 ms of a 3.9 ms Llama-3.2-1B decode step, 64 rows,
-    bfloat16), so there `Decoder.for_decoding` makes them once per call instead (that step 3.3 ->
-    1.9 ms; XLA:GPU does not hoist them out of the loop by itself). That is a second
-    copy of every layer weight for the whole call, which a TPU does without: Qwen2.5-1.5B's generate
-    program (bf16, 16 x 256 + 512) needs 0.71 GiB of temporaries there, 2.98 GiB with it."""
+    bfloat16), so there `Decoder.decode_weights` makes them once per weight version instead (that
+    step 3.3 -> 1.9 ms; XLA:GPU does not hoist them out of the loop by itself). That is a second
+    copy of every layer weight while the sampler keeps them, which a TPU does without: Qwen2.5-1.5B's
+    generate program (bf16, 16 x 256 + 512) needs 0.71 GiB of temporaries there, 2.98 GiB with it."""
     return platform in ("cpu", "gpu")
 
 
 class Decoding:
-    """A Decoder as the sampler's token loop calls it (`Decoder.for_decoding`): made inside the
-    sampler's program before its loops, it holds each layer's `_decode_weights` sliced out of the
-    stacked ones, and the head in the compute dtype (a tied embedding transposed once), so that
-    no decode step copies a weight. Its calls give the decoder's outputs."""
+    """A Decoder as the sampler's token loop calls it (`Decoder.for_decoding`), on its
+    `decode_weights`: each layer's weights and the head made once per weight version, outside the
+    sampler's programs, so that no decode step copies a weight. Its calls give the decoder's
+    outputs."""
 
-    def __init__(self, model: Decoder):
-        self.model = model
-        cfg = model.cfg
-        params = model._stacked_layers()
-        self.layers = [_decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)]
-        self.head = model._head()
+    def __init__(self, model: Decoder, weights: dict):
+        self.model, self.layers, self.head = model, weights["layers"], weights["head"]
 
     def __getattr__(self, name):  # the rest of the model interface: the decoder's own
         return getattr(self.model, name)
@@ -345,9 +349,6 @@ class Decoding:
 
     def logits(self, hidden):
         return self.model._apply_head(hidden, self.head)
-
-    def for_decoding(self):
-        return self
 
 
 def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache, layers=None):

@@ -39,6 +39,11 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            sampled ahead of the trainer (max_staleness, rollout/buffer.py) run while the trainer
            updates; without it they are generated when submitted. Calls to submit and result
            happen in the same order on every process.
+  release  Optional: `release()` frees what the sampler holds for sampling that the trainer's update
+           could use instead (the colocated sampler: its decode layout of the weights, kept from a
+           version's first generate for its later ones). The trainer calls it when it will not
+           sample again before its next update_weights: after a GRPO step's rollouts are taken
+           (rounds already submitted keep what they use) and after an evaluation.
   options  `beam_search` is outside the protocol: ranked rollouts (rollout_decoding=beam,
            sid_index_path) and the recommendation evals call it, so only a sampler that has it
            serves them (the colocated one does).
@@ -112,3 +117,9 @@ def submit(sampler: Sampler, prompt_ids: list[list[int]], sampling: SamplingPara
     if hasattr(sampler, "submit"):
         return sampler.submit(prompt_ids, sampling, key)
     return Done(sampler.generate(prompt_ids, sampling, key))
+
+
+def release(sampler: Sampler) -> None:
+    """The sampler's release where it has one (the contract above)."""
+    if hasattr(sampler, "release"):
+        sampler.release()

@@ -107,14 +107,14 @@ def _beam_select(cand, score, done, B: int, W: int, pad_id: int):
 def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, constrained: bool, cache_rules):
     R = B * W
 
-    def run(params, tokens, positions, segments, prompt_lens, trie_tokens, trie_children, stop_ids,
+    def run(params, decode, tokens, positions, segments, prompt_lens, trie_tokens, trie_children, stop_ids,
             temperature, length_penalty, rng):
         model = nnx.merge(graphdef, params)
         axes = model.cache_axes()
         hidden, cache = model.hidden_states(tokens, positions, segments, sharded_cache(model, B, P + N, cache_rules))
         # Left padding: the last column holds every prompt's last token, the only one decoded from.
         logits = model.logits(hidden[:, -1:])[:, 0]
-        decoding = model.for_decoding()
+        decoding = model.for_decoding(decode)
         # The prompt is prefilled once; its beams share copies of its cache rows.
         constrain = lambda c: constrain_cache(model, c, cache_rules)
         cache = constrain(_rows(cache, axes, lambda x, a: jnp.repeat(x, W, axis=a)))
@@ -190,7 +190,7 @@ def search(sampler, block: dict, n_real: int, beams: BeamParams, key) -> Ranked:
                                             "prompt_lens": sharding.batch_sharding(sampler.mesh, sampler.rules, ("batch",))})
         runtime = full_rows_to_global(runtime, sharding.replicated(sampler.mesh))
     static = (sampler.graphdef, B, P, N, W, sampler.pad_id, beams.sample, beams.trie is not None, sampler.rules)
-    args = (sampler.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"],
+    args = (sampler.params, sampler.decode_weights(), block["tokens"], block["positions"], block["segments"], block["prompt_lens"],
             runtime["trie_tokens"], runtime["trie_children"], runtime["stop"], np.float32(beams.temperature),
             np.float32(beams.length_penalty), key)
     kind = "sample" if beams.sample else "beam"

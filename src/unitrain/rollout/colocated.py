@@ -22,8 +22,14 @@ Programs are compiled through the run's CompileCache, keyed by the graph, B, P, 
 sampling choices and the parameter shapes and shardings; every compile is logged. Temperature,
 top-p and the stop ids are runtime values: changing them does not recompile (only greedy vs
 sampling, top-k, top-p on/off and the number of stop ids are static). The model is used only
-through the model interface (call, hidden_states with a cache, logits, for_decoding, init_cache,
-cache_axes).
+through the model interface (call, hidden_states with a cache, logits, decode_weights,
+for_decoding, init_cache, cache_axes).
+
+The model's `decode_weights` (our decoder's layer weights sliced out of their stacks) are made by a
+program of their own at a weight version's first call and kept for its later ones, until the next
+update_weights or `release`: evaluations and rounds of rollouts sample many times per version. Made
+inside every call instead they cost the Tunix benchmark's call (16 x 64 + 128, CPU) about 7%: the
+copy, and faulting in the fresh pages XLA:CPU allocates a call's temporaries in.
 
 The decode runs in `cache_phases` loops over near-equal spans of the N tokens, the KV cache grown
 by empty columns at each one's start: attention reads the prompt and the tokens so far rounded up
@@ -185,9 +191,10 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
            cache_phases: int):
     ends = phase_ends(N, cache_phases)
 
-    def run(params, tokens, positions, segments, prompt_lens, source, stop_ids, temperature, top_p, rng):
-        """tokens, positions, segments: the prefill block of the distinct prompts; prompt_lens [B];
-        source [B]: each row's prefill row (None: the block is the B rows themselves)."""
+    def run(params, decode, tokens, positions, segments, prompt_lens, source, stop_ids, temperature, top_p, rng):
+        """decode: the model's decode_weights; tokens, positions, segments: the prefill block of the
+        distinct prompts; prompt_lens [B]; source [B]: each row's prefill row (None: the block is the
+        B rows themselves)."""
         model = nnx.merge(graphdef, params)
         cache = sharded_cache(model, tokens.shape[0], P + ends[0], cache_rules)
         sample = lambda logits, i: _sample(logits, jax.random.fold_in(rng, i), temperature, top_p,
@@ -201,7 +208,7 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
         if source is not None:
             logits, cache = logits[source], cache_rows(model, cache, source, cache_rules)
         token, logprob = sample(logits, 0)
-        decoding = model.for_decoding()
+        decoding = model.for_decoding(decode)
         done = prompt_lens == 0  # batch-padding rows never emit
         emit = ~done
         out_tokens = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(jnp.where(emit, token, pad_id))
@@ -254,13 +261,31 @@ class ColocatedSampler:
     def __init__(self, model, *, pad_id: int = 0, mesh=None, rules=None, programs: CompileCache | None = None,
                  cache_phases: int = 1):
         self.graphdef, params = nnx.split(model)
-        self.params, self.version = nnx.to_pure_dict(params), 0
+        self.params, self.version, self.decode = nnx.to_pure_dict(params), 0, None
         self.vocab_size, self.pad_id, self.mesh, self.cache_phases = model.vocab_size, pad_id, mesh, cache_phases
         self.rules = sharding.rules_from_config(rules or sharding.DEFAULT_RULES) if mesh is not None else None
         self.programs = programs if programs is not None else CompileCache(mesh)
 
     def update_weights(self, params, version: int) -> None:
         self.params, self.version = params, version  # colocated: the trainer's own arrays, no copy
+        self.release()
+
+    def release(self) -> None:
+        """Drops the decode weights made from the current parameters (a copy of the layer weights
+        where `copies_weight_slices`); the next call makes them again. The trainer calls it when it
+        will not sample before its next update, so that they do not add to the update's memory."""
+        self.decode = None
+
+    def decode_weights(self):
+        """The model's `decode_weights` of the current parameters, made once (module docstring).
+        Of abstract parameters (bench's --compile-only), their abstract arrays."""
+        if self.decode is None:
+            graphdef = self.graphdef
+            make = self.programs.compiled("decode weights", None, self.params, static=(graphdef,),
+                                          build=lambda: jax.jit(lambda p: nnx.merge(graphdef, p).decode_weights()))
+            abstract = isinstance(jax.tree.leaves(self.params)[0], jax.ShapeDtypeStruct)
+            self.decode = make.out_info if abstract else make(self.params)
+        return self.decode
 
     def block_shape(self, n_prompts: int, longest: int) -> tuple[int, int]:
         """(rows, prompt columns) of the left-padded block that generate and beam_search run for
@@ -313,7 +338,7 @@ class ColocatedSampler:
             # are placed like any other input.
             bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(key))}, sharding.replicated(self.mesh))
             key = jax.random.wrap_key_data(bits["key"])
-        args = (self.params, block["tokens"], block["positions"], block["segments"], block["prompt_lens"],
+        args = (self.params, self.decode_weights(), block["tokens"], block["positions"], block["segments"], block["prompt_lens"],
                 block.get("source"), stop_ids, np.float32(sampling.temperature if not greedy else 1.0),
                 np.float32(sampling.top_p), key)
         static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules, self.cache_phases)

@@ -42,8 +42,9 @@ class RolloutMeshSampler(ColocatedSampler):
         the trainer's arrays may be donated right after)."""
         jax.block_until_ready(params)  # the update that made them is the trainer's time, not the push's
         start = time.perf_counter()
-        self.params = jax.block_until_ready(push(params, self.shardings))
-        self.version, self.push_seconds = version, time.perf_counter() - start
+        pushed = jax.block_until_ready(push(params, self.shardings))
+        self.push_seconds = time.perf_counter() - start
+        super().update_weights(pushed, version)
 
 
 def push(params, shardings):

@@ -42,7 +42,7 @@ from flax import nnx
 from unitrain import data, lora, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.evals import TaskEvaluator
-from unitrain.rollout.base import SamplingParams
+from unitrain.rollout.base import SamplingParams, release
 from unitrain.rollout.colocated import batch_parallelism, bucket_prompt_length
 from unitrain.rec_eval import RecEvaluator, sid_beams
 from unitrain.rollout.buffer import RolloutBuffer
@@ -193,6 +193,7 @@ class GRPOTask(Task):
             pushed.append(time.perf_counter() - start)
 
         groups, stats = self.rollouts.take(step, push)
+        release(self.sampler)  # no sampling before the next push: what it kept goes before the update
         stats["time_weight_push"] = sum(pushed)
         t1 = time.perf_counter()
         batch = self.to_rows(groups)
