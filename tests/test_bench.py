@@ -147,7 +147,9 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     kv = cfg.num_decoder_layers * 2 * 8 * cfg.num_kv_heads * cfg.head_dim * (16 + 6) * 4
     assert result["block_shape"] == [8, 16] and result["kv_cache_bytes"] == kv + 2 * 8 * 22 * 4 + 8 * 4
     memory = result["memory_per_device"]
-    assert memory["argument"] >= result["param_bytes_per_device"] > 0 and memory["temp"] > 0
+    assert memory["argument"] >= result["decode_weight_bytes_per_device"] > 0 and memory["temp"] > 0
+    assert result["sampling_bytes_per_device"] == (result["param_bytes_per_device"] + result["decode_weight_bytes_per_device"]
+                                                   + memory["temp"] + memory["output"])
     assert result["config"]["mesh_shape"]["fsdp"] == 8
 
     run, state = build_run(cfg)

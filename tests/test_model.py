@@ -42,13 +42,12 @@ def full_forward(model, seq):
 @pytest.mark.parametrize("scan_layers,dtype,tied", [(True, "float32", False), (False, "float32", False),
                                                     (True, "bfloat16", False), (True, "float32", True)])
 def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, monkeypatch):
-    """A left-padded prefill in two calls, then token-by-token decode through
-    `for_decoding(decode_weights())`, gives the logits of the unpadded full forward, on either route
-    of `_run_cached`: a scanned prefill and decode steps applying a `Decoding`'s decode weights and
-    head (CPU, GPU), or the stacked weights unrolled (TPU)."""
+    """A left-padded prefill in two calls, then token-by-token decode, all through
+    `for_decoding(decode_weights())` as the samplers call the model, give the logits of the
+    unpadded full forward on either route: a `Decoding`'s decode weights and head (CPU, GPU), or
+    the decoder itself on its stacked weights (TPU)."""
     monkeypatch.setattr(model_lib, "copies_weight_slices", lambda platform: copies)
-    cached_call = nnx.jit(lambda model, *args: model(*args))  # traced afresh under this route
-    decode_call = nnx.jit(lambda model, *args: model.for_decoding(model.decode_weights())(*args))
+    call = nnx.jit(lambda model, *args: model.for_decoding(model.decode_weights())(*args))  # traced afresh per route
     cfg = dataclasses.replace(CFG, scan_layers=scan_layers, dtype=dtype, weight_dtype=dtype, tie_word_embeddings=tied)
     # bfloat16 rounding of the sharp weights' large logits would hide an error: plain weights there.
     model = sharp_model(cfg) if dtype == "float32" else model_lib.create(cfg, 0)
@@ -67,7 +66,7 @@ def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, m
     cache = model_lib.init_cache(model.cfg, batch_size=2, max_length=16)
     chunks = []
     for part in (slice(0, 4), slice(4, prefill_len)):  # the second attends to the first's keys in the cache
-        logits, cache = cached_call(model, *(jnp.asarray(a[:, part]) for a in (tokens, positions, segments)), cache)
+        logits, cache = call(model, *(jnp.asarray(a[:, part]) for a in (tokens, positions, segments)), cache)
         chunks.append(logits)
     logits = jnp.concatenate(chunks, axis=1)
     # The sharp weights give logits up to ~40: float32 reordering alone moves them by up to ~5e-4.
@@ -77,7 +76,7 @@ def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, m
     for step in range(decode_steps):
         pos = np.asarray(prompt_lens) + step
         tok = np.asarray([seqs[b][pos[b]] for b in range(2)])
-        logits, cache = decode_call(model, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None], jnp.ones((2, 1), jnp.int32), cache)
+        logits, cache = call(model, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None], jnp.ones((2, 1), jnp.int32), cache)
         for b in range(2):
             close(np.asarray(logits[b, 0]), expected[b][pos[b]])
     filled = np.asarray(cache.segment_ids).sum(axis=1)

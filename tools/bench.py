@@ -45,7 +45,9 @@ far below the step's work; model_flops_per_device is the analytic count bench's 
 With --mode sampler it compiles instead the colocated sampler's generate program for `--batch`
 prompts of `--prompt-len` ids and `--new-tokens` new ones, with the rollout_* sampling keys: the
 same program, through the same compile cache, that generate runs on real weights of those
-shardings; it also prints the KV cache's bytes (all rows) and the bucketed block (rows, columns).
+shardings; it also prints the KV cache's bytes (all rows), the bucketed block (rows, columns), the
+decode weights' bytes (the sampler's copy per weight version) and sampling_bytes_per_device, what a
+device holds while it samples: parameters, decode weights, the program's temporaries and outputs.
 load_parameters_path is not read (the shapes come from the model keys, which default to its architecture). To size
 an N-device mesh on a CPU machine, make the process see N devices, e.g. for fsdp over 8:
 
@@ -251,10 +253,15 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
     compiled, _ = sampler.program(prompts, rollout_sampling(cfg, new_tokens), jax.random.key(0))
     compile_seconds = time.perf_counter() - start
     rows, columns = sampler.block_shape(batch, prompt_len)
+    params, decode = bytes_per_device(state["params"]), bytes_per_device(sampler.decode_weights())
+    memory = memory_per_device(compiled)
+    # The program's arguments are the weights it reads (often the decode weights and the embedding
+    # alone); while it samples, a device holds all the parameters, the decode weights and its temporaries.
+    holds = params + decode + memory["temp"] + memory["output"] if memory else None
     return {"compile_only": True, "mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "block_shape": [rows, columns], "param_bytes_per_device": bytes_per_device(state["params"]),
-            "kv_cache_bytes": cache_bytes(run.model, rows, columns + new_tokens),
-            "memory_per_device": memory_per_device(compiled), "compile_seconds": compile_seconds,
+            "block_shape": [rows, columns], "param_bytes_per_device": params, "decode_weight_bytes_per_device": decode,
+            "sampling_bytes_per_device": holds, "kv_cache_bytes": cache_bytes(run.model, rows, columns + new_tokens),
+            "memory_per_device": memory, "compile_seconds": compile_seconds,
             "config": {k: cfg[k] for k in MODEL_KEYS}
             | {"mesh_shape": dict(run.mesh.shape), "num_devices": run.mesh.size, "platform": run.mesh.devices.flat[0].platform}}
 

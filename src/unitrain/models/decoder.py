@@ -352,37 +352,23 @@ class Decoding:
 
 
 def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache, layers=None):
-    """The layers over a KV cache: each writes this call's keys and values at the cache's next
-    columns and attends over the whole cache, the cache being one array per layer. The layers run
-    unrolled on `layers` (a `Decoding`'s decode weights) if given, else on slices of the stacked
-    weights; but where `copies_weight_slices` a prefill (T > 1) without them scans the layers over
-    the cache stacked, so that one layer's weight slices are copied at a time. Qwen2.5-1.5B's
-    generate program on XLA:CPU (16 x 256 + 512): temporaries 10.8 -> 6.7 GiB in float32,
-    12.5 -> 8.5 with bfloat16 compute, 11.9 -> 10.6 in bfloat16."""
+    """The layers over a KV cache, unrolled: each writes this call's keys and values at the cache's
+    next columns and attends over the whole cache, the cache being one array per layer. They run on
+    `layers` (a `Decoding`'s decode weights, which the samplers prefill and decode on) if given,
+    else on slices of the stacked weights."""
     column = cache.end[0]
     put = lambda a, new, axis: jax.lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), column, axis)
     segments, slot_positions = put(cache.segment_ids, segment_ids, 1), put(cache.positions, positions, 1)
     mask = attention_mask(segment_ids, positions, segments, slot_positions, cfg.sliding_window)
     attend = functools.partial(cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size,
                                matmuls=sharding.target_platform() != "cpu")
-    write_into = lambda k_cache, v_cache: lambda k, v: (put(k_cache, k.swapaxes(2, 3), 3), put(v_cache, v, 2))
-    if layers is None and x.shape[1] > 1 and copies_weight_slices(sharding.target_platform()):
-        # bfloat16 weights go in as their bits: XLA:CPU, which computes bfloat16 matmuls in float32,
-        # would otherwise convert all layers' weights to float32 ahead of the scan (2.4 GiB more at
-        # 1.5B), where this way it converts one layer's slices per step.
-        as_bits = lambda w: jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w
-        dtypes = jax.tree.map(lambda w: w.dtype, params)
-        weights = lambda bits: jax.tree.map(jax.lax.bitcast_convert_type, bits, dtypes)
-        layer = lambda x, xs: _layer(cfg, weights(xs[0]), x, cos, sin, attend, write_into(xs[1], xs[2]))
-        x, (ks, vs) = jax.lax.scan(layer, x, (jax.tree.map(as_bits, params), jnp.stack(cache.k), jnp.stack(cache.v)))
-        ks, vs = list(ks), list(vs)
-    else:
-        ks, vs = [], []
-        for i in range(cfg.num_decoder_layers):
-            p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
-            x, (k, v) = _layer(cfg, p, x, cos, sin, attend, write_into(cache.k[i], cache.v[i]))
-            ks.append(k)
-            vs.append(v)
+    ks, vs = [], []
+    for i in range(cfg.num_decoder_layers):
+        p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
+        write = lambda k, v, i=i: (put(cache.k[i], k.swapaxes(2, 3), 3), put(cache.v[i], v, 2))
+        x, (k, v) = _layer(cfg, p, x, cos, sin, attend, write)
+        ks.append(k)
+        vs.append(v)
     return x, KVCache(k=ks, v=vs, segment_ids=segments, positions=slot_positions, end=cache.end + x.shape[1])
 
 

@@ -109,12 +109,11 @@ def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, 
 
     def run(params, decode, tokens, positions, segments, prompt_lens, trie_tokens, trie_children, stop_ids,
             temperature, length_penalty, rng):
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, params).for_decoding(decode)  # prefill and steps on the decode weights
         axes = model.cache_axes()
         hidden, cache = model.hidden_states(tokens, positions, segments, sharded_cache(model, B, P + N, cache_rules))
         # Left padding: the last column holds every prompt's last token, the only one decoded from.
         logits = model.logits(hidden[:, -1:])[:, 0]
-        decoding = model.for_decoding(decode)
         # The prompt is prefilled once; its beams share copies of its cache rows.
         constrain = lambda c: constrain_cache(model, c, cache_rules)
         cache = constrain(_rows(cache, axes, lambda x, a: jnp.repeat(x, W, axis=a)))
@@ -160,7 +159,7 @@ def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, 
         def body(loop):
             i, carry = loop
             cache, last, emitted = carry[0], carry[7], carry[8]
-            logits, cache = decoding(last[:, None], (lens + i - 1)[:, None], emitted[:, None].astype(jnp.int32), cache)
+            logits, cache = model(last[:, None], (lens + i - 1)[:, None], emitted[:, None].astype(jnp.int32), cache)
             return i + 1, advance((cache, *carry[1:]), logits[:, 0], i)
 
         cond = lambda loop: (loop[0] < N) & ~jnp.all(loop[1][3])

@@ -195,7 +195,8 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
         """decode: the model's decode_weights; tokens, positions, segments: the prefill block of the
         distinct prompts; prompt_lens [B]; source [B]: each row's prefill row (None: the block is the
         B rows themselves)."""
-        model = nnx.merge(graphdef, params)
+        # Prefill and decode steps alike run on the decode weights: no layer's slices copied.
+        model = nnx.merge(graphdef, params).for_decoding(decode)
         cache = sharded_cache(model, tokens.shape[0], P + ends[0], cache_rules)
         sample = lambda logits, i: _sample(logits, jax.random.fold_in(rng, i), temperature, top_p,
                                            greedy=greedy, top_k=top_k, use_top_p=use_top_p)
@@ -208,7 +209,6 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
         if source is not None:
             logits, cache = logits[source], cache_rows(model, cache, source, cache_rules)
         token, logprob = sample(logits, 0)
-        decoding = model.for_decoding(decode)
         done = prompt_lens == 0  # batch-padding rows never emit
         emit = ~done
         out_tokens = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(jnp.where(emit, token, pad_id))
@@ -223,7 +223,7 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
         def body(carry):
             i, cache, out_tokens, out_mask, out_logprobs, done, last = carry
             pos = (prompt_lens + i - 1)[:, None]
-            logits, cache = decoding(last[:, None], pos, jnp.ones((B, 1), jnp.int32), cache)
+            logits, cache = model(last[:, None], pos, jnp.ones((B, 1), jnp.int32), cache)
             token, logprob = sample(logits[:, 0], i)
             emit = ~done
             token = jnp.where(emit, token, pad_id)
