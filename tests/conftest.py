@@ -1,7 +1,10 @@
 """Every test runs on 8 simulated CPU devices so that each sharding path is exercised."""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The suite's programs are tiny: LLVM's optimisations of them cost more compile time than they save
+# at run time (the suite 16 -> 11-12 minutes on 2 cores). Numerics are unchanged: no fast math either way.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+                                    "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session (subprocesses inherit it): the many runs of the
 # same tiny programs compile once. Fresh per session, so nothing stale carries over.
@@ -55,6 +58,13 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return get
+
+
+def cpu_env(devices: int) -> dict:
+    """os.environ for a child process that sees `devices` CPU devices, with the suite's other XLA flags."""
+    from launch.local import with_device_count
+
+    return {**os.environ, "XLA_FLAGS": with_device_count(os.environ["XLA_FLAGS"], devices), "JAX_PLATFORMS": "cpu"}
 
 
 def make_cfg(**overrides):

@@ -17,7 +17,7 @@ import pytest
 from unitrain import checkpoint, metrics, run, train
 from unitrain.config import ConfigError
 
-from conftest import REPO
+from conftest import REPO, cpu_env
 from test_train import FAST, config, losses_of, run_cli
 
 
@@ -116,7 +116,7 @@ def test_full_disk_is_one_line_and_keeps_saved_checkpoints(tmp_path):
     code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
             f"sys.argv = ['unitrain', *{args!r}]; from unitrain.train import cli; cli()")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if line.startswith("unitrain: ")]

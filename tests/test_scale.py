@@ -2,7 +2,6 @@
 and the multi-host start decision."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from unitrain import distributed, models, run, sharding, tasks, train
 from unitrain import step as step_lib
 from unitrain.config import ConfigError, load_config
 
-from conftest import REPO, only_first_device
+from conftest import REPO, cpu_env, only_first_device
 
 SFT = ["max_target_length=32", "eval_interval=0", "peak_flops_per_device=1e12", "log_period=1",
        "builtin_task_digits=2", "warmup_steps=2", "steps=5"]
@@ -39,7 +38,7 @@ def losses_of(cfg):
 def one_device_sft_curve(tmp_path_factory):
     """The reference: the same global batch (8 rows) on 1 device, in its own process."""
     out = tmp_path_factory.mktemp("one_device")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = cpu_env(1)
     subprocess.run([sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"),
                     f"base_output_directory={out}", *SFT, "per_device_batch_size=8"], env=env, check=True,
                    capture_output=True)

@@ -20,7 +20,7 @@ from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.config import load_config
 
-from conftest import REPO, sigterm_after_step
+from conftest import REPO, cpu_env, sigterm_after_step
 
 FAST = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
         "log_period=1", "builtin_task_digits=2", "warmup_steps=2"]
@@ -111,7 +111,7 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
 
 
 def run_cli(*args, devices=8, **kwargs):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(devices)
     return subprocess.Popen([sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 

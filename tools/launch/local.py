@@ -64,12 +64,17 @@ def port_is_free(port: int, host: str = HOST) -> bool:
         return True
 
 
-def child_env(devices_per_process: int, port: int, env: dict | None = None) -> dict[str, str]:
-    """os.environ + env, with the CPU device count forced to devices_per_process (any earlier
+def with_device_count(xla_flags: str, devices: int) -> str:
+    """`xla_flags` with the CPU device count forced to `devices` (any earlier
     --xla_force_host_platform_device_count, e.g. the 8 of the test suite, is replaced)."""
+    flags = [f for f in xla_flags.split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*flags, f"{DEVICE_COUNT_FLAG}={devices}"])
+
+
+def child_env(devices_per_process: int, port: int, env: dict | None = None) -> dict[str, str]:
+    """os.environ + env, its XLA flags `with_device_count(devices_per_process)`."""
     merged = {**os.environ, **(env or {})}
-    flags = [f for f in merged.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    merged["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={devices_per_process}"])
+    merged["XLA_FLAGS"] = with_device_count(merged.get("XLA_FLAGS", ""), devices_per_process)
     if "JAX_PLATFORMS" not in (env or {}):
         merged["JAX_PLATFORMS"] = "cpu"
     merged["JAX_COORDINATOR_BIND_ADDRESS"] = f"{HOST}:{port}"  # not [::]: keep the coordinator local
