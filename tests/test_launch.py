@@ -110,16 +110,31 @@ def test_command_line_prefixes_lines_and_returns_first_failure(tmp_path):
     assert "launch: exit 5" in bad.stderr
 
 
+TRAPPER = textwrap.dedent("""
+    import signal, sys, time
+    def on_term(signum, frame):
+        print("got SIGTERM", flush=True)
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, on_term)
+    print("up", flush=True)
+    time.sleep(60)
+""")
+
+
+def signal_state(pid: int) -> str:
+    """State and signal masks of `pid` and its children from /proc: what a hung forwarding test shows."""
+    lines = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            lines.append(signal_state(int(child)))
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    keep = [line for line in status if line.split(":")[0] in ("Name", "State", "SigPnd", "ShdPnd", "SigBlk",
+                                                               "SigIgn", "SigCgt")]
+    return f"pid {pid}: " + "; ".join(keep) + "".join("\n" + line for line in lines)
+
+
 def test_sigterm_is_forwarded_to_every_child(tmp_path):
-    (tmp_path / "trapper.py").write_text(textwrap.dedent("""
-        import signal, sys, time
-        def on_term(signum, frame):
-            print("got SIGTERM", flush=True)
-            sys.exit(7)
-        signal.signal(signal.SIGTERM, on_term)
-        print("up", flush=True)
-        time.sleep(60)
-    """))
+    (tmp_path / "trapper.py").write_text(TRAPPER)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "launch" / "local.py"), "-n", "2", "-d", "1",
                              "--module", "trapper"], env=env, stdout=subprocess.PIPE, text=True)
@@ -130,7 +145,61 @@ def test_sigterm_is_forwarded_to_every_child(tmp_path):
         if line.strip().endswith("up"):
             seen.add(line.split()[0])
     proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=30)
+    try:
+        rest, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        state = signal_state(proc.pid)
+        for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            os.killpg(int(child), signal.SIGKILL)
+        proc.kill()
+        pytest.fail(f"a child did not end 30 s after the SIGTERM:\n{state}")
     assert sorted(line for line in rest.splitlines() if "SIGTERM" in line) == ["[p0] got SIGTERM",
                                                                               "[p1] got SIGTERM"]
     assert proc.returncode == 7
+
+
+def test_a_signal_during_start_up_reaches_the_children_started_after_it(tmp_path, monkeypatch):
+    """The SIGTERM comes right after the first child is started: the second, started after it, gets it
+    too (ends by it, or by its handler if that is installed by then) instead of running on."""
+    import local
+
+    (tmp_path / "trapper.py").write_text(TRAPPER)
+    started, popen = [], subprocess.Popen
+
+    def popen_then_sigterm(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        if len(started) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return started[-1]
+
+    monkeypatch.setattr(local.subprocess, "Popen", popen_then_sigterm)
+    results = launch([], processes=2, devices_per_process=1, timeout=30, grace=1, echo=False,
+                     module="trapper", env={"PYTHONPATH": str(tmp_path)})
+    assert [r.killed for r in results] == [None, None], [r.output for r in results]
+    assert all(r.returncode in (7, -signal.SIGTERM) for r in results), [r.returncode for r in results]
+
+
+def test_a_second_sigint_kills_children_that_outlive_the_first(tmp_path):
+    """Children that ignore SIGINT (e.g. busy saving) are SIGKILLed by a second Ctrl-C."""
+    (tmp_path / "stubborn.py").write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                                          "print('up', flush=True)\ntime.sleep(60)\n")
+
+    class InterruptTwiceWhenUp:
+        up = 0
+
+        def write(self, line):
+            self.up += line.strip().endswith("up")
+            if self.up == 2:
+                self.up += 1
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)  # two signals at once are one to Python's handler, like a double key press
+                os.kill(os.getpid(), signal.SIGINT)
+
+        def flush(self):
+            pass
+
+    start = time.monotonic()
+    results = launch([], processes=2, devices_per_process=1, timeout=30, echo=InterruptTwiceWhenUp(),
+                     module="stubborn", env={"PYTHONPATH": str(tmp_path)})
+    assert time.monotonic() - start < 25
+    assert [(r.returncode, r.killed) for r in results] == [(-signal.SIGKILL, None)] * 2

@@ -119,8 +119,9 @@ def launch(args: list[str], processes: int, devices_per_process: int, port: int 
     port 0 picks a free port. echo: True prints the prefixed lines to sys.stdout, a file object prints
     them there, False prints nothing. When a child exits non-zero the others get SIGTERM, and SIGKILL
     after `grace` seconds; the same on timeout. Called from the main thread, SIGINT/SIGTERM received
-    meanwhile are forwarded to the children (a second SIGINT sends SIGKILL) and the launcher then waits
-    for all of them (still bounded by timeout). Returns one ProcessResult per process, in process_id order.
+    meanwhile are forwarded to every child (a second SIGINT sends SIGKILL), also those started after
+    the signal came, and the launcher then waits for all of them (still bounded by timeout). Returns
+    one ProcessResult per process, in process_id order.
     """
     if processes < 1 or devices_per_process < 1:
         raise ValueError("processes and devices_per_process must be >= 1")
@@ -137,20 +138,16 @@ def launch(args: list[str], processes: int, devices_per_process: int, port: int 
     pumps: list[threading.Thread] = []
     ended: dict[int, float] = {}
     killed: dict[int, str] = {}
+    # The handler only records: the wait loop forwards, so no Popen call runs inside a handler that
+    # may have interrupted one on the same child, and a signal that came during the start-up reaches
+    # the children started after it too.
     signals_seen: list[int] = []
-
-    def forward(signum, _frame):
-        signals_seen.append(signum)
-        hard = signum == signal.SIGINT and signals_seen.count(signal.SIGINT) > 1
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL if hard else signum)
-
+    forwarded = 0
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
+            previous[sig] = signal.signal(sig, lambda signum, _frame: signals_seen.append(signum))
     try:
         for i, cmd in enumerate(commands):
             proc = subprocess.Popen(cmd, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -165,6 +162,9 @@ def launch(args: list[str], processes: int, devices_per_process: int, port: int 
         deadline = None if timeout is None else time.monotonic() + timeout
         stop_reason = None
         while len(ended) < len(procs):
+            while forwarded < len(signals_seen):
+                forwarded += 1
+                _forward(procs, signals_seen[:forwarded])
             for i, p in enumerate(procs):
                 if i not in ended and p.poll() is not None:
                     ended[i] = time.monotonic()
@@ -189,6 +189,15 @@ def launch(args: list[str], processes: int, devices_per_process: int, port: int 
         t.join(timeout=5)
     return [ProcessResult(i, commands[i], p.returncode, "".join(outputs[i] or []), killed.get(i),
                           ended.get(i, time.monotonic())) for i, p in enumerate(procs)]
+
+
+def _forward(procs, signals: list[int]) -> None:
+    """Send the last of `signals` to every child still running; SIGKILL for a second SIGINT."""
+    signum = signals[-1]
+    hard = signum == signal.SIGINT and signals.count(signal.SIGINT) > 1
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL if hard else signum)
 
 
 def _stop(procs, ended, killed, reason, grace):
