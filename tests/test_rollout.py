@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import logging
+import re
 
 import jax
 import numpy as np
@@ -281,3 +282,30 @@ def test_prefill_runs_the_output_head_on_the_last_column_only():
                          block["prompt_lens"], None, np.zeros((0,), np.int32), np.float32(1.0), np.float32(1.0),
                          jax.random.key(0)).as_text()
     assert f"tensor<{B}x1x{V}xf32>" in text and f"tensor<{B}x{P}x{V}x" not in text
+
+
+def library_dots(compiled) -> int:
+    """How many of a compiled CPU program's dots XLA handed to YNNPACK (inside its library fusions)."""
+    text = compiled.as_text()
+    bodies = dict(re.findall(r"^(%\S+) .*?\{\n(.*?)\n\}", text, re.M | re.S))
+    return sum(" dot(" in bodies.get(called, "") for called in re.findall(r'calls=(%[\w.\-]+).*"__ynn_fusion"', text))
+
+
+def test_few_rows_decode_with_xlas_own_dots_and_draw_the_same_tokens(monkeypatch, caplog):
+    """At most FEW_ROWS rows a device: the generate program's dots are XLA's own (its compile logs
+    the option), and the draws are those of XLA's default program."""
+    sampling, key = SamplingParams(max_new_tokens=8, temperature=1.0), jax.random.key(5)
+    runs, bound = {}, colocated.FEW_ROWS
+    for few_rows in (bound, 0):
+        monkeypatch.setattr(colocated, "FEW_ROWS", few_rows)
+        sampler = colocated.ColocatedSampler(tiny_model(), cache_phases=2)
+        with caplog.at_level(logging.INFO, logger="unitrain"):
+            program, _ = sampler.program(PROMPTS, sampling, key)
+        runs[few_rows] = library_dots(program), sampler.generate(PROMPTS, sampling, key)
+    assert "compiled generate (batch=4 prompt=16 new=8 cache phases=2)" in caplog.text
+    assert "XLA options {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_REDUCE'}" in caplog.text
+    (own, few), (library, default) = runs[bound], runs[0]
+    assert own == 0 and library > 0
+    np.testing.assert_array_equal(few.tokens, default.tokens)
+    np.testing.assert_allclose(few.logprobs, default.logprobs, atol=1e-5)
+    assert colocated.compiler_options(1) is None  # FEW_ROWS is 0 now

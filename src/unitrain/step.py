@@ -138,30 +138,31 @@ class CompileCache:
         self.mesh = mesh
         self._compiled: dict = {}
 
-    def __call__(self, name: str, jitted: Callable | None, *args, static: Any = (), build: Callable | None = None):
+    def __call__(self, name: str, jitted: Callable | None, *args, static: Any = (), build: Callable | None = None,
+                 options: dict | None = None):
         """Runs the program `name` on `args`, compiling it first if this signature is new. `build`
-        (called only then) makes the jitted function when it depends on the `static` choices."""
-        return self.compiled(name, jitted, *args, static=static, build=build)(*args)
+        (called only then) makes the jitted function when it depends on the `static` choices;
+        `options` are XLA compiler options for this program alone (jax's `compiler_options`)."""
+        return self.compiled(name, jitted, *args, static=static, build=build, options=options)(*args)
 
-    def compiled(self, name: str, jitted: Callable | None, *args, static: Any = (), build: Callable | None = None):
-        key = (name, static, _signature(args))
+    def compiled(self, name: str, jitted: Callable | None, *args, static: Any = (), build: Callable | None = None,
+                 options: dict | None = None):
+        key = (name, static, _signature(args), tuple(sorted((options or {}).items())))
         program = self._compiled.get(key)
         if program is None:
-            program = self._compile(name, build() if build is not None else jitted, args)
+            program = self._compile(name, build() if build is not None else jitted, args, options)
             self._compiled[key] = program
         return program if self.mesh is None else _in_mesh(program, self.mesh)
 
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def _compile(self, name, jitted, args):
+    def _compile(self, name, jitted, args, options):
         start = time.perf_counter()
-        if self.mesh is not None:
-            with jax.set_mesh(self.mesh):
-                compiled = jitted.lower(*args).compile()
-        else:
-            compiled = jitted.lower(*args).compile()
-        log.info("compiled %s in %.1f s", name, time.perf_counter() - start)
+        with in_mesh(self.mesh):
+            compiled = jitted.lower(*args).compile(compiler_options=options)
+        log.info("compiled %s in %.1f s%s", name, time.perf_counter() - start,
+                 f" (XLA options {options})" if options else "")
         memory = compiled.memory_analysis()
         if memory is not None:
             log.info("%s memory per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB", name,

@@ -194,6 +194,6 @@ def search(sampler, block: dict, n_real: int, beams: BeamParams, key) -> Ranked:
             np.float32(beams.length_penalty), key)
     kind = "sample" if beams.sample else "beam"
     out = sampler.programs(f"{kind} search (batch={B} prompt={P} new={N} width={W})", None, *args, static=static,
-                           build=lambda: _build(*static))
+                           build=lambda: _build(*static), options=sampler.compiler_options(B * W))
     out = {k: to_host(v)[:n_real] for k, v in out.items()}
     return Ranked(out["tokens"], out["logprobs"], out["lengths"], out["scores"], sampler.version)
