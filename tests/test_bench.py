@@ -275,3 +275,31 @@ def test_push_mode_times_the_copy_to_the_rollout_mesh():
     assert result["rollout_mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and result["trainer_mesh"]["fsdp"] == 4
     proc = run_bench("configs/base.yml", "model_name=tiny", "--mode", "push")  # sampler colocated: nothing to push
     assert proc.returncode == 2 and "--mode push times the weight push of sampler=mesh" in proc.stderr
+
+
+def test_peer_ab_alternates_the_peer_and_unitrain_and_reports_their_ratios(tiny_checkpoint, tmp_path):
+    """tools/peer_ab.sh with a stand-in for Tunix's venv (a python that prints the peer's JSON line):
+    one line per pair with ours over the peer's rate, and the median of the pairs; user mistakes exit 2."""
+    peer, venv = tmp_path / "peer", tmp_path / "venv" / "bin"
+    peer.mkdir()
+    venv.mkdir(parents=True)
+    (venv / "python").write_text('#!/bin/sh\necho "peer log line" >&2\necho \'{"sampler_tokens_per_s": 50.0}\'\n')
+    (venv / "python").chmod(0o755)
+    env = {**os.environ, "TUNIX_VENV": str(venv.parent), "CKPT": str(tiny_checkpoint("qwen2")), "PEER": str(peer),
+           "PYTHON": sys.executable}
+    script = str(REPO / "tools" / "peer_ab.sh")
+    done = subprocess.run([script, "sampler", "2", "4", "8", "6"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    *pairs, summary = done.stdout.strip().splitlines()
+    ratios = []
+    for line in pairs:
+        fields = dict(word.split("=") for word in line.split() if "=" in word)
+        assert float(fields["sampler_tokens_per_s"]) == 50.0
+        ratios.append(float(line.split()[-1]))
+        assert ratios[-1] == pytest.approx(float(fields["tokens_per_sec"]) / 50.0, abs=1e-3)
+    assert len(ratios) == 2 and summary.startswith(f"median ratio {sum(ratios) / 2:.3f} of 2")
+    wrong = subprocess.run([script, "rollout", "1"], env=env, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "mode must be sampler or grpo, not 'rollout'" in wrong.stderr
+    missing = subprocess.run([script, "grpo", "1"], env={**env, "TUNIX_VENV": str(tmp_path / "none")},
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "no Tunix venv at" in missing.stderr
