@@ -33,7 +33,7 @@ from flax import nnx
 
 from unitrain import sharding
 from unitrain.rollout.base import Completions
-from unitrain.rollout.colocated import constrain_cache, sharded_cache
+from unitrain.rollout.colocated import compiler_options, constrain_cache, sharded_cache
 from unitrain.rollout.trie import Trie
 from unitrain.step import full_rows_to_global, to_host
 
@@ -194,6 +194,6 @@ def search(sampler, block: dict, n_real: int, beams: BeamParams, key) -> Ranked:
             np.float32(beams.length_penalty), key)
     kind = "sample" if beams.sample else "beam"
     out = sampler.programs(f"{kind} search (batch={B} prompt={P} new={N} width={W})", None, *args, static=static,
-                           build=lambda: _build(*static), options=sampler.compiler_options(B * W))
+                           build=lambda: _build(*static), options=compiler_options(B * W // sampler.parallelism))
     out = {k: to_host(v)[:n_real] for k, v in out.items()}
     return Ranked(out["tokens"], out["logprobs"], out["lengths"], out["scores"], sampler.version)

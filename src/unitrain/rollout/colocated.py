@@ -278,6 +278,7 @@ class ColocatedSampler:
         self.params, self.version, self.decode = nnx.to_pure_dict(params), 0, None
         self.vocab_size, self.pad_id, self.mesh, self.cache_phases = model.vocab_size, pad_id, mesh, cache_phases
         self.rules = sharding.rules_from_config(rules or sharding.DEFAULT_RULES) if mesh is not None else None
+        self.parallelism = batch_parallelism(mesh, self.rules) if mesh is not None else 1  # devices the rows split over
         self.programs = programs if programs is not None else CompileCache(mesh)
 
     def update_weights(self, params, version: int) -> None:
@@ -305,8 +306,7 @@ class ColocatedSampler:
         """(rows, prompt columns) of the left-padded block that generate and beam_search run for
         `n_prompts` prompts of at most `longest` tokens: both bucketed, the rows to a multiple of
         the mesh's batch parallelism."""
-        multiple = batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1
-        return bucket_batch_size(n_prompts, multiple), bucket_prompt_length(longest)
+        return bucket_batch_size(n_prompts, self.parallelism), bucket_prompt_length(longest)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
         """`logprobs` is each sampled token's log-prob under the temperature-scaled, top-k/top-p
@@ -359,12 +359,8 @@ class ColocatedSampler:
         batch = f"batch={B} prefill rows={R}" if R < B else f"batch={B}"
         program = self.programs.compiled(
             f"generate ({batch} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})", None,
-            *args, static=static, build=lambda: _build(*static), options=self.compiler_options(B))
+            *args, static=static, build=lambda: _build(*static), options=compiler_options(B // self.parallelism))
         return program, args
-
-    def compiler_options(self, rows: int) -> dict | None:
-        """`compiler_options` of a program whose decode steps run `rows` rows in all."""
-        return compiler_options(rows // (batch_parallelism(self.mesh, self.rules) if self.mesh is not None else 1))
 
     def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
         """The `beams.width` best sequences of each prompt with their total logprobs (rollout/beam.py:
