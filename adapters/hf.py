@@ -22,10 +22,10 @@ from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from unitrain.adapters import hf_config
-from unitrain.models import decoder as model_lib
 from unitrain import sharding
+from unitrain.adapters import hf_config
 from unitrain.config import ConfigError
+from unitrain.models import decoder as model_lib
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 

@@ -10,9 +10,9 @@ from flax import nnx
 
 from unitrain import sharding
 from unitrain.models import decoder as model_lib
+from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.beam import BeamParams
 from unitrain.rollout.colocated import ColocatedSampler
-from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.trie import Trie
 
 EOS, V = 1, 48

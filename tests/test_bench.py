@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from unitrain import metrics, rollout, sharding
-from unitrain.models import decoder
 from unitrain.config import ConfigError, load_config
+from unitrain.models import decoder
 from unitrain.run import build_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,8 +234,9 @@ def test_decode_bytes_are_the_weights_and_the_cache_attended(tiny_checkpoint, ph
     """Counted from the checkpoint's own files: its safetensors' elements in the compute dtype, and
     keys and values of every layer over the padded block (16-token prompt bucket + the new tokens
     of the step's phase), averaged over the 5 decode steps of 6 new tokens."""
-    import bench
     from safetensors import safe_open
+
+    import bench
 
     path = tiny_checkpoint("qwen2")
     hf = json.loads((Path(path) / "config.json").read_text())

@@ -4,7 +4,6 @@ import dataclasses
 import json
 
 from check_logits import main
-
 from unitrain.adapters import hf
 
 

@@ -304,7 +304,7 @@ def test_frozen():
         cfg.mesh_shape["data"] = 2
     assert isinstance(cfg.logical_axis_rules, tuple)
     with pytest.raises(AttributeError, match="did you mean 'emb_dim'"):
-        cfg.emb_dimm
+        _ = cfg.emb_dimm
 
 
 def test_to_dict_is_a_plain_copy():

@@ -6,11 +6,10 @@ import datasets  # the reference writer of save_to_disk folders
 import numpy as np
 import pytest
 
+from conftest import REPO, make_cfg, write_jsonl
 from unitrain import train
 from unitrain.data import DataError, load_tokenizer, make_prompt_iterator, make_sft_iterator
 from unitrain.data.preference import make_preference_iterator
-
-from conftest import REPO, make_cfg, write_jsonl
 
 TOK = load_tokenizer("")
 # Text that CSV must quote: commas, quotes, a line break inside a field, non-ASCII.

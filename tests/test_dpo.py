@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import REPO, make_cfg, write_jsonl
 from unitrain import losses, train
 from unitrain import step as step_lib
 from unitrain.config import ConfigError
@@ -17,8 +18,6 @@ from unitrain.data import DataError, load_tokenizer
 from unitrain.data.preference import PAIR_FIELDS, eval_pair_batches, make_preference_iterator
 from unitrain.run import build_run
 from unitrain.tasks.dpo import DPOTask, real_pairs
-
-from conftest import REPO, make_cfg, write_jsonl
 
 TOK = load_tokenizer("")
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"

@@ -14,11 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from unitrain import checkpoint, metrics, run, train
-from unitrain.config import ConfigError
-
 from conftest import REPO, cpu_env
 from test_train import FAST, config, losses_of, run_cli
+from unitrain import checkpoint, metrics, run, train
+from unitrain.config import ConfigError
 
 
 def metric_lines(cfg):

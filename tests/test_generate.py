@@ -3,9 +3,9 @@ import json
 
 import numpy as np
 import pytest
-from generate import main
 
 from conftest import REPO
+from generate import main
 
 PROMPTS = ["Natalia sold clips to 48 of her friends", "How many"]
 

@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from unitrain import evals, lora, losses, run, tasks, train
-from unitrain.tasks import grpo
-from unitrain.rollout.groups import Group, nonzero_std, select_groups
-from unitrain.config import ConfigError, load_config
-
 from conftest import REPO, sigterm_after_step
+from unitrain import evals, lora, losses, run, tasks, train
+from unitrain.config import ConfigError, load_config
+from unitrain.rollout.groups import Group, nonzero_std, select_groups
+from unitrain.tasks import grpo
 
 FAST = ["mode=grpo", "per_device_batch_size=2", "rollout_batch_size=4", "n_samples_per_prompt=4",
         "rollout_max_response_len=6", "eval_interval=0", "log_period=1", "builtin_task_digits=1",

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from unitrain import metrics
-from unitrain.models import decoder as model
 from unitrain.config import load_config
+from unitrain.models import decoder as model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -206,6 +206,7 @@ def grpo_like_rows(steps=200, eval_every=50):
 
 def test_dashboard_groups_panels_and_leaves_out_constants_and_copies(tmp_path, capsys):
     import matplotlib.image
+
     from plot_metrics import dashboard, main, series
 
     panels, left_out = dashboard(series(grpo_like_rows()))
@@ -230,6 +231,7 @@ def test_dashboard_draws_smoothed_dense_and_marked_sparse_series():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from plot_metrics import _draw, rolling_median, series, smooth
 
     rng = np.random.default_rng(1)

@@ -7,8 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import REPO, make_cfg
 
+from conftest import REPO, make_cfg
 from unitrain import rewards
 from unitrain.data import recommendation
 from unitrain.data.errors import DataError
@@ -76,7 +76,6 @@ def test_csv_rows_become_records_mixed_by_weight_and_bad_rows_name_their_line(tm
 @needs_data
 def test_sft_then_beam_grpo_on_the_slice(tmp_path):
     from make_tiny_model import make_tiny_model
-
     from unitrain import train
 
     tiny = make_tiny_model(tmp_path / "tiny", "llama", vocab_size=400, extra_tokens=str(INDEX), seed=0)
@@ -111,9 +110,8 @@ def test_sft_then_beam_grpo_on_the_slice(tmp_path):
 
 
 def test_generate_beam_is_constrained_to_the_sid_index(tmp_path, capsys):
-    from make_tiny_model import make_tiny_model
-
     import generate
+    from make_tiny_model import make_tiny_model
 
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"0": ["<a_1>", "<b_2>", "<c_3>"], "1": ["<a_1>", "<b_2>", "<c_4>"],

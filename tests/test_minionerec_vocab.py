@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_cfg
 
+from conftest import make_cfg
 from unitrain import export, vocab
 from unitrain.config import ConfigError
 from unitrain.data.errors import DataError

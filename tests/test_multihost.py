@@ -6,11 +6,10 @@ import json
 
 import numpy as np
 
-from unitrain import train
-from unitrain.config import load_config
-
 from conftest import REPO
 from launch.local import launch  # tools/ is on sys.path (conftest)
+from unitrain import train
+from unitrain.config import load_config
 
 SFT = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
        "log_period=1", "builtin_task_digits=2", "warmup_steps=0", "lr_schedule=constant", "checkpoint_period=2",

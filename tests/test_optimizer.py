@@ -7,14 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from unitrain.config import load_config
 from flax import nnx
 
+from conftest import REPO
+from unitrain.config import load_config
 from unitrain.models import decoder
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
-
-from conftest import REPO
 
 
 def cfg(*overrides):

@@ -7,11 +7,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 
-import unitrain.adapters
+import tomllib
 
+import unitrain.adapters
 from conftest import REPO
 
 

@@ -5,10 +5,9 @@ import json
 
 import pytest
 
+from conftest import REPO, sigterm_after_step
 from unitrain import pipeline, train
 from unitrain.config import load_config
-
-from conftest import REPO, sigterm_after_step
 
 BASE = str(REPO / "configs" / "base.yml")
 COMMON = {"max_target_length": 32, "per_device_batch_size": 1, "eval_interval": 0, "peak_flops_per_device": 1e12,

@@ -7,10 +7,9 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import REPO
 from unitrain import train
 from unitrain.config import ConfigError, load_config
-
-from conftest import REPO
 
 TOY = textwrap.dedent('''
     """A toy mode and a toy sampler, written against unitrain's public interfaces only."""

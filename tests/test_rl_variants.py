@@ -10,14 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import REPO
+from test_grpo import FAST, config, make_step
 from unitrain import train
 from unitrain.config import ConfigError
 from unitrain.rollout.base import Completions
 from unitrain.rollout.groups import Group
 from unitrain.tasks.grpo import truncated_rows
-
-from conftest import REPO
-from test_grpo import FAST, config, make_step
 
 
 def metrics(cfg) -> list[dict]:

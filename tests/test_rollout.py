@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain.models import decoder as model_lib
 from unitrain import sharding
+from unitrain.models import decoder as model_lib
 from unitrain.rollout import colocated
 from unitrain.rollout.base import SamplingParams
 

@@ -9,11 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import REPO
 from unitrain import run, sharding, train
 from unitrain.config import load_config
 from unitrain.rollout.mesh import push
-
-from conftest import REPO
 
 GRPO = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "rollout_max_response_len=6",
         "eval_interval=0", "log_period=1", "builtin_task_digits=1", "max_prompt_length=16", "learning_rate=1e-3",

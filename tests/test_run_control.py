@@ -14,10 +14,9 @@ import transformers
 import yaml
 from flax import nnx
 
+from conftest import REPO, make_cfg
 from unitrain import checkpoint, models, run, run_dir, sharding, tasks, train
 from unitrain.config import MODEL_KEYS, ConfigError, load_config
-
-from conftest import REPO, make_cfg
 
 BASE = str(REPO / "configs" / "base.yml")
 FAST = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",

@@ -11,11 +11,10 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import REPO, cpu_env, only_first_device
 from unitrain import distributed, models, run, sharding, tasks, train
 from unitrain import step as step_lib
 from unitrain.config import ConfigError, load_config
-
-from conftest import REPO, cpu_env, only_first_device
 
 SFT = ["max_target_length=32", "eval_interval=0", "peak_flops_per_device=1e12", "log_period=1",
        "builtin_task_digits=2", "warmup_steps=2", "steps=5"]

@@ -7,17 +7,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
+
+from conftest import REPO, make_cfg, write_jsonl
 from generate import main as generate_main
 from make_tiny_model import BUILTIN_CORPUS, build_tokenizer
 from test_metrics import read_events
-from transformers import AutoTokenizer
-
 from unitrain import train
 from unitrain.config import ConfigError
 from unitrain.data import eval_prompts, load_tokenizer, make_prompt_iterator, make_sft_iterator
 from unitrain.data.sft import eval_prompt_records
-
-from conftest import REPO, make_cfg, write_jsonl
 
 # ChatML as tools/make_tiny_model.py writes it, with the assistant turns marked for transformers'
 # return_assistant_tokens_mask: the independent reference of the loss mask.

@@ -7,11 +7,10 @@ import yaml
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from unitrain.models import decoder as model_lib
+from conftest import REPO
 from unitrain import sharding
 from unitrain.adapters import hf
-
-from conftest import REPO
+from unitrain.models import decoder as model_lib
 
 CFG = model_lib.ModelConfig(vocab_size=512, emb_dim=64, mlp_dim=128, num_decoder_layers=2, num_query_heads=4,
                             num_kv_heads=2, head_dim=16, qkv_bias=True, logical_axis_rules=sharding.DEFAULT_RULES)

@@ -15,12 +15,11 @@ import torch
 import transformers
 from flax import nnx
 
+from conftest import REPO, cpu_env, sigterm_after_step
 from unitrain import checkpoint, data, run, tasks, train
 from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.config import load_config
-
-from conftest import REPO, cpu_env, sigterm_after_step
 
 FAST = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
         "log_period=1", "builtin_task_digits=2", "warmup_steps=2"]

@@ -29,6 +29,7 @@ DEFAULT_TOLS = {"float32": (1e-4, 1e-6), "bfloat16": (2.0, 1e-1)}
 def prompt_tokens(ckpt: Path, text: str | None, length: int, vocab_size: int, seed: int) -> np.ndarray:
     """`text` tokenized with the checkpoint's tokenizer and repeated/cut to `length`; random ids when None."""
     import transformers
+
     from unitrain.config import ConfigError
 
     if text is None:
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     a = p.parse_args(argv)
     import transformers
+
     from unitrain.adapters import hf
     from unitrain.config import ConfigError
 

@@ -19,9 +19,9 @@ import math
 import os
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -29,7 +29,6 @@ import yaml
 from unitrain.models import SOURCES
 from unitrain.rollout import FILTERS, SAMPLERS
 from unitrain.tasks import MODES
-
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.yml"  # the checkout's base.yml
 

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 # TensorBoard tags allow only these characters and rewrite any other to "_" on their own.
 _UNSAFE_IN_TAG = re.compile(r"[^-/\w.]")
 

@@ -24,13 +24,13 @@ import math
 import numbers
 import re
 import threading
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 
-from unitrain.config import ConfigError
 from unitrain import plugins
+from unitrain.config import ConfigError
 from unitrain.plugins import did_you_mean, one_line
 
 log = logging.getLogger("unitrain")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

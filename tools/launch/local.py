@@ -213,7 +213,7 @@ def _stop(procs, ended, killed, reason, grace):
         except subprocess.TimeoutExpired:
             _signal_group(procs[i], signal.SIGKILL)
             procs[i].wait()
-    for i, p in enumerate(procs):
+    for i in range(len(procs)):
         if i not in ended:
             ended[i] = time.monotonic()
 

@@ -24,8 +24,8 @@ import dataclasses
 import grain
 
 from unitrain.config import ConfigError
-from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
 from unitrain.data import recommendation
+from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
 from unitrain.data.errors import DataError
 from unitrain.data.sft import CountDropped, split_path
 from unitrain.data.sources import iter_rows, label_text

@@ -51,7 +51,7 @@ class Model(Protocol):
         copy the slices on every step). A sampler makes it in a program of its own once per
         weight version and passes it to `for_decoding` in every call with those weights."""
 
-    def for_decoding(self, weights: Any) -> "Model":
+    def for_decoding(self, weights: Any) -> Model:
         """The model as a sampler's token loop calls it, given `decode_weights()` of the same
         parameters: it gives the same outputs for the same calls. One that needs nothing returns
         itself."""

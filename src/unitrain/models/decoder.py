@@ -87,7 +87,7 @@ class ModelConfig:
     logical_axis_rules: tuple = ()
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "ModelConfig":
+    def from_config(cls, cfg: Any) -> ModelConfig:
         """Takes the model fields out of a unitrain Config (or any mapping with those keys)."""
         values = {f.name: cfg[f.name] for f in dataclasses.fields(cls)}
         values["logical_axis_rules"] = sharding.rules_from_config(cfg["logical_axis_rules"])
@@ -182,10 +182,10 @@ class Decoder(nnx.Module):
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    def init_cache(self, batch_size: int, max_length: int) -> "KVCache":
+    def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         return init_cache(self.cfg, batch_size, max_length)
 
-    def cache_axes(self) -> "KVCache":
+    def cache_axes(self) -> KVCache:
         return cache_axes(self.cfg)
 
     def param_axes(self) -> dict:

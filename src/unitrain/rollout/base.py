@@ -87,7 +87,7 @@ class Completions:
     lengths: np.ndarray  # [B] int32
     version: int  # the policy version (update_weights) that produced them
 
-    def __getitem__(self, rows) -> "Completions":
+    def __getitem__(self, rows) -> Completions:
         return Completions(self.tokens[rows], self.mask[rows], self.logprobs[rows], self.lengths[rows],
                            self.version)
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

@@ -313,7 +313,7 @@ class ColocatedSampler:
         filtered distribution it was drawn from (greedy: log-softmax of the raw logits)."""
         return self.submit(prompt_ids, sampling, key).result()
 
-    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> "Pending":
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Pending:
         """generate, dispatched: returns at once while the devices sample; `.result()` waits for the
         Completions. Later calls (a train step on other devices) run meanwhile."""
         program, args = self.program(prompt_ids, sampling, key)

@@ -10,7 +10,7 @@ A group is one prompt's n completions with their decoded texts and rewards. Filt
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np

@@ -32,7 +32,7 @@ class Trie:
     widest_level: int  # most nodes at one depth: a beam this wide never prunes a valid prefix
 
     @classmethod
-    def build(cls, sequences: list[list[int]]) -> "Trie":
+    def build(cls, sequences: list[list[int]]) -> Trie:
         if not sequences:
             raise ValueError("a trie needs at least one sequence")
         edges: list[dict[int, int]] = [{}]  # node -> {token: child}

@@ -42,10 +42,10 @@ from flax import nnx
 from unitrain import data, lora, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.evals import TaskEvaluator
-from unitrain.rollout.base import SamplingParams, release
-from unitrain.rollout.colocated import batch_parallelism, bucket_prompt_length
 from unitrain.rec_eval import RecEvaluator, sid_beams
+from unitrain.rollout.base import SamplingParams, release
 from unitrain.rollout.buffer import RolloutBuffer
+from unitrain.rollout.colocated import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
 from unitrain.tasks.base import RunContext, Task
 
