@@ -80,31 +80,47 @@ def tensor_names(cfg: model_lib.ModelConfig) -> dict[str, str]:
 
 # ---------------------------------------------------------------- config.json <-> ModelConfig
 
+
 def model_config_from_hf(path: str | Path, trust_remote_code: bool = False, **execution) -> model_lib.ModelConfig:
     """ModelConfig from an HF checkpoint dir; `execution` sets dtype, weight_dtype, remat_policy, ..."""
     return model_lib.ModelConfig(**hf_config.model_keys(path, trust_remote_code), **execution)
 
 
 def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedConfig:
-    rope = {"rope_type": "default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
-            "rope_theta": cfg.rope_theta}
+    rope = {
+        "rope_type": "default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
+        "rope_theta": cfg.rope_theta,
+    }
     if cfg.rope_scaling_type != "none":
         rope["factor"] = cfg.rope_scaling_factor
     if cfg.rope_scaling_type == "llama3":
-        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
-                    original_max_position_embeddings=cfg.rope_original_max_position)
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position,
+        )
     extra = {"sliding_window": cfg.sliding_window} if cfg.model_family == "mistral" else {}
     return transformers.AutoConfig.for_model(
         cfg.model_family,
-        vocab_size=cfg.vocab_size, hidden_size=cfg.emb_dim, intermediate_size=cfg.mlp_dim,
-        num_hidden_layers=cfg.num_decoder_layers, num_attention_heads=cfg.num_query_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters=rope, tie_word_embeddings=cfg.tie_word_embeddings, hidden_act="silu",
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.emb_dim,
+        intermediate_size=cfg.mlp_dim,
+        num_hidden_layers=cfg.num_decoder_layers,
+        num_attention_heads=cfg.num_query_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        hidden_act="silu",
         max_position_embeddings=max(cfg.rope_original_max_position, 4096),
-        dtype=str(np.dtype(cfg.weight_dtype)), **extra)
+        dtype=str(np.dtype(cfg.weight_dtype)),
+        **extra,
+    )
 
 
 # ---------------------------------------------------------------- load
+
 
 class _TensorIndex:
     """Tensor name -> safetensors file, for single-file and sharded (index.json) checkpoints."""
@@ -118,7 +134,9 @@ class _TensorIndex:
             with open_safetensors(path / "model.safetensors") as f:
                 self.files = {name: path / "model.safetensors" for name in f.keys()}
         else:
-            raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors weights are loaded)")
+            raise ConfigError(
+                f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors weights are loaded)"
+            )
         self.path = path
         self._handles = {}
 
@@ -176,7 +194,7 @@ def _load_param(index: _TensorIndex, m: _Mapping, stacked: bool, var: nnx.Variab
     expected = [s for s in view_shape]
     if m.split:
         a = m.split[0]
-        expected = expected[:a] + [expected[a] * expected[a + 1]] + expected[a + 2:]
+        expected = expected[:a] + [expected[a] * expected[a + 1]] + expected[a + 2 :]
     probe_key = m.hf_key.format(i=0)
     actual = list(index.slice(probe_key).get_shape())
     if actual != expected:
@@ -196,9 +214,16 @@ def _single_device_mesh():
     return sharding.create_mesh(ones, ones, devices=jax.devices()[:1])
 
 
-def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.DEFAULT_RULES,
-         trust_remote_code: bool = False, model_cfg: model_lib.ModelConfig | None = None,
-         **execution) -> model_lib.Decoder:
+def load(
+    path: str | Path,
+    dtype: str = "float32",
+    mesh=None,
+    *,
+    rules=sharding.DEFAULT_RULES,
+    trust_remote_code: bool = False,
+    model_cfg: model_lib.ModelConfig | None = None,
+    **execution,
+) -> model_lib.Decoder:
     """An HF checkpoint dir as a unitrain Decoder whose parameters are placed in their shardings.
 
     The architecture is `model_cfg` (a run's, already reconciled with config.json by the config
@@ -227,7 +252,9 @@ def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.
     loaded = {}
     for key_path, var in flat_vars.items():
         name = ".".join(str(k) for k in key_path)
-        array = _load_param(index, mappings[name], name.startswith("layers."), var, flat_shardings[key_path].get_value())
+        array = _load_param(
+            index, mappings[name], name.startswith("layers."), var, flat_shardings[key_path].get_value()
+        )
         loaded[key_path] = var.replace(array)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
@@ -241,16 +268,19 @@ def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings) -> None:
         known.add("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
     unknown = sorted(n for n in index.files if n not in known and not n.endswith(_IGNORED_SUFFIXES))
     if unknown:
-        raise ConfigError(f"{path}: checkpoint has tensors this config does not use, e.g. '{unknown[0]}' ({len(unknown)} in all)")
+        raise ConfigError(
+            f"{path}: checkpoint has tensors this config does not use, e.g. '{unknown[0]}' ({len(unknown)} in all)"
+        )
 
 
 # ---------------------------------------------------------------- save
+
 
 def _to_hf(array: np.ndarray, m: _Mapping) -> np.ndarray:
     view = array.transpose(np.argsort(m.perm))
     if m.split:
         a = m.split[0]
-        view = view.reshape(view.shape[:a] + (view.shape[a] * view.shape[a + 1],) + view.shape[a + 2:])
+        view = view.reshape(view.shape[:a] + (view.shape[a] * view.shape[a + 1],) + view.shape[a + 2 :])
     return np.ascontiguousarray(view)
 
 
@@ -267,8 +297,11 @@ def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 
         name = ".".join(str(k) for k in key_path)
         full = np.asarray(multihost_utils.process_allgather(var.get_value(), tiled=True))
         m = mappings[name]
-        tensors = ({m.hf_key.format(i=i): _to_hf(full[i], m) for i in range(full.shape[0])}
-                   if name.startswith("layers.") else {m.hf_key: _to_hf(full, m)})
+        tensors = (
+            {m.hf_key.format(i=i): _to_hf(full[i], m) for i in range(full.shape[0])}
+            if name.startswith("layers.")
+            else {m.hf_key: _to_hf(full, m)}
+        )
         if writer:
             for hf_name, t in tensors.items():
                 writer.add(hf_name, t)
@@ -313,4 +346,5 @@ class _ShardWriter:
             (self.path / old).rename(self.path / new)
         weight_map = {name: renames[f] for name, f in self.weight_map.items()}
         (self.path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2)
+        )

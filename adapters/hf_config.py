@@ -37,7 +37,9 @@ def _field(hf, name, config_file):
 
 def _check_supported(hf, config_file) -> None:
     if hf.model_type not in MODEL_TYPES:
-        raise ConfigError(f"{config_file}: field 'model_type' is '{hf.model_type}'; supported: {', '.join(MODEL_TYPES)}")
+        raise ConfigError(
+            f"{config_file}: field 'model_type' is '{hf.model_type}'; supported: {', '.join(MODEL_TYPES)}"
+        )
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
     if getattr(hf, "mlp_bias", False):
@@ -45,7 +47,9 @@ def _check_supported(hf, config_file) -> None:
     if hf.model_type in ("llama", "mistral", "qwen3") and getattr(hf, "attention_bias", False):
         raise ConfigError(f"{config_file}: field 'attention_bias' is true; only Qwen2 has attention biases here")
     if getattr(hf, "use_sliding_window", False):
-        raise ConfigError(f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported")
+        raise ConfigError(
+            f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported"
+        )
 
 
 def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
@@ -56,7 +60,9 @@ def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"{config_file}: field 'rope_scaling.rope_type' is '{rope_type}'; supported: {', '.join(ROPE_TYPES)}")
+        raise ConfigError(
+            f"{config_file}: field 'rope_scaling.rope_type' is '{rope_type}'; supported: {', '.join(ROPE_TYPES)}"
+        )
     heads = _field(hf, "num_attention_heads", config_file)
     emb = _field(hf, "hidden_size", config_file)
     return dict(

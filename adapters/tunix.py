@@ -59,26 +59,51 @@ REMAT = {"none": "NONE", "full": "DECODER"}
 # Tunix 0.1.7's Llama3 and Qwen3 apply RoPE with this theta whatever their config says.
 _FIXED_ROPE_THETA = 1_000_000.0
 # Tunix's Gemma3 repeats five sliding-window layers then one global layer.
-_GEMMA3_PATTERN = tuple("full_attention" if t == gemma3.AttentionType.GLOBAL else "sliding_attention"
-                        for t in gemma3.GEMMA3_ATTENTION_PATTERN)
+_GEMMA3_PATTERN = tuple(
+    "full_attention" if t == gemma3.AttentionType.GLOBAL else "sliding_attention"
+    for t in gemma3.GEMMA3_ATTENTION_PATTERN
+)
 
 # ---------------------------------------------------------------- sharding: logical names per Tunix field
 
-_ACTIVATIONS = {"act_btd": ("batch", "length", "activation_embed"), "act_btf": ("batch", "length", "mlp"),
-                "act_btnh": ("batch", "length", "heads", "kv")}
-_DENSE = {"emb_vd": ("vocab", "embed"), "emb_dv": ("embed", "vocab"), "q_weight_dnh": ("embed", "heads", "kv"),
-          "kv_weight_dnh": ("embed", "kv_heads", "kv"), "o_weight_nhd": ("heads", "kv", "embed"),
-          "ffw_weight_df": ("embed", "mlp"), "ffw_weight_fd": ("mlp", "embed"), "rms_norm_weight": ("norm",),
-          **_ACTIVATIONS}
+_ACTIVATIONS = {
+    "act_btd": ("batch", "length", "activation_embed"),
+    "act_btf": ("batch", "length", "mlp"),
+    "act_btnh": ("batch", "length", "heads", "kv"),
+}
+_DENSE = {
+    "emb_vd": ("vocab", "embed"),
+    "emb_dv": ("embed", "vocab"),
+    "q_weight_dnh": ("embed", "heads", "kv"),
+    "kv_weight_dnh": ("embed", "kv_heads", "kv"),
+    "o_weight_nhd": ("heads", "kv", "embed"),
+    "ffw_weight_df": ("embed", "mlp"),
+    "ffw_weight_fd": ("mlp", "embed"),
+    "rms_norm_weight": ("norm",),
+    **_ACTIVATIONS,
+}
 _NO_EXPERTS = (None, None, None)  # Qwen's mixture-of-experts fields; the dense models have no experts
-_QWEN2 = {**_DENSE, "exp_weight_cdf": _NO_EXPERTS, "exp_weight_cfd": _NO_EXPERTS,
-          "qkv_bias": (None,)}  # q/k/v biases are flat [heads * head_dim] and tiny: replicated
+_QWEN2 = {
+    **_DENSE,
+    "exp_weight_cdf": _NO_EXPERTS,
+    "exp_weight_cfd": _NO_EXPERTS,
+    "qkv_bias": (None,),
+}  # q/k/v biases are flat [heads * head_dim] and tiny: replicated
 _QWEN3 = {**_DENSE, "exp_weight_edf": _NO_EXPERTS, "exp_weight_efd": _NO_EXPERTS}
-_GEMMA3 = {"emb_vd": ("vocab", "embed"), "q_weight_ndh": ("heads", "embed", "kv"),
-           "kv_weight_cndh": (None, "kv_heads", "embed", "kv"), "qkv_weight_cndh": (None, "heads", "embed", "kv"),
-           "o_weight_nhd": ("heads", "kv", "embed"), "ffw_weight_df": ("embed", "mlp"),
-           "ffw_weight_fd": ("mlp", "embed"), "rms_norm_weight": ("norm",), **_ACTIVATIONS,
-           "vision_proj": (None, None), "vision_soft_emb_norm_weight": (None,), "siglip": None}  # text only
+_GEMMA3 = {
+    "emb_vd": ("vocab", "embed"),
+    "q_weight_ndh": ("heads", "embed", "kv"),
+    "kv_weight_cndh": (None, "kv_heads", "embed", "kv"),
+    "qkv_weight_cndh": (None, "heads", "embed", "kv"),
+    "o_weight_nhd": ("heads", "kv", "embed"),
+    "ffw_weight_df": ("embed", "mlp"),
+    "ffw_weight_fd": ("mlp", "embed"),
+    "rms_norm_weight": ("norm",),
+    **_ACTIVATIONS,
+    "vision_proj": (None, None),
+    "vision_soft_emb_norm_weight": (None,),
+    "siglip": None,
+}  # text only
 # Tunix's Gemma3 names a mesh axis itself for a single kv head: kv_einsum's embed dim on 'fsdp'.
 _MESH_AXIS_AS_LOGICAL = {"fsdp": "embed"}
 
@@ -99,6 +124,7 @@ def _hashable(config_cls):
 
 # ---------------------------------------------------------------- config.json -> Tunix ModelConfig
 
+
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """The sizes the interface needs (cache, FLOPs) whatever the family calls them."""
@@ -114,9 +140,15 @@ class Dims:
 
 def _dims(hf) -> Dims:
     heads = hf.num_attention_heads
-    return Dims(vocab=hf.vocab_size, emb=hf.hidden_size, mlp=hf.intermediate_size, layers=hf.num_hidden_layers,
-                heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-                head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+    return Dims(
+        vocab=hf.vocab_size,
+        emb=hf.hidden_size,
+        mlp=hf.intermediate_size,
+        layers=hf.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+    )
 
 
 def _require(ok: bool, where, field: str, value, why: str) -> None:
@@ -128,8 +160,13 @@ def _rope(rope: dict | None, where, field: str, types=("default",)) -> tuple[flo
     """(theta, linear factor) of one RoPE parameter set (HF's defaults: theta 1e4, unscaled)."""
     rope = rope or {}
     rope_type = rope.get("rope_type", "default")
-    _require(rope_type in types, where, f"{field}.rope_type", rope_type,
-             f"Tunix's model takes rope_type {' or '.join(types)} here")
+    _require(
+        rope_type in types,
+        where,
+        f"{field}.rope_type",
+        rope_type,
+        f"Tunix's model takes rope_type {' or '.join(types)} here",
+    )
     return float(rope.get("rope_theta", 10000.0)), float(rope.get("factor", 1.0))
 
 
@@ -159,26 +196,51 @@ def _check_fields(hf, where, fields) -> None:
 
 def _check_fixed_theta(hf, where, name: str) -> None:
     theta, _ = _rope(hf.rope_parameters, where, "rope_parameters")
-    _require(theta == _FIXED_ROPE_THETA, where, "rope_parameters.rope_theta", theta,
-             f"tunix 0.1.7's {name} applies RoPE with theta {_FIXED_ROPE_THETA:g} whatever its config says")
+    _require(
+        theta == _FIXED_ROPE_THETA,
+        where,
+        "rope_parameters.rope_theta",
+        theta,
+        f"tunix 0.1.7's {name} applies RoPE with theta {_FIXED_ROPE_THETA:g} whatever its config says",
+    )
 
 
 def _llama3_config(hf, where, d: Dims, shd, weight_dtype, compute_dtype, remat):
     _check_fields(hf, where, _LLAMA_LIKE + _NO_ATTENTION_BIAS)
     _check_fixed_theta(hf, where, "Llama3")
     return llama3.ModelConfig(
-        num_layers=d.layers, vocab_size=d.vocab, embed_dim=d.emb, hidden_dim=d.mlp, num_heads=d.heads,
-        head_dim=d.head_dim, num_kv_heads=d.kv_heads, rope_theta=_FIXED_ROPE_THETA, norm_eps=hf.rms_norm_eps,
+        num_layers=d.layers,
+        vocab_size=d.vocab,
+        embed_dim=d.emb,
+        hidden_dim=d.mlp,
+        num_heads=d.heads,
+        head_dim=d.head_dim,
+        num_kv_heads=d.kv_heads,
+        rope_theta=_FIXED_ROPE_THETA,
+        norm_eps=hf.rms_norm_eps,
         shd_config=_sharding_config(llama3.ShardingConfig, _DENSE, shd),
-        weight_tying=bool(hf.tie_word_embeddings), remat_config=llama3.RematConfig[remat])
+        weight_tying=bool(hf.tie_word_embeddings),
+        remat_config=llama3.RematConfig[remat],
+    )
 
 
 def _qwen_config(module, table, hf, d: Dims, shd, weight_dtype, compute_dtype, remat, rope_theta):
     return _hashable(module.ModelConfig)(
-        num_layers=d.layers, vocab_size=d.vocab, embed_dim=d.emb, hidden_dim=d.mlp, num_heads=d.heads,
-        head_dim=d.head_dim, num_kv_heads=d.kv_heads, rope_theta=rope_theta, norm_eps=hf.rms_norm_eps,
-        use_tied_embedding=bool(hf.tie_word_embeddings), shd_config=_sharding_config(module.ShardingConfig, table, shd),
-        remat_config=module.RematConfig[remat], dtype=jnp.dtype(compute_dtype), param_dtype=jnp.dtype(weight_dtype))
+        num_layers=d.layers,
+        vocab_size=d.vocab,
+        embed_dim=d.emb,
+        hidden_dim=d.mlp,
+        num_heads=d.heads,
+        head_dim=d.head_dim,
+        num_kv_heads=d.kv_heads,
+        rope_theta=rope_theta,
+        norm_eps=hf.rms_norm_eps,
+        use_tied_embedding=bool(hf.tie_word_embeddings),
+        shd_config=_sharding_config(module.ShardingConfig, table, shd),
+        remat_config=module.RematConfig[remat],
+        dtype=jnp.dtype(compute_dtype),
+        param_dtype=jnp.dtype(weight_dtype),
+    )
 
 
 def _qwen2_config(hf, where, d: Dims, shd, weight_dtype, compute_dtype, remat):
@@ -196,24 +258,46 @@ def _qwen3_config(hf, where, d: Dims, shd, weight_dtype, compute_dtype, remat):
 def _gemma3_config(hf, where, d: Dims, shd, weight_dtype, compute_dtype, remat):
     _check_fields(hf, where, _GEMMA3_FIELDS)
     expected = [_GEMMA3_PATTERN[i % len(_GEMMA3_PATTERN)] for i in range(d.layers)]
-    _require(list(hf.layer_types) == expected, where, "layer_types", hf.layer_types,
-             "Tunix's Gemma3 repeats 5 sliding-window layers then 1 global layer")
-    norms = {d.head_dim: gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM,
-             d.emb // d.heads: gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS}
+    _require(
+        list(hf.layer_types) == expected,
+        where,
+        "layer_types",
+        hf.layer_types,
+        "Tunix's Gemma3 repeats 5 sliding-window layers then 1 global layer",
+    )
+    norms = {
+        d.head_dim: gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM,
+        d.emb // d.heads: gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS,
+    }
     scalar = hf.query_pre_attn_scalar
-    _require(scalar in norms, where, "query_pre_attn_scalar", scalar, "Tunix's Gemma3 takes head_dim or hidden_size / heads")
+    _require(
+        scalar in norms, where, "query_pre_attn_scalar", scalar, "Tunix's Gemma3 takes head_dim or hidden_size / heads"
+    )
     rope = hf.rope_parameters
-    local_theta, local_factor = _rope(rope["sliding_attention"], where, "rope_parameters.sliding_attention",
-                                      ("default", "linear"))
-    global_theta, global_factor = _rope(rope["full_attention"], where, "rope_parameters.full_attention",
-                                        ("default", "linear"))
+    local_theta, local_factor = _rope(
+        rope["sliding_attention"], where, "rope_parameters.sliding_attention", ("default", "linear")
+    )
+    global_theta, global_factor = _rope(
+        rope["full_attention"], where, "rope_parameters.full_attention", ("default", "linear")
+    )
     return _hashable(gemma3.ModelConfig)(
-        num_layers=d.layers, num_embed=d.vocab, embed_dim=d.emb, hidden_dim=d.mlp, num_heads=d.heads,
-        head_dim=d.head_dim, num_kv_heads=d.kv_heads, sliding_window_size=hf.sliding_window,
-        local_base_frequency=local_theta, global_base_frequency=global_theta, local_scale_factor=local_factor,
-        global_scale_factor=global_factor, query_pre_attn_norm=norms[scalar],
-        shd_config=_sharding_config(gemma3.ShardingConfig, _GEMMA3, shd), remat_config=gemma3.RematConfig[remat],
-        param_dtype=jnp.dtype(weight_dtype))
+        num_layers=d.layers,
+        num_embed=d.vocab,
+        embed_dim=d.emb,
+        hidden_dim=d.mlp,
+        num_heads=d.heads,
+        head_dim=d.head_dim,
+        num_kv_heads=d.kv_heads,
+        sliding_window_size=hf.sliding_window,
+        local_base_frequency=local_theta,
+        global_base_frequency=global_theta,
+        local_scale_factor=local_factor,
+        global_scale_factor=global_factor,
+        query_pre_attn_norm=norms[scalar],
+        shd_config=_sharding_config(gemma3.ShardingConfig, _GEMMA3, shd),
+        remat_config=gemma3.RematConfig[remat],
+        param_dtype=jnp.dtype(weight_dtype),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +326,7 @@ def _read_hf_config(path: Path, trust_remote_code: bool):
 
 
 # ---------------------------------------------------------------- the model
+
 
 @struct.dataclass
 class Cache:
@@ -289,8 +374,9 @@ def _attention_mask(q_segments, q_positions, k_segments, k_positions):
 class TunixModel(nnx.Module):
     """A Tunix model with unitrain's model interface (models/base.py)."""
 
-    def __init__(self, net: nnx.Module, family: str, dims: Dims, dtype: str, weight_dtype: str,
-                 hf_config: str, hf_tensors: tuple):
+    def __init__(
+        self, net: nnx.Module, family: str, dims: Dims, dtype: str, weight_dtype: str, hf_config: str, hf_tensors: tuple
+    ):
         self.net = net
         self.family, self.dims, self.vocab_size = family, dims, dims.vocab
         self.dtype, self.weight_dtype = dtype, weight_dtype
@@ -347,8 +433,11 @@ class TunixModel(nnx.Module):
     def cache_axes(self) -> Cache:
         kv = ("batch", "length", "kv_heads", "kv")
         layer = {"k": kv, "v": kv, "end_index": ("batch",)}
-        return Cache(layers={f"layer_{i}": layer for i in range(self.dims.layers)},
-                     segment_ids=("batch", "length"), positions=("batch", "length"))
+        return Cache(
+            layers={f"layer_{i}": layer for i in range(self.dims.layers)},
+            segment_ids=("batch", "length"),
+            positions=("batch", "length"),
+        )
 
     def param_axes(self) -> dict:
         return sharding.param_axes(nnx.state(self, nnx.Param))
@@ -368,8 +457,10 @@ class TunixModel(nnx.Module):
     def save_hf(self, path: str) -> None:
         """Writes the source checkpoint's tensors from the current parameters, by inverting Tunix's key
         mapping (one model.safetensors), and its config.json; every process calls it."""
-        params = {".".join(map(str, p)): np.asarray(multihost_utils.process_allgather(v.get_value(), tiled=True))
-                  for p, v in nnx.to_flat_state(nnx.state(self.net, nnx.Param))}
+        params = {
+            ".".join(map(str, p)): np.asarray(multihost_utils.process_allgather(v.get_value(), tiled=True))
+            for p, v in nnx.to_flat_state(nnx.state(self.net, nnx.Param))
+        }
         if jax.process_index() != 0:
             return
         key_map = FAMILIES[self.family].loader._get_key_and_transform_mapping(self.net.config)
@@ -416,6 +507,7 @@ def _gemma3_projection(params: dict, key: str) -> np.ndarray:
 
 # ---------------------------------------------------------------- load
 
+
 def _single_device_mesh():
     ones = {a: 1 for a in sharding.MESH_AXES}
     return sharding.create_mesh(ones, ones, devices=jax.devices()[:1])
@@ -424,8 +516,9 @@ def _single_device_mesh():
 def _logical_state(family: _Family, config):
     """The abstract parameters with their logical axis names (the config's ShardingConfig holds names)."""
     state = nnx.state(nnx.eval_shape(lambda: family.model_class(config, rngs=nnx.Rngs(0))))
-    rename = lambda var: var.replace(out_sharding=tuple(
-        _MESH_AXIS_AS_LOGICAL.get(a, a) for a in sharding.logical_axes_of(var)))
+    rename = lambda var: var.replace(
+        out_sharding=tuple(_MESH_AXIS_AS_LOGICAL.get(a, a) for a in sharding.logical_axes_of(var))
+    )
     return jax.tree.map(rename, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -440,9 +533,18 @@ def _tensor_shapes(path: Path) -> tuple:
     return tuple(shapes)
 
 
-def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.DEFAULT_RULES,
-         trust_remote_code: bool = False, max_replicated_param_mib: float | None = None,
-         weight_dtype: str | None = None, remat_policy: str = "none", vocab_size: int = 0) -> TunixModel:
+def load(
+    path: str | Path,
+    dtype: str = "float32",
+    mesh=None,
+    *,
+    rules=sharding.DEFAULT_RULES,
+    trust_remote_code: bool = False,
+    max_replicated_param_mib: float | None = None,
+    weight_dtype: str | None = None,
+    remat_policy: str = "none",
+    vocab_size: int = 0,
+) -> TunixModel:
     """An HF checkpoint dir as a Tunix model whose parameters are placed in their shardings.
 
     `dtype` is the compute dtype, `weight_dtype` (default: dtype) the parameters'. Dimensions that
@@ -452,8 +554,10 @@ def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.
     """
     path = Path(path)
     if remat_policy not in REMAT:
-        raise ConfigError(f"remat_policy '{remat_policy}' is not available with model_source tunix: Tunix remats "
-                          f"whole layers or nothing ({', '.join(REMAT)})")
+        raise ConfigError(
+            f"remat_policy '{remat_policy}' is not available with model_source tunix: Tunix remats "
+            f"whole layers or nothing ({', '.join(REMAT)})"
+        )
     hf = _read_hf_config(path, trust_remote_code)
     family, dims, weight_dtype = FAMILIES[hf.model_type], _dims(hf), weight_dtype or dtype
     configure = functools.partial(family.config, hf, path / "config.json", dims)
@@ -469,8 +573,15 @@ def load(path: str | Path, dtype: str = "float32", mesh=None, *, rules=sharding.
         sharding.check_not_replicated(logical, mesh, rules, max_replicated_param_mib)
     hf_tensors = _tensor_shapes(path)
     net = family.loader.create_model_from_safe_tensors(str(path), config, mesh=mesh, dtype=jnp.dtype(weight_dtype))
-    model = TunixModel(_with_logical_axes(net, logical, shardings), hf.model_type, dims, dtype, weight_dtype,
-                       (path / "config.json").read_text(), hf_tensors)
+    model = TunixModel(
+        _with_logical_axes(net, logical, shardings),
+        hf.model_type,
+        dims,
+        dtype,
+        weight_dtype,
+        (path / "config.json").read_text(),
+        hf_tensors,
+    )
     if vocab_size > dims.vocab:
         wide = dataclasses.replace(dims, vocab=vocab_size)
         configure = functools.partial(family.config, hf, path / "config.json", wide)
@@ -487,9 +598,17 @@ def _with_vocab(model: TunixModel, family: _Family, configure, execution, mesh, 
     config = json.loads(model.hf_config)
     config["vocab_size"] = new
     tensors = tuple((name, tuple(new if d == old else d for d in shape)) for name, shape in model.hf_tensors)
-    abstract = nnx.eval_shape(lambda: TunixModel(family.model_class(configure(rules, *execution), rngs=nnx.Rngs(0)),
-                                                 model.family, configure.args[2], model.dtype, model.weight_dtype,
-                                                 json.dumps(config, indent=2), tensors))
+    abstract = nnx.eval_shape(
+        lambda: TunixModel(
+            family.model_class(configure(rules, *execution), rngs=nnx.Rngs(0)),
+            model.family,
+            configure.args[2],
+            model.dtype,
+            model.weight_dtype,
+            json.dumps(config, indent=2),
+            tensors,
+        )
+    )
     graphdef, _ = nnx.split(abstract)
     logical = _logical_state(family, configure(None, *execution))
     placed = nnx.to_pure_dict(sharding.state_shardings(logical, mesh, rules))
@@ -503,8 +622,10 @@ def _with_logical_axes(net: nnx.Module, logical, shardings) -> nnx.Module:
     but for Gemma3's hard-coded single-kv-head axis under rules other than the default."""
     graphdef, loaded = nnx.split(net)
     loaded, placement = dict(nnx.to_flat_state(loaded)), dict(nnx.to_flat_state(shardings))
-    placed = {p: var.replace(jax.device_put(loaded[p].get_value(), placement[p].get_value()))
-              for p, var in nnx.to_flat_state(logical)}
+    placed = {
+        p: var.replace(jax.device_put(loaded[p].get_value(), placement[p].get_value()))
+        for p, var in nnx.to_flat_state(logical)
+    }
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
 
 
@@ -512,9 +633,18 @@ def source(cfg, mesh) -> TunixModel:
     """`model_source: tunix`: the HF checkpoint at load_parameters_path through Tunix's model library."""
     path = cfg.load_parameters_path
     if not path or not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"model_source tunix loads an HF checkpoint directory (config.json + safetensors); "
-                          f"load_parameters_path is '{path}'")
-    return load(path, cfg.dtype, mesh, rules=sharding.rules_from_config(cfg.logical_axis_rules),
-                trust_remote_code=cfg.trust_remote_code, max_replicated_param_mib=cfg.max_replicated_param_mib,
-                weight_dtype=cfg.weight_dtype, remat_policy=cfg.remat_policy,
-                vocab_size=cfg.vocab_size if cfg.extra_tokens else 0)
+        raise ConfigError(
+            f"model_source tunix loads an HF checkpoint directory (config.json + safetensors); "
+            f"load_parameters_path is '{path}'"
+        )
+    return load(
+        path,
+        cfg.dtype,
+        mesh,
+        rules=sharding.rules_from_config(cfg.logical_axis_rules),
+        trust_remote_code=cfg.trust_remote_code,
+        max_replicated_param_mib=cfg.max_replicated_param_mib,
+        weight_dtype=cfg.weight_dtype,
+        remat_policy=cfg.remat_policy,
+        vocab_size=cfg.vocab_size if cfg.extra_tokens else 0,
+    )

@@ -1,10 +1,12 @@
 """Every test runs on 8 simulated CPU devices so that each sharding path is exercised."""
+
 import os
 
 # The suite's programs are tiny: LLVM's optimisations of them cost more compile time than they save
 # at run time (the suite 16 -> 11-12 minutes on 2 cores). Numerics are unchanged: no fast math either way.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                    "--xla_force_host_platform_device_count=8"]).strip()
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0", "--xla_force_host_platform_device_count=8"]
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session (subprocesses inherit it): the many runs of the
 # same tiny programs compile once. Fresh per session, so nothing stale carries over.
@@ -53,8 +55,9 @@ def tiny_checkpoint(tmp_path_factory):
     def get(family: str, **variant):
         key = (family, tuple(sorted(variant.items())))
         if key not in made:
-            made[key] = make_tiny_model(tmp_path_factory.mktemp(f"hf_{family}"), family, init_std=0.25,
-                                        **(variant or FAMILY_VARIANTS[family]))
+            made[key] = make_tiny_model(
+                tmp_path_factory.mktemp(f"hf_{family}"), family, init_std=0.25, **(variant or FAMILY_VARIANTS[family])
+            )
         return made[key]
 
     return get

@@ -28,7 +28,7 @@ def packed_inputs(seed=0):
     for b, row in enumerate(lengths):
         start = 0
         for s, n in enumerate(row):
-            segments[b, start:start + n], positions[b, start:start + n] = s + 1, np.arange(n)
+            segments[b, start : start + n], positions[b, start : start + n] = s + 1, np.arange(n)
             start += n
     return q, k, v, jnp.asarray(segments), jnp.asarray(positions)
 
@@ -42,8 +42,9 @@ def loss_and_grads(attend, q, k, v):
     """A loss over the real (nonzero-segment) queries, its value and gradients in q, k, v."""
     weights = jnp.asarray(np.random.default_rng(9).normal(size=(B, T, H, D)), jnp.float32)
     real = (packed_inputs()[3] > 0)[:, :, None, None]
-    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.where(real, attend(q, k, v) * weights, 0)),
-                                      argnums=(0, 1, 2)))(q, k, v)
+    return jax.jit(
+        jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.where(real, attend(q, k, v) * weights, 0)), argnums=(0, 1, 2))
+    )(q, k, v)
 
 
 def assert_same_on_real_tokens(out, expected, segments):
@@ -92,19 +93,29 @@ def test_splash_attention_after_a_shared_prefix_equals_reference(window):
     keys = lambda own, prefix: jnp.concatenate([prefix, own], axis=2)
     seg_k, pos_q = jnp.concatenate([seg_p, segments], 1), real_p + jnp.arange(T)[None].repeat(B, 0)
     mask = model_lib.attention_mask(segments, pos_q, seg_k, jnp.concatenate([pos_p, pos_q], 1), window)
-    splash = lambda q, k, v: model_lib.splash_attention(q, keys(k, k_p), keys(v, v_p), segments, window,
-                                                         interpret=True, key_segment_ids=seg_k)
+    splash = lambda q, k, v: model_lib.splash_attention(
+        q, keys(k, k_p), keys(v, v_p), segments, window, interpret=True, key_segment_ids=seg_k
+    )
     expected = lambda q, k, v: model_lib.attention(q, keys(k, k_p), keys(v, v_p), mask)
     assert_same_on_real_tokens(jax.jit(splash)(q, k_own, v_own), expected(q, k_own, v_own), segments)
     weights = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32) * (segments > 0)[:, :, None, None]
     grads = lambda attend: jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a) * weights), argnums=(0, 1, 2)))(
-        q, k_own, v_own)
+        q, k_own, v_own
+    )
     for g, r in zip(grads(splash), grads(expected)):
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
 
 
-CFG = model_lib.ModelConfig(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
-                            num_kv_heads=2, head_dim=8, sliding_window=5)
+CFG = model_lib.ModelConfig(
+    vocab_size=64,
+    emb_dim=32,
+    mlp_dim=64,
+    num_decoder_layers=2,
+    num_query_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    sliding_window=5,
+)
 
 
 def use_kernel_on_cpu(monkeypatch, model, kernel):
@@ -112,8 +123,9 @@ def use_kernel_on_cpu(monkeypatch, model, kernel):
     monkeypatch.setattr(model_lib, "attention_kernel", lambda *_: kernel)
     monkeypatch.setattr(model_lib, "splash_attention", functools.partial(model_lib.splash_attention, interpret=True))
     fused = model_lib.dot_product_attention
-    monkeypatch.setattr(model_lib, "dot_product_attention", lambda q, k, v, mask, implementation: fused(
-        q, k, v, mask, "xla"))
+    monkeypatch.setattr(
+        model_lib, "dot_product_attention", lambda q, k, v, mask, implementation: fused(q, k, v, mask, "xla")
+    )
     model.cfg = dataclasses.replace(CFG, attention=kernel)
 
 
@@ -154,17 +166,23 @@ def test_kernel_choice_by_platform():
     assert pick("auto", "cpu", "float32") == "xla" and pick("auto", "tpu", "float32") == "splash"
     assert pick("auto", "gpu", "bfloat16") == "cudnn" and pick("auto", "gpu", "float32") == "xla"
     assert pick("xla", "tpu", "bfloat16") == "xla" and pick("cudnn", "gpu", "bfloat16") == "cudnn"
-    for choice, platform, dtype in [("cudnn", "cpu", "bfloat16"), ("splash", "gpu", "bfloat16"),
-                                    ("cudnn", "gpu", "float32")]:
+    for choice, platform, dtype in [
+        ("cudnn", "cpu", "bfloat16"),
+        ("splash", "gpu", "bfloat16"),
+        ("cudnn", "gpu", "float32"),
+    ]:
         with pytest.raises(ValueError, match=f"attention={choice}"):
             pick(choice, platform, dtype)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("cudnn", "attention=cudnn runs on a GPU, and this platform is cpu; use xla or auto"),
-    ("splash", "attention=splash runs on a TPU, and this platform is cpu; use xla or auto"),
-    ("flash", "config key 'attention' expects one of auto | xla | cudnn | splash"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("cudnn", "attention=cudnn runs on a GPU, and this platform is cpu; use xla or auto"),
+        ("splash", "attention=splash runs on a TPU, and this platform is cpu; use xla or auto"),
+        ("flash", "config key 'attention' expects one of auto | xla | cudnn | splash"),
+    ],
+)
 def test_an_unsupported_choice_is_one_config_line(value, message):
     with pytest.raises(ConfigError) as e:
         load_config(["configs/base.yml", f"attention={value}"])
@@ -180,7 +198,7 @@ def test_cache_decode_under_a_sliding_window_equals_full_forward():
     seqs = [rng.integers(1, 64, n + steps) for n in lens]
     tokens, positions, segments = (np.zeros((2, prefill), np.int32) for _ in range(3))
     for b, n in enumerate(lens):
-        tokens[b, prefill - n:], positions[b, prefill - n:], segments[b, prefill - n:] = seqs[b][:n], np.arange(n), 1
+        tokens[b, prefill - n :], positions[b, prefill - n :], segments[b, prefill - n :] = seqs[b][:n], np.arange(n), 1
     call = jax.jit(lambda *a: model(*a))
     logits, cache = call(tokens, positions, segments, model.init_cache(2, prefill + steps))
     got = [[np.asarray(logits[b, -1])] for b in range(2)]
@@ -191,9 +209,14 @@ def test_cache_decode_under_a_sliding_window_equals_full_forward():
         for b in range(2):
             got[b].append(np.asarray(logits[b, 0]))
     for b, n in enumerate(lens):
-        full = np.asarray(model(jnp.asarray(seqs[b][None, :-1]), jnp.arange(n + steps - 1)[None],
-                                jnp.ones((1, n + steps - 1), jnp.int32))[0][0])
-        np.testing.assert_allclose(np.stack(got[b]), full[n - 1:], atol=1e-4, rtol=1e-5)
+        full = np.asarray(
+            model(
+                jnp.asarray(seqs[b][None, :-1]),
+                jnp.arange(n + steps - 1)[None],
+                jnp.ones((1, n + steps - 1), jnp.int32),
+            )[0][0]
+        )
+        np.testing.assert_allclose(np.stack(got[b]), full[n - 1 :], atol=1e-4, rtol=1e-5)
 
 
 def test_splash_attention_under_a_mesh_runs_per_shard():
@@ -232,7 +255,9 @@ def test_query_chunks_bound_the_backward_memory():
 
     def temp_bytes(chunk):
         loss = lambda q, k, v: jnp.sum(model_lib.attention(q, k, v, mask, chunk))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+        return (
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+        )
 
     whole, chunked = temp_bytes(0), temp_bytes(128)
     assert whole >= 2 * heads * n * n * 4 and chunked < whole / 4
@@ -274,6 +299,7 @@ def test_model_with_query_chunks_equals_whole_rows():
 
     def run(chunk):
         model = model_lib.create(dataclasses.replace(CFG, attention_chunk_size=chunk), 0)
+
         def loss(m):
             logits = m(tokens, positions, segments)[0]
             return jnp.sum(jnp.where(segments[..., None] > 0, logits, 0) ** 2), logits
@@ -289,7 +315,10 @@ def test_model_with_query_chunks_equals_whole_rows():
     got, expected = run(5), run(0)
     assert got[4] > expected[4]  # the chunks are there
     assert_same_on_real_tokens(got[0], expected[0], segments)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), nnx.to_pure_dict(got[1]),
-                 nnx.to_pure_dict(expected[1]))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
+        nnx.to_pure_dict(got[1]),
+        nnx.to_pure_dict(expected[1]),
+    )
     np.testing.assert_allclose(np.asarray(got[2])[real], np.asarray(expected[2])[real], atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(got[3], expected[3], atol=2e-5, rtol=2e-5)

@@ -16,8 +16,9 @@ from unitrain.rollout.colocated import ColocatedSampler
 from unitrain.rollout.trie import Trie
 
 EOS, V = 1, 48
-CFG = model_lib.ModelConfig(vocab_size=V, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
-                            num_kv_heads=2, head_dim=8)
+CFG = model_lib.ModelConfig(
+    vocab_size=V, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
+)
 PROMPTS = [[5, 6, 7], [8, 9], [2, 3, 4, 5, 6, 7, 40, 41, 42], [44]]
 
 
@@ -48,15 +49,16 @@ def test_wide_beam_is_exact_top_k_of_all_valid_items_with_teacher_forced_scores(
     valid = items(0)
     trie = Trie.build([list(s) + [EOS] for s in valid])
     sampler = ColocatedSampler(model(), pad_id=0)
-    ranked = sampler.beam_search(PROMPTS, BeamParams(trie.widest_level, trie.depth, trie, stop_token_ids=(EOS,)),
-                                 jax.random.key(0))
+    ranked = sampler.beam_search(
+        PROMPTS, BeamParams(trie.widest_level, trie.depth, trie, stop_token_ids=(EOS,)), jax.random.key(0)
+    )
     assert ranked.tokens.shape == (len(PROMPTS), trie.widest_level, 4)
     for b, prompt in enumerate(PROMPTS):
         reference = teacher_forced(prompt, [list(s) + [EOS] for s in valid])
         order = np.argsort(-reference, kind="stable")
         k = 10
         assert [tuple(t[:3]) for t in ranked.tokens[b, :k]] == [valid[i] for i in order[:k]], b
-        np.testing.assert_allclose(ranked.scores[b], reference[order[:trie.widest_level]], atol=1e-4)
+        np.testing.assert_allclose(ranked.scores[b], reference[order[: trie.widest_level]], atol=1e-4)
         np.testing.assert_allclose(ranked.logprobs[b].sum(-1), ranked.scores[b], atol=1e-5)
         assert (ranked.lengths[b] == 4).all() and (ranked.tokens[b, :, 3] == EOS).all()
 
@@ -68,7 +70,8 @@ def test_every_constrained_sequence_is_valid_over_many_prompts(sample):
     prompts = [rng.integers(2, V, size=int(rng.integers(1, 12))).tolist() for _ in range(40)]
     width = 6 if not sample else 5
     ranked = ColocatedSampler(model(), pad_id=0).beam_search(
-        prompts, BeamParams(width, trie.depth, trie, sample=sample, stop_token_ids=(EOS,)), jax.random.key(3))
+        prompts, BeamParams(width, trie.depth, trie, sample=sample, stop_token_ids=(EOS,)), jax.random.key(3)
+    )
     assert np.isfinite(ranked.scores).all()
     for row, lengths in zip(ranked.tokens, ranked.lengths):
         for tokens, n in zip(row, lengths):

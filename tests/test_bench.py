@@ -22,8 +22,14 @@ OVERRIDES = ["model_name=tiny", "per_device_batch_size=2", "max_target_length=32
 
 
 def run_bench(*args):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "bench.py"), *args], cwd=REPO, env=os.environ,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench.py"), *args],
+        cwd=REPO,
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_bench_tiny_prints_json_with_mfu(tmp_path):
@@ -85,12 +91,17 @@ def test_compile_for_builds_the_config_mesh_and_program_for_its_devices():
     assert result["config"]["num_devices"] == 4 and result["config"]["global_batch_rows"] == 8
     whole = bench.compile_only(load_config(["configs/base.yml", *overrides]))
     assert whole["config"]["num_devices"] == 8
-    assert abs(result["param_bytes_per_device"] - 2 * whole["param_bytes_per_device"]) < 0.1 * result["param_bytes_per_device"]
+    assert (
+        abs(result["param_bytes_per_device"] - 2 * whole["param_bytes_per_device"])
+        < 0.1 * result["param_bytes_per_device"]
+    )
 
 
 def test_topology_needs_compile_only_a_valid_name_and_libtpu():
-    for args, message in ((["--topology", "v5e:2x2"], "--topology compiles for a TPU slice that is not here"),
-                          (["--compile-only", "--topology", "v5e:2y"], "--topology 'v5e:2y': expected a TPU version")):
+    for args, message in (
+        (["--topology", "v5e:2x2"], "--topology compiles for a TPU slice that is not here"),
+        (["--compile-only", "--topology", "v5e:2y"], "--topology 'v5e:2y': expected a TPU version"),
+    ):
         proc = run_bench("configs/base.yml", "model_name=tiny", *args)
         assert proc.returncode == 2 and proc.stderr.startswith(f"bench: {message}"), proc.stderr
     if importlib.util.find_spec("libtpu") is None:
@@ -119,8 +130,15 @@ def test_compile_only_compiles_the_grpo_and_dpo_updates():
     bucket (32 for 20 prompt tokens) plus 8 completion columns; DPO pairs of two sequences."""
     cfg = load_config(["configs/base.yml", *OVERRIDES])
     flops = decoder.create(decoder.ModelConfig.from_config(cfg)).flops_per_token
-    grpo = ["--mode", "grpo", "kl_coef=0.1", "rollout_batch_size=4", "n_samples_per_prompt=4",
-            "max_prompt_length=20", "rollout_max_response_len=8"]
+    grpo = [
+        "--mode",
+        "grpo",
+        "kl_coef=0.1",
+        "rollout_batch_size=4",
+        "n_samples_per_prompt=4",
+        "max_prompt_length=20",
+        "rollout_max_response_len=8",
+    ]
     for args, mode, sequences, length in ((grpo, "grpo", 16, 32 + 8), (["mode=dpo"], "dpo", 2 * 16, 32)):
         proc = run_bench("configs/base.yml", *OVERRIDES, *args, "--compile-only")
         assert proc.returncode == 0, proc.stderr
@@ -139,8 +157,19 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     import bench
 
     args = ["model_name=tiny", "ici_fsdp_parallelism=8"]
-    proc = run_bench("configs/base.yml", *args, "--mode", "sampler", "--compile-only", "--batch", "5",
-                     "--prompt-len", "9", "--new-tokens", "6")
+    proc = run_bench(
+        "configs/base.yml",
+        *args,
+        "--mode",
+        "sampler",
+        "--compile-only",
+        "--batch",
+        "5",
+        "--prompt-len",
+        "9",
+        "--new-tokens",
+        "6",
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     cfg = load_config(["configs/base.yml", *args])
@@ -148,8 +177,9 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     assert result["block_shape"] == [8, 16] and result["kv_cache_bytes"] == kv + 2 * 8 * 22 * 4 + 8 * 4
     memory = result["memory_per_device"]
     assert memory["argument"] >= result["decode_weight_bytes_per_device"] > 0 and memory["temp"] > 0
-    assert result["sampling_bytes_per_device"] == (result["param_bytes_per_device"] + result["decode_weight_bytes_per_device"]
-                                                   + memory["temp"] + memory["output"])
+    assert result["sampling_bytes_per_device"] == (
+        result["param_bytes_per_device"] + result["decode_weight_bytes_per_device"] + memory["temp"] + memory["output"]
+    )
     assert result["config"]["mesh_shape"]["fsdp"] == 8
 
     run, state = build_run(cfg)
@@ -161,8 +191,16 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     sampler.update_weights(state["params"], 0)
     assert sampler.generate(prompts, sampling, jax.random.key(1)).tokens.shape == (5, 6)
     assert len(run.programs) == 2  # no more compiles: the abstract weights had the real ones' signature
-    mesh_cfg = load_config(["configs/base.yml", "model_name=tiny", "mode=grpo", "sampler=mesh", "rollout_devices=4",
-                            "per_device_batch_size=2"])
+    mesh_cfg = load_config(
+        [
+            "configs/base.yml",
+            "model_name=tiny",
+            "mode=grpo",
+            "sampler=mesh",
+            "rollout_devices=4",
+            "per_device_batch_size=2",
+        ]
+    )
     with pytest.raises(ConfigError, match="compiles the colocated sampler's program, not sampler=mesh"):
         bench.compile_sampler(mesh_cfg, 5, 9, 6)
 
@@ -190,8 +228,14 @@ def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
     """Every sampled row runs to new_tokens (no stop token), and GRPO steps run with their parts timed."""
     import bench
 
-    cfg = load_config(["configs/base.yml", f"load_parameters_path={tiny_checkpoint('qwen2')}", "per_device_batch_size=1",
-                       "kl_coef=0.04"])
+    cfg = load_config(
+        [
+            "configs/base.yml",
+            f"load_parameters_path={tiny_checkpoint('qwen2')}",
+            "per_device_batch_size=1",
+            "kl_coef=0.04",
+        ]
+    )
     sampled = bench.bench_sampler(cfg, batch=8, prompt_len=8, new_tokens=6, reps=2, warmup=1)
     assert sampled["tokens_per_call"] == 8 * 6
     assert sampled["tokens_per_sec"] == 48 / sampled["call_time_median"]
@@ -199,13 +243,15 @@ def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
     assert sampled["decode_step_time"] == pytest.approx(step_time)
     assert sampled["decode_tokens_per_sec"] == pytest.approx(8 / step_time)
     assert sampled["decode_bandwidth_fraction"] == pytest.approx(
-        sampled["decode_bytes_per_step"] / step_time / (sampled["memory_bandwidth_per_device"] * sampled["num_devices"]))
+        sampled["decode_bytes_per_step"] / step_time / (sampled["memory_bandwidth_per_device"] * sampled["num_devices"])
+    )
     step = bench.bench_grpo(cfg, prompts=2, samples=4, prompt_len=8, new_tokens=4, steps=2, warmup=1)
     assert len(step["step_times"]) == 2
     # 8 rows on 8 devices: no device holds a whole group; one update of one micro-batch: no old pass
     assert step["shared_prompt_rows"] == {"logprobs": 1, "update": 1} and not step["old_logprob_pass"]
-    shared = bench.bench_grpo(cfg.replace(per_device_batch_size=4), prompts=8, samples=4, prompt_len=8, new_tokens=2,
-                              steps=1, warmup=0)
+    shared = bench.bench_grpo(
+        cfg.replace(per_device_batch_size=4), prompts=8, samples=4, prompt_len=8, new_tokens=2, steps=1, warmup=0
+    )
     assert shared["shared_prompt_rows"] == {"logprobs": 4, "update": 4}
     assert 0 < step["time_rollout"] + step["time_logprob"] + step["time_update"] <= step["step_time_median"] * 1.5
 
@@ -215,8 +261,22 @@ def test_sampler_against_an_override_times_both_in_turn(tiny_checkpoint, capsys)
     the same draws are reported as such, and a different temperature's draws as different."""
     import bench
 
-    common = ["configs/base.yml", f"load_parameters_path={tiny_checkpoint('qwen2')}", "--mode", "sampler",
-              "--batch", "4", "--prompt-len", "8", "--new-tokens", "6", "--steps", "3", "--warmup", "1"]
+    common = [
+        "configs/base.yml",
+        f"load_parameters_path={tiny_checkpoint('qwen2')}",
+        "--mode",
+        "sampler",
+        "--batch",
+        "4",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "6",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+    ]
     for override, same in (("rollout_cache_phases=1", True), ("rollout_temperature=0.5", False)):
         assert bench.main([*common, "--against", override]) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -251,8 +311,12 @@ def test_decode_bytes_are_the_weights_and_the_cache_attended(tiny_checkpoint, ph
         head_dim = hf["hidden_size"] // hf["num_attention_heads"]
         # 4 phases of 6 tokens end at tokens 2, 3, 5, 6: steps 1 to 5 attend over these many new columns.
         lengths = [columns + n for n in ((6, 6, 6, 6, 6) if phases == 1 else (2, 3, 5, 5, 6))]
-        cache = [hf["num_hidden_layers"] * 2 * rows * hf["num_key_value_heads"] * head_dim * length * size
-                 + 2 * rows * length * 4 + rows * 4 for length in lengths]  # + segment ids, positions, the write column
+        cache = [
+            hf["num_hidden_layers"] * 2 * rows * hf["num_key_value_heads"] * head_dim * length * size
+            + 2 * rows * length * 4
+            + rows * 4
+            for length in lengths
+        ]  # + segment ids, positions, the write column
         got = bench.decode_bytes_per_step(run.model, state["params"], dtype, rows, columns, 6, phases)
         assert got == pytest.approx(elements * size + sum(cache) / 5, rel=1e-12)
 
@@ -266,13 +330,26 @@ def test_memory_bandwidth_is_bytes_over_the_sum_time():
 def test_push_mode_times_the_copy_to_the_rollout_mesh():
     import bench
 
-    cfg = load_config(["configs/base.yml", "model_name=tiny", "mode=grpo", "sampler=mesh", "rollout_devices=4",
-                       "per_device_batch_size=2", "rollout_fsdp_parallelism=2"])
+    cfg = load_config(
+        [
+            "configs/base.yml",
+            "model_name=tiny",
+            "mode=grpo",
+            "sampler=mesh",
+            "rollout_devices=4",
+            "per_device_batch_size=2",
+            "rollout_fsdp_parallelism=2",
+        ]
+    )
     result = bench.bench_push(cfg, steps=2, warmup=1)
     model = decoder.create(decoder.ModelConfig.from_config(cfg))
     sizes = [x.size for x in jax.tree.leaves(nnx.state(model))]
     assert result["parameters"] == sum(sizes) and result["gigabytes"] == sum(sizes) * 4 / 1e9  # float32 weights
-    assert len(result["push_times"]) == 2 and result["push_seconds_median"] > 0 and result["through_hosts_seconds_median"] > 0
+    assert (
+        len(result["push_times"]) == 2
+        and result["push_seconds_median"] > 0
+        and result["through_hosts_seconds_median"] > 0
+    )
     assert result["rollout_mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and result["trainer_mesh"]["fsdp"] == 4
     proc = run_bench("configs/base.yml", "model_name=tiny", "--mode", "push")  # sampler colocated: nothing to push
     assert proc.returncode == 2 and "--mode push times the weight push of sampler=mesh" in proc.stderr
@@ -286,8 +363,13 @@ def test_peer_ab_alternates_the_peer_and_unitrain_and_reports_their_ratios(tiny_
     venv.mkdir(parents=True)
     (venv / "python").write_text('#!/bin/sh\necho "peer log line" >&2\necho \'{"sampler_tokens_per_s": 50.0}\'\n')
     (venv / "python").chmod(0o755)
-    env = {**os.environ, "TUNIX_VENV": str(venv.parent), "CKPT": str(tiny_checkpoint("qwen2")), "PEER": str(peer),
-           "PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "TUNIX_VENV": str(venv.parent),
+        "CKPT": str(tiny_checkpoint("qwen2")),
+        "PEER": str(peer),
+        "PYTHON": sys.executable,
+    }
     script = str(REPO / "tools" / "peer_ab.sh")
     done = subprocess.run([script, "sampler", "2", "4", "8", "6"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -301,6 +383,7 @@ def test_peer_ab_alternates_the_peer_and_unitrain_and_reports_their_ratios(tiny_
     assert len(ratios) == 2 and summary.startswith(f"median ratio {sum(ratios) / 2:.3f} of 2")
     wrong = subprocess.run([script, "rollout", "1"], env=env, capture_output=True, text=True)
     assert wrong.returncode == 2 and "mode must be sampler or grpo, not 'rollout'" in wrong.stderr
-    missing = subprocess.run([script, "grpo", "1"], env={**env, "TUNIX_VENV": str(tmp_path / "none")},
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        [script, "grpo", "1"], env={**env, "TUNIX_VENV": str(tmp_path / "none")}, capture_output=True, text=True
+    )
     assert missing.returncode == 2 and "no Tunix venv at" in missing.stderr

@@ -10,8 +10,9 @@ from flax import nnx
 from unitrain import losses
 from unitrain.models import decoder
 
-CFG = decoder.ModelConfig(vocab_size=97, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
-                          num_kv_heads=2, head_dim=8)
+CFG = decoder.ModelConfig(
+    vocab_size=97, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
+)
 
 
 def batch(rng, B=3, T=21):
@@ -20,7 +21,7 @@ def batch(rng, B=3, T=21):
     positions, segments = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
     positions[0], segments[0] = np.arange(T), 1
     for seg, (start, n) in enumerate(((0, 7), (7, 5), (12, 6)), 1):
-        positions[1, start:start + n], segments[1, start:start + n] = np.arange(n), seg
+        positions[1, start : start + n], segments[1, start : start + n] = np.arange(n), seg
     targets = np.roll(tokens, -1, axis=1)
     weights = (segments > 0).astype(np.float32)
     weights[1, [6, 11, 17]] = 0  # the last token of each packed sequence predicts nothing
@@ -60,8 +61,9 @@ def test_gradients_equal_the_whole_row(model, chunk_size):
 
     def loss(p, chunk):
         m = nnx.merge(graphdef, p)
-        stats = losses.token_stats(m.logits, m.hidden_states(tokens, positions, segments), targets, chunk,
-                                   1.3, with_entropy=True)
+        stats = losses.token_stats(
+            m.logits, m.hidden_states(tokens, positions, segments), targets, chunk, 1.3, with_entropy=True
+        )
         total, count, _ = losses.cross_entropy(stats, weights, z_loss_weight=1e-2)
         return (total - 0.1 * (stats.entropy * weights).sum()) / count
 
@@ -76,8 +78,9 @@ def test_the_compiled_gradient_holds_no_full_logits():
     """Vocabulary 16384, 16 rows of 128: full float32 logits are 128 MiB and the unchunked gradient
     needs two of them; with chunks of 16 positions (16 MiB of logits) the whole step needs less than
     one."""
-    cfg = decoder.ModelConfig(vocab_size=16384, emb_dim=32, mlp_dim=64, num_decoder_layers=1, num_query_heads=2,
-                              num_kv_heads=2, head_dim=16)
+    cfg = decoder.ModelConfig(
+        vocab_size=16384, emb_dim=32, mlp_dim=64, num_decoder_layers=1, num_query_heads=2, num_kv_heads=2, head_dim=16
+    )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: decoder.create(cfg)))
     B, T = 16, 128
     ints = jax.ShapeDtypeStruct((B, T), jnp.int32)
@@ -89,6 +92,7 @@ def test_the_compiled_gradient_holds_no_full_logits():
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
             hidden = m.hidden_states(tokens, positions, jnp.ones_like(tokens))
             return losses.cross_entropy(losses.token_stats(m.logits, hidden, tokens, chunk), jnp.ones((B, T)))[0]
+
         compiled = jax.jit(jax.grad(loss)).lower(params, ints).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 

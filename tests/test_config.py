@@ -4,6 +4,7 @@ Temporary recipes say `base_config: <path>`; a relative path is relative to the 
 that names it. Model ymls are looked up beside the ROOT base.yml (<its dir>/models/), wherever the
 recipe lives. conftest.py gives 8 simulated CPU devices.
 """
+
 import dataclasses
 import os
 import pickle
@@ -53,7 +54,11 @@ def test_base_defaults_and_derived_values():
 def test_derived_run_paths():
     cfg = load("base_output_directory=/tmp/out", "run_name=exp1")
     assert (cfg.run_dir, cfg.checkpoint_dir, cfg.tensorboard_dir, cfg.metrics_file) == (
-        "/tmp/out/exp1", "/tmp/out/exp1/checkpoints", "/tmp/out/exp1/tensorboard", "/tmp/out/exp1/metrics.jsonl")
+        "/tmp/out/exp1",
+        "/tmp/out/exp1/checkpoints",
+        "/tmp/out/exp1/tensorboard",
+        "/tmp/out/exp1/metrics.jsonl",
+    )
     assert "unknown config key 'run_dir'" in error([BASE, "run_dir=/x"])  # derived: not an input
 
 
@@ -63,42 +68,52 @@ def test_head_dim_null_is_emb_dim_over_heads():
     assert "not a multiple of num_query_heads" in error([BASE, "head_dim=null", "emb_dim=66"])
 
 
-@pytest.mark.parametrize("arg, key, expected", [
-    ("scan_layers=false", "scan_layers", False),
-    ("qkv_bias=true", "qkv_bias", True),
-    ("num_decoder_layers=3", "num_decoder_layers", 3),
-    ("rms_norm_eps=1e-5", "rms_norm_eps", 1e-5),  # YAML 1.1 reads 1e-5 as a string
-    ("rms_norm_eps=2.5E-6", "rms_norm_eps", 2.5e-6),
-    ("rope_theta=500000", "rope_theta", 500000.0),  # int accepted for a float key, stored as float
-    ("run_name=123", "run_name", "123"),  # str keys keep the raw text
-    ("run_name=true", "run_name", "true"),
-    ("run_name=007", "run_name", "007"),
-    ("logical_axis_rules=[[batch, data], [embed, null]]", "logical_axis_rules", (("batch", "data"), ("embed", None))),
-    ("sliding_window=4096", "sliding_window", 4096),  # null default accepts any YAML value
-    ("sliding_window=null", "sliding_window", None),
-])
+@pytest.mark.parametrize(
+    "arg, key, expected",
+    [
+        ("scan_layers=false", "scan_layers", False),
+        ("qkv_bias=true", "qkv_bias", True),
+        ("num_decoder_layers=3", "num_decoder_layers", 3),
+        ("rms_norm_eps=1e-5", "rms_norm_eps", 1e-5),  # YAML 1.1 reads 1e-5 as a string
+        ("rms_norm_eps=2.5E-6", "rms_norm_eps", 2.5e-6),
+        ("rope_theta=500000", "rope_theta", 500000.0),  # int accepted for a float key, stored as float
+        ("run_name=123", "run_name", "123"),  # str keys keep the raw text
+        ("run_name=true", "run_name", "true"),
+        ("run_name=007", "run_name", "007"),
+        (
+            "logical_axis_rules=[[batch, data], [embed, null]]",
+            "logical_axis_rules",
+            (("batch", "data"), ("embed", None)),
+        ),
+        ("sliding_window=4096", "sliding_window", 4096),  # null default accepts any YAML value
+        ("sliding_window=null", "sliding_window", None),
+    ],
+)
 def test_override_typing(arg, key, expected):
     value = load(arg)[key]
     assert value == expected and type(value) is type(expected)
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("num_decoder_layers=1.5", "config key 'num_decoder_layers' expects an int, got '1.5' (from command line)"),
-    ("num_decoder_layers=abc", "config key 'num_decoder_layers' expects an int, got 'abc' (from command line)"),
-    ("num_decoder_layers=true", "expects an int, got 'true'"),
-    ("scan_layers=1", "config key 'scan_layers' expects a bool (true or false), got '1' (from command line)"),
-    ("rms_norm_eps=small", "config key 'rms_norm_eps' expects a number, got 'small'"),
-    ("logical_axis_rules=batch", "config key 'logical_axis_rules' expects a list, got 'batch'"),
-    ("logical_axis_rules=[[batch, data]", "expects a list, got '[[batch, data]'"),
-    ("emb_dim=0", "config key 'emb_dim' expects a positive int, got '0' (from command line)"),
-    ("rms_norm_eps=-1", "expects a positive number"),
-    ("dtype=float64", "config key 'dtype' expects one of float32 | bfloat16 | float16, got 'float64'"),
-    ("remat_policy=some", "expects one of none | full | save_dots | save_dots_no_batch"),
-    ("model_family=gpt2", "expects one of llama | qwen2 | qwen3 | mistral"),
-    ("rope_scaling_type=yarn", "expects one of none | linear | llama3"),
-    ("sliding_window=-4", "config key 'sliding_window' expects a positive int or null, got '-4'"),
-    ("run_name=", "config key 'run_name' expects a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("num_decoder_layers=1.5", "config key 'num_decoder_layers' expects an int, got '1.5' (from command line)"),
+        ("num_decoder_layers=abc", "config key 'num_decoder_layers' expects an int, got 'abc' (from command line)"),
+        ("num_decoder_layers=true", "expects an int, got 'true'"),
+        ("scan_layers=1", "config key 'scan_layers' expects a bool (true or false), got '1' (from command line)"),
+        ("rms_norm_eps=small", "config key 'rms_norm_eps' expects a number, got 'small'"),
+        ("logical_axis_rules=batch", "config key 'logical_axis_rules' expects a list, got 'batch'"),
+        ("logical_axis_rules=[[batch, data]", "expects a list, got '[[batch, data]'"),
+        ("emb_dim=0", "config key 'emb_dim' expects a positive int, got '0' (from command line)"),
+        ("rms_norm_eps=-1", "expects a positive number"),
+        ("dtype=float64", "config key 'dtype' expects one of float32 | bfloat16 | float16, got 'float64'"),
+        ("remat_policy=some", "expects one of none | full | save_dots | save_dots_no_batch"),
+        ("model_family=gpt2", "expects one of llama | qwen2 | qwen3 | mistral"),
+        ("rope_scaling_type=yarn", "expects one of none | linear | llama3"),
+        ("sliding_window=-4", "config key 'sliding_window' expects a positive int or null, got '-4'"),
+        ("run_name=", "config key 'run_name' expects a non-empty string"),
+    ],
+)
 def test_bad_values(arg, message):
     assert message in error([BASE, arg])
 
@@ -113,21 +128,25 @@ def test_malformed_argument():
 
 
 def test_unknown_key_on_command_line_suggests():
-    assert error([BASE, "num_kv_head=2"]) == \
-        "unknown config key 'num_kv_head' (from command line); did you mean 'num_kv_heads'?"
+    assert (
+        error([BASE, "num_kv_head=2"])
+        == "unknown config key 'num_kv_head' (from command line); did you mean 'num_kv_heads'?"
+    )
     assert error([BASE, "zzzz=1"]).startswith("unknown config key 'zzzz' (from command line)")
 
 
 def test_unknown_key_in_yml_names_file_and_line(tmp_path):
     path = recipe(tmp_path, f"base_config: {BASE}\nrun_name: a\nemb_dimm: 32\n")
-    assert re.fullmatch(r"unknown config key 'emb_dimm' \(from \S*recipe.yml line 3\); did you mean 'emb_dim'\?",
-                        error([path]))
+    assert re.fullmatch(
+        r"unknown config key 'emb_dimm' \(from \S*recipe.yml line 3\); did you mean 'emb_dim'\?", error([path])
+    )
 
 
 def test_bad_type_in_yml(tmp_path):
     path = recipe(tmp_path, f"base_config: {BASE}\nnum_decoder_layers: 2.5\n")
-    assert re.fullmatch(r"config key 'num_decoder_layers' expects an int, got '2.5' \(from \S*recipe.yml line 2\)",
-                        error([path]))
+    assert re.fullmatch(
+        r"config key 'num_decoder_layers' expects an int, got '2.5' \(from \S*recipe.yml line 2\)", error([path])
+    )
 
 
 def test_yml_float_without_dot_is_a_float(tmp_path):
@@ -203,9 +222,24 @@ def test_model_keys_match_base_yml_model_section():
     text = (CONFIGS / "base.yml").read_text()
     section = re.search(r"^# -+ model\n(.*?)^# -+ ", text, re.S | re.M).group(1)
     keys = re.findall(r"^(\w+):", section, re.M)
-    assert tuple(k for k in keys if k not in ("model_source", "model_name", "dtype", "weight_dtype", "remat_policy", "scan_layers", "attention",
-                                         "attention_chunk_size")) \
+    assert (
+        tuple(
+            k
+            for k in keys
+            if k
+            not in (
+                "model_source",
+                "model_name",
+                "dtype",
+                "weight_dtype",
+                "remat_policy",
+                "scan_layers",
+                "attention",
+                "attention_chunk_size",
+            )
+        )
         == MODEL_KEYS
+    )
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -215,21 +249,65 @@ def test_every_model_yml_loads(model):
     assert set(yaml.safe_load((CONFIGS / "models" / f"{model}.yml").read_text())) == set(MODEL_KEYS)
 
 
-@pytest.mark.parametrize("model, dims", [
-    ("qwen2.5-0.5b", dict(vocab_size=151936, emb_dim=896, mlp_dim=4864, num_decoder_layers=24, num_query_heads=14,
-                          num_kv_heads=2, head_dim=64, tie_word_embeddings=True, qkv_bias=True, rms_norm_eps=1e-6)),
-    ("qwen2.5-7b", dict(vocab_size=152064, emb_dim=3584, mlp_dim=18944, num_query_heads=28, num_kv_heads=4,
-                        tie_word_embeddings=False, qkv_bias=True)),
-    ("llama3.1-8b", dict(vocab_size=128256, emb_dim=4096, mlp_dim=14336, num_decoder_layers=32, num_kv_heads=8,
-                         rope_theta=500000.0, rope_scaling_type="llama3", rope_scaling_factor=8.0,
-                         rope_original_max_position=8192, tie_word_embeddings=False)),
-    ("llama3.2-1b", dict(emb_dim=2048, num_decoder_layers=16, head_dim=64, rope_scaling_factor=32.0,
-                         tie_word_embeddings=True)),
-    ("qwen3-0.6b", dict(emb_dim=1024, num_query_heads=16, head_dim=128, qk_norm=True, qkv_bias=False,
-                        tie_word_embeddings=True)),
-    ("qwen3-8b", dict(emb_dim=4096, mlp_dim=12288, num_decoder_layers=36, qk_norm=True, tie_word_embeddings=False)),
-    ("mistral-7b", dict(vocab_size=32768, rope_theta=1e6, sliding_window=None, model_family="mistral")),
-])
+@pytest.mark.parametrize(
+    "model, dims",
+    [
+        (
+            "qwen2.5-0.5b",
+            dict(
+                vocab_size=151936,
+                emb_dim=896,
+                mlp_dim=4864,
+                num_decoder_layers=24,
+                num_query_heads=14,
+                num_kv_heads=2,
+                head_dim=64,
+                tie_word_embeddings=True,
+                qkv_bias=True,
+                rms_norm_eps=1e-6,
+            ),
+        ),
+        (
+            "qwen2.5-7b",
+            dict(
+                vocab_size=152064,
+                emb_dim=3584,
+                mlp_dim=18944,
+                num_query_heads=28,
+                num_kv_heads=4,
+                tie_word_embeddings=False,
+                qkv_bias=True,
+            ),
+        ),
+        (
+            "llama3.1-8b",
+            dict(
+                vocab_size=128256,
+                emb_dim=4096,
+                mlp_dim=14336,
+                num_decoder_layers=32,
+                num_kv_heads=8,
+                rope_theta=500000.0,
+                rope_scaling_type="llama3",
+                rope_scaling_factor=8.0,
+                rope_original_max_position=8192,
+                tie_word_embeddings=False,
+            ),
+        ),
+        (
+            "llama3.2-1b",
+            dict(emb_dim=2048, num_decoder_layers=16, head_dim=64, rope_scaling_factor=32.0, tie_word_embeddings=True),
+        ),
+        (
+            "qwen3-0.6b",
+            dict(
+                emb_dim=1024, num_query_heads=16, head_dim=128, qk_norm=True, qkv_bias=False, tie_word_embeddings=True
+            ),
+        ),
+        ("qwen3-8b", dict(emb_dim=4096, mlp_dim=12288, num_decoder_layers=36, qk_norm=True, tie_word_embeddings=False)),
+        ("mistral-7b", dict(vocab_size=32768, rope_theta=1e6, sliding_window=None, model_family="mistral")),
+    ],
+)
 def test_model_dims(model, dims):
     cfg = load(f"model_name={model}")
     assert {k: cfg[k] for k in dims} == dims
@@ -237,17 +315,21 @@ def test_model_dims(model, dims):
 
 def test_cross_key_checks():
     assert "num_query_heads (3) must be a multiple of num_kv_heads (2)" in error([BASE, "num_query_heads=3"])
-    assert "rope_high_freq_factor > rope_low_freq_factor" in \
-        error([BASE, "rope_scaling_type=llama3", "rope_low_freq_factor=4.0"])
+    assert "rope_high_freq_factor > rope_low_freq_factor" in error(
+        [BASE, "rope_scaling_type=llama3", "rope_low_freq_factor=4.0"]
+    )
 
 
-@pytest.mark.parametrize("args, mesh, dcn", [
-    ([], (1, 8, 1), (1, 1, 1)),
-    (["ici_data_parallelism=2"], (2, 4, 1), (1, 1, 1)),
-    (["ici_tensor_parallelism=2", "dcn_data_parallelism=2"], (1, 2, 2), (2, 1, 1)),
-    (["ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=-1"], (1, 4, 1), (1, 2, 1)),
-    (["ici_fsdp_parallelism=2", "ici_data_parallelism=4"], (4, 2, 1), (1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "args, mesh, dcn",
+    [
+        ([], (1, 8, 1), (1, 1, 1)),
+        (["ici_data_parallelism=2"], (2, 4, 1), (1, 1, 1)),
+        (["ici_tensor_parallelism=2", "dcn_data_parallelism=2"], (1, 2, 2), (2, 1, 1)),
+        (["ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=-1"], (1, 4, 1), (1, 2, 1)),
+        (["ici_fsdp_parallelism=2", "ici_data_parallelism=4"], (4, 2, 1), (1, 1, 1)),
+    ],
+)
 def test_mesh_fill(args, mesh, dcn):
     cfg = load(*args)
     assert tuple(cfg.mesh_shape.values()) == mesh and tuple(cfg.dcn_mesh_shape.values()) == dcn
@@ -263,7 +345,9 @@ def test_mesh_errors():
 
 
 def test_rollout_devices_split_the_mesh():
-    cfg = load("mode=grpo", "sampler=mesh", "rollout_devices=4", "rollout_tensor_parallelism=2", "per_device_batch_size=4")
+    cfg = load(
+        "mode=grpo", "sampler=mesh", "rollout_devices=4", "rollout_tensor_parallelism=2", "per_device_batch_size=4"
+    )
     assert cfg.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 1} and cfg.global_batch_size == 4 * 4
     assert cfg.rollout_mesh_shape == {"data": 2, "fsdp": 1, "tensor": 2}
     assert load().rollout_mesh_shape == {"data": 1, "fsdp": 1, "tensor": 1}
@@ -277,19 +361,25 @@ def test_rollout_device_errors():
     assert "mode=dpo trains on no rollouts" in error([BASE, "mode=dpo", "sampler=mesh", "rollout_devices=4"])
     assert "rollout_devices (8) must be below the 8 devices" in error([BASE, *mesh, "rollout_devices=8"])
     assert "rollout_*_parallelism sizes multiply to 3 but there are 4 devices" in error(
-        [BASE, *mesh, "rollout_devices=4", "rollout_data_parallelism=3"])
-    assert "only one rollout_*_parallelism may be -1" in error([BASE, *mesh, "rollout_devices=4", "rollout_fsdp_parallelism=-1"])
+        [BASE, *mesh, "rollout_devices=4", "rollout_data_parallelism=3"]
+    )
+    assert "only one rollout_*_parallelism may be -1" in error(
+        [BASE, *mesh, "rollout_devices=4", "rollout_fsdp_parallelism=-1"]
+    )
     assert "'rollout_devices' expects an int >= 0" in error([BASE, "rollout_devices=-1"])
     assert "'max_staleness' expects an int >= 0" in error([BASE, "max_staleness=-2"])
 
 
-@pytest.mark.parametrize("rules, message", [
-    ("[[batch, model]]", "uses mesh axis 'model'"),
-    ("[[batch, data], [batch, fsdp]]", "repeats a mesh axis or a logical name"),
-    ("[[batch, [data, data]]]", "repeats a mesh axis"),
-    ("[[batch]]", "must be [logical_name, mesh_axis | [mesh_axes] | null]"),
-    ("[[batch, 3]]", "must be [logical_name"),
-])
+@pytest.mark.parametrize(
+    "rules, message",
+    [
+        ("[[batch, model]]", "uses mesh axis 'model'"),
+        ("[[batch, data], [batch, fsdp]]", "repeats a mesh axis or a logical name"),
+        ("[[batch, [data, data]]]", "repeats a mesh axis"),
+        ("[[batch]]", "must be [logical_name, mesh_axis | [mesh_axes] | null]"),
+        ("[[batch, 3]]", "must be [logical_name"),
+    ],
+)
 def test_logical_axis_rules_checked(rules, message):
     assert message in error([BASE, f"logical_axis_rules={rules}"])
 
@@ -333,11 +423,14 @@ def test_equality_hash_pickle():
     assert pickle.loads(pickle.dumps(a)) == a
 
 
-@pytest.mark.parametrize("args", [
-    [],
-    ["model_name=qwen3-0.6b", "emb_dim=512", "run_name=007", "sliding_window=128", "ici_data_parallelism=2"],
-    ["head_dim=null", "rms_norm_eps=1e-7"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["model_name=qwen3-0.6b", "emb_dim=512", "run_name=007", "sliding_window=128", "ici_data_parallelism=2"],
+        ["head_dim=null", "rms_norm_eps=1e-7"],
+    ],
+)
 def test_write_config_round_trip(tmp_path, args):
     cfg = load(*args)
     path = tmp_path / "run" / "config.yml"

@@ -1,5 +1,6 @@
 """The SFT data path: packing layout against a plain-Python reference, order, shards, checkpoints,
 file formats, error messages and the three tokenizer sources."""
+
 import json
 from pathlib import Path
 
@@ -23,8 +24,13 @@ TOK = load_tokenizer("")  # built-in character tokenizer: <pad>=0, <bos>, <eos>
 
 def qa_rows(n, long_every=0):
     """n prompt/completion records of varied lengths; every `long_every`-th has a long completion."""
-    return [{"prompt": f"q{i}:" + "x" * (i % 5), "completion": "y" * (1 + i % 7 + (40 if long_every and i % long_every == 0 else 0))}
-            for i in range(n)]
+    return [
+        {
+            "prompt": f"q{i}:" + "x" * (i % 5),
+            "completion": "y" * (1 + i % 7 + (40 if long_every and i % long_every == 0 else 0)),
+        }
+        for i in range(n)
+    ]
 
 
 def segments(batch):
@@ -56,8 +62,13 @@ def all_batches(it):
 @pytest.mark.parametrize("packing", [True, False])
 def test_layout_matches_plain_python_reference(tmp_path, packing):
     rows = qa_rows(24)
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "d.jsonl", rows), max_target_length=32,
-                   packing=packing, num_epochs=1, shuffle=False)
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "d.jsonl", rows),
+        max_target_length=32,
+        packing=packing,
+        num_epochs=1,
+        shuffle=False,
+    )
     batches = all_batches(make_sft_iterator(cfg, TOK, global_batch_size=4))
     expected = {tuple(reference(r["prompt"], r["completion"])[0]): r for r in rows}
     seen = []
@@ -76,7 +87,7 @@ def test_layout_matches_plain_python_reference(tmp_path, packing):
         for row in seg:
             used = row[row > 0]
             assert (np.diff(used) >= 0).all() and set(used) == set(range(1, used.max() + 1))
-            assert not row[len(used):].any()
+            assert not row[len(used) :].any()
         assert not b["targets_segmentation"][seg == 0].any()
         if not packing:
             assert seg.max() == 1
@@ -87,7 +98,9 @@ def test_layout_matches_plain_python_reference(tmp_path, packing):
 
 def test_same_seed_same_batches_and_epochs_reshuffle(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", qa_rows(16))
-    first = lambda seed: take(make_sft_iterator(make_cfg(dataset_path=path, seed=seed, packing=False, max_target_length=32), TOK, 16), 2)
+    first = lambda seed: take(
+        make_sft_iterator(make_cfg(dataset_path=path, seed=seed, packing=False, max_target_length=32), TOK, 16), 2
+    )
     a, b, c = first(0), first(0), first(1)
     assert all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, b))
     assert not np.array_equal(a[0]["inputs"], c[0]["inputs"])
@@ -96,8 +109,12 @@ def test_same_seed_same_batches_and_epochs_reshuffle(tmp_path):
 
 
 def test_process_shards_are_disjoint_and_cover(tmp_path):
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "d.jsonl", qa_rows(20)), packing=False, num_epochs=1, max_target_length=32)
-    shards = [{tuple(row) for b in make_sft_iterator(cfg, TOK, 2, "train", p, 2) for row in b["inputs"]} for p in (0, 1)]
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "d.jsonl", qa_rows(20)), packing=False, num_epochs=1, max_target_length=32
+    )
+    shards = [
+        {tuple(row) for b in make_sft_iterator(cfg, TOK, 2, "train", p, 2) for row in b["inputs"]} for p in (0, 1)
+    ]
     assert len(shards[0]) == len(shards[1]) == 10 and not shards[0] & shards[1]
     everything = {tuple(np.pad(reference(**r)[0], (0, 32 - len(reference(**r)[0])))) for r in qa_rows(20)}
     assert shards[0] | shards[1] == everything
@@ -160,8 +177,14 @@ def test_errors_name_the_file_and_line(tmp_path):
 @pytest.mark.parametrize("policy", ["truncate", "drop"])
 def test_over_long_examples_are_counted(tmp_path, policy):
     rows = qa_rows(40, long_every=4)  # 10 records of 50+ tokens, none at the end of the stream
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "d.jsonl", rows), max_target_length=32,
-                   truncation=policy, num_epochs=1, packing=False, shuffle=False)
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "d.jsonl", rows),
+        max_target_length=32,
+        truncation=policy,
+        num_epochs=1,
+        packing=False,
+        shuffle=False,
+    )
     batches = all_batches(make_sft_iterator(cfg, TOK, 2))
     assert sum(int(b["num_truncated"]) for b in batches) == 10
     rows_seen = [row for b in batches for row in b["inputs_segmentation"]]
@@ -192,8 +215,13 @@ def test_sentencepiece_tokenizer(tmp_path):
 
     lines = [f"the number {i} plus {i + 1} is {2 * i + 1}" for i in range(200)]
     (tmp_path / "corpus.txt").write_text("\n".join(lines))
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"),
-                                   vocab_size=60, model_type="bpe", minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "corpus.txt"),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=60,
+        model_type="bpe",
+        minloglevel=2,
+    )
     tok = load_tokenizer(str(tmp_path / "sp.model"))
     assert tok.decode(tok.encode("the number 7 is 15")) == "the number 7 is 15"
     assert tok.bos_id is not None and tok.eos_id is not None and tok.vocab_size == 60
@@ -203,8 +231,10 @@ def test_sentencepiece_tokenizer(tmp_path):
     assert b["inputs"][0, 0] == tok.bos_id and (b["targets"][b["targets_segmentation"] > 0] == tok.eos_id).any()
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def save_hf_tokenizer(path, chat_template):
@@ -218,14 +248,22 @@ def save_hf_tokenizer(path, chat_template):
 
 def test_hf_tokenizer_dir_with_chat_template(tmp_path):
     tok = load_tokenizer(save_hf_tokenizer(tmp_path / "tok", CHAT_TEMPLATE))
-    convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
-             {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
-             {"role": "assistant", "content": "6"}]
+    convo = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
     prompt, completion = tok.apply_chat_template(convo)
     assert prompt.endswith("<|user|>3+3?<eos><|assistant|>") and completion == "6<eos>"
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo}] * 4),
-                   tokenizer_path=str(tmp_path / "tok"), max_target_length=96, packing=False,
-                   chat_loss_on="last_assistant")
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo}] * 4),
+        tokenizer_path=str(tmp_path / "tok"),
+        max_target_length=96,
+        packing=False,
+        chat_loss_on="last_assistant",
+    )
     b = next(make_sft_iterator(cfg, tok, 2))
     learned = b["targets"][0][b["targets_segmentation"][0] > 0]
     assert learned.tolist() == tok.encode("6<eos>")  # only the last assistant turn, its end marker included
@@ -233,7 +271,10 @@ def test_hf_tokenizer_dir_with_chat_template(tmp_path):
 
 def test_messages_without_chat_template_is_a_config_error(tmp_path):
     tok = load_tokenizer(save_hf_tokenizer(tmp_path / "tok", None))
-    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    chat = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+    )
     with pytest.raises(ConfigError, match="tokenizer_path=.* has no chat template"):
         make_sft_iterator(make_cfg(dataset_path=chat, tokenizer_path=str(tmp_path / "tok")), tok, 2)
     with pytest.raises(ConfigError, match="tokenizer_path='nowhere'"):

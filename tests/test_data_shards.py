@@ -1,5 +1,6 @@
 """Virtual data shards: the global SFT batch and its checkpointed position do not depend on the
 process count (unitrain.data.shards)."""
+
 import json
 from pathlib import Path
 
@@ -24,8 +25,10 @@ def make_cfg(**overrides):
 
 def qa_rows(n):
     """n distinct prompt/completion records of varied lengths; every 7th is over-long (truncated)."""
-    return [{"prompt": f"q{i}:" + "x" * (i % 5), "completion": "y" * (1 + i % 7 + (40 if i % 7 == 0 else 0))}
-            for i in range(n)]
+    return [
+        {"prompt": f"q{i}:" + "x" * (i % 5), "completion": "y" * (1 + i % 7 + (40 if i % 7 == 0 else 0))}
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def test_shard_rows_come_from_its_records(jsonl):
     for batch in iterators(cfg, 1)[0]:
         for row, (tokens, seg) in enumerate(zip(batch["inputs"], batch["targets_segmentation"])):
             first_loss = int(np.argmax(seg > 0))  # position predicting the first completion token
-            index = prompt_of[tuple(tokens[:first_loss + 1])]
+            index = prompt_of[tuple(tokens[: first_loss + 1])]
             assert index % 4 == row // (ROWS // 4)
 
 

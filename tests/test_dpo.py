@@ -1,5 +1,6 @@
 """mode=dpo: the loss against NumPy, exact accumulation, the preference data pipeline, and runs
 through the entry (learning, exact resume, user errors)."""
+
 import dataclasses
 import json
 import shutil
@@ -20,8 +21,10 @@ from unitrain.run import build_run
 from unitrain.tasks.dpo import DPOTask, real_pairs
 
 TOK = load_tokenizer("")
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def log_sigmoid(x):
@@ -32,8 +35,14 @@ def numpy_dpo(pi_c, pi_r, ref_c, ref_r, beta, ls):
     z = beta * ((pi_c - ref_c) - (pi_r - ref_r))
     loss = -(1 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z)
     rc, rr = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
-    return loss, {"rewards/chosen": rc, "rewards/rejected": rr, "rewards/accuracy": (rc > rr).astype(float),
-                  "rewards/margin": rc - rr, "logps/chosen": pi_c, "logps/rejected": pi_r}
+    return loss, {
+        "rewards/chosen": rc,
+        "rewards/rejected": rr,
+        "rewards/accuracy": (rc > rr).astype(float),
+        "rewards/margin": rc - rr,
+        "logps/chosen": pi_c,
+        "logps/rejected": pi_r,
+    }
 
 
 def numpy_seq_logps(logits, targets, weights):
@@ -47,11 +56,14 @@ def arithmetic_pairs(n, held_out=False):
     """n single-digit sums, chosen the right answer, rejected a wrong one; every fifth (a, b) is held
     out for eval, so the two sets share no problem."""
     problems = [(j // 10, j % 10) for j in range(100) if (j % 5 == 0) == held_out]
-    return [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 10 * (1 + i % 3))}
-            for i, (a, b) in enumerate(problems[:n])]
+    return [
+        {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 10 * (1 + i % 3))}
+        for i, (a, b) in enumerate(problems[:n])
+    ]
 
 
 # ---------------------------------------------------------------- (a) the loss
+
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 def test_dpo_loss_and_metrics_equal_numpy(label_smoothing):
@@ -60,8 +72,9 @@ def test_dpo_loss_and_metrics_equal_numpy(label_smoothing):
     pi_c[3], ref_c[3], pi_r[3], ref_r[3] = -5.0, -5.0, -7.0, -7.0  # a tie: rewards equal, not accurate
     weights = np.ones(12)
     weights[[5, 9]] = 0  # padding pairs count nowhere
-    loss_sum, (pairs, metrics) = jax.jit(lambda *a: losses.dpo_loss(
-        *a, beta=0.3, label_smoothing=label_smoothing, weights=weights))(pi_c, pi_r, ref_c, ref_r)
+    loss_sum, (pairs, metrics) = jax.jit(
+        lambda *a: losses.dpo_loss(*a, beta=0.3, label_smoothing=label_smoothing, weights=weights)
+    )(pi_c, pi_r, ref_c, ref_r)
     loss, want = numpy_dpo(pi_c, pi_r, ref_c, ref_r, 0.3, label_smoothing)
     keep = weights > 0
     assert pairs == 10
@@ -73,7 +86,9 @@ def test_dpo_loss_and_metrics_equal_numpy(label_smoothing):
         np.testing.assert_allclose(total, values[keep].sum(), rtol=1e-5, atol=1e-5, err_msg=name)
     assert want["rewards/accuracy"][3] == 0.0
     # at z = 0 the loss is log 2 whatever the smoothing; without weights every pair counts
-    zero = losses.dpo_loss(jnp.ones(4), jnp.ones(4), jnp.ones(4), jnp.ones(4), beta=0.1, label_smoothing=label_smoothing)
+    zero = losses.dpo_loss(
+        jnp.ones(4), jnp.ones(4), jnp.ones(4), jnp.ones(4), beta=0.1, label_smoothing=label_smoothing
+    )
     np.testing.assert_allclose(zero[0], 4 * np.log(2), rtol=1e-6)
     assert zero[1][0] == 4
 
@@ -98,31 +113,47 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", arithmetic_pairs(32))
     # adam_eps >> |gradient|: the first AdamW update is ~ learning_rate * gradient, so comparing
     # parameters compares the accumulated gradients (not their signs)
-    big = make_cfg(dataset_path=path, max_target_length=16, eval_interval=0, warmup_steps=0, learning_rate=1.0,
-                   adam_eps=1.0, dpo_beta=0.5, dpo_label_smoothing=0.1, per_device_batch_size=2)
+    big = make_cfg(
+        dataset_path=path,
+        max_target_length=16,
+        eval_interval=0,
+        warmup_steps=0,
+        learning_rate=1.0,
+        adam_eps=1.0,
+        dpo_beta=0.5,
+        dpo_label_smoothing=0.1,
+        per_device_batch_size=2,
+    )
     small = big.replace(per_device_batch_size=1, gradient_accumulation_steps=2)
     run, state = build_run(big)
     tasks = [DPOTask(run), DPOTask(dataclasses.replace(run, cfg=small))]
     batch = next(make_preference_iterator(big, TOK, 16))
     batch.pop("num_truncated")
     global_batch = step_lib.local_rows_to_global(batch, tasks[0].rows2d)
-    refs = [jax.device_get(run.programs(f"reference_logps{i}", t.ref_fn, t.ref_params, global_batch))
-            for i, t in enumerate(tasks)]
+    refs = [
+        jax.device_get(run.programs(f"reference_logps{i}", t.ref_fn, t.ref_params, global_batch))
+        for i, t in enumerate(tasks)
+    ]
     for k in refs[0]:  # the micro-batched reference gives every pair its own log-probs back in place
         np.testing.assert_allclose(refs[0][k], refs[1][k], rtol=1e-6)
     noise = np.random.default_rng(3).normal(0, 2, 16).astype(np.float32)  # so that the loss is not log 2
-    batch = {**batch, "ref_chosen_logps": refs[0]["ref_chosen_logps"] + noise,
-             "ref_rejected_logps": refs[0]["ref_rejected_logps"]}
+    batch = {
+        **batch,
+        "ref_chosen_logps": refs[0]["ref_chosen_logps"] + noise,
+        "ref_rejected_logps": refs[0]["ref_rejected_logps"],
+    }
 
     forward = jax.jit(lambda p, *rows: nnx.merge(run.graphdef, p)(*rows)[0])
     pi = {}
     for name in ("chosen", "rejected"):
         rows = (batch[f"{name}_{k}"] for k in ("inputs", "inputs_position", "inputs_segmentation"))
-        pi[name] = numpy_seq_logps(forward(state["params"], *rows), batch[f"{name}_targets"],
-                                   batch[f"{name}_targets_segmentation"] > 0)
+        pi[name] = numpy_seq_logps(
+            forward(state["params"], *rows), batch[f"{name}_targets"], batch[f"{name}_targets_segmentation"] > 0
+        )
         np.testing.assert_allclose(refs[0][f"ref_{name}_logps"], pi[name], rtol=1e-5)  # the reference is the start
-    loss, want = numpy_dpo(pi["chosen"], pi["rejected"], batch["ref_chosen_logps"], batch["ref_rejected_logps"],
-                           0.5, 0.1)
+    loss, want = numpy_dpo(
+        pi["chosen"], pi["rejected"], batch["ref_chosen_logps"], batch["ref_rejected_logps"], 0.5, 0.1
+    )
 
     results = []
     for cfg, task, s in zip((big, small), tasks, (jax.tree.map(jnp.copy, state), state)):
@@ -143,6 +174,7 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
 
 # ---------------------------------------------------------------- (c) data
 
+
 def side(batch, name, row):
     """The ids of one row of a side: (input ids of the sequence, the target ids that carry loss)."""
     seg, tseg = batch[f"{name}_inputs_segmentation"][row], batch[f"{name}_targets_segmentation"][row]
@@ -151,8 +183,14 @@ def side(batch, name, row):
 
 def test_standard_pairs_layout_and_prompt_gets_no_loss(tmp_path):
     rows = [{"q": f"{i}+1=", "good": str(i + 1), "bad": f"{i}{i}"} for i in range(8)]
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "p.jsonl", rows), prompt_key="q", chosen_key="good",
-                   rejected_key="bad", max_target_length=12, shuffle=False)
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "p.jsonl", rows),
+        prompt_key="q",
+        chosen_key="good",
+        rejected_key="bad",
+        max_target_length=12,
+        shuffle=False,
+    )
     batch = next(make_preference_iterator(cfg, TOK, 4))
     assert set(batch) == {*PAIR_FIELDS, "num_truncated"} and int(batch["num_truncated"]) == 0
     assert all(batch[k].shape == (4, 12) and batch[k].dtype == np.int32 for k in PAIR_FIELDS)
@@ -165,7 +203,7 @@ def test_standard_pairs_layout_and_prompt_gets_no_loss(tmp_path):
             n = len(ids)
             assert batch[f"{name}_inputs_position"][r][:n].tolist() == list(range(n))
             assert (batch[f"{name}_inputs_segmentation"][r][n:] == 0).all()
-            assert batch[f"{name}_targets"][r][:n - 1].tolist() == ids[1:]
+            assert batch[f"{name}_targets"][r][: n - 1].tolist() == ids[1:]
     assert real_pairs(batch).tolist() == [1.0] * 4
 
 
@@ -181,12 +219,21 @@ def save_chat_tokenizer(path):
 def test_conversational_pairs_explicit_and_implicit_prompt(tmp_path):
     tok = save_chat_tokenizer(tmp_path / "tok")
     user = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
-    explicit = {"prompt": user, "chosen": [{"role": "assistant", "content": "4"}],
-                "rejected": [{"role": "assistant", "content": "5"}]}
-    implicit = {"chosen": [*user, {"role": "assistant", "content": "4"}],
-                "rejected": [*user, {"role": "assistant", "content": "5"}]}
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "c.jsonl", [explicit, implicit]),
-                   tokenizer_path=str(tmp_path / "tok"), max_target_length=48, shuffle=False)
+    explicit = {
+        "prompt": user,
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    }
+    implicit = {
+        "chosen": [*user, {"role": "assistant", "content": "4"}],
+        "rejected": [*user, {"role": "assistant", "content": "5"}],
+    }
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "c.jsonl", [explicit, implicit]),
+        tokenizer_path=str(tmp_path / "tok"),
+        max_target_length=48,
+        shuffle=False,
+    )
     batch = next(make_preference_iterator(cfg, tok, 2))
     prompt = tok.encode("<|system|>be brief<eos><|user|>2+2?<eos><|assistant|>")
     for r in range(2):
@@ -199,11 +246,13 @@ def test_conversational_pairs_explicit_and_implicit_prompt(tmp_path):
 
 
 def test_truncation_is_counted(tmp_path):
-    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
-            {"prompt": "2+2=", "chosen": "4" * 20, "rejected": "5"},  # the chosen side is cut
-            {"prompt": "p" * 30, "chosen": "1", "rejected": "2"},      # the prompt fills the row: dropped
-            {"prompt": "3+3=", "chosen": "6", "rejected": "7" * 20},  # the rejected side is cut
-            {"prompt": "4+4=", "chosen": "8", "rejected": "9"}]
+    rows = [
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+        {"prompt": "2+2=", "chosen": "4" * 20, "rejected": "5"},  # the chosen side is cut
+        {"prompt": "p" * 30, "chosen": "1", "rejected": "2"},  # the prompt fills the row: dropped
+        {"prompt": "3+3=", "chosen": "6", "rejected": "7" * 20},  # the rejected side is cut
+        {"prompt": "4+4=", "chosen": "8", "rejected": "9"},
+    ]
     path = write_jsonl(tmp_path / "t.jsonl", rows)
     cfg = make_cfg(dataset_path=path, max_target_length=10, shuffle=False, num_epochs=1)
     batch = next(make_preference_iterator(cfg, TOK, 4))
@@ -216,8 +265,12 @@ def test_truncation_is_counted(tmp_path):
 
 
 def test_iterator_state_round_trip_and_any_process_count(tmp_path):
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "p.jsonl", arithmetic_pairs(20)), max_target_length=12,
-                   data_shards=2, num_epochs=3)
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "p.jsonl", arithmetic_pairs(20)),
+        max_target_length=12,
+        data_shards=2,
+        num_epochs=3,
+    )
     it = make_preference_iterator(cfg, TOK, 4)
     for _ in range(4):  # crosses an epoch boundary (10 pairs per shard, 2 per batch)
         next(it)
@@ -241,23 +294,32 @@ def test_builtin_pairs_and_eval_batches_pad_with_empty_rows(tmp_path):
     batch = next(make_preference_iterator(cfg, TOK, 8))
     for r in range(8):
         (ids, chosen), (_, rejected) = side(batch, "chosen", r), side(batch, "rejected", r)
-        prompt = TOK.decode(ids[:len(ids) - len(chosen)])  # "12*3="
+        prompt = TOK.decode(ids[: len(ids) - len(chosen)])  # "12*3="
         assert eval(prompt[:-1]) == int(TOK.decode(chosen)) != int(TOK.decode(rejected))
-    evals = eval_pair_batches(cfg.replace(eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", arithmetic_pairs(5))),
-                              TOK, 4, max_batches=3)
+    evals = eval_pair_batches(
+        cfg.replace(eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", arithmetic_pairs(5))), TOK, 4, max_batches=3
+    )
     assert len(evals) == 2 and real_pairs(evals[1]).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert len(eval_pair_batches(cfg, TOK, 4, max_batches=3)) == 3  # the built-in eval stream
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([{"prompt": "1+1=", "chosen": "2"}], r"p.jsonl:1: record lacks 'chosen' or 'rejected'"),
-    ([{"prompt": "1+1=", "chosen": "2", "rejected": 3}], "p.jsonl:1: fields 'chosen' and 'rejected' must both be"),
-    ([{"chosen": "2", "rejected": "3"}], "p.jsonl:1: field 'prompt' must be a string"),
-    ([{"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]}],
-     "must hold exactly one assistant message"),
-    ([], "holds no records"),
-    ([{"prompt": "x" * 40, "chosen": "2", "rejected": "3"}], "no preference pair of .* fits in max_target_length=12"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"prompt": "1+1=", "chosen": "2"}], r"p.jsonl:1: record lacks 'chosen' or 'rejected'"),
+        ([{"prompt": "1+1=", "chosen": "2", "rejected": 3}], "p.jsonl:1: fields 'chosen' and 'rejected' must both be"),
+        ([{"chosen": "2", "rejected": "3"}], "p.jsonl:1: field 'prompt' must be a string"),
+        (
+            [{"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]}],
+            "must hold exactly one assistant message",
+        ),
+        ([], "holds no records"),
+        (
+            [{"prompt": "x" * 40, "chosen": "2", "rejected": "3"}],
+            "no preference pair of .* fits in max_target_length=12",
+        ),
+    ],
+)
 def test_bad_preference_data_is_one_clear_error(tmp_path, rows, message):
     cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "p.jsonl", rows), max_target_length=12)
     with pytest.raises(DataError, match=message):
@@ -266,8 +328,18 @@ def test_bad_preference_data_is_one_clear_error(tmp_path, rows, message):
 
 # ---------------------------------------------------------------- (d) end to end through the entry
 
-E2E = ["mode=dpo", "max_target_length=16", "per_device_batch_size=1", "peak_flops_per_device=1e12", "log_period=1",
-       "warmup_steps=2", "learning_rate=1e-2", "dpo_beta=0.5", "eval_steps=2", "checkpoint_period=100"]
+E2E = [
+    "mode=dpo",
+    "max_target_length=16",
+    "per_device_batch_size=1",
+    "peak_flops_per_device=1e12",
+    "log_period=1",
+    "warmup_steps=2",
+    "learning_rate=1e-2",
+    "dpo_beta=0.5",
+    "eval_steps=2",
+    "checkpoint_period=100",
+]
 
 
 def entry_args(tmp_path, *overrides):
@@ -286,9 +358,15 @@ def metrics_of(run_dir):
 def test_dpo_run_raises_reward_accuracy_and_resumes_exactly(tmp_path, capsys):
     """A short run on single-digit sums (chosen the right answer) learns to prefer the right answers;
     a run resumed from its step-6 checkpoint (as after a stop there) repeats steps 6..11 exactly."""
-    args = entry_args(tmp_path, f"dataset_path={write_jsonl(tmp_path / 'train.jsonl', arithmetic_pairs(64))}",
-                      f"eval_dataset_path={write_jsonl(tmp_path / 'eval.jsonl', arithmetic_pairs(12, held_out=True))}",
-                      "steps=12", "eval_interval=12", "checkpoint_period=6", "run_name=dpo")
+    args = entry_args(
+        tmp_path,
+        f"dataset_path={write_jsonl(tmp_path / 'train.jsonl', arithmetic_pairs(64))}",
+        f"eval_dataset_path={write_jsonl(tmp_path / 'eval.jsonl', arithmetic_pairs(12, held_out=True))}",
+        "steps=12",
+        "eval_interval=12",
+        "checkpoint_period=6",
+        "run_name=dpo",
+    )
     assert train.main(args) == 0
     straight = metrics_of(tmp_path / "dpo")
     assert sorted(straight) == list(range(12))
@@ -311,8 +389,10 @@ def test_dpo_run_raises_reward_accuracy_and_resumes_exactly(tmp_path, capsys):
 
 
 def test_missing_rejected_key_is_one_line_and_exit_2(tmp_path, capsys):
-    bad = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
-                                                 {"prompt": "1+2=", "chosen": "3", "loser": "4"}])
+    bad = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, {"prompt": "1+2=", "chosen": "3", "loser": "4"}],
+    )
     assert train.main(entry_args(tmp_path, f"dataset_path={bad}", "eval_interval=0")) == 2
     err = capsys.readouterr().err.strip()
     assert f"{bad}:2: record lacks 'chosen' or 'rejected'" in err and "rejected_key" in err

@@ -1,6 +1,7 @@
 """export_hf_path writes a folder transformers uses as is: AutoTokenizer encodes like the run's
 tokenizer (chat template included), and AutoModelForCausalLM.generate, greedy, gives the tokens
 unitrain's greedy sampler gives from the run's own checkpoint, stopping at the same EOS."""
+
 import json
 
 import pytest
@@ -23,19 +24,37 @@ QWEN2 = dict(model_family="qwen2", qkv_bias="true", tie_word_embeddings="true", 
 
 def _train_and_export(tmp_path, **keys):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p, "completion": a} for p, a in zip(PROMPTS, ANSWERS)])
-    cfg = make_cfg(base_output_directory=tmp_path, dataset_path=data, steps=30, learning_rate=1e-2,
-                   warmup_steps=2, max_target_length=32, per_device_batch_size=1, eval_interval=0,
-                   checkpoint_period=1000, log_period=100, peak_flops_per_device=1e12,
-                   export_hf_path=tmp_path / "export", **keys)
+    cfg = make_cfg(
+        base_output_directory=tmp_path,
+        dataset_path=data,
+        steps=30,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        max_target_length=32,
+        per_device_batch_size=1,
+        eval_interval=0,
+        checkpoint_period=1000,
+        log_period=100,
+        peak_flops_per_device=1e12,
+        export_hf_path=tmp_path / "export",
+        **keys,
+    )
     assert train.train(cfg) == 0
     return cfg
 
 
 def _unitrain_greedy(cfg, capsys, arch: dict) -> list[list[int]]:
     """Greedy completions of PROMPTS by unitrain's sampler from the run's last orbax checkpoint."""
-    argv = [str(REPO / "configs" / "base.yml"), f"load_parameters_path={cfg.checkpoint_dir}",
-            f"tokenizer_path={cfg.tokenizer_path}", *(f"{k}={v}" for k, v in arch.items()),
-            *[a for p in PROMPTS for a in ("--prompt", p)], "--json", "--max-new-tokens", "8"]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"load_parameters_path={cfg.checkpoint_dir}",
+        f"tokenizer_path={cfg.tokenizer_path}",
+        *(f"{k}={v}" for k, v in arch.items()),
+        *[a for p in PROMPTS for a in ("--prompt", p)],
+        "--json",
+        "--max-new-tokens",
+        "8",
+    ]
     capsys.readouterr()
     assert generate_main(argv) == 0
     return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
@@ -76,7 +95,7 @@ def test_export_loads_in_transformers_and_generates_like_unitrain(tmp_path, tiny
         ids = torch.tensor([bos + tok(prompt, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8)
-        got = out[0, ids.shape[1]:].tolist()
+        got = out[0, ids.shape[1] :].tolist()
         assert got == want
         assert got[-1] == tok.eos_token_id and len(got) < 8  # learned to stop: the EOS is the export's
         assert tok.decode(got, skip_special_tokens=True) == answer

@@ -110,11 +110,18 @@ def test_unwritable_output_directory_is_one_line(tmp_path, capsys):
 def test_full_disk_is_one_line_and_keeps_saved_checkpoints(tmp_path):
     # A real write failure from the OS: a file-size limit (EFBIG, like ENOSPC a failed write)
     # that the first checkpoint's files exceed, set in the child process only.
-    args = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, "steps=4",
-            "checkpoint_period=2"]
-    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
-            f"sys.argv = ['unitrain', *{args!r}]; from unitrain.train import cli; cli()")
+    args = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "steps=4",
+        "checkpoint_period=2",
+    ]
+    code = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
+        f"sys.argv = ['unitrain', *{args!r}]; from unitrain.train import cli; cli()"
+    )
     env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -148,8 +155,14 @@ def test_truncated_safetensors_is_one_line(tmp_path, capsys, tiny_checkpoint):
     os.truncate(weights, weights.stat().st_size // 2)
     capsys.readouterr()  # the fixture's progress bar
     for source in ("unitrain", "tunix"):
-        err = one_line_exit_2(capsys, f"base_output_directory={tmp_path}", f"model_source={source}",
-                              f"load_parameters_path={ckpt}", f"tokenizer_path={ckpt}", "steps=1")
+        err = one_line_exit_2(
+            capsys,
+            f"base_output_directory={tmp_path}",
+            f"model_source={source}",
+            f"load_parameters_path={ckpt}",
+            f"tokenizer_path={ckpt}",
+            "steps=1",
+        )
         assert str(weights) in err
 
 
@@ -239,6 +252,7 @@ def test_eval_and_checkpoint_time_is_no_steps_time(tmp_path, monkeypatch, capsys
     for s in (3, 4, 7, 8):  # the steps before and after each eval
         assert times[s] < slow / 3 and times[s] < 10 * typical + 0.2, (s, times)
     etas = [line for line in capsys.readouterr().out.splitlines() if "ETA" in line]
-    seconds = [sum(int(x) * 60**i for i, x in enumerate(reversed(line.rsplit("ETA ", 1)[1].split(":"))))
-               for line in etas]
+    seconds = [
+        sum(int(x) * 60**i for i, x in enumerate(reversed(line.rsplit("ETA ", 1)[1].split(":")))) for line in etas
+    ]
     assert max(seconds) < slow  # three slow evals and not one of them in an ETA

@@ -1,4 +1,5 @@
 """tools/generate.py against transformers' own greedy decoding on a tiny HF checkpoint."""
+
 import json
 
 import numpy as np
@@ -12,8 +13,15 @@ PROMPTS = ["Natalia sold clips to 48 of her friends", "How many"]
 
 def _args(ckpt, *extra):
     # tiny.yml already has the llama fixture's dimensions; the rope settings are read from config.json.
-    return [str(REPO / "configs" / "base.yml"), f"load_parameters_path={ckpt}", f"tokenizer_path={ckpt}",
-            *extra, "--json", "--max-new-tokens", "8"]
+    return [
+        str(REPO / "configs" / "base.yml"),
+        f"load_parameters_path={ckpt}",
+        f"tokenizer_path={ckpt}",
+        *extra,
+        "--json",
+        "--max-new-tokens",
+        "8",
+    ]
 
 
 def _run(capsys, argv) -> list[dict]:
@@ -23,19 +31,20 @@ def _run(capsys, argv) -> list[dict]:
 
 def _until_eos(ids, eos):
     ids = [int(i) for i in ids]
-    return ids[:ids.index(eos) + 1] if eos in ids else ids
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
 def _hf_greedy(ckpt, prompt_ids: list[int]) -> list[int]:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(ckpt), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     x = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
@@ -49,8 +58,12 @@ def test_greedy_matches_transformers(tiny_checkpoint, capsys, chat):
     assert [(r["prompt"], r["sample"]) for r in rows] == [(p, 0) for p in PROMPTS]
     for row in rows:
         if chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": row["prompt"]}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
         else:  # this tokenizer has no BOS
             ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
         expected = _until_eos(_hf_greedy(ckpt, list(ids)), tok.eos_token_id)

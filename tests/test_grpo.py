@@ -16,9 +16,19 @@ from unitrain.config import ConfigError, load_config
 from unitrain.rollout.groups import Group, nonzero_std, select_groups
 from unitrain.tasks import grpo
 
-FAST = ["mode=grpo", "per_device_batch_size=2", "rollout_batch_size=4", "n_samples_per_prompt=4",
-        "rollout_max_response_len=6", "eval_interval=0", "log_period=1", "builtin_task_digits=1",
-        "max_prompt_length=16", "learning_rate=1e-3", "warmup_steps=0"]
+FAST = [
+    "mode=grpo",
+    "per_device_batch_size=2",
+    "rollout_batch_size=4",
+    "n_samples_per_prompt=4",
+    "rollout_max_response_len=6",
+    "eval_interval=0",
+    "log_period=1",
+    "builtin_task_digits=1",
+    "max_prompt_length=16",
+    "learning_rate=1e-3",
+    "warmup_steps=0",
+]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
@@ -53,8 +63,10 @@ def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
             seq = prompt + list(tokens[:length])
             mask = rows["loss_mask"][r].astype(bool)
             real = rows["inputs_segmentation"][r] > 0
-            assert list(rows["inputs"][r][real]) == seq and list(rows["inputs_position"][r][real]) == list(range(len(seq)))
-            assert list(rows["inputs"][r, P - len(prompt):P]) == prompt
+            assert list(rows["inputs"][r][real]) == seq and list(rows["inputs_position"][r][real]) == list(
+                range(len(seq))
+            )
+            assert list(rows["inputs"][r, P - len(prompt) : P]) == prompt
             assert list(rows["targets"][r][mask]) == list(tokens[:length])  # exactly the sampled tokens
             np.testing.assert_array_equal(rows["sampler_logprobs"][r][mask], logprobs[:length])
             r += 1
@@ -65,8 +77,10 @@ def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
 
 def test_select_groups_drops_exactly_the_zero_std_groups():
     rewards_ = ([1, 1, 1], [0, 1, 0], [0, 0, 0], [0.5, 0.5, 0.5], [1, 0, 0], [2, 3, 2])
-    sampled = [Group(prompt=i, completions=None, texts=[], rewards=np.asarray(r, np.float32), per_reward={})
-               for i, r in enumerate(rewards_)]
+    sampled = [
+        Group(prompt=i, completions=None, texts=[], rewards=np.asarray(r, np.float32), per_reward={})
+        for i, r in enumerate(rewards_)
+    ]
     kept = [g for g in sampled if nonzero_std(g)]
     dropped = [g for g in sampled if not nonzero_std(g)]
     assert [g.prompt for g in kept] == [1, 4, 5] and [g.prompt for g in dropped] == [0, 2, 3]
@@ -83,8 +97,14 @@ def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
     plugin = tmp_path / "parity_reward.py"
     plugin.write_text("def score(prompt, completion, label):\n    return float(len(completion) % 2)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = config(tmp_path, "reward=parity_reward:score", "dynamic_sampling_filter=nonzero_std",
-                 "over_sampling_batch_size=8", "max_sampling_rounds=3", "rollout_temperature=2.0")
+    cfg = config(
+        tmp_path,
+        "reward=parity_reward:score",
+        "dynamic_sampling_filter=nonzero_std",
+        "over_sampling_batch_size=8",
+        "max_sampling_rounds=3",
+        "rollout_temperature=2.0",
+    )
     step, graphdef, params, mesh = make_step(cfg)
     groups, stats = first_groups(step, params)
     kept = [g for g in groups if np.std(g.rewards) > 0]
@@ -98,14 +118,19 @@ def test_the_samplers_decode_weights_are_released_before_an_update_and_after_an_
     """The sampler keeps a decode copy of the weights for a version's calls (rollout/colocated.py):
     the greedy and the sampled evaluation share one, and neither the update nor what follows an
     evaluation holds one."""
-    built, state = run.build_run(config(tmp_path, "eval_interval=1", "eval_num_samples=4", "eval_n_samples=2",
-                                         "eval_pass_k=2"))
+    built, state = run.build_run(
+        config(tmp_path, "eval_interval=1", "eval_num_samples=4", "eval_n_samples=2", "eval_pass_k=2")
+    )
     task = tasks.create(built)
     update, seen = task.update, []
-    monkeypatch.setattr(task, "update", lambda state, batch: (seen.append(task.sampler.decode), update(state, batch))[1])
+    monkeypatch.setattr(
+        task, "update", lambda state, batch: (seen.append(task.sampler.decode), update(state, batch))[1]
+    )
     made = []
     decode_weights = task.sampler.decode_weights
-    monkeypatch.setattr(task.sampler, "decode_weights", lambda: made.append(task.sampler.decode is None) or decode_weights())
+    monkeypatch.setattr(
+        task.sampler, "decode_weights", lambda: made.append(task.sampler.decode is None) or decode_weights()
+    )
     state, _ = task.step(state, 0)
     assert made == [True] and seen == [None]
     made.clear()
@@ -125,8 +150,7 @@ def test_first_iteration_ratio_is_one_and_gradient_is_plain_policy_gradient(tmp_
     group_ids = np.repeat(np.arange(4), 4)
     batch["advantages"] = np.asarray(losses.compute_advantages(rewards_, group_ids, 4, "grpo"))
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    (loss, (denom, m)), grads = jax.value_and_grad(step.loss, has_aux=True)(
-        params, batch)
+    (loss, (denom, m)), grads = jax.value_and_grad(step.loss, has_aux=True)(params, batch)
     assert float(m["ratio"][0] / m["ratio"][1]) == pytest.approx(1.0, abs=1e-6)
     assert float(m["pg_clipfrac"][0]) == 0.0
 
@@ -155,8 +179,11 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
     rows["advantages"] = np.linspace(-1, 1, 16).astype(np.float32)
     fed = {**rows, **separate.logprobs(params, rows)}
     assert set(fed) - set(rows) == {"old_logprobs", "ref_logprobs"}
-    state = lambda: {"params": jax.tree.map(jnp.copy, params), "opt_state": skip.run.optimizer.init(params),
-                     "step": jnp.int32(0)}
+    state = lambda: {
+        "params": jax.tree.map(jnp.copy, params),
+        "opt_state": skip.run.optimizer.init(params),
+        "step": jnp.int32(0),
+    }
     skipped, m_skip = skip.update(state(), {**rows, "ref_logprobs": fed["ref_logprobs"]})
     full, m_full = separate.update_fn(state(), fed)
     for a, b, p in zip(*(jax.tree.leaves(x) for x in (skipped["params"], full["params"], params))):
@@ -179,8 +206,16 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
     whole groups; the logprobs and the parameters after one update (LoRA: the adapters') equal those
     of the passes over every row's own prompt."""
     caplog.set_level(logging.INFO, logger="unitrain")
-    overrides = ("rollout_batch_size=8", "gradient_accumulation_steps=2", "rollout_temperature=1.0",
-                 "lr_schedule=constant", "kl_coef=0.1", "adam_eps=1.0", "learning_rate=1.0", f"lora_rank={rank}")
+    overrides = (
+        "rollout_batch_size=8",
+        "gradient_accumulation_steps=2",
+        "rollout_temperature=1.0",
+        "lr_schedule=constant",
+        "kl_coef=0.1",
+        "adam_eps=1.0",
+        "learning_rate=1.0",
+        f"lora_rank={rank}",
+    )
     shared, graphdef, params, _ = make_step(config(tmp_path, *overrides))
     plain, _, _, _ = make_step(config(tmp_path, *overrides))
     assert shared.group_rows == {"logprobs": 4, "update": 2}
@@ -192,16 +227,25 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
     for got, want in zip(stats(4), stats(1)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     rows.update(shared.logprobs(params, rows), advantages=np.linspace(-1, 1, 32).astype(np.float32))
-    state = lambda: {"params": jax.tree.map(jnp.copy, params),
-                     "opt_state": shared.run.optimizer.init(lora.trainable(params, rank > 0)),
-                     "step": jnp.int32(0)}
+    state = lambda: {
+        "params": jax.tree.map(jnp.copy, params),
+        "opt_state": shared.run.optimizer.init(lora.trainable(params, rank > 0)),
+        "step": jnp.int32(0),
+    }
     (a_state, a), (b_state, b) = shared.update(state(), rows), plain.update(state(), rows)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     for x, y, p in zip(*(jax.tree.leaves(s["params"]) for s in (a_state, b_state, {"params": params}))):
         x, y, p = (np.asarray(v) for v in (x, y, p))
         np.testing.assert_allclose(x - p, y - p, atol=1e-4 * np.abs(y - p).max(), rtol=1e-4)
-    uneven, _, _, _ = make_step(config(tmp_path, "per_device_batch_size=1", "n_samples_per_prompt=2",
-                                       "rollout_batch_size=16", "gradient_accumulation_steps=4"))
+    uneven, _, _, _ = make_step(
+        config(
+            tmp_path,
+            "per_device_batch_size=1",
+            "n_samples_per_prompt=2",
+            "rollout_batch_size=16",
+            "gradient_accumulation_steps=4",
+        )
+    )
     assert uneven.group_rows == {"logprobs": 2, "update": 1}  # 4 micro-batches split a group of 2
     spread, _, _, _ = make_step(config(tmp_path))
     assert spread.group_rows == {"logprobs": 1, "update": 1}  # 16 rows: 2 a device, half a group
@@ -234,19 +278,45 @@ def test_resume_in_the_middle_of_grpo_continues_identically(tmp_path, monkeypatc
 @pytest.mark.skipif(not GSM8K.exists(), reason="needs ../shared/data/gsm8k")
 def test_gsm8k_grpo_with_a_tiny_qwen2_model(tmp_path, tiny_checkpoint, capsys):
     ckpt = tiny_checkpoint("qwen2")
-    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, "steps=2",
-            "model_family=qwen2", "qkv_bias=true", "tie_word_embeddings=true", "rms_norm_eps=1e-6",
-            f"load_parameters_path={ckpt}", f"tokenizer_path={ckpt}", f"dataset_path={GSM8K}",
-            "prompt_key=question", "label_key=answer", "chat_template=true", "max_prompt_length=512",
-            "reward=gsm8k,format", "reward_weights=[1.0, 0.1]", "rollout_max_response_len=16",
-            "eval_interval=2", f"eval_dataset_path={GSM8K.parent / 'test.jsonl'}", "eval_num_samples=4",
-            "eval_n_samples=2", "eval_pass_k=2"]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "steps=2",
+        "model_family=qwen2",
+        "qkv_bias=true",
+        "tie_word_embeddings=true",
+        "rms_norm_eps=1e-6",
+        f"load_parameters_path={ckpt}",
+        f"tokenizer_path={ckpt}",
+        f"dataset_path={GSM8K}",
+        "prompt_key=question",
+        "label_key=answer",
+        "chat_template=true",
+        "max_prompt_length=512",
+        "reward=gsm8k,format",
+        "reward_weights=[1.0, 0.1]",
+        "rollout_max_response_len=16",
+        "eval_interval=2",
+        f"eval_dataset_path={GSM8K.parent / 'test.jsonl'}",
+        "eval_num_samples=4",
+        "eval_n_samples=2",
+        "eval_pass_k=2",
+    ]
     assert train.main(argv) == 0
     lines = [json.loads(l) for l in open(tmp_path / "default" / "metrics.jsonl")]
     steps = [l for l in lines if "loss" in l]
     assert len(steps) == 2 and all(math.isfinite(l["reward_mean"]) for l in steps)
-    assert {"reward_gsm8k_mean", "reward_format_mean", "pg_clipfrac", "entropy", "response_length_mean",
-            "sampler_trainer_logprob_gap", "time_rollout", "rollout_tokens_per_sec"} <= set(steps[0])
+    assert {
+        "reward_gsm8k_mean",
+        "reward_format_mean",
+        "pg_clipfrac",
+        "entropy",
+        "response_length_mean",
+        "sampler_trainer_logprob_gap",
+        "time_rollout",
+        "rollout_tokens_per_sec",
+    } <= set(steps[0])
     assert steps[0]["sampler_trainer_logprob_gap"] < 1e-3
     evals = [l for l in lines if "eval_accuracy" in l]
     assert len(evals) == 1 and "eval_pass_at_2" in evals[0]
@@ -254,8 +324,9 @@ def test_gsm8k_grpo_with_a_tiny_qwen2_model(tmp_path, tiny_checkpoint, capsys):
 
 @pytest.mark.parametrize("in_reward", [False, True])
 def test_kl_as_loss_term_or_in_reward_with_an_offloaded_reference(tmp_path, in_reward):
-    cfg = config(tmp_path, "steps=1", "kl_coef=0.1", f"use_kl_in_reward={str(in_reward).lower()}",
-                 "ref_params_host_offload=true")
+    cfg = config(
+        tmp_path, "steps=1", "kl_coef=0.1", f"use_kl_in_reward={str(in_reward).lower()}", "ref_params_host_offload=true"
+    )
     assert train.train(cfg) == 0
     (line,) = [json.loads(l) for l in open(cfg.metrics_file) if '"loss"' in l]
     assert math.isfinite(line["loss"])

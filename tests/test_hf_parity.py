@@ -32,9 +32,9 @@ def packed_batch(rng, length=640, seg_lengths=(300, 200)):
     tokens[0], positions[0], segment_ids[0] = long_seq, np.arange(length), 1
     start = 0
     for i, s in enumerate(segs):
-        tokens[1, start:start + len(s)] = s
-        positions[1, start:start + len(s)] = np.arange(len(s))
-        segment_ids[1, start:start + len(s)] = i + 1
+        tokens[1, start : start + len(s)] = s
+        positions[1, start : start + len(s)] = np.arange(len(s))
+        segment_ids[1, start : start + len(s)] = i + 1
         start += len(s)
     return tokens, positions, segment_ids, long_seq, segs
 
@@ -50,7 +50,7 @@ def test_logits_match_transformers(tiny_checkpoint, family):
     np.testing.assert_allclose(logits[0], torch_logits(path, long_seq), atol=TOL, rtol=0)
     start = 0
     for s in segs:
-        np.testing.assert_allclose(logits[1, start:start + len(s)], torch_logits(path, s), atol=TOL, rtol=0)
+        np.testing.assert_allclose(logits[1, start : start + len(s)], torch_logits(path, s), atol=TOL, rtol=0)
         start += len(s)
 
 
@@ -86,6 +86,7 @@ def test_wrong_rope_is_caught_by_the_tolerance(tiny_checkpoint):
 
 def _edit_config(src, dst, **changes):
     import shutil
+
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     cfg.update(changes)
@@ -93,13 +94,16 @@ def _edit_config(src, dst, **changes):
     return dst
 
 
-@pytest.mark.parametrize("changes, field", [
-    (dict(model_type="gpt2"), "model_type"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_type"),
-    (dict(num_hidden_layers=3), "model.layers.2"),
-    (dict(hidden_size=32), "shape"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(model_type="gpt2"), "model_type"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_type"),
+        (dict(num_hidden_layers=3), "model.layers.2"),
+        (dict(hidden_size=32), "shape"),
+    ],
+)
 def test_bad_checkpoint_is_a_clear_error(tiny_checkpoint, tmp_path, changes, field):
     path = _edit_config(tiny_checkpoint("llama"), tmp_path / "bad", **changes)
     with pytest.raises(ConfigError, match=field):

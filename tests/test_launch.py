@@ -47,7 +47,7 @@ def probe(tmp_path):
 
 def result_line(output: str) -> dict:
     # stdout and stderr share one pipe: native (gloo) log text may share the JSON's line.
-    found = [line[line.index("RESULT ") + len("RESULT "):] for line in output.splitlines() if "RESULT " in line]
+    found = [line[line.index("RESULT ") + len("RESULT ") :] for line in output.splitlines() if "RESULT " in line]
     assert len(found) == 1, output
     return json.JSONDecoder().raw_decode(found[0])[0]
 
@@ -67,8 +67,7 @@ def test_two_processes_four_devices_each_gather(probe, capsys):
 
 def test_one_child_fails_the_other_is_killed(probe):
     start = time.monotonic()
-    results = launch(["fail_process=1"], processes=2, devices_per_process=4, timeout=120, grace=2,
-                     echo=False, **probe)
+    results = launch(["fail_process=1"], processes=2, devices_per_process=4, timeout=120, grace=2, echo=False, **probe)
     assert time.monotonic() - start < 60
     assert results[1].returncode == 3 and results[1].killed is None
     assert "failing on purpose" in results[1].output
@@ -78,8 +77,16 @@ def test_one_child_fails_the_other_is_killed(probe):
 
 def test_timeout_kills_all_and_is_124(tmp_path):
     (tmp_path / "sleeper.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
-    results = launch([], processes=2, devices_per_process=1, timeout=1.0, grace=1, echo=False,
-                     module="sleeper", env={"PYTHONPATH": str(tmp_path)})
+    results = launch(
+        [],
+        processes=2,
+        devices_per_process=1,
+        timeout=1.0,
+        grace=1,
+        echo=False,
+        module="sleeper",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert [r.killed for r in results] == ["timeout", "timeout"]
     assert all(r.returncode < 0 for r in results)
     assert exit_code(results) == 124
@@ -93,15 +100,26 @@ def test_child_env_replaces_device_count_and_binds_locally():
 
 
 def test_command_line_prefixes_lines_and_returns_first_failure(tmp_path):
-    (tmp_path / "echoer.py").write_text(textwrap.dedent("""
+    (tmp_path / "echoer.py").write_text(
+        textwrap.dedent("""
         import sys
         kv = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
         print("hello", kv["process_id"], "of", kv["num_processes"], flush=True)
         sys.exit(int(kv.get("code", 0)) if kv["process_id"] == "1" else 0)
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    cmd = [sys.executable, str(REPO / "tools" / "launch" / "local.py"), "-n", "2", "-d", "1", "--module", "echoer",
-           "--"]
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "launch" / "local.py"),
+        "-n",
+        "2",
+        "-d",
+        "1",
+        "--module",
+        "echoer",
+        "--",
+    ]
     ok = subprocess.run([*cmd, "code=0"], env=env, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert sorted(ok.stdout.splitlines()) == ["[p0] hello 0 of 2", "[p1] hello 1 of 2"]
@@ -128,16 +146,23 @@ def signal_state(pid: int) -> str:
         for child in (task / "children").read_text().split():
             lines.append(signal_state(int(child)))
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    keep = [line for line in status if line.split(":")[0] in ("Name", "State", "SigPnd", "ShdPnd", "SigBlk",
-                                                               "SigIgn", "SigCgt")]
+    keep = [
+        line
+        for line in status
+        if line.split(":")[0] in ("Name", "State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    ]
     return f"pid {pid}: " + "; ".join(keep) + "".join("\n" + line for line in lines)
 
 
 def test_sigterm_is_forwarded_to_every_child(tmp_path):
     (tmp_path / "trapper.py").write_text(TRAPPER)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "launch" / "local.py"), "-n", "2", "-d", "1",
-                             "--module", "trapper"], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "launch" / "local.py"), "-n", "2", "-d", "1", "--module", "trapper"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     seen = set()
     while len(seen) < 2:
         line = proc.stdout.readline()
@@ -153,8 +178,7 @@ def test_sigterm_is_forwarded_to_every_child(tmp_path):
             os.killpg(int(child), signal.SIGKILL)
         proc.kill()
         pytest.fail(f"a child did not end 30 s after the SIGTERM:\n{state}")
-    assert sorted(line for line in rest.splitlines() if "SIGTERM" in line) == ["[p0] got SIGTERM",
-                                                                              "[p1] got SIGTERM"]
+    assert sorted(line for line in rest.splitlines() if "SIGTERM" in line) == ["[p0] got SIGTERM", "[p1] got SIGTERM"]
     assert proc.returncode == 7
 
 
@@ -173,16 +197,25 @@ def test_a_signal_during_start_up_reaches_the_children_started_after_it(tmp_path
         return started[-1]
 
     monkeypatch.setattr(local.subprocess, "Popen", popen_then_sigterm)
-    results = launch([], processes=2, devices_per_process=1, timeout=30, grace=1, echo=False,
-                     module="trapper", env={"PYTHONPATH": str(tmp_path)})
+    results = launch(
+        [],
+        processes=2,
+        devices_per_process=1,
+        timeout=30,
+        grace=1,
+        echo=False,
+        module="trapper",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert [r.killed for r in results] == [None, None], [r.output for r in results]
     assert all(r.returncode in (7, -signal.SIGTERM) for r in results), [r.returncode for r in results]
 
 
 def test_a_second_sigint_kills_children_that_outlive_the_first(tmp_path):
     """Children that ignore SIGINT (e.g. busy saving) are SIGKILLed by a second Ctrl-C."""
-    (tmp_path / "stubborn.py").write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-                                          "print('up', flush=True)\ntime.sleep(60)\n")
+    (tmp_path / "stubborn.py").write_text(
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    )
 
     class InterruptTwiceWhenUp:
         up = 0
@@ -199,7 +232,14 @@ def test_a_second_sigint_kills_children_that_outlive_the_first(tmp_path):
             pass
 
     start = time.monotonic()
-    results = launch([], processes=2, devices_per_process=1, timeout=30, echo=InterruptTwiceWhenUp(),
-                     module="stubborn", env={"PYTHONPATH": str(tmp_path)})
+    results = launch(
+        [],
+        processes=2,
+        devices_per_process=1,
+        timeout=30,
+        echo=InterruptTwiceWhenUp(),
+        module="stubborn",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert time.monotonic() - start < 25
     assert [(r.returncode, r.killed) for r in results] == [(-signal.SIGKILL, None)] * 2

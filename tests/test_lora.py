@@ -2,6 +2,7 @@
 only they train, the merged export and the PEFT export give the LoRA model's logits in transformers
 and peft, a resume equals an uninterrupted run, and GRPO / DPO take their reference from the one
 copy of the base."""
+
 import gc
 import json
 
@@ -35,10 +36,22 @@ def _hf_logits(model) -> np.ndarray:
 def _sft_cfg(tmp_path, ckpt=None, **keys):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"Q: {i}+1=", "completion": f" {i + 1}"} for i in range(8)])
     src = dict(load_parameters_path=ckpt, tokenizer_path=ckpt) if ckpt else {}
-    keys = {**dict(eval_interval=0, checkpoint_period=1000, log_period=1, peak_flops_per_device=1e12,
-                   learning_rate=1e-2, warmup_steps=0, lora_rank=4), **src, **keys}
-    return make_cfg(base_output_directory=tmp_path, dataset_path=data, max_target_length=32, per_device_batch_size=1,
-                    **keys)
+    keys = {
+        **dict(
+            eval_interval=0,
+            checkpoint_period=1000,
+            log_period=1,
+            peak_flops_per_device=1e12,
+            learning_rate=1e-2,
+            warmup_steps=0,
+            lora_rank=4,
+        ),
+        **src,
+        **keys,
+    }
+    return make_cfg(
+        base_output_directory=tmp_path, dataset_path=data, max_target_length=32, per_device_batch_size=1, **keys
+    )
 
 
 def _train_steps(r, state, n):
@@ -65,9 +78,16 @@ def test_zero_b_gives_the_base_logits_and_only_adapters_train(tmp_path, tiny_che
     assert size(state["opt_state"]) <= 2 * size(state["params"]["lora"]) + 8  # Adam's two moments and counts
     base = jax.tree.map(np.asarray, state["params"]["base"])
     state = _train_steps(r, state, 3)
-    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(state["params"]["base"])))
-    assert all(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(
-        jax.tree_util.tree_map_with_path(lambda k, x: x if k[-1].key == "b" else None, state["params"]["lora"])))
+    assert all(
+        np.array_equal(a, np.asarray(b))
+        for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(state["params"]["base"]))
+    )
+    assert all(
+        np.abs(np.asarray(b)).max() > 0
+        for b in jax.tree.leaves(
+            jax.tree_util.tree_map_with_path(lambda k, x: x if k[-1].key == "b" else None, state["params"]["lora"])
+        )
+    )
     assert not np.allclose(_logits(r.graphdef, state["params"], r.mesh), ours, atol=1e-5)
 
 
@@ -76,8 +96,15 @@ def test_merged_and_peft_exports_give_the_lora_logits(tmp_path, tiny_checkpoint)
 
     ckpt = tiny_checkpoint("llama")
     export = tmp_path / "export"
-    cfg = _sft_cfg(tmp_path, ckpt, steps=4, export_hf_path=export, lora_export_adapters=True, lora_alpha=8.0,
-                   lora_target="layers/(wq|wo|w_down)|lm_head")
+    cfg = _sft_cfg(
+        tmp_path,
+        ckpt,
+        steps=4,
+        export_hf_path=export,
+        lora_export_adapters=True,
+        lora_alpha=8.0,
+        lora_target="layers/(wq|wo|w_down)|lm_head",
+    )
     assert train.train(cfg) == 0
     r, state = run.build_run(cfg)
     _, state = checkpoint.Checkpointer(cfg.checkpoint_dir, 1, 3, False, adapters_only=True).restore(4, state, _NoData())
@@ -99,7 +126,9 @@ class _NoData:
 def test_resume_with_lora_equals_an_uninterrupted_run(tmp_path):
     def run_to(where, steps):
         where.mkdir(exist_ok=True)
-        cfg = _sft_cfg(where, steps=steps, checkpoint_period=2, lr_schedule="constant")  # the same schedule for 2 and 4 steps
+        cfg = _sft_cfg(
+            where, steps=steps, checkpoint_period=2, lr_schedule="constant"
+        )  # the same schedule for 2 and 4 steps
         assert train.train(cfg) == 0
         return cfg
 
@@ -112,7 +141,9 @@ def test_resume_with_lora_equals_an_uninterrupted_run(tmp_path):
     params = []
     for cfg in (whole, split):
         r, state = run.build_run(cfg)
-        _, state = checkpoint.Checkpointer(cfg.checkpoint_dir, 1, 3, False, adapters_only=True).restore(4, state, _NoData())
+        _, state = checkpoint.Checkpointer(cfg.checkpoint_dir, 1, 3, False, adapters_only=True).restore(
+            4, state, _NoData()
+        )
         params.append(jax.tree.map(np.asarray, state["params"]))
     jax.tree.map(np.testing.assert_array_equal, params[0], params[1])
     last = [json.loads(open(c.metrics_file).read().splitlines()[-1]) for c in (whole, split)]
@@ -120,8 +151,16 @@ def test_resume_with_lora_equals_an_uninterrupted_run(tmp_path):
 
 
 WQ = (2, 64, 4, 16)  # the tiny model's stacked query projection: [layers, embed, heads, head_dim]
-GRPO = dict(mode="grpo", per_device_batch_size=2, rollout_batch_size=4, n_samples_per_prompt=4,
-            rollout_max_response_len=6, builtin_task_digits=1, max_prompt_length=16, kl_coef=0.1)
+GRPO = dict(
+    mode="grpo",
+    per_device_batch_size=2,
+    rollout_batch_size=4,
+    n_samples_per_prompt=4,
+    rollout_max_response_len=6,
+    builtin_task_digits=1,
+    max_prompt_length=16,
+    kl_coef=0.1,
+)
 DPO = dict(mode="dpo", max_target_length=16, per_device_batch_size=1, dpo_beta=0.5)
 
 
@@ -132,8 +171,16 @@ def test_reference_model_is_the_one_copy_of_the_base(tmp_path, mode):
     keys = GRPO if mode == "grpo" else DPO
     counts = {}
     for rank in (0, 4):
-        r, state = run.build_run(make_cfg(base_output_directory=tmp_path / str(rank), eval_interval=0,
-                                          learning_rate=1e-2, warmup_steps=0, lora_rank=rank, **keys))
+        r, state = run.build_run(
+            make_cfg(
+                base_output_directory=tmp_path / str(rank),
+                eval_interval=0,
+                learning_rate=1e-2,
+                warmup_steps=0,
+                lora_rank=rank,
+                **keys,
+            )
+        )
         state = _train_steps(r, state, 2)
         gc.collect()
         counts[rank] = sum(1 for x in jax.live_arrays() if x.shape == WQ and not x.is_deleted())
@@ -141,13 +188,16 @@ def test_reference_model_is_the_one_copy_of_the_base(tmp_path, mode):
     assert counts[0] >= 2 and counts[4] == 1, counts  # the train state's and the reference's; then the one
 
 
-@pytest.mark.parametrize("keys, words", [
-    (dict(lora_rank=-1), "lora_rank"),
-    (dict(lora_rank=4, lora_target="layers/(wq"), "lora_target"),
-    (dict(lora_rank=4, lora_base_dtype="int4"), "lora_base_dtype"),
-    (dict(lora_base_dtype="int8"), "need lora_rank > 0"),
-    (dict(lora_rank=4, lora_export_adapters=True), "lora_export_adapters"),
-])
+@pytest.mark.parametrize(
+    "keys, words",
+    [
+        (dict(lora_rank=-1), "lora_rank"),
+        (dict(lora_rank=4, lora_target="layers/(wq"), "lora_target"),
+        (dict(lora_rank=4, lora_base_dtype="int4"), "lora_base_dtype"),
+        (dict(lora_base_dtype="int8"), "need lora_rank > 0"),
+        (dict(lora_rank=4, lora_export_adapters=True), "lora_export_adapters"),
+    ],
+)
 def test_bad_lora_keys_are_one_line(keys, words):
     with pytest.raises(ConfigError, match=words):
         make_cfg(**keys)

@@ -1,5 +1,6 @@
 """metrics.py: jsonl + TensorBoard writing, rank-0 gating, resume, progress line, FLOPs, peak, profiler;
 tools/plot_metrics.py."""
+
 import json
 import math
 import struct
@@ -30,8 +31,8 @@ def read_events(tb_dir: Path) -> list:
     for path in sorted(tb_dir.glob("events.out.tfevents.*")):
         data, i = path.read_bytes(), 0
         while i < len(data):
-            (length,) = struct.unpack("<Q", data[i:i + 8])
-            events.append(Event.FromString(data[i + 12:i + 12 + length]))
+            (length,) = struct.unpack("<Q", data[i : i + 8])
+            events.append(Event.FromString(data[i + 12 : i + 12 + length]))
             i += 12 + length + 4
     return events
 
@@ -56,8 +57,9 @@ def test_writes_jsonl_and_tensorboard(tmp_path):
 
 
 def test_non_primary_writes_nothing(tmp_path):
-    w = metrics.MetricsWriter(tmp_path / "run/metrics.jsonl", tmp_path / "run/tb", 5, 1, is_primary=False,
-                              resume_step=0)
+    w = metrics.MetricsWriter(
+        tmp_path / "run/metrics.jsonl", tmp_path / "run/tb", 5, 1, is_primary=False, resume_step=0
+    )
     w.write(0, {"loss": 1.0})
     w.text(0, "samples", "x")
     w.close()
@@ -87,28 +89,49 @@ def test_resume_drops_later_steps_and_appends(tmp_path):
 
 
 def test_progress_line_every_log_period_with_eta(tmp_path, capsys):
-    scalars = {"loss": 1.23456, "learning_rate": 3e-4, "tokens_per_sec": 12345.0, "mfu": 0.031,
-               "step_time": 1.0, "grad_norm": 5.0}
+    scalars = {
+        "loss": 1.23456,
+        "learning_rate": 3e-4,
+        "tokens_per_sec": 12345.0,
+        "mfu": 0.031,
+        "step_time": 1.0,
+        "grad_norm": 5.0,
+    }
     with metrics.MetricsWriter(tmp_path / "m.jsonl", tmp_path / "tb", 6, 2, is_primary=True) as w:
         for step in range(6):
             w.write(step, scalars if step else {"loss": 2.0})
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "step 0/6 | loss 2.0000"  # no ETA yet: nothing measured
     body = "loss 1.2346 | lr 3.0e-04 | 12.3k tok/s | MFU 3.1% | 1.00 s/step"
-    assert lines[1:] == [f"step 2/6 | {body} | ETA 0:00:03",  # 1 s/step (step_time), steps 3, 4, 5 left
-                         f"step 4/6 | {body} | ETA 0:00:01",
-                         f"step 5/6 | {body} | ETA 0:00:00"]  # the last step always prints
+    assert lines[1:] == [
+        f"step 2/6 | {body} | ETA 0:00:03",  # 1 s/step (step_time), steps 3, 4, 5 left
+        f"step 4/6 | {body} | ETA 0:00:01",
+        f"step 5/6 | {body} | ETA 0:00:00",
+    ]  # the last step always prints
 
 
 def test_flops_match_parameter_count():
     for tie in (False, True):
-        cfg = model.ModelConfig(vocab_size=96, emb_dim=32, mlp_dim=80, num_decoder_layers=3, num_query_heads=4,
-                                num_kv_heads=2, head_dim=12, qkv_bias=True, qk_norm=True, tie_word_embeddings=tie)
+        cfg = model.ModelConfig(
+            vocab_size=96,
+            emb_dim=32,
+            mlp_dim=80,
+            num_decoder_layers=3,
+            num_query_heads=4,
+            num_kv_heads=2,
+            head_dim=12,
+            qkv_bias=True,
+            qk_norm=True,
+            tie_word_embeddings=tie,
+        )
         abstract = nnx.eval_shape(lambda: model.create(cfg))  # shapes only: nothing to compute
         params = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
         names = {"/".join(map(str, path)): v.get_value() for path, v in params}
-        matmul = sum(a.size for n, a in names.items()
-                     if not n.endswith("norm") and n.split("/")[-1] not in ("bq", "bk", "bv", "embed"))
+        matmul = sum(
+            a.size
+            for n, a in names.items()
+            if not n.endswith("norm") and n.split("/")[-1] not in ("bq", "bk", "bv", "embed")
+        )
         matmul += cfg.emb_dim * cfg.vocab_size if tie else 0  # tied: the embedding is the lm_head matmul
         T = 40
         expected = 6 * matmul + 12 * cfg.num_decoder_layers * cfg.num_query_heads * cfg.head_dim * T
@@ -117,8 +140,16 @@ def test_flops_match_parameter_count():
 
 def test_flops_match_xla_cost_analysis():
     # Unrolled layers: XLA's cost analysis counts a scan body once, not once per layer.
-    cfg = model.ModelConfig(vocab_size=512, emb_dim=128, mlp_dim=384, num_decoder_layers=2, num_query_heads=4,
-                            num_kv_heads=2, head_dim=48, scan_layers=False)
+    cfg = model.ModelConfig(
+        vocab_size=512,
+        emb_dim=128,
+        mlp_dim=384,
+        num_decoder_layers=2,
+        num_query_heads=4,
+        num_kv_heads=2,
+        head_dim=48,
+        scan_layers=False,
+    )
     graphdef, state = nnx.split(nnx.eval_shape(lambda: model.create(cfg)))  # lowering needs shapes only
     T = 64
     tokens = jnp.arange(T, dtype=jnp.int32)[None] % cfg.vocab_size
@@ -176,11 +207,14 @@ def test_plot_metrics(tmp_path, capsys):
     assert main([str(run)]) == 0 and (run / "curves.png").is_file()
     capsys.readouterr()
     assert main([str(run), "--keys", "loss,los"]) == 2
-    assert capsys.readouterr().err.strip() == \
-        f"plot_metrics: unknown key 'los' in --keys; {run / 'metrics.jsonl'} has: loss, learning_rate"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"plot_metrics: unknown key 'los' in --keys; {run / 'metrics.jsonl'} has: loss, learning_rate"
+    )
     assert main([str(tmp_path)]) == 2  # a directory without metrics.jsonl
-    result = subprocess.run([sys.executable, str(REPO / "tools/plot_metrics.py"), str(tmp_path / "missing")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools/plot_metrics.py"), str(tmp_path / "missing")], capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == f"plot_metrics: no run directory {tmp_path / 'missing'}"
     assert main([str(run), "--smoothing", "1"]) == 2
@@ -195,10 +229,21 @@ def grpo_like_rows(steps=200, eval_every=50):
     rows = []
     for s in range(steps):
         reward = min(1.0, s / steps + 0.1 * rng.standard_normal())
-        rows.append({"step": s, "loss": 0.1 * rng.standard_normal(), "reward_mean": reward,
-                     "reward_exact_match_mean": reward, "response_length_mean": 4, "entropy": 2 - s / steps,
-                     "grad_norm": 1 + rng.random(), "learning_rate": 1e-5, "step_time": 0.1 + (s % eval_every == 0),
-                     "rollout_tokens_per_sec": 1000 * (1 + 0.1 * rng.random()), "pg_clipfrac": 0.01})
+        rows.append(
+            {
+                "step": s,
+                "loss": 0.1 * rng.standard_normal(),
+                "reward_mean": reward,
+                "reward_exact_match_mean": reward,
+                "response_length_mean": 4,
+                "entropy": 2 - s / steps,
+                "grad_norm": 1 + rng.random(),
+                "learning_rate": 1e-5,
+                "step_time": 0.1 + (s % eval_every == 0),
+                "rollout_tokens_per_sec": 1000 * (1 + 0.1 * rng.random()),
+                "pg_clipfrac": 0.01,
+            }
+        )
         if (s + 1) % eval_every == 0:
             rows.append({"step": s, "eval_accuracy": s / steps, "eval_pass_at_4": min(1.0, 2 * s / steps)})
     return rows
@@ -211,9 +256,13 @@ def test_dashboard_groups_panels_and_leaves_out_constants_and_copies(tmp_path, c
 
     panels, left_out = dashboard(series(grpo_like_rows()))
     assert [(p.title, left, right) for p, left, right in panels] == [
-        ("loss", ["loss"], []), ("reward", ["reward_mean"], []), ("eval", ["eval_accuracy", "eval_pass_at_4"], []),
-        ("throughput", ["rollout_tokens_per_sec"], ["step_time"]), ("optimizer", ["grad_norm"], []),
-        ("policy", ["entropy"], [])]
+        ("loss", ["loss"], []),
+        ("reward", ["reward_mean"], []),
+        ("eval", ["eval_accuracy", "eval_pass_at_4"], []),
+        ("throughput", ["rollout_tokens_per_sec"], ["step_time"]),
+        ("optimizer", ["grad_norm"], []),
+        ("policy", ["entropy"], []),
+    ]
     assert left_out == ["reward_exact_match_mean=reward_mean", "learning_rate=1e-05", "response_length_mean=4"]
 
     run = tmp_path / "run"
@@ -222,13 +271,15 @@ def test_dashboard_groups_panels_and_leaves_out_constants_and_copies(tmp_path, c
     assert main([str(run)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"wrote {run / 'curves.png'} (panels: loss, reward, eval, throughput, optimizer, policy)",
-        "not in the dashboard (plot them with --keys): pg_clipfrac"]
+        "not in the dashboard (plot them with --keys): pg_clipfrac",
+    ]
     # Six panels in two columns of 7 x 3.6 inches at 100 dpi.
     assert matplotlib.image.imread(run / "curves.png").shape[:2] == (1080, 1400)
 
 
 def test_dashboard_draws_smoothed_dense_and_marked_sparse_series():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -240,7 +291,9 @@ def test_dashboard_draws_smoothed_dense_and_marked_sparse_series():
     w = 0.6
     expected = [sum(w ** (i - j) * (1 - w) * values[j] for j in range(i + 1)) / (1 - w ** (i + 1)) for i in range(100)]
     np.testing.assert_allclose(smooth(values, w), expected, rtol=1e-12)
-    np.testing.assert_allclose(rolling_median(values, w), [np.median(values[max(0, i - 2):i + 3]) for i in range(100)])
+    np.testing.assert_allclose(
+        rolling_median(values, w), [np.median(values[max(0, i - 2) : i + 3]) for i in range(100)]
+    )
 
     data = series(grpo_like_rows())
     fig, ax = plt.subplots()
@@ -255,13 +308,34 @@ def test_dashboard_draws_smoothed_dense_and_marked_sparse_series():
 
 # ---------------------------------------------------------------- one name per metric in every sink; W&B
 
-SFT_RUN = ["max_target_length=32", "per_device_batch_size=1", "peak_flops_per_device=1e12", "warmup_steps=1",
-           "eval_interval=2", "eval_steps=1", "eval_num_samples=0", "log_period=1"]
+SFT_RUN = [
+    "max_target_length=32",
+    "per_device_batch_size=1",
+    "peak_flops_per_device=1e12",
+    "warmup_steps=1",
+    "eval_interval=2",
+    "eval_steps=1",
+    "eval_num_samples=0",
+    "log_period=1",
+]
 # A reward plugin: its spec `pkg.module:fn` holds characters that TensorBoard rewrites in a tag.
-GRPO_RUN = ["mode=grpo", "per_device_batch_size=2", "rollout_batch_size=4", "n_samples_per_prompt=4",
-            "rollout_max_response_len=4", "builtin_task_digits=1", "max_prompt_length=16", "warmup_steps=0",
-            "peak_flops_per_device=1e12", "eval_interval=2", "eval_num_samples=4", "eval_n_samples=2",
-            "eval_pass_k=2", "reward=exact_match,toy_rewards.length:score", "log_period=1"]
+GRPO_RUN = [
+    "mode=grpo",
+    "per_device_batch_size=2",
+    "rollout_batch_size=4",
+    "n_samples_per_prompt=4",
+    "rollout_max_response_len=4",
+    "builtin_task_digits=1",
+    "max_prompt_length=16",
+    "warmup_steps=0",
+    "peak_flops_per_device=1e12",
+    "eval_interval=2",
+    "eval_num_samples=4",
+    "eval_n_samples=2",
+    "eval_pass_k=2",
+    "reward=exact_match,toy_rewards.length:score",
+    "log_period=1",
+]
 
 
 def wandb_records(run_dir: Path, timeout: float = 60.0) -> list:
@@ -287,10 +361,10 @@ def read_wandb_file(path: Path) -> list:
         if 32768 - i % 32768 < 7:  # a block's tail too short for a chunk header is padding
             i += 32768 - i % 32768
             continue
-        length, kind = struct.unpack("<HB", data[i + 4:i + 7])
+        length, kind = struct.unpack("<HB", data[i + 4 : i + 7])
         if i + 7 + length > len(data):
             break  # a chunk still being written
-        chunks, i = chunks + data[i + 7:i + 7 + length], i + 7 + length
+        chunks, i = chunks + data[i + 7 : i + 7 + length], i + 7 + length
         if kind in (1, 4):
             records.append(Record.FromString(chunks))
             chunks = b""
@@ -332,26 +406,41 @@ def test_tensorboard_wandb_and_jsonl_have_the_same_metrics(tmp_path, offline_wan
     from unitrain import train
 
     run_dir = tmp_path / "r"
-    argv = [str(REPO / "configs/base.yml"), f"base_output_directory={tmp_path}", "run_name=r", *mode_args,
-            "wandb_project=unitrain-test", "wandb_mode=offline", "wandb_group=g", "wandb_entity=team"]
+    argv = [
+        str(REPO / "configs/base.yml"),
+        f"base_output_directory={tmp_path}",
+        "run_name=r",
+        *mode_args,
+        "wandb_project=unitrain-test",
+        "wandb_mode=offline",
+        "wandb_group=g",
+        "wandb_entity=team",
+    ]
     grpo = "mode=grpo" in mode_args
     assert train.main([*argv, "steps=2"]) == 0
 
     logged = jsonl_by_step(run_dir / "metrics.jsonl")
     keys = {k for row in logged.values() for k in row}
-    assert {"loss", "eval_accuracy", "eval_pass_at_2", "reward_toy_rewards.length_score_mean"} <= keys if grpo \
+    assert (
+        {"loss", "eval_accuracy", "eval_pass_at_2", "reward_toy_rewards.length_score_mean"} <= keys
+        if grpo
         else {"loss", "eval_loss"} <= keys
+    )
     events = read_events(run_dir / "tensorboard")
     tags = {v.tag for e in events for v in e.summary.value if v.HasField("simple_value")}
     assert tags == keys
 
     records = wandb_records(run_dir)
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    assert [(r.run_id, r.project, r.display_name, r.run_group, r.entity) for r in runs] == \
-        [((run_dir / "wandb_id").read_text().strip(), "unitrain-test", "r", "g", "team")]
+    assert [(r.run_id, r.project, r.display_name, r.run_group, r.entity) for r in runs] == [
+        ((run_dir / "wandb_id").read_text().strip(), "unitrain-test", "r", "g", "team")
+    ]
     config = {u.key: json.loads(u.value_json) for u in runs[0].config.update}
-    assert {k: config[k] for k in ("mode", "steps", "run_dir")} == \
-        {"mode": "grpo" if grpo else "sft", "steps": 2, "run_dir": str(run_dir)}
+    assert {k: config[k] for k in ("mode", "steps", "run_dir")} == {
+        "mode": "grpo" if grpo else "sft",
+        "steps": 2,
+        "run_dir": str(run_dir),
+    }
     history = wandb_history(records)
     assert sorted(history) == sorted(logged) == [0, 1]
     for step, row in logged.items():
@@ -361,8 +450,16 @@ def test_tensorboard_wandb_and_jsonl_have_the_same_metrics(tmp_path, offline_wan
 def test_resumed_run_continues_its_wandb_run(tmp_path, offline_wandb):
     from unitrain import train
 
-    argv = [str(REPO / "configs/base.yml"), f"base_output_directory={tmp_path}", "run_name=r", *SFT_RUN,
-            "eval_interval=0", "wandb_project=p", "wandb_mode=offline", "wandb_run_name=shown"]
+    argv = [
+        str(REPO / "configs/base.yml"),
+        f"base_output_directory={tmp_path}",
+        "run_name=r",
+        *SFT_RUN,
+        "eval_interval=0",
+        "wandb_project=p",
+        "wandb_mode=offline",
+        "wandb_run_name=shown",
+    ]
     assert train.main([*argv, "steps=1"]) == 0
     first_id = (tmp_path / "r" / "wandb_id").read_text().strip()
     assert train.main([*argv, "steps=2"]) == 0  # resumes at step 1
@@ -379,8 +476,17 @@ def test_wandb_off_disabled_and_its_errors(tmp_path, offline_wandb, monkeypatch,
     from unitrain import train
 
     def run(name, *args):
-        return train.main([str(REPO / "configs/base.yml"), f"base_output_directory={tmp_path}", f"run_name={name}",
-                           *SFT_RUN, "steps=1", "eval_interval=0", *args])
+        return train.main(
+            [
+                str(REPO / "configs/base.yml"),
+                f"base_output_directory={tmp_path}",
+                f"run_name={name}",
+                *SFT_RUN,
+                "steps=1",
+                "eval_interval=0",
+                *args,
+            ]
+        )
 
     assert run("off") == 0 and run("disabled", "wandb_project=p", "wandb_mode=disabled") == 0
     for name in ("off", "disabled"):
@@ -395,5 +501,7 @@ def test_wandb_off_disabled_and_its_errors(tmp_path, offline_wandb, monkeypatch,
     assert "wandb login" in err and "wandb_mode=offline" in err
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     assert run("missing", "wandb_project=p") == 2
-    assert capsys.readouterr().err == ("unitrain: wandb_project='p' needs the wandb package: pip install "
-                                       "'unitrain[wandb]' (or wandb_project='' for no W&B)\n")
+    assert capsys.readouterr().err == (
+        "unitrain: wandb_project='p' needs the wandb package: pip install "
+        "'unitrain[wandb]' (or wandb_project='' for no W&B)\n"
+    )

@@ -40,7 +40,9 @@ def test_rank_reward_penalises_wrong_items_above_the_hit_most():
     completions = ["<a_1><b_1>", "<a_2><b_2>", "<a_3><b_3>", "<a_4><b_4>"]
     weights = [1 / math.log2(r + 2) for r in range(4)]
     values = rewards.sid_rank_reward([""] * 4, completions, ["<a_3><b_3>"] * 4)
-    assert values == pytest.approx([-weights[0] / sum(weights), -weights[1] / sum(weights), 0.0, -weights[3] / sum(weights)])
+    assert values == pytest.approx(
+        [-weights[0] / sum(weights), -weights[1] / sum(weights), 0.0, -weights[3] / sum(weights)]
+    )
     assert rewards.sid_rank_reward([""] * 4, completions, ["<a_9><b_9>"] * 4) == [0.0] * 4
     fn = rewards.make_reward_fn(make_cfg(reward="sid_hit,sid_rank", reward_weights=[1.0, 2.0], rollout_decoding="beam"))
     total, per = fn([""] * 8, completions * 2, ["<a_3><b_3>"] * 4 + ["<a_1><b_1>"] * 4, group_size=4)
@@ -53,7 +55,9 @@ def test_rank_reward_penalises_wrong_items_above_the_hit_most():
 def test_csv_rows_become_records_mixed_by_weight_and_bad_rows_name_their_line(tmp_path):
     examples = recommendation.read_examples(str(VALID), with_titles=True)
     assert len(examples) == 4532 and all(1 <= len(e["history"]) <= 10 for e in examples)
-    cfg = make_cfg(data_format="minionerec", rec_info_path=INFO, rec_task_weights=[1.0, 0.5, 0.25], rec_history_titles=True)
+    cfg = make_cfg(
+        data_format="minionerec", rec_info_path=INFO, rec_task_weights=[1.0, 0.5, 0.25], rec_history_titles=True
+    )
     records = recommendation.sft_records(cfg, str(VALID))
     assert len(records) == 4532 + 2266 + 1133
     first = records[0]
@@ -82,11 +86,27 @@ def test_sft_then_beam_grpo_on_the_slice(tmp_path):
     valid, test = tmp_path / "valid.csv", tmp_path / "test.csv"
     valid.write_text("\n".join(VALID.read_text().split("\n")[:129]))
     test.write_text("\n".join(TEST.read_text().split("\n")[:33]))
-    common = [f"tokenizer_path={tiny}", f"dataset_path={valid}", f"eval_dataset_path={test}",
-              f"base_output_directory={tmp_path}", "eval_num_samples=20", "rec_eval_batch_size=8",
-              "per_device_batch_size=2", "log_period=1", "checkpoint_period=100"]
-    sft = train.main([str(REPO / "configs" / "minionerec_sft.yml"), *common, f"load_parameters_path={tiny}",
-                      "steps=3", "eval_interval=3", "warmup_steps=1"])
+    common = [
+        f"tokenizer_path={tiny}",
+        f"dataset_path={valid}",
+        f"eval_dataset_path={test}",
+        f"base_output_directory={tmp_path}",
+        "eval_num_samples=20",
+        "rec_eval_batch_size=8",
+        "per_device_batch_size=2",
+        "log_period=1",
+        "checkpoint_period=100",
+    ]
+    sft = train.main(
+        [
+            str(REPO / "configs" / "minionerec_sft.yml"),
+            *common,
+            f"load_parameters_path={tiny}",
+            "steps=3",
+            "eval_interval=3",
+            "warmup_steps=1",
+        ]
+    )
     assert sft == 0
     lines = [json.loads(l) for l in (tmp_path / "minionerec_sft" / "metrics.jsonl").read_text().splitlines()]
     evaluated = [l for l in lines if "eval_hr_at_10" in l]
@@ -97,10 +117,20 @@ def test_sft_then_beam_grpo_on_the_slice(tmp_path):
     assert all(sid in index_sids for p in predictions for sid in p["predictions"])  # 100% valid under the constraint
     assert all(np.all(np.diff(p["logprobs"]) <= 1e-6) for p in predictions)
 
-    grpo = train.main([str(REPO / "configs" / "minionerec_grpo.yml"), *common,
-                       f"load_parameters_path={tmp_path / 'minionerec_sft' / 'checkpoints'}", "steps=2", "eval_interval=2",
-                       "rollout_batch_size=2", "over_sampling_batch_size=2", "n_samples_per_prompt=8",
-                       "dynamic_sampling_filter=", "max_sampling_rounds=1"])
+    grpo = train.main(
+        [
+            str(REPO / "configs" / "minionerec_grpo.yml"),
+            *common,
+            f"load_parameters_path={tmp_path / 'minionerec_sft' / 'checkpoints'}",
+            "steps=2",
+            "eval_interval=2",
+            "rollout_batch_size=2",
+            "over_sampling_batch_size=2",
+            "n_samples_per_prompt=8",
+            "dynamic_sampling_filter=",
+            "max_sampling_rounds=1",
+        ]
+    )
     assert grpo == 0
     lines = [json.loads(l) for l in (tmp_path / "minionerec_grpo" / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "reward_sid_hit_mean" in l]
@@ -114,11 +144,31 @@ def test_generate_beam_is_constrained_to_the_sid_index(tmp_path, capsys):
     from make_tiny_model import make_tiny_model
 
     index = tmp_path / "index.json"
-    index.write_text(json.dumps({"0": ["<a_1>", "<b_2>", "<c_3>"], "1": ["<a_1>", "<b_2>", "<c_4>"],
-                                 "2": ["<a_5>", "<b_2>", "<c_3>"], "3": ["<a_1>", "<b_6>", "<c_3>"]}))
+    index.write_text(
+        json.dumps(
+            {
+                "0": ["<a_1>", "<b_2>", "<c_3>"],
+                "1": ["<a_1>", "<b_2>", "<c_4>"],
+                "2": ["<a_5>", "<b_2>", "<c_3>"],
+                "3": ["<a_1>", "<b_6>", "<c_3>"],
+            }
+        )
+    )
     tiny = make_tiny_model(tmp_path / "tiny", "llama", extra_tokens=str(index))
-    argv = [str(REPO / "configs" / "base.yml"), f"load_parameters_path={tiny}", f"tokenizer_path={tiny}",
-            f"sid_index_path={index}", f"extra_tokens={index}", "--prompt", "hello", "--prompt", "x", "--beam", "4", "--json"]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"load_parameters_path={tiny}",
+        f"tokenizer_path={tiny}",
+        f"sid_index_path={index}",
+        f"extra_tokens={index}",
+        "--prompt",
+        "hello",
+        "--prompt",
+        "x",
+        "--beam",
+        "4",
+        "--json",
+    ]
     assert generate.main(argv) == 0
     rows = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
     assert len(rows) == 8

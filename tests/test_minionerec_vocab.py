@@ -47,8 +47,16 @@ def test_grown_model_keeps_old_logits_and_the_export_reloads(tmp_path, tiny_chec
     ckpt = tiny_checkpoint("llama", vocab_size=264, rope_theta=1e6)
     old_tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     old_ids = old_tok.encode("hello world, the quick brown fox")
-    cfg = make_cfg(load_parameters_path=ckpt, tokenizer_path=ckpt, model_source=source, extra_tokens=tokens_file(tmp_path),
-                   vocab_pad_multiple=64, base_output_directory=tmp_path, run_name="r", export_hf_path=tmp_path / "out")
+    cfg = make_cfg(
+        load_parameters_path=ckpt,
+        tokenizer_path=ckpt,
+        model_source=source,
+        extra_tokens=tokens_file(tmp_path),
+        vocab_pad_multiple=64,
+        base_output_directory=tmp_path,
+        run_name="r",
+        export_hf_path=tmp_path / "out",
+    )
     run, state = build_run(cfg)
     old_vocab = json.load(open(f"{ckpt}/config.json"))["vocab_size"]
     assert run.tokenizer.vocab_size == len(old_tok) + len(NEW)

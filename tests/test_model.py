@@ -11,8 +11,17 @@ from flax import nnx
 
 from unitrain.models import decoder as model_lib
 
-CFG = model_lib.ModelConfig(vocab_size=128, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
-                            num_kv_heads=2, head_dim=8, qkv_bias=True, qk_norm=True)
+CFG = model_lib.ModelConfig(
+    vocab_size=128,
+    emb_dim=32,
+    mlp_dim=64,
+    num_decoder_layers=2,
+    num_query_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qkv_bias=True,
+    qk_norm=True,
+)
 
 
 def sharp_model(cfg, seed=0):
@@ -39,8 +48,10 @@ def full_forward(model, seq):
 
 
 @pytest.mark.parametrize("copies", [True, False], ids=["cpu_route", "accelerator_route"])
-@pytest.mark.parametrize("scan_layers,dtype,tied", [(True, "float32", False), (False, "float32", False),
-                                                    (True, "bfloat16", False), (True, "float32", True)])
+@pytest.mark.parametrize(
+    "scan_layers,dtype,tied",
+    [(True, "float32", False), (False, "float32", False), (True, "bfloat16", False), (True, "float32", True)],
+)
 def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, monkeypatch):
     """A left-padded prefill in two calls, then token-by-token decode, all through
     `for_decoding(decode_weights())` as the samplers call the model, give the logits of the
@@ -58,9 +69,9 @@ def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, m
     positions = np.zeros((2, prefill_len), np.int32)
     segments = np.zeros((2, prefill_len), np.int32)
     for b, n in enumerate(prompt_lens):  # left padding: the prompt sits at the right end
-        tokens[b, prefill_len - n:] = seqs[b][:n]
-        positions[b, prefill_len - n:] = np.arange(n)
-        segments[b, prefill_len - n:] = 1
+        tokens[b, prefill_len - n :] = seqs[b][:n]
+        positions[b, prefill_len - n :] = np.arange(n)
+        segments[b, prefill_len - n :] = 1
     # Causal: the full forward of the whole sequence holds the expected logits of every prefix.
     expected = [full_forward(model, s) for s in seqs]
     cache = model_lib.init_cache(model.cfg, batch_size=2, max_length=16)
@@ -72,11 +83,13 @@ def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, m
     # The sharp weights give logits up to ~40: float32 reordering alone moves them by up to ~5e-4.
     close = functools.partial(np.testing.assert_allclose, atol=1e-3 if dtype == "float32" else 1e-2, rtol=1e-5)
     for b, n in enumerate(prompt_lens):
-        close(np.asarray(logits[b, prefill_len - n:]), expected[b][:n])
+        close(np.asarray(logits[b, prefill_len - n :]), expected[b][:n])
     for step in range(decode_steps):
         pos = np.asarray(prompt_lens) + step
         tok = np.asarray([seqs[b][pos[b]] for b in range(2)])
-        logits, cache = call(model, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None], jnp.ones((2, 1), jnp.int32), cache)
+        logits, cache = call(
+            model, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None], jnp.ones((2, 1), jnp.int32), cache
+        )
         for b in range(2):
             close(np.asarray(logits[b, 0]), expected[b][pos[b]])
     filled = np.asarray(cache.segment_ids).sum(axis=1)
@@ -108,8 +121,9 @@ def test_cached_hidden_states_equal_the_uncached_forward_and_fill_the_calls_cach
     empty = model_lib.init_cache(model.cfg, batch_size=2, max_length=12)
     hidden, logits, cache = prefill(model, *block, empty)
     for b, (s, real) in enumerate(zip(seqs, columns)):
-        np.testing.assert_allclose(np.asarray(hidden[b, real]), np.asarray(uncached_hidden(model, jnp.asarray(s))),
-                                   atol=1e-4, rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(hidden[b, real]), np.asarray(uncached_hidden(model, jnp.asarray(s))), atol=1e-4, rtol=1e-5
+        )
         np.testing.assert_allclose(np.asarray(logits[b, real]), full_forward(model, s), atol=1e-4, rtol=1e-5)
     _, call_cache = call(model, *block, empty)
     jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-6, rtol=0), cache, call_cache)
@@ -157,8 +171,9 @@ def reference_loss_and_grads():
     return loss_and_grads(dataclasses.replace(CFG, scan_layers=True, remat_policy="none"))
 
 
-@pytest.mark.parametrize("policy, scan_layers", [
-    ("full", True), ("save_dots", False), ("save_dots_no_batch", True), ("none", False)])
+@pytest.mark.parametrize(
+    "policy, scan_layers", [("full", True), ("save_dots", False), ("save_dots_no_batch", True), ("none", False)]
+)
 def test_remat_and_scan_keep_values_and_change_the_program(policy, scan_layers):
     (ref_loss, ref_grads), ref_jaxpr = reference_loss_and_grads()
     (loss, grads), jaxpr = loss_and_grads(dataclasses.replace(CFG, remat_policy=policy, scan_layers=scan_layers))
@@ -191,8 +206,9 @@ def test_attention_vjp_equals_autodiff_of_the_plain_form():
     positions = jnp.asarray([list(range(5)) + list(range(4)) + [0] * 3, list(range(T))], jnp.int32)
     mask = model_lib.attention_mask(segments, positions, segments, positions, None)
     weights = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
-    grad = lambda attend: jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, mask) * weights),
-                                           argnums=(0, 1, 2)))(q, k, v)
+    grad = lambda attend: jax.jit(
+        jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, mask) * weights), argnums=(0, 1, 2))
+    )(q, k, v)
     np.testing.assert_allclose(model_lib.attention(q, k, v, mask), plain_attention(q, k, v, mask), rtol=1e-6, atol=1e-6)
     for g, r in zip(grad(model_lib.attention), grad(plain_attention)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
@@ -218,8 +234,9 @@ def test_decode_step_attention_matches_numpy(matmuls):
     k, v = (rng.normal(size=(B, K, S, D)).astype(np.float32) for _ in range(2))
     mask = rng.random((B, 1, S)) < 0.6
     mask[:, 0, 0] = True  # every row attends somewhere
-    out = model_lib.cached_attention(jnp.asarray(q), jnp.asarray(k).swapaxes(2, 3), jnp.asarray(v),
-                                     jnp.asarray(mask), matmuls=matmuls)
+    out = model_lib.cached_attention(
+        jnp.asarray(q), jnp.asarray(k).swapaxes(2, 3), jnp.asarray(v), jnp.asarray(mask), matmuls=matmuls
+    )
     expected = np.zeros((B, 1, K * G, D), np.float32)
     for b in range(B):
         for h in range(K * G):
@@ -250,19 +267,25 @@ def grpo_rows(rng, prompts, n, P, C, vocab):
 def test_shared_prefix_hidden_states_equal_the_plain_ones_with_their_gradients(scan_layers, remat_policy, window):
     """Groups of 3 rows share a prompt (computed once); values and parameter gradients of a loss
     over the completion columns equal hidden_states' (attention chunked, sliding window too)."""
-    cfg = dataclasses.replace(CFG, scan_layers=scan_layers, remat_policy=remat_policy, sliding_window=window,
-                              attention_chunk_size=4)
+    cfg = dataclasses.replace(
+        CFG, scan_layers=scan_layers, remat_policy=remat_policy, sliding_window=window, attention_chunk_size=4
+    )
     model = sharp_model(cfg)
     rng = np.random.default_rng(0)
     P, C, n = 8, 6, 3
     prompts = [rng.integers(1, 128, size) for size in (8, 3)]
     tokens, positions, segments = grpo_rows(rng, prompts, n, P, C, 128)
-    weights = jnp.asarray(rng.normal(size=(len(tokens), P + C, cfg.emb_dim)).astype(np.float32)) * (segments[..., None] > 0)
+    weights = jnp.asarray(rng.normal(size=(len(tokens), P + C, cfg.emb_dim)).astype(np.float32)) * (
+        segments[..., None] > 0
+    )
 
     def loss(model, shared):
-        hidden = (model.hidden_states_shared_prefix(tokens, positions, segments, P, n) if shared else
-                  model.hidden_states(tokens, positions, segments))
-        return jnp.sum(hidden[:, P - 1:] * weights[:, P - 1:]), hidden
+        hidden = (
+            model.hidden_states_shared_prefix(tokens, positions, segments, P, n)
+            if shared
+            else model.hidden_states(tokens, positions, segments)
+        )
+        return jnp.sum(hidden[:, P - 1 :] * weights[:, P - 1 :]), hidden
 
     (value, hidden), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True), static_argnums=1)(model, True)
     (ref_value, ref_hidden), ref_grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True), static_argnums=1)(model, False)

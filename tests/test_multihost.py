@@ -11,18 +11,40 @@ from launch.local import launch  # tools/ is on sys.path (conftest)
 from unitrain import train
 from unitrain.config import load_config
 
-SFT = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
-       "log_period=1", "builtin_task_digits=2", "warmup_steps=0", "lr_schedule=constant", "checkpoint_period=2",
-       "data_shards=2"]
-GRPO = ["mode=grpo", "per_device_batch_size=1", "rollout_batch_size=2", "n_samples_per_prompt=4",
-        "rollout_max_response_len=6", "eval_interval=0", "log_period=1", "builtin_task_digits=1",
-        "max_prompt_length=16", "learning_rate=1e-3", "warmup_steps=0", "lr_schedule=constant",
-        "checkpoint_period=1", "kl_coef=0.01"]
+SFT = [
+    "max_target_length=32",
+    "per_device_batch_size=1",
+    "eval_interval=0",
+    "peak_flops_per_device=1e12",
+    "log_period=1",
+    "builtin_task_digits=2",
+    "warmup_steps=0",
+    "lr_schedule=constant",
+    "checkpoint_period=2",
+    "data_shards=2",
+]
+GRPO = [
+    "mode=grpo",
+    "per_device_batch_size=1",
+    "rollout_batch_size=2",
+    "n_samples_per_prompt=4",
+    "rollout_max_response_len=6",
+    "eval_interval=0",
+    "log_period=1",
+    "builtin_task_digits=1",
+    "max_prompt_length=16",
+    "learning_rate=1e-3",
+    "warmup_steps=0",
+    "lr_schedule=constant",
+    "checkpoint_period=1",
+    "kl_coef=0.01",
+]
 
 
 def run_two_processes(*args):
-    results = launch([str(REPO / "configs" / "base.yml"), *args], processes=2, devices_per_process=4, timeout=600,
-                     echo=False)
+    results = launch(
+        [str(REPO / "configs" / "base.yml"), *args], processes=2, devices_per_process=4, timeout=600, echo=False
+    )
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
     return results
@@ -34,8 +56,9 @@ def curve(run_dir, key="loss"):
 
 
 def one_process(tmp_path, run_name, *args):
-    cfg = load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}",
-                       f"run_name={run_name}", *args])
+    cfg = load_config(
+        [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", f"run_name={run_name}", *args]
+    )
     assert train.train(cfg) == 0
     return tmp_path / run_name
 

@@ -16,8 +16,16 @@ from unitrain.optimizer import learning_rate_schedule, make_optimizer
 
 
 def cfg(*overrides):
-    return load_config([str(REPO / "configs" / "base.yml"), "steps=110", "warmup_steps=10", "learning_rate=1e-2",
-                        "lr_final_fraction=0.1", *overrides])
+    return load_config(
+        [
+            str(REPO / "configs" / "base.yml"),
+            "steps=110",
+            "warmup_steps=10",
+            "learning_rate=1e-2",
+            "lr_final_fraction=0.1",
+            *overrides,
+        ]
+    )
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
@@ -28,19 +36,50 @@ def test_schedules_by_hand(kind):
         assert float(schedule(step)) == pytest.approx(peak * step / 10)
     for step in (35, 60, 109):
         t = (step - 10) / 100
-        expected = {"cosine": end + (peak - end) * 0.5 * (1 + math.cos(math.pi * t)),
-                    "linear": peak + (end - peak) * t, "constant": peak}[kind]
+        expected = {
+            "cosine": end + (peak - end) * 0.5 * (1 + math.cos(math.pi * t)),
+            "linear": peak + (end - peak) * t,
+            "constant": peak,
+        }[kind]
         assert float(schedule(step)) == pytest.approx(expected, rel=1e-5)
 
 
 def test_weight_decay_spares_norms_and_biases():
-    model = decoder.create(decoder.ModelConfig(vocab_size=4, emb_dim=2, mlp_dim=2, num_decoder_layers=1,
-                                               num_query_heads=1, num_kv_heads=1, head_dim=2, qkv_bias=True, qk_norm=True))
+    model = decoder.create(
+        decoder.ModelConfig(
+            vocab_size=4,
+            emb_dim=2,
+            mlp_dim=2,
+            num_decoder_layers=1,
+            num_query_heads=1,
+            num_kv_heads=1,
+            head_dim=2,
+            qkv_bias=True,
+            qk_norm=True,
+        )
+    )
     mask = model.decay_mask()
-    assert mask == {"embed": True, "final_norm": False, "lm_head": True,
-                    "layers": {"wq": True, "wk": True, "wv": True, "wo": True, "w_gate": True, "w_up": True,
-                               "w_down": True, "attn_norm": False, "mlp_norm": False, "q_norm": False,
-                               "k_norm": False, "bq": False, "bk": False, "bv": False}}
+    assert mask == {
+        "embed": True,
+        "final_norm": False,
+        "lm_head": True,
+        "layers": {
+            "wq": True,
+            "wk": True,
+            "wv": True,
+            "wo": True,
+            "w_gate": True,
+            "w_up": True,
+            "w_down": True,
+            "attn_norm": False,
+            "mlp_norm": False,
+            "q_norm": False,
+            "k_norm": False,
+            "bq": False,
+            "bk": False,
+            "bv": False,
+        },
+    }
     params = jax.tree.map(jnp.ones_like, nnx.to_pure_dict(nnx.state(model)))
     c = cfg("warmup_steps=0", "lr_schedule=constant", "weight_decay=0.5", "max_grad_norm=0")
     optimizer = make_optimizer(c, mask)

@@ -10,19 +10,43 @@ from unitrain import pipeline, train
 from unitrain.config import load_config
 
 BASE = str(REPO / "configs" / "base.yml")
-COMMON = {"max_target_length": 32, "per_device_batch_size": 1, "eval_interval": 0, "peak_flops_per_device": 1e12,
-          "log_period": 1, "warmup_steps": 1}
+COMMON = {
+    "max_target_length": 32,
+    "per_device_batch_size": 1,
+    "eval_interval": 0,
+    "peak_flops_per_device": 1e12,
+    "log_period": 1,
+    "warmup_steps": 1,
+}
 SFT = {"mode": "sft", "steps": 1}
 # A reward that random completions sometimes earn, so the GRPO losses are not all zero.
-GRPO = {"mode": "grpo", "steps": 4, "rollout_batch_size": 2, "n_samples_per_prompt": 4, "rollout_max_response_len": 4,
-        "checkpoint_period": 1, "async_checkpointing": False, "learning_rate": 1e-4, "reward": "format",
-        "format_reward_pattern": "[0-9]"}
+GRPO = {
+    "mode": "grpo",
+    "steps": 4,
+    "rollout_batch_size": 2,
+    "n_samples_per_prompt": 4,
+    "rollout_max_response_len": 4,
+    "checkpoint_period": 1,
+    "async_checkpointing": False,
+    "learning_rate": 1e-4,
+    "reward": "format",
+    "format_reward_pattern": "[0-9]",
+}
 
 
 def recipe(tmp_path, *stages) -> str:
     path = tmp_path / "recipe.yml"
-    path.write_text(json.dumps({"base_config": BASE, "base_output_directory": str(tmp_path / "runs"),
-                                "run_name": "pipe", **COMMON, "stages": list(stages)}))  # JSON is YAML
+    path.write_text(
+        json.dumps(
+            {
+                "base_config": BASE,
+                "base_output_directory": str(tmp_path / "runs"),
+                "run_name": "pipe",
+                **COMMON,
+                "stages": list(stages),
+            }
+        )
+    )  # JSON is YAML
     return str(path)
 
 
@@ -58,8 +82,16 @@ def test_a_pipeline_equals_its_stages_as_separate_commands_and_resumes_per_stage
 
 
 def test_stage_configs(tmp_path):
-    cfg = load_config([recipe(tmp_path, {"name": "sft", **SFT}, {"name": "grpo", **GRPO, "load_parameters_path": "/x"},
-                              {"name": "eval", "action": "eval"})])
+    cfg = load_config(
+        [
+            recipe(
+                tmp_path,
+                {"name": "sft", **SFT},
+                {"name": "grpo", **GRPO, "load_parameters_path": "/x"},
+                {"name": "eval", "action": "eval"},
+            )
+        ]
+    )
     sft, grpo, evaluate = pipeline.stage_configs(cfg)
     assert (sft.run_dir, sft.mode, sft.steps, sft.load_parameters_path) == (f"{cfg.run_dir}/sft", "sft", 1, "")
     assert (grpo.mode, grpo.load_parameters_path, grpo.reward) == ("grpo", "/x", "format")  # its own path wins
@@ -68,8 +100,12 @@ def test_stage_configs(tmp_path):
 
 
 def test_a_mistake_in_the_last_stage_stops_before_the_first(tmp_path, capsys):
-    path = recipe(tmp_path, {"name": "sft", **SFT}, {"name": "grpo", **GRPO},
-                  {"name": "eval", "action": "eval", "eval_pass_kk": 2})
+    path = recipe(
+        tmp_path,
+        {"name": "sft", **SFT},
+        {"name": "grpo", **GRPO},
+        {"name": "eval", "action": "eval", "eval_pass_kk": 2},
+    )
     assert train.main([path]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "stage 'eval' (stage 3 of 3)" in err and "eval_pass_kk" in err

@@ -101,9 +101,17 @@ TOY = textwrap.dedent('''
         return float(completion == "42")
 ''')
 
-FAST = ["max_target_length=16", "per_device_batch_size=1", "eval_interval=0", "log_period=1",
-        "peak_flops_per_device=1e12", "warmup_steps=0", "learning_rate=1e-2", "lr_schedule=constant",
-        "checkpoint_period=3"]
+FAST = [
+    "max_target_length=16",
+    "per_device_batch_size=1",
+    "eval_interval=0",
+    "log_period=1",
+    "peak_flops_per_device=1e12",
+    "warmup_steps=0",
+    "learning_rate=1e-2",
+    "lr_schedule=constant",
+    "checkpoint_period=3",
+]
 
 
 @pytest.fixture
@@ -122,8 +130,12 @@ def lines_of(path):
 
 
 def test_a_toy_mode_from_outside_the_package_trains_checkpoints_and_resumes(tmp_path, toy):
-    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST,
-            "mode=toy_plugins:ConstantTask"]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "mode=toy_plugins:ConstantTask",
+    ]
     assert train.main([*argv, "steps=6", "run_name=straight"]) == 0
     straight = lines_of(tmp_path / "straight" / "metrics.jsonl")
     assert [l["toy_position"] for l in straight] == [1, 2, 3, 4, 5, 6]
@@ -137,24 +149,52 @@ def test_a_toy_mode_from_outside_the_package_trains_checkpoints_and_resumes(tmp_
 
 
 def test_a_toy_sampler_from_outside_the_package_feeds_grpo(tmp_path, toy):
-    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, "mode=grpo",
-            "sampler=toy_plugins:make_sampler", "reward=toy_plugins:always_42", "rollout_batch_size=4",
-            "n_samples_per_prompt=2", "rollout_max_response_len=4", "steps=2", "per_device_batch_size=1"]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "mode=grpo",
+        "sampler=toy_plugins:make_sampler",
+        "reward=toy_plugins:always_42",
+        "rollout_batch_size=4",
+        "n_samples_per_prompt=2",
+        "rollout_max_response_len=4",
+        "steps=2",
+        "per_device_batch_size=1",
+    ]
     assert train.main(argv) == 0
     steps = [l for l in lines_of(tmp_path / "default" / "metrics.jsonl") if "loss" in l]
     assert [l["reward_mean"] for l in steps] == [1.0, 1.0]  # every completion came from the toy sampler
     assert toy.SEEN_VERSIONS == [0, 1]  # the trainer pushed each step's policy version
 
 
-@pytest.mark.parametrize("override, message", [
-    ("mode=spt", "config key 'mode' expects one of sft | grpo | dpo or pkg.module:symbol"),
-    ("mode=no_such_module:Task", "config key 'mode' names 'no_such_module:Task' but module 'no_such_module' is not found"),
-    ("mode=grpo sampler=unitrain.rollout:NoSuch", "config key 'sampler' names 'unitrain.rollout:NoSuch' but module 'unitrain.rollout' has no attribute 'NoSuch'"),
-    ("model_source=unitrain.models:SOURCES", "config key 'model_source' names 'unitrain.models:SOURCES' but 'SOURCES' is a dict"),
-    ("dynamic_sampling_filter=nonzero", "config key 'dynamic_sampling_filter' expects"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("mode=spt", "config key 'mode' expects one of sft | grpo | dpo or pkg.module:symbol"),
+        (
+            "mode=no_such_module:Task",
+            "config key 'mode' names 'no_such_module:Task' but module 'no_such_module' is not found",
+        ),
+        (
+            "mode=grpo sampler=unitrain.rollout:NoSuch",
+            "config key 'sampler' names 'unitrain.rollout:NoSuch' but module 'unitrain.rollout' has no attribute 'NoSuch'",
+        ),
+        (
+            "model_source=unitrain.models:SOURCES",
+            "config key 'model_source' names 'unitrain.models:SOURCES' but 'SOURCES' is a dict",
+        ),
+        ("dynamic_sampling_filter=nonzero", "config key 'dynamic_sampling_filter' expects"),
+    ],
+)
 def test_plugin_mistakes_are_one_line_and_exit_2(tmp_path, capsys, override, message):
-    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, "steps=1", *override.split()]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "steps=1",
+        *override.split(),
+    ]
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err

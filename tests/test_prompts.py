@@ -1,5 +1,6 @@
 """The GRPO prompt stream: sources (built-in task, GSM8K files), rendering (BOS, chat template),
 order, shards, checkpoints, over-long prompts and the fixed eval prompts."""
+
 import json
 import re
 from pathlib import Path
@@ -111,17 +112,26 @@ def test_state_restore_continues_exactly(tmp_path):
 
 def test_chat_template_renders_system_and_user_turns(tmp_path, hf_tokenizer_dir):
     tok = load_tokenizer(hf_tokenizer_dir())
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "d.jsonl", qa_rows(6)), chat_template=True,
-                   system_prompt="Be brief.", shuffle=False, num_epochs=1)
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "d.jsonl", qa_rows(6)),
+        chat_template=True,
+        system_prompt="Be brief.",
+        shuffle=False,
+        num_epochs=1,
+    )
     prompts = [p for b in make_prompt_iterator(cfg, tok, 2) for p in b["prompts"]]
     assert [p.text for p in prompts] == [r["prompt"] for r in qa_rows(6)]  # the raw text, for the reward
     for p in prompts:
-        rendered = (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{p.text}<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+        rendered = (
+            f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{p.text}<|im_end|>\n<|im_start|>assistant\n"
+        )
         assert list(p.ids) == tok.encode(rendered)
         assert tok.decode(p.ids, skip_special_tokens=False) == rendered
     no_system = eval_prompts(cfg.replace(system_prompt="", eval_dataset_path=cfg.dataset_path), tok, 1)[0]
-    assert tok.decode(no_system.ids, skip_special_tokens=False) == "<|im_start|>user\nq0:<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(no_system.ids, skip_special_tokens=False)
+        == "<|im_start|>user\nq0:<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_missing_chat_template_and_stray_system_prompt_are_config_errors(tmp_path, hf_tokenizer_dir):
@@ -135,7 +145,9 @@ def test_missing_chat_template_and_stray_system_prompt_are_config_errors(tmp_pat
 
 def test_overlong_prompts_are_dropped_and_counted(tmp_path):
     rows = [{"prompt": "x" * (12 if i % 3 == 1 else 5), "answer": str(i)} for i in range(12)]  # 4 too long
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "d.jsonl", rows), max_prompt_length=10, shuffle=False, num_epochs=1)
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "d.jsonl", rows), max_prompt_length=10, shuffle=False, num_epochs=1
+    )
     batches = list(make_prompt_iterator(cfg, TOK, 2))
     assert [p.label for b in batches for p in b["prompts"]] == [str(i) for i in range(12) if i % 3 != 1]
     assert all(len(p.ids) <= 10 for b in batches for p in b["prompts"])
@@ -150,14 +162,18 @@ def test_eval_prompts_fixed_order_and_disjoint_from_train(tmp_path):
     cfg = make_cfg()
     first = eval_prompts(cfg, TOK, 64)
     assert first == eval_prompts(cfg, TOK, 64) and len(first) == 64
-    assert [(p.text, p.label) for p in first] == [builtin_problem(i, "eval", cfg.builtin_task_digits) for i in range(64)]
+    assert [(p.text, p.label) for p in first] == [
+        builtin_problem(i, "eval", cfg.builtin_task_digits) for i in range(64)
+    ]
     assert all(problem_split(p.text) == "eval" and list(p.ids) == [TOK.bos_id, *TOK.encode(p.text)] for p in first)
     train = set(texts(take(make_prompt_iterator(cfg, TOK, 64), 8)))
     assert not train & {p.text for p in first}
 
     train_path = write_jsonl(tmp_path / "t.jsonl", qa_rows(4))
     eval_rows = [{"prompt": "y" * (20 if i == 1 else 3) + str(i), "answer": i} for i in range(6)]  # numeric labels
-    files = make_cfg(dataset_path=train_path, eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", eval_rows), max_prompt_length=10)
+    files = make_cfg(
+        dataset_path=train_path, eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", eval_rows), max_prompt_length=10
+    )
     assert [p.label for p in eval_prompts(files, TOK, 4)] == ["0", "2", "3", "4"]  # file order, over-long skipped
     assert len(eval_prompts(files, TOK, 100)) == 5  # fewer when the file holds fewer
     in_order = texts(make_prompt_iterator(files, TOK, 1, "eval"))  # the eval split: one pass, in order

@@ -1,5 +1,6 @@
 """Tests for unitrain.rewards: the built-in rewards on true examples (math-verify's real behaviour, real
 GSM8K lines), weights, plugins imported only when named, and one-sentence errors."""
+
 import json
 import math
 import sys
@@ -38,23 +39,27 @@ def test_defaults():
 
 # ---------------------------------------------------------------- math
 
-@pytest.mark.parametrize("label, completion, expected", [
-    ("\\frac{1}{2}", "The answer is $\\boxed{0.5}$", 1.0),
-    ("\\frac{1}{2}", "Halving gives $\\frac{2}{4}$, so the answer is $\\boxed{\\dfrac{2}{4}}$", 1.0),
-    ("\\frac{1}{2}", "so the answer is 1/2", 1.0),
-    ("\\frac{1}{2}", "The answer is $\\boxed{0.25}$", 0.0),
-    # A bare LaTeX label is parsed inside $...$: raw, "\sqrt{2}/2" parses to nothing and "3\sqrt{3}" to 3.
-    ("\\sqrt{2}/2", "$\\boxed{\\frac{1}{\\sqrt{2}}}$", 1.0),
-    ("3\\sqrt{3}", "so $\\boxed{\\sqrt{27}}$", 1.0),
-    ("3\\sqrt{3}", "so $\\boxed{3}$", 0.0),
-    ("$\\boxed{\\pi}$", "The answer is $\\pi$.", 1.0),
-    ("\\frac{1}{2}", "I do not know.", 0.0),
-    # GSM8K labels count by their final answer only.
-    ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "48 + 24 = 72 clips, so the answer is 72", 1.0),
-    ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "#### 72", 1.0),
-    ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "#### 24", 0.0),
-    ("... #### 1,000", "The answer is 1000", 1.0),
-])
+
+@pytest.mark.parametrize(
+    "label, completion, expected",
+    [
+        ("\\frac{1}{2}", "The answer is $\\boxed{0.5}$", 1.0),
+        ("\\frac{1}{2}", "Halving gives $\\frac{2}{4}$, so the answer is $\\boxed{\\dfrac{2}{4}}$", 1.0),
+        ("\\frac{1}{2}", "so the answer is 1/2", 1.0),
+        ("\\frac{1}{2}", "The answer is $\\boxed{0.25}$", 0.0),
+        # A bare LaTeX label is parsed inside $...$: raw, "\sqrt{2}/2" parses to nothing and "3\sqrt{3}" to 3.
+        ("\\sqrt{2}/2", "$\\boxed{\\frac{1}{\\sqrt{2}}}$", 1.0),
+        ("3\\sqrt{3}", "so $\\boxed{\\sqrt{27}}$", 1.0),
+        ("3\\sqrt{3}", "so $\\boxed{3}$", 0.0),
+        ("$\\boxed{\\pi}$", "The answer is $\\pi$.", 1.0),
+        ("\\frac{1}{2}", "I do not know.", 0.0),
+        # GSM8K labels count by their final answer only.
+        ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "48 + 24 = 72 clips, so the answer is 72", 1.0),
+        ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "#### 72", 1.0),
+        ("She sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "#### 24", 0.0),
+        ("... #### 1,000", "The answer is 1000", 1.0),
+    ],
+)
 def test_math(label, completion, expected):
     assert score(rewards("reward=math"), completion, label) == expected
 
@@ -90,16 +95,22 @@ def test_only_the_final_answer_counts(reward, completion, label, expected):
     assert score(rewards(f"reward={reward}"), completion, label) == expected
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("72", "72"), ("1,000.", "1,000"), ("$\\frac12$", "$\\frac12$"),
-    ("I think 72", None), ("To get the answer: 5*4=20", None),
-    ("The answer is $\\boxed{0.5}$", "0.5"),
-    ("$\\boxed{\\frac{1}{2}}$ is the answer", "\\frac{1}{2}"),
-    ("#### $1,000 dollars", "$1,000"),
-    ("The answer is $13.", "$13"),
-    ("Answer: $x = 5$ and more", "$x = 5$"),
-    ("Final Answer: The final answer is $\\frac{1}{2}$. I hope it is correct.", "$\\frac{1}{2}$"),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("72", "72"),
+        ("1,000.", "1,000"),
+        ("$\\frac12$", "$\\frac12$"),
+        ("I think 72", None),
+        ("To get the answer: 5*4=20", None),
+        ("The answer is $\\boxed{0.5}$", "0.5"),
+        ("$\\boxed{\\frac{1}{2}}$ is the answer", "\\frac{1}{2}"),
+        ("#### $1,000 dollars", "$1,000"),
+        ("The answer is $13.", "$13"),
+        ("Answer: $x = 5$ and more", "$x = 5$"),
+        ("Final Answer: The final answer is $\\frac{1}{2}$. I hope it is correct.", "$\\frac{1}{2}$"),
+    ],
+)
 def test_final_answer(completion, expected):
     assert final_answer(completion) == expected
 
@@ -121,6 +132,7 @@ def test_math_outside_the_main_thread():
 
 # ---------------------------------------------------------------- gsm8k
 
+
 def test_gsm8k_on_real_lines():
     if not GSM8K_TEST.exists():
         pytest.skip(f"{GSM8K_TEST} is absent")
@@ -136,23 +148,26 @@ def test_gsm8k_on_real_lines():
         wrong.append(f"{head}#### {int(gold.strip().replace(',', '')) + 1}")
     assert fn([""] * 50, wrong, answers)[0].tolist() == [0.0] * 50
     # Without a #### line only a stated answer counts, not the last number of the reasoning.
-    gold = answers[0].rpartition('####')[2].strip()
+    gold = answers[0].rpartition("####")[2].strip()
     assert score(fn, f"So she makes {gold} dollars.", answers[0]) == 0.0
     assert score(fn, f"So the answer is {gold} dollars.", answers[0]) == 1.0
 
 
-@pytest.mark.parametrize("completion, label, expected", [
-    ("so the answer is 1,000 dollars", "... #### 1,000", 1.0),
-    ("#### 1000", "... #### 1,000", 1.0),
-    ("#### 1,000", "... #### 1000", 1.0),
-    ("#### 1,000.", "#### 1000", 1.0),
-    ("#### 3.50", "#### 3.5", 1.0),
-    ("#### -7", "#### -7", 1.0),
-    ("#### 7", "#### -7", 0.0),
-    ("I think 72 but #### 73", "#### 72", 0.0),  # the #### line wins over earlier numbers
-    ("no number at all", "#### 72", 0.0),
-    ("72", "72", 1.0),  # a label reduced to its answer already
-])
+@pytest.mark.parametrize(
+    "completion, label, expected",
+    [
+        ("so the answer is 1,000 dollars", "... #### 1,000", 1.0),
+        ("#### 1000", "... #### 1,000", 1.0),
+        ("#### 1,000", "... #### 1000", 1.0),
+        ("#### 1,000.", "#### 1000", 1.0),
+        ("#### 3.50", "#### 3.5", 1.0),
+        ("#### -7", "#### -7", 1.0),
+        ("#### 7", "#### -7", 0.0),
+        ("I think 72 but #### 73", "#### 72", 0.0),  # the #### line wins over earlier numbers
+        ("no number at all", "#### 72", 0.0),
+        ("72", "72", 1.0),  # a label reduced to its answer already
+    ],
+)
 def test_gsm8k_numbers(completion, label, expected):
     assert score(rewards("reward=gsm8k"), completion, label) == expected
 
@@ -163,6 +178,7 @@ def test_gsm8k_label_without_number_is_an_error():
 
 
 # ---------------------------------------------------------------- exact_match and format
+
 
 def test_exact_match():
     fn = rewards("reward=exact_match")
@@ -179,10 +195,13 @@ def test_format_custom_pattern_spans_lines():
     fn = rewards("reward=format", "format_reward_pattern=^<think>.*</think>\\s*<answer>.*</answer>$")
     assert score(fn, "<think>a\nb</think>\n<answer>7</answer>", "") == 1.0
     assert score(fn, "<answer>7</answer>", "") == 0.0
-    assert "config key 'format_reward_pattern' is not a valid regular expression" in config_error("reward=format", "format_reward_pattern=(")
+    assert "config key 'format_reward_pattern' is not a valid regular expression" in config_error(
+        "reward=format", "format_reward_pattern=("
+    )
 
 
 # ---------------------------------------------------------------- weights
+
 
 def test_weights_combine():
     fn = rewards("reward=exact_match,format", "reward_weights=[2.0, 0.5]")
@@ -196,7 +215,8 @@ def test_weights_combine():
 
 def test_weight_errors():
     assert "config key 'reward_weights' has 1 weights but config key 'reward' names 2 rewards" in config_error(
-        "reward=math,format", "reward_weights=[1.0]")
+        "reward=math,format", "reward_weights=[1.0]"
+    )
     assert "reward_weights' expects a non-empty list of finite numbers" in config_error("reward_weights=[1, .nan]")
     assert "config key 'reward' expects a comma list" in config_error("reward=math,,format")
     assert "names a reward twice" in config_error("reward=format,format")
@@ -204,7 +224,7 @@ def test_weight_errors():
 
 # ---------------------------------------------------------------- plugins and errors
 
-PLUGIN = '''
+PLUGIN = """
 import math
 CONSTANT = 3
 def score(prompt, completion, label):
@@ -217,7 +237,7 @@ def nan(prompt, completion, label):
     return math.nan
 def text(prompt, completion, label):
     return "1.0"
-'''
+"""
 
 
 @pytest.fixture
@@ -242,7 +262,9 @@ def test_plugin_is_used_and_only_named_modules_are_imported(plugin_dir):
 
 
 def test_plugin_name_errors(plugin_dir):
-    assert "config key 'reward' names 'nosuchmod_xyz:f' but module 'nosuchmod_xyz' is not found" in config_error("reward=nosuchmod_xyz:f")
+    assert "config key 'reward' names 'nosuchmod_xyz:f' but module 'nosuchmod_xyz' is not found" in config_error(
+        "reward=nosuchmod_xyz:f"
+    )
     assert "has no attribute 'scor'; did you mean 'score'?" in config_error("reward=myplug:scor")
     assert "'CONSTANT' is a int, not a function" in config_error("reward=myplug:CONSTANT")
     msg = config_error("reward=brokenplug:f")
@@ -270,7 +292,9 @@ def test_reward_that_raises(plugin_dir):
 
 @pytest.mark.parametrize("name, shown", [("nan", "nan"), ("text", "'1.0'")])
 def test_reward_returning_a_non_number(plugin_dir, name, shown):
-    with pytest.raises(RewardError, match=f"reward 'myplug:{name}' returned {shown}, not a finite number on the sample"):
+    with pytest.raises(
+        RewardError, match=f"reward 'myplug:{name}' returned {shown}, not a finite number on the sample"
+    ):
         rewards(f"reward=myplug:{name}")(["p"], ["c"], ["l"])
 
 

@@ -1,4 +1,5 @@
 """RL losses (advantages, KL estimators, entropy, aggregation, PPO clipped loss) against NumPy float64."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,7 @@ def _batch(seed=0):
     logp = rng.normal(-1.5, 1.0, (B, T)).astype(np.float32)
     old = (logp + rng.normal(0, 0.4, (B, T))).astype(np.float32)
     ref = (logp + rng.normal(0, 0.6, (B, T))).astype(np.float32)
-    ref[0, 0] = logp[0, 0] + 5.0   # k3 upper clamp: e^5 - 6 > 10
+    ref[0, 0] = logp[0, 0] + 5.0  # k3 upper clamp: e^5 - 6 > 10
     ref[0, 1] = logp[0, 1] - 30.0  # log-ratio clamp at -20
     values = rng.normal(0, 1, (B, T)).astype(np.float32)
     adv = rng.normal(0, 1, (B,)).astype(np.float32)
@@ -26,6 +27,7 @@ def _batch(seed=0):
 
 
 # ------------------------------------------------------------------ NumPy references (float64)
+
 
 def np_aggregate(v, m, mode, horizon=None):
     v, m = v.astype(np.float64), m.astype(np.float64)
@@ -79,6 +81,7 @@ def np_advantages(r, g, estimator, norm_by_std=True, eps=1e-6, weights=None):
 
 
 # ------------------------------------------------------------------ aggregation / KL / entropy
+
 
 @pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
 def test_aggregate_matches_numpy(mode):
@@ -168,8 +171,9 @@ GROUPS = np.array([0, 0, 0, 0, 1, 2, 2, 2, 3, 3], np.int32)
 NUM_GROUPS = 5
 
 
-@pytest.mark.parametrize("estimator,norm", [("grpo", True), ("grpo", False), ("drgrpo", True), ("rloo", True),
-                                            ("reinforce_pp", True)])
+@pytest.mark.parametrize(
+    "estimator,norm", [("grpo", True), ("grpo", False), ("drgrpo", True), ("rloo", True), ("reinforce_pp", True)]
+)
 def test_advantages_match_numpy(estimator, norm):
     fn = jax.jit(losses.compute_advantages, static_argnums=(2, 3, 4))
     got = np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, estimator, norm))
@@ -188,12 +192,15 @@ def test_advantages_hand_values():
     assert float(fn(REWARDS, GROUPS, NUM_GROUPS, "drgrpo")[4]) == pytest.approx(0.7)
     assert float(fn(REWARDS, GROUPS, NUM_GROUPS, "rloo")[4]) == 0.0
     # two samples {0, 2}: mean 1, unbiased std sqrt(2); rloo: 0 - 2 = -2 and 2 - 0 = 2
-    np.testing.assert_allclose(np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "grpo", eps=0.0))[8:],
-                               [-1 / np.sqrt(2), 1 / np.sqrt(2)], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "grpo", eps=0.0))[8:], [-1 / np.sqrt(2), 1 / np.sqrt(2)], rtol=1e-6
+    )
     np.testing.assert_allclose(np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "rloo"))[8:], [-2.0, 2.0], rtol=1e-6)
     # drgrpo ignores norm_by_std
-    np.testing.assert_array_equal(np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "drgrpo", True)),
-                                  np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "drgrpo", False)))
+    np.testing.assert_array_equal(
+        np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "drgrpo", True)),
+        np.asarray(fn(REWARDS, GROUPS, NUM_GROUPS, "drgrpo", False)),
+    )
     with pytest.raises(ValueError):
         fn(REWARDS, GROUPS, NUM_GROUPS, "ppo")
 
@@ -243,7 +250,7 @@ def test_clip_region(a):
     if a > 0:  # loss = -min(r, clip(r)): clip active for r > 1.2
         np.testing.assert_allclose(got, [-0.5, -0.9, -1.0, -1.1, -1.2, -1.2], rtol=1e-6)
         n_clip = 2
-    else:      # loss = max(r, clip(r)): clip active for r < 0.8
+    else:  # loss = max(r, clip(r)): clip active for r < 0.8
         np.testing.assert_allclose(got, [0.8, 0.9, 1.0, 1.1, 1.5, 4.0], rtol=1e-6)
         n_clip = 1
     s, c = met["pg_clipfrac"]
@@ -264,7 +271,7 @@ def test_dual_clip_region(a):
     if a > 0:  # dual clip only acts on A < 0
         np.testing.assert_allclose(got, [-0.5, -0.9, -1.0, -1.1, -1.2, -1.2], rtol=1e-6)
         assert float(met["pg_clipfrac_lower"][0]) == 0.0
-    else:      # max(r, clip(r)) capped at c = 3: ratio 4 -> 3
+    else:  # max(r, clip(r)) capped at c = 3: ratio 4 -> 3
         np.testing.assert_allclose(got, [0.8, 0.9, 1.0, 1.1, 1.5, 3.0], rtol=1e-6)
         s, c = met["pg_clipfrac_lower"]
         assert float(s) == 2 and float(c) == 12
@@ -283,8 +290,7 @@ def test_ratio_one_gradient_is_plain_policy_gradient():
     g = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(d["logp"])))
     want = -adv[:, None] * d["mask"] / d["mask"].sum()
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
-    assert float(loss(d["logp"])) == pytest.approx(float(-(adv[:, None] * d["mask"]).sum() / d["mask"].sum()),
-                                                   rel=1e-5)
+    assert float(loss(d["logp"])) == pytest.approx(float(-(adv[:, None] * d["mask"]).sum() / d["mask"].sum()), rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
@@ -293,9 +299,24 @@ def test_policy_loss_full_matches_numpy(mode, kind):
     d = _batch()
     eps, eps_hi, c, kl_coef, ent_coef = 0.2, 0.3, 3.0, 0.05, 0.01
     ent = np.abs(d["values"])
-    fn = jax.jit(lambda lp, old, a, m, ref, e: losses.policy_loss(
-        lp, old, a, m, eps_clip=eps, eps_clip_high=eps_hi, eps_clip_c=c, loss_agg_mode=mode, horizon=T,
-        ref_logprobs=ref, kl_coef=kl_coef, kl_type=kind, entropy=e, entropy_coef=ent_coef))
+    fn = jax.jit(
+        lambda lp, old, a, m, ref, e: losses.policy_loss(
+            lp,
+            old,
+            a,
+            m,
+            eps_clip=eps,
+            eps_clip_high=eps_hi,
+            eps_clip_c=c,
+            loss_agg_mode=mode,
+            horizon=T,
+            ref_logprobs=ref,
+            kl_coef=kl_coef,
+            kl_type=kind,
+            entropy=e,
+            entropy_coef=ent_coef,
+        )
+    )
     s, n, met = fn(d["logp"], d["old"], d["adv"], d["mask"], d["ref"], ent)
 
     lp, old, m = (x.astype(np.float64) for x in (d["logp"], d["old"], d["mask"]))
@@ -335,8 +356,10 @@ def test_micro_batch_accumulation_is_exact():
 
     @jax.jit
     def f(lp, old, adv, m):
-        return [losses.policy_loss(lp, old, adv, m, eps_clip=0.2, loss_agg_mode=mode, horizon=T)[:2]
-                for mode in losses.LOSS_AGG_MODES]
+        return [
+            losses.policy_loss(lp, old, adv, m, eps_clip=0.2, loss_agg_mode=mode, horizon=T)[:2]
+            for mode in losses.LOSS_AGG_MODES
+        ]
 
     whole = f(d["logp"], d["old"], d["adv"], d["mask"])
     first = f(*(d[k][:3] for k in ("logp", "old", "adv", "mask")))
@@ -356,6 +379,7 @@ def test_optional_metrics_and_errors():
 
 
 # ------------------------------------------------------------------ GSPO (sequence-level ratio)
+
 
 def np_gspo(logp, old, adv, mask, eps_lo, eps_hi):
     """GSPO by its definition, float64: per row s = exp(mean_t (logp - old)), loss_i = max(-A s,
@@ -379,8 +403,16 @@ def test_gspo_loss_and_gradient_match_numpy():
     eps_lo, eps_hi = 0.02, 0.03
 
     def loss(lp):
-        s, n, met = losses.policy_loss(lp, old, d["adv"], d["mask"], eps_clip=eps_lo, eps_clip_high=eps_hi,
-                                       loss_agg_mode="seq-mean-token-mean", policy_loss_type="gspo")
+        s, n, met = losses.policy_loss(
+            lp,
+            old,
+            d["adv"],
+            d["mask"],
+            eps_clip=eps_lo,
+            eps_clip_high=eps_hi,
+            loss_agg_mode="seq-mean-token-mean",
+            policy_loss_type="gspo",
+        )
         return s / n, met
 
     (value, met), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(d["logp"]))
@@ -402,6 +434,7 @@ def test_gspo_refuses_token_level_aggregation_and_dual_clip():
 
 
 # ------------------------------------------------------------------ rollout/trainer mismatch correction
+
 
 def np_rollout_is(old, sampler, mask, level, mode, upper, lower):
     """verl's compute_rollout_importance_weights, float64, row by row."""
@@ -429,8 +462,11 @@ def test_rollout_correction_matches_numpy(level, mode, lower):
     noise = np.random.default_rng(2).uniform(-0.5, 0.5, (B, T)) * (0.2 if level == "sequence" else 1.0)
     sampler = (d["old"] - shift - noise).astype(np.float32)
     upper = 2.0
-    weights, kept, met = jax.jit(lambda o, s, m: losses.rollout_correction(
-        o, s, m, level=level, mode=mode, threshold=upper, threshold_lower=lower))(d["old"], sampler, d["mask"])
+    weights, kept, met = jax.jit(
+        lambda o, s, m: losses.rollout_correction(
+            o, s, m, level=level, mode=mode, threshold=upper, threshold_lower=lower
+        )
+    )(d["old"], sampler, d["mask"])
     low = 1 / upper if lower is None else lower
     want_w, want_kept, raw = np_rollout_is(d["old"], sampler, d["mask"], level, mode, upper, low)
     np.testing.assert_allclose(np.asarray(weights), want_w, rtol=1e-5, atol=1e-6)
@@ -438,9 +474,12 @@ def test_rollout_correction_matches_numpy(level, mode, lower):
     m = d["mask"] > 0
     assert (raw[m] > upper).any() and (raw[m] <= upper).any()  # truncation / masking really happens
     tokens = m.sum()
-    expect = {"rollout_is_mean": (raw[m].sum(), tokens), "rollout_is_max": (raw[m].max(), 1),
-              "rollout_is_fraction_high": ((raw[m] > upper).sum(), tokens),
-              "rollout_is_fraction_low": ((raw[m] < low).sum(), tokens)}
+    expect = {
+        "rollout_is_mean": (raw[m].sum(), tokens),
+        "rollout_is_max": (raw[m].max(), 1),
+        "rollout_is_fraction_high": ((raw[m] > upper).sum(), tokens),
+        "rollout_is_fraction_low": ((raw[m] < low).sum(), tokens),
+    }
     if mode == "mask":
         dropped = d["mask"] - want_kept
         rows = m.any(-1)
@@ -453,8 +492,9 @@ def test_rollout_correction_matches_numpy(level, mode, lower):
 
     # In the loss: each token's pg term times its weight, aggregated over the kept tokens only.
     lp = d["logp"]
-    s, n, _ = losses.policy_loss(lp, d["old"], d["adv"], kept, eps_clip=0.2, loss_agg_mode="seq-mean-token-mean",
-                                 pg_weights=weights)
+    s, n, _ = losses.policy_loss(
+        lp, d["old"], d["adv"], kept, eps_clip=0.2, loss_agg_mode="seq-mean-token-mean", pg_weights=weights
+    )
     r = np.exp(lp.astype(np.float64) - d["old"])
     A = d["adv"].astype(np.float64)[:, None]
     pg = np.maximum(-A * r, -A * np.clip(r, 0.8, 1.2)) * want_w

@@ -27,29 +27,41 @@ def metrics(cfg) -> list[dict]:
 def varied_reward(tmp_path, monkeypatch) -> str:
     """A reward that differs between completions of the untrained model (exact_match is 0 for all)."""
     (tmp_path / "varied_reward.py").write_text(
-        "def score(prompt, completion, label):\n    return float(sum(map(ord, completion)) % 3)\n")
+        "def score(prompt, completion, label):\n    return float(sum(map(ord, completion)) % 3)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return "reward=varied_reward:score"
 
 
 def test_gspo_trains_and_clips_sequences(tmp_path, varied_reward):
     # GSPO's own clip range (3e-4 / 4e-4): the second pass over the rollout moves sequences past it.
-    cfg = config(tmp_path, varied_reward, "steps=2", "policy_loss=gspo", "loss_agg_mode=seq-mean-token-mean", "num_iterations=2",
-                 "eps_clip=3e-4", "eps_clip_high=4e-4")
+    cfg = config(
+        tmp_path,
+        varied_reward,
+        "steps=2",
+        "policy_loss=gspo",
+        "loss_agg_mode=seq-mean-token-mean",
+        "num_iterations=2",
+        "eps_clip=3e-4",
+        "eps_clip_high=4e-4",
+    )
     assert train.train(cfg) == 0
     lines = metrics(cfg)
     assert len(lines) == 2 and all(math.isfinite(l["loss"]) for l in lines)
     assert all(l["pg_clipfrac"] > 0 for l in lines)
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (("policy_loss=gspo",), "loss_agg_mode"),
-    (("policy_loss=gspo", "loss_agg_mode=seq-mean-token-mean", "eps_clip_c=3.0"), "eps_clip_c"),
-    (("rollout_is_threshold_lower=0.5",), "rollout_is_threshold_lower"),
-    (("rollout_is=true", "rollout_decoding=beam"), "rollout_is"),
-    (("rollout_is_threshold=0.5",), "rollout_is_threshold"),
-    (("overlong_buffer_len=6",), "overlong_buffer_len"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (("policy_loss=gspo",), "loss_agg_mode"),
+        (("policy_loss=gspo", "loss_agg_mode=seq-mean-token-mean", "eps_clip_c=3.0"), "eps_clip_c"),
+        (("rollout_is_threshold_lower=0.5",), "rollout_is_threshold_lower"),
+        (("rollout_is=true", "rollout_decoding=beam"), "rollout_is"),
+        (("rollout_is_threshold=0.5",), "rollout_is_threshold"),
+        (("overlong_buffer_len=6",), "overlong_buffer_len"),
+    ],
+)
 def test_nonsense_combinations_stop_with_one_line(tmp_path, capsys, overrides, named):
     with pytest.raises(ConfigError, match=named):
         config(tmp_path, *overrides)
@@ -74,15 +86,32 @@ def test_rollout_is_truncate_sees_the_nucleus(tmp_path, varied_reward):
 def test_rollout_is_mask_rejects_what_is_out_of_range(tmp_path, varied_reward):
     # The old pass runs (two iterations); every geometric weight is below 0.999: all rows are rejected,
     # so nothing is left to train on.
-    cfg = config(tmp_path, varied_reward, "steps=1", "rollout_top_p=0.9", "rollout_is=true", "num_iterations=2",
-                 "rollout_is_level=geometric", "rollout_is_mode=mask", "rollout_is_threshold_lower=0.999")
+    cfg = config(
+        tmp_path,
+        varied_reward,
+        "steps=1",
+        "rollout_top_p=0.9",
+        "rollout_is=true",
+        "num_iterations=2",
+        "rollout_is_level=geometric",
+        "rollout_is_mode=mask",
+        "rollout_is_threshold_lower=0.999",
+    )
     assert train.train(cfg) == 0
     (line,) = metrics(cfg)
     assert line["rollout_is_masked_fraction"] == 1 and line["rollout_is_seq_masked_fraction"] == 1
     assert line["loss"] == 0 and line["grad_norm"] == 0
     # Sequence level with the default range: the product over 6 tokens of ~0.9 straddles 1/2.
-    cfg = config(tmp_path, varied_reward, "run_name=seq", "steps=1", "rollout_top_p=0.9", "rollout_is=true",
-                 "rollout_is_level=sequence", "rollout_is_mode=mask")
+    cfg = config(
+        tmp_path,
+        varied_reward,
+        "run_name=seq",
+        "steps=1",
+        "rollout_top_p=0.9",
+        "rollout_is=true",
+        "rollout_is_level=sequence",
+        "rollout_is_mode=mask",
+    )
     assert train.train(cfg) == 0
     (line,) = metrics(cfg)
     assert 0 <= line["rollout_is_masked_fraction"] <= 1 and line["rollout_is_max"] < 1 and math.isfinite(line["loss"])
@@ -90,10 +119,13 @@ def test_rollout_is_mask_rejects_what_is_out_of_range(tmp_path, varied_reward):
 
 # ------------------------------------------------------------------ DAPO overlong handling
 
+
 def test_truncated_rows_are_those_without_a_stop_token():
     tokens = np.array([[5, 2, 0], [5, 6, 7], [5, 6, 2], [0, 0, 0]], np.int32)  # 2 = EOS
     lengths = np.array([2, 3, 3, 0], np.int32)
-    c = Completions(tokens, (np.arange(3) < lengths[:, None]).astype(np.int32), np.zeros((4, 3), np.float32), lengths, 0)
+    c = Completions(
+        tokens, (np.arange(3) < lengths[:, None]).astype(np.int32), np.zeros((4, 3), np.float32), lengths, 0
+    )
     group = Group(prompt=None, completions=c, texts=[], rewards=np.zeros(4, np.float32), per_reward={})
     assert list(truncated_rows([group, group], (2,))) == [False, True, False, True] * 2
 
@@ -118,7 +150,9 @@ def _step_seeing(task, params):
 
 
 def test_overlong_penalty_and_filter_in_a_grpo_step(tmp_path, varied_reward):
-    cfg = config(tmp_path, varied_reward, "overlong_buffer_len=3", "overlong_penalty_factor=0.5", "overlong_filter=true")
+    cfg = config(
+        tmp_path, varied_reward, "overlong_buffer_len=3", "overlong_penalty_factor=0.5", "overlong_filter=true"
+    )
     task, _, params, _ = make_step(cfg)
     m, groups, batch = _step_seeing(task, params)
     eos = task.run.tokenizer.eos_id
@@ -128,8 +162,12 @@ def test_overlong_penalty_and_filter_in_a_grpo_step(tmp_path, varied_reward):
         np.testing.assert_allclose(g.per_reward["overlong"], want, rtol=1e-6)
         np.testing.assert_allclose(g.rewards, g.per_reward["varied_reward:score"] + want, rtol=1e-6)
     lengths = np.concatenate([g.completions.lengths for g in groups])
-    last = np.concatenate([g.completions.tokens[np.arange(len(g.completions.lengths)),
-                                                np.maximum(g.completions.lengths - 1, 0)] for g in groups])
+    last = np.concatenate(
+        [
+            g.completions.tokens[np.arange(len(g.completions.lengths)), np.maximum(g.completions.lengths - 1, 0)]
+            for g in groups
+        ]
+    )
     cut = last != eos
     assert cut.any()  # the untrained model rarely stops within 6 tokens
     want_mask = (np.arange(batch["loss_mask"].shape[1]) < lengths[:, None]) & ~cut[:, None]
@@ -140,6 +178,7 @@ def test_overlong_penalty_and_filter_in_a_grpo_step(tmp_path, varied_reward):
 
 
 # ------------------------------------------------------------------ what an external engine gets
+
 
 def test_export_policy_writes_the_given_weights_and_version(tmp_path):
     import torch

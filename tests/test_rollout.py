@@ -15,8 +15,9 @@ from unitrain.models import decoder as model_lib
 from unitrain.rollout import colocated
 from unitrain.rollout.base import SamplingParams
 
-CFG = model_lib.ModelConfig(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4,
-                            num_kv_heads=2, head_dim=8)
+CFG = model_lib.ModelConfig(
+    vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
+)
 FORWARD_LEN = 32  # the reference forward right-pads every sequence to this length: one compile
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 11, 8, 1], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
 
@@ -61,8 +62,7 @@ def generate(model, prompts, sampling, key, mesh=None, rules=None, cache_phases=
 
 
 def greedy(model, prompts, n=6, **kw):
-    return generate(model, prompts, SamplingParams(max_new_tokens=n, temperature=0.0, **kw),
-                            jax.random.key(0))
+    return generate(model, prompts, SamplingParams(max_new_tokens=n, temperature=0.0, **kw), jax.random.key(0))
 
 
 def test_greedy_equals_argmax_of_full_forward_step_by_step():
@@ -242,8 +242,9 @@ def test_a_repeated_prompt_is_prefilled_once_and_its_rows_sample_apart(caplog):
 def test_gumbel_noise_is_jax_randoms_bit_for_bit(shape):
     for i in range(3):
         key = jax.random.fold_in(jax.random.key(11), i)
-        np.testing.assert_array_equal(jax.jit(colocated._gumbel, static_argnums=1)(key, shape),
-                                      jax.random.gumbel(key, shape, np.float32))
+        np.testing.assert_array_equal(
+            jax.jit(colocated._gumbel, static_argnums=1)(key, shape), jax.random.gumbel(key, shape, np.float32)
+        )
 
 
 def test_decode_weights_are_made_once_per_weight_version():
@@ -276,11 +277,22 @@ def test_prefill_runs_the_output_head_on_the_last_column_only():
     model = model_lib.create(dataclasses.replace(CFG, vocab_size=V), 0)
     graphdef, params = nnx.split(model)
     block = colocated._left_padded(PROMPTS, B, P, pad_id=0)
-    program = colocated._build(graphdef, B, P, N, 0, greedy=False, top_k=0, use_top_p=False, cache_rules=None,
-                               cache_phases=1)
-    text = program.lower(nnx.to_pure_dict(params), model.decode_weights(), block["tokens"], block["positions"], block["segments"],
-                         block["prompt_lens"], None, np.zeros((0,), np.int32), np.float32(1.0), np.float32(1.0),
-                         jax.random.key(0)).as_text()
+    program = colocated._build(
+        graphdef, B, P, N, 0, greedy=False, top_k=0, use_top_p=False, cache_rules=None, cache_phases=1
+    )
+    text = program.lower(
+        nnx.to_pure_dict(params),
+        model.decode_weights(),
+        block["tokens"],
+        block["positions"],
+        block["segments"],
+        block["prompt_lens"],
+        None,
+        np.zeros((0,), np.int32),
+        np.float32(1.0),
+        np.float32(1.0),
+        jax.random.key(0),
+    ).as_text()
     assert f"tensor<{B}x1x{V}xf32>" in text and f"tensor<{B}x{P}x{V}x" not in text
 
 

@@ -14,9 +14,21 @@ from unitrain import run, sharding, train
 from unitrain.config import load_config
 from unitrain.rollout.mesh import push
 
-GRPO = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "rollout_max_response_len=6",
-        "eval_interval=0", "log_period=1", "builtin_task_digits=1", "max_prompt_length=16", "learning_rate=1e-3",
-        "warmup_steps=0", "lr_schedule=constant", "kl_coef=0.01", "reward=scored_prompts:score"]
+GRPO = [
+    "mode=grpo",
+    "rollout_batch_size=2",
+    "n_samples_per_prompt=4",
+    "rollout_max_response_len=6",
+    "eval_interval=0",
+    "log_period=1",
+    "builtin_task_digits=1",
+    "max_prompt_length=16",
+    "learning_rate=1e-3",
+    "warmup_steps=0",
+    "lr_schedule=constant",
+    "kl_coef=0.01",
+    "reward=scored_prompts:score",
+]
 SPLIT = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2"]  # 8 rows per update, as colocated on 8
 
 # The reward: varied (so advantages are not all zero) and a log of every prompt it scores, which is
@@ -43,14 +55,17 @@ def reward_log(tmp_path, monkeypatch):
     def use(name):
         monkeypatch.setenv("PROMPT_LOG", str(tmp_path / f"{name}.log"))
         return tmp_path / f"{name}.log"
+
     return use
 
 
 def run_grpo(tmp_path, name, *overrides) -> int:
     import scored_prompts  # a fresh count of calls for each run
+
     scored_prompts.calls = 0
-    cfg = load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", f"run_name={name}",
-                       *GRPO, *overrides])
+    cfg = load_config(
+        [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", f"run_name={name}", *GRPO, *overrides]
+    )
     return train.train(cfg)
 
 
@@ -113,12 +128,16 @@ def test_push_places_the_weights_on_the_rollout_mesh():
     cfg = load_config([str(REPO / "configs" / "base.yml"), "mode=grpo", *SPLIT, "rollout_fsdp_parallelism=2"])
     built, state = run.build_run(cfg)
     from unitrain.rollout.mesh import from_run
+
     sampler = from_run(built)
     sampler.update_weights(state["params"], 7)
     rollout_devices = set(sharding.split_devices(4)[1])
     assert sampler.version == 7 and sampler.push_seconds > 0
     for pushed, trained in zip(jax.tree.leaves(sampler.params), jax.tree.leaves(state["params"])):
-        assert set(pushed.sharding.device_set) == rollout_devices and not set(trained.sharding.device_set) & rollout_devices
+        assert (
+            set(pushed.sharding.device_set) == rollout_devices
+            and not set(trained.sharding.device_set) & rollout_devices
+        )
         np.testing.assert_array_equal(np.asarray(pushed), np.asarray(trained))
     embed = sampler.params["embed"]
     assert embed.sharding.spec == sharding.logical_to_spec(("vocab", "embed"), built.rules)
@@ -133,9 +152,19 @@ def test_a_stream_that_runs_out_ends_the_run_at_the_step_that_lacks_prompts(tmp_
     reward_log("short")
     data = tmp_path / "six.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
-    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", "run_name=short", *GRPO,
-            f"dataset_path={data}", "num_epochs=1", "steps=5", *SPLIT, "max_staleness=2"]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        "run_name=short",
+        *GRPO,
+        f"dataset_path={data}",
+        "num_epochs=1",
+        "steps=5",
+        *SPLIT,
+        "max_staleness=2",
+    ]
     import scored_prompts
+
     scored_prompts.calls = 0
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -19,8 +19,14 @@ from unitrain import checkpoint, models, run, run_dir, sharding, tasks, train
 from unitrain.config import MODEL_KEYS, ConfigError, load_config
 
 BASE = str(REPO / "configs" / "base.yml")
-FAST = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
-        "log_period=1", "warmup_steps=2"]
+FAST = [
+    "max_target_length=32",
+    "per_device_batch_size=1",
+    "eval_interval=0",
+    "peak_flops_per_device=1e12",
+    "log_period=1",
+    "warmup_steps=2",
+]
 
 
 def argv(tmp_path, *overrides):
@@ -38,6 +44,7 @@ def logits_of(model, tokens):
 
 
 # ---------------------------------------------------------------- silent wrong results
+
 
 def test_a_folder_without_tokenizer_files_stops_the_run(tmp_path, tiny_checkpoint, capsys):
     bare = tmp_path / "export"
@@ -68,12 +75,27 @@ def test_the_architecture_of_an_hf_checkpoint_is_the_runs(tmp_path, tiny_checkpo
     hf_cfg = transformers.AutoConfig.from_pretrained(ckpt)
     cfg = make_cfg(load_parameters_path=str(ckpt))
     assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.vocab_size, cfg.rope_scaling_type) == (
-        hf_cfg.rope_parameters["rope_theta"], hf_cfg.rms_norm_eps, 384, "llama3")
+        hf_cfg.rope_parameters["rope_theta"],
+        hf_cfg.rms_norm_eps,
+        384,
+        "llama3",
+    )
     assert cfg.rope_scaling_factor == hf_cfg.rope_parameters["factor"]
 
     # learning_rate 0: the saved parameters are the checkpoint's, so logits must equal transformers'.
-    assert train.main(argv(tmp_path, f"load_parameters_path={ckpt}", f"tokenizer_path={ckpt}", "steps=1",
-                           "learning_rate=0", "dataset_path=builtin")) == 0
+    assert (
+        train.main(
+            argv(
+                tmp_path,
+                f"load_parameters_path={ckpt}",
+                f"tokenizer_path={ckpt}",
+                "steps=1",
+                "learning_rate=0",
+                "dataset_path=builtin",
+            )
+        )
+        == 0
+    )
     run_cfg = tmp_path / "default" / "config.yml"
     assert yaml.safe_load(run_cfg.read_text())["rope_theta"] == 5e5
     reloaded = load_config([str(run_cfg), f"load_parameters_path={tmp_path / 'default' / 'checkpoints'}"])
@@ -97,12 +119,31 @@ def test_an_explicit_key_that_contradicts_the_checkpoint_is_one_line(tmp_path, t
 
 
 def test_a_unitrain_checkpoint_brings_its_model_shape(tmp_path):
-    assert train.main(argv(tmp_path, "run_name=a", "steps=1", "emb_dim=32", "mlp_dim=48", "num_query_heads=2",
-                           "num_kv_heads=1", "vocab_size=128")) == 0
+    assert (
+        train.main(
+            argv(
+                tmp_path,
+                "run_name=a",
+                "steps=1",
+                "emb_dim=32",
+                "mlp_dim=48",
+                "num_query_heads=2",
+                "num_kv_heads=1",
+                "vocab_size=128",
+            )
+        )
+        == 0
+    )
     for path in (tmp_path / "a", tmp_path / "a" / "checkpoints", tmp_path / "a" / "checkpoints" / "1"):
         cfg = make_cfg(load_parameters_path=str(path))
         assert (cfg.emb_dim, cfg.mlp_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.head_dim) == (
-            32, 48, 2, 1, 128, 16)
+            32,
+            48,
+            2,
+            1,
+            128,
+            16,
+        )
     with pytest.raises(ConfigError, match=r"emb_dim.*a/config\.yml"):
         make_cfg(load_parameters_path=str(tmp_path / "a" / "checkpoints"), emb_dim=64)
     # and the model built from it holds the checkpoint's parameters
@@ -119,6 +160,7 @@ def test_a_model_source_that_reads_config_json_itself_refuses_architecture_keys(
 
 
 # ---------------------------------------------------------------- run control
+
 
 def test_help_lists_every_key_of_base_yml_with_its_default(capsys):
     assert train.main(["--help"]) == 0
@@ -187,8 +229,10 @@ def test_a_resume_on_another_device_count_keeps_the_global_batch(tmp_path):
     cfg = load_config(argv(tmp_path, "per_device_batch_size=1"))  # 8 devices here: 8 rows
     kept = run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 1}, has_checkpoint=True)
     assert (kept.per_device_batch_size, kept.global_batch_size) == (2, 16)
-    assert run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 1},
-                                     has_checkpoint=False) is cfg  # nothing saved yet: nothing to continue
+    assert (
+        run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 1}, has_checkpoint=False)
+        is cfg
+    )  # nothing saved yet: nothing to continue
     with pytest.raises(ConfigError, match="global batch of 16 rows.*per_device_batch_size=2"):
         run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 4}, has_checkpoint=True)
     with pytest.raises(ConfigError, match="cannot split evenly"):
@@ -205,14 +249,28 @@ def test_the_global_batch_is_read_back_from_the_written_config(tmp_path):
 def test_load_optimizer_state_continues_the_adam_moments(tmp_path, tiny_checkpoint):
     assert train.main(argv(tmp_path, "run_name=a", "steps=3")) == 0
     for run_name, load in (("fresh", "false"), ("continued", "true")):
-        assert train.main(argv(tmp_path, f"run_name={run_name}", "steps=1", f"load_parameters_path={tmp_path / 'a'}",
-                               f"load_optimizer_state={load}")) == 0
+        assert (
+            train.main(
+                argv(
+                    tmp_path,
+                    f"run_name={run_name}",
+                    "steps=1",
+                    f"load_parameters_path={tmp_path / 'a'}",
+                    f"load_optimizer_state={load}",
+                )
+            )
+            == 0
+        )
     cfg = make_cfg(load_parameters_path=str(tmp_path / "a"))
     _, state = run.build_run(cfg)
 
     def adam_count(name):
         opt_state = checkpoint.load_opt_state(str(tmp_path / name), state)
-        return {int(np.asarray(x)) for x in jax.tree.leaves(opt_state) if np.ndim(x) == 0 and np.issubdtype(np.asarray(x).dtype, np.integer)}
+        return {
+            int(np.asarray(x))
+            for x in jax.tree.leaves(opt_state)
+            if np.ndim(x) == 0 and np.issubdtype(np.asarray(x).dtype, np.integer)
+        }
 
     assert adam_count("a") >= {3} and adam_count("fresh") >= {1} and adam_count("continued") >= {4}
     with pytest.raises(ConfigError, match="load_optimizer_state"):

@@ -16,8 +16,15 @@ from unitrain import distributed, models, run, sharding, tasks, train
 from unitrain import step as step_lib
 from unitrain.config import ConfigError, load_config
 
-SFT = ["max_target_length=32", "eval_interval=0", "peak_flops_per_device=1e12", "log_period=1",
-       "builtin_task_digits=2", "warmup_steps=2", "steps=5"]
+SFT = [
+    "max_target_length=32",
+    "eval_interval=0",
+    "peak_flops_per_device=1e12",
+    "log_period=1",
+    "builtin_task_digits=2",
+    "warmup_steps=2",
+    "steps=5",
+]
 MESHES = {
     "fsdp8": ["ici_fsdp_parallelism=8"],
     "fsdp4_tensor2": ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
@@ -38,9 +45,20 @@ def one_device_sft_curve(tmp_path_factory):
     """The reference: the same global batch (8 rows) on 1 device, in its own process."""
     out = tmp_path_factory.mktemp("one_device")
     env = cpu_env(1)
-    subprocess.run([sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"),
-                    f"base_output_directory={out}", *SFT, "per_device_batch_size=8"], env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "unitrain.train",
+            str(REPO / "configs" / "base.yml"),
+            f"base_output_directory={out}",
+            *SFT,
+            "per_device_batch_size=8",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     return losses_of(config(out, "run_name=default"))
 
 
@@ -68,15 +86,30 @@ def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
     tokens[:, :prompt] = np.repeat(tokens[::4, :prompt], 4, axis=0)  # a group's 4 rows share its prompt
     mask = np.zeros((rows, length), np.int32)
     for r in range(rows):
-        mask[r, :rng.integers(3, 16)] = 1
+        mask[r, : rng.integers(3, 16)] = 1
     logprobs = lambda: (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32)  # noqa: E731
-    batch = {"inputs": tokens, "inputs_position": np.tile(np.arange(prompt + length, dtype=np.int32), (rows, 1)),
-             "inputs_segmentation": np.ones((rows, prompt + length), np.int32), "targets": tokens[:, prompt:],
-             "loss_mask": mask, "advantages": rng.normal(size=rows).astype(np.float32),
-             "old_logprobs": logprobs(), "ref_logprobs": logprobs(), "sampler_logprobs": logprobs()}
+    batch = {
+        "inputs": tokens,
+        "inputs_position": np.tile(np.arange(prompt + length, dtype=np.int32), (rows, 1)),
+        "inputs_segmentation": np.ones((rows, prompt + length), np.int32),
+        "targets": tokens[:, prompt:],
+        "loss_mask": mask,
+        "advantages": rng.normal(size=rows).astype(np.float32),
+        "old_logprobs": logprobs(),
+        "ref_logprobs": logprobs(),
+        "sampler_logprobs": logprobs(),
+    }
     # Two iterations: the update reads the old logprobs (with one, it would use its own).
-    common = ["mode=grpo", "rollout_batch_size=2", "n_samples_per_prompt=4", "kl_coef=0.1", "eps_clip_c=3.0",
-              "loss_agg_mode=seq-mean-token-sum-norm", "rollout_max_response_len=16", "num_iterations=2"]
+    common = [
+        "mode=grpo",
+        "rollout_batch_size=2",
+        "n_samples_per_prompt=4",
+        "kl_coef=0.1",
+        "eps_clip_c=3.0",
+        "loss_agg_mode=seq-mean-token-sum-norm",
+        "rollout_max_response_len=16",
+        "num_iterations=2",
+    ]
     # The 1-device reference: the same config (8 rows per update) on a mesh of the first device only,
     # where each group's prompt is computed once (on the 8-device meshes every row computes its own).
     with only_first_device():
@@ -101,11 +134,24 @@ def test_optimizer_offload_keeps_the_curve_and_lives_on_host(tmp_path):
 
 
 def test_a_large_replicated_parameter_stops_the_run(tmp_path):
-    rules = json.dumps([["batch", ["data", "fsdp"]], ["length", None], ["embed", None], ["mlp", None],
-                        ["heads", None], ["kv_heads", None], ["kv", None], ["vocab", None], ["layers", None],
-                        ["norm", None], ["activation_embed", None]])
-    cfg = config(tmp_path, *SFT, "per_device_batch_size=1", f"logical_axis_rules={rules}",
-                 "max_replicated_param_mib=0.01")
+    rules = json.dumps(
+        [
+            ["batch", ["data", "fsdp"]],
+            ["length", None],
+            ["embed", None],
+            ["mlp", None],
+            ["heads", None],
+            ["kv_heads", None],
+            ["kv", None],
+            ["vocab", None],
+            ["layers", None],
+            ["norm", None],
+            ["activation_embed", None],
+        ]
+    )
+    cfg = config(
+        tmp_path, *SFT, "per_device_batch_size=1", f"logical_axis_rules={rules}", "max_replicated_param_mib=0.01"
+    )
     with pytest.raises(ConfigError, match=r"parameter .* would be fully replicated on all 8 devices"):
         models.build(cfg, sharding.mesh_from_config(cfg))
     ok = config(tmp_path, *SFT, "per_device_batch_size=1", "max_replicated_param_mib=0.01")

@@ -2,6 +2,7 @@
 every assistant turn of a chat against transformers' own assistant mask, and generation evals on SFT
 eval files (greedy accuracy and pass@k with the run's reward, answers in TensorBoard) against answers
 generated independently from the run's checkpoint."""
+
 import json
 from pathlib import Path
 
@@ -25,10 +26,15 @@ GENERATION_TEMPLATE = (
     "{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
     "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many clips?"},
-         {"role": "assistant", "content": "48 in April."}, {"role": "user", "content": "And in May?"},
-         {"role": "assistant", "content": "Half as many: 24."}, {"role": "user", "content": "Altogether?"},
-         {"role": "assistant", "content": "#### 72"}]
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "How many clips?"},
+    {"role": "assistant", "content": "48 in April."},
+    {"role": "user", "content": "And in May?"},
+    {"role": "assistant", "content": "Half as many: 24."},
+    {"role": "user", "content": "Altogether?"},
+    {"role": "assistant", "content": "#### 72"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +57,27 @@ def _row(cfg, tok) -> tuple[list[int], set[int]]:
 @pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
 def test_chat_loss_mask_is_the_assistant_turns(tmp_path, chat_tokenizer_dir, loss_on):
     tok = load_tokenizer(chat_tokenizer_dir)
-    cfg = make_cfg(dataset_path=write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}] * 8),
-                   tokenizer_path=chat_tokenizer_dir, max_target_length=128, packing=False, chat_loss_on=loss_on)
+    cfg = make_cfg(
+        dataset_path=write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}] * 8),
+        tokenizer_path=chat_tokenizer_dir,
+        max_target_length=128,
+        packing=False,
+        chat_loss_on=loss_on,
+    )
     ids, trained = _row(cfg, tok)
     reference = AutoTokenizer.from_pretrained(chat_tokenizer_dir).apply_chat_template(
-        CONVO, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        CONVO, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     assert ids == list(reference["input_ids"])
     spans = np.flatnonzero(reference["assistant_masks"])
     if loss_on == "last_assistant":  # the last contiguous run of assistant tokens
-        spans = spans[np.flatnonzero(np.diff(spans) > 1)[-1] + 1:]
+        spans = spans[np.flatnonzero(np.diff(spans) > 1)[-1] + 1 :]
     assert trained == set(spans.tolist())
     assert tok.decode([ids[i] for i in sorted(trained)], skip_special_tokens=False) == (
-        "48 in April.<|im_end|>\nHalf as many: 24.<|im_end|>\n#### 72<|im_end|>\n" if loss_on == "all_assistant"
-        else "#### 72<|im_end|>\n")
+        "48 in April.<|im_end|>\nHalf as many: 24.<|im_end|>\n#### 72<|im_end|>\n"
+        if loss_on == "all_assistant"
+        else "#### 72<|im_end|>\n"
+    )
 
 
 def test_chat_template_renders_sft_prompts_as_grpo_does(tmp_path, chat_tokenizer_dir):
@@ -71,8 +85,15 @@ def test_chat_template_renders_sft_prompts_as_grpo_does(tmp_path, chat_tokenizer
     generation prompt, token for token GRPO's prompt of the same text; the completion is the assistant turn."""
     tok = load_tokenizer(chat_tokenizer_dir)
     rows = [{"prompt": "How many clips?", "completion": "#### 72", "answer": "72"}] * 8
-    keys = dict(dataset_path=write_jsonl(tmp_path / "d.jsonl", rows), tokenizer_path=chat_tokenizer_dir,
-                chat_template=True, system_prompt="Be brief.", max_target_length=64, packing=False, per_device_batch_size=1)
+    keys = dict(
+        dataset_path=write_jsonl(tmp_path / "d.jsonl", rows),
+        tokenizer_path=chat_tokenizer_dir,
+        chat_template=True,
+        system_prompt="Be brief.",
+        max_target_length=64,
+        packing=False,
+        per_device_batch_size=1,
+    )
     ids, trained = _row(make_cfg(**keys), tok)
     grpo = next(make_prompt_iterator(make_cfg(mode="grpo", **keys), tok, 1))["prompts"][0]
     context = len(grpo.ids)
@@ -94,10 +115,17 @@ def test_chat_data_and_system_prompt_need_what_they_use(tmp_path, chat_tokenizer
 
 
 def test_eval_labels_are_label_key_else_the_completion(tmp_path, chat_tokenizer_dir):
-    rows = [{"prompt": "p1", "completion": " c1"}, {"prompt": "p2", "completion": " c2", "answer": 7},
-            {"messages": CONVO}, {"messages": CONVO, "answer": "72"}]
-    cfg = make_cfg(dataset_path="builtin", eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", rows),
-                   tokenizer_path=chat_tokenizer_dir)
+    rows = [
+        {"prompt": "p1", "completion": " c1"},
+        {"prompt": "p2", "completion": " c2", "answer": 7},
+        {"messages": CONVO},
+        {"messages": CONVO, "answer": "72"},
+    ]
+    cfg = make_cfg(
+        dataset_path="builtin",
+        eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", rows),
+        tokenizer_path=chat_tokenizer_dir,
+    )
     records = eval_prompt_records(cfg, load_tokenizer(chat_tokenizer_dir))
     assert [r["label"] for r in records] == [" c1", "7", "#### 72", "72"]
     assert records[2]["prompt"] == CONVO[:-1] and records[0]["prompt"] == "p1"
@@ -112,20 +140,40 @@ COMPLETIONS = [" 4", " 7", " 6", " 8"]
 def test_sft_generation_eval_matches_answers_generated_from_the_checkpoint(tmp_path, capsys):
     train_rows = [{"prompt": p, "completion": c} for p, c in zip(PROMPTS, COMPLETIONS)]
     eval_rows = [dict(r) for r in train_rows]
-    eval_rows[1]["answer"] = 7    # label_key present: it is the label
+    eval_rows[1]["answer"] = 7  # label_key present: it is the label
     eval_rows[3]["answer"] = "9"  # a label the completion does not give: that prompt is never right
-    cfg = make_cfg(base_output_directory=tmp_path, dataset_path=write_jsonl(tmp_path / "t.jsonl", train_rows),
-                   eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", eval_rows * 16), steps=30, learning_rate=1e-2,
-                   warmup_steps=2, max_target_length=32, per_device_batch_size=1, eval_interval=30, eval_steps=1,
-                   eval_num_samples=4, eval_n_samples=2, eval_pass_k=2, rollout_max_response_len=8,
-                   checkpoint_period=1000, log_period=100, peak_flops_per_device=1e12)
+    cfg = make_cfg(
+        base_output_directory=tmp_path,
+        dataset_path=write_jsonl(tmp_path / "t.jsonl", train_rows),
+        eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", eval_rows * 16),
+        steps=30,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        max_target_length=32,
+        per_device_batch_size=1,
+        eval_interval=30,
+        eval_steps=1,
+        eval_num_samples=4,
+        eval_n_samples=2,
+        eval_pass_k=2,
+        rollout_max_response_len=8,
+        checkpoint_period=1000,
+        log_period=100,
+        peak_flops_per_device=1e12,
+    )
     assert train.train(cfg) == 0
     evals = [json.loads(line) for line in open(cfg.metrics_file) if "eval_accuracy" in line]
     assert len(evals) == 1 and 0.0 <= evals[0]["eval_pass_at_2"] <= 0.75
 
     # Independently: greedy answers from the saved checkpoint, scored by exact match by hand.
-    argv = [str(REPO / "configs" / "base.yml"), f"load_parameters_path={cfg.checkpoint_dir}",
-            *[a for p in PROMPTS for a in ("--prompt", p)], "--json", "--max-new-tokens", "8"]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"load_parameters_path={cfg.checkpoint_dir}",
+        *[a for p in PROMPTS for a in ("--prompt", p)],
+        "--json",
+        "--max-new-tokens",
+        "8",
+    ]
     capsys.readouterr()
     assert generate_main(argv) == 0
     tok = load_tokenizer("")
@@ -135,8 +183,12 @@ def test_sft_generation_eval_matches_answers_generated_from_the_checkpoint(tmp_p
     assert evals[0]["eval_accuracy"] == np.mean([a.strip() == l.strip() for a, l in zip(answers, labels)]) == 0.75
 
     # The answers are in TensorBoard as the samples of that eval.
-    texts = [v.tensor.string_val[0].decode() for e in read_events(Path(cfg.tensorboard_dir))
-             for v in e.summary.value if v.tag.startswith("samples")]
+    texts = [
+        v.tensor.string_val[0].decode()
+        for e in read_events(Path(cfg.tensorboard_dir))
+        for v in e.summary.value
+        if v.tag.startswith("samples")
+    ]
     assert len(texts) == 1
     assert f"**prompt** {PROMPTS[0]}\n\n**completion** {answers[0]}\n\n**label**  4\n\n**reward** 1.000" in texts[0]
     assert "**label** 9\n\n**reward** 0.000" in texts[0]
@@ -144,8 +196,15 @@ def test_sft_generation_eval_matches_answers_generated_from_the_checkpoint(tmp_p
 
 def test_an_eval_file_smaller_than_one_batch_is_one_line(tmp_path, capsys):
     rows = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p, "completion": c} for p, c in zip(PROMPTS, COMPLETIONS)])
-    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", f"dataset_path={rows}",
-            f"eval_dataset_path={rows}", "per_device_batch_size=1", "max_target_length=32", "steps=1"]
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        f"dataset_path={rows}",
+        f"eval_dataset_path={rows}",
+        "per_device_batch_size=1",
+        "max_target_length=32",
+        "steps=1",
+    ]
     assert train.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("unitrain: eval_dataset_path") and "does not fill one eval batch of 8 rows" in err

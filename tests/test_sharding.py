@@ -12,8 +12,17 @@ from unitrain import sharding
 from unitrain.adapters import hf
 from unitrain.models import decoder as model_lib
 
-CFG = model_lib.ModelConfig(vocab_size=512, emb_dim=64, mlp_dim=128, num_decoder_layers=2, num_query_heads=4,
-                            num_kv_heads=2, head_dim=16, qkv_bias=True, logical_axis_rules=sharding.DEFAULT_RULES)
+CFG = model_lib.ModelConfig(
+    vocab_size=512,
+    emb_dim=64,
+    mlp_dim=128,
+    num_decoder_layers=2,
+    num_query_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qkv_bias=True,
+    logical_axis_rules=sharding.DEFAULT_RULES,
+)
 MESHES = {
     "fsdp8": dict(data=1, fsdp=8, tensor=1),
     "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2),
@@ -30,8 +39,8 @@ def batch(rng, b=8, t=32):
     tokens = rng.integers(0, 512, (b, t)).astype(np.int32)
     positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
     segments = np.ones((b, t), np.int32)
-    segments[1, t // 2:] = 2  # one packed row
-    positions[1, t // 2:] -= t // 2
+    segments[1, t // 2 :] = 2  # one packed row
+    positions[1, t // 2 :] -= t // 2
     segments[2, -5:] = 0  # padding
     return tokens, positions, segments
 
@@ -54,8 +63,9 @@ def test_default_rules_match_base_yml():
 def test_sharded_forward_equals_one_device(name):
     arrays = batch(np.random.default_rng(0))
     one_device = sharding.create_mesh(ONES, ONES, jax.devices()[:1])
-    reference = sharded_forward(sharding.init_sharded(lambda: model_lib.create(CFG), one_device, CFG.logical_axis_rules),
-                                one_device, arrays)
+    reference = sharded_forward(
+        sharding.init_sharded(lambda: model_lib.create(CFG), one_device, CFG.logical_axis_rules), one_device, arrays
+    )
     mesh = mesh_of(MESHES[name])
     model = sharding.init_sharded(lambda: model_lib.create(CFG), mesh, CFG.logical_axis_rules)
     f, t = MESHES[name]["fsdp"], MESHES[name]["tensor"]

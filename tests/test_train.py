@@ -21,8 +21,15 @@ from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.config import load_config
 
-FAST = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "peak_flops_per_device=1e12",
-        "log_period=1", "builtin_task_digits=2", "warmup_steps=2"]
+FAST = [
+    "max_target_length=32",
+    "per_device_batch_size=1",
+    "eval_interval=0",
+    "peak_flops_per_device=1e12",
+    "log_period=1",
+    "builtin_task_digits=2",
+    "warmup_steps=2",
+]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
@@ -105,14 +112,22 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     assert losses_of(interrupted) == pytest.approx(losses_of(straight), rel=1e-6)
     assert sorted(losses_of(interrupted)) == list(range(10))
     _, _, like, _ = setup(straight)
-    for x, y in zip(jax.tree.leaves(saved_params(straight, 10, like)), jax.tree.leaves(saved_params(interrupted, 10, like))):
+    for x, y in zip(
+        jax.tree.leaves(saved_params(straight, 10, like)), jax.tree.leaves(saved_params(interrupted, 10, like))
+    ):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
 def run_cli(*args, devices=8, **kwargs):
     env = cpu_env(devices)
-    return subprocess.Popen([sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"), *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def test_sigkill_during_saves_resumes_from_a_complete_checkpoint(tmp_path):
@@ -136,8 +151,14 @@ def test_nan_loss_stops_with_a_checkpoint_whose_weights_gave_a_finite_loss(tmp_p
     # Step 0 runs at lr 0, so checkpoint 1 holds the initial weights and gives a finite loss; step 1's
     # update explodes them: checkpoint 2 is bad although the loss of step 1 (its weights: 1's) was fine.
     # max_to_keep=1 would delete checkpoint 1 when 2 is saved, were it not the known good one.
-    args = ["steps=50", "learning_rate=1e30", "warmup_steps=2", "checkpoint_period=1", "max_to_keep=1",
-            "max_grad_norm=0"]
+    args = [
+        "steps=50",
+        "learning_rate=1e30",
+        "warmup_steps=2",
+        "checkpoint_period=1",
+        "max_to_keep=1",
+        "max_grad_norm=0",
+    ]
     cfg = config(tmp_path, *args)
     assert train.train(cfg) == train.EXIT_NAN
     assert "the newest checkpoint whose weights gave a finite loss is step 1" in caplog.text
@@ -152,12 +173,15 @@ def test_nan_loss_stops_with_a_checkpoint_whose_weights_gave_a_finite_loss(tmp_p
     assert f"resumed from {cfg.checkpoint_dir} at step 1" in caplog.text
 
 
-@pytest.mark.parametrize("args, message", [
-    (["lerning_rate=0.1"], "did you mean 'learning_rate'"),
-    (["dataset_path=/nonexistent/train.jsonl"], "/nonexistent/train.jsonl"),
-    (["learning_rate=-1"], "learning_rate"),
-    (["ici_fsdp_parallelism=3"], "parallelism"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["lerning_rate=0.1"], "did you mean 'learning_rate'"),
+        (["dataset_path=/nonexistent/train.jsonl"], "/nonexistent/train.jsonl"),
+        (["learning_rate=-1"], "learning_rate"),
+        (["ici_fsdp_parallelism=3"], "parallelism"),
+    ],
+)
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *args]) == 2
     err = capsys.readouterr().err.strip()
@@ -167,8 +191,12 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, args, message):
 def test_malformed_jsonl_names_file_and_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": oops}\n')
-    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST,
-                       f"dataset_path={bad}"]) == 2
+    assert (
+        train.main(
+            [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, f"dataset_path={bad}"]
+        )
+        == 2
+    )
     assert f"{bad}:2" in capsys.readouterr().err
 
 
@@ -181,10 +209,22 @@ def test_cli_exit_status_for_a_user_error(tmp_path):
 @pytest.mark.skipif(not GSM8K.exists(), reason="needs ../shared/data/gsm8k")
 def test_gsm8k_sft_with_a_tiny_hf_model_then_export(tmp_path, tiny_checkpoint):
     ckpt = tiny_checkpoint("qwen2")
-    cfg = config(tmp_path, "model_family=qwen2", "qkv_bias=true", "tie_word_embeddings=true", "steps=12",
-                 f"load_parameters_path={ckpt}", f"tokenizer_path={ckpt}", f"dataset_path={GSM8K}",
-                 "prompt_key=question", "completion_key=answer", "max_target_length=128", "learning_rate=3e-3",
-                 "rms_norm_eps=1e-6", f"export_hf_path={tmp_path / 'export'}")
+    cfg = config(
+        tmp_path,
+        "model_family=qwen2",
+        "qkv_bias=true",
+        "tie_word_embeddings=true",
+        "steps=12",
+        f"load_parameters_path={ckpt}",
+        f"tokenizer_path={ckpt}",
+        f"dataset_path={GSM8K}",
+        "prompt_key=question",
+        "completion_key=answer",
+        "max_target_length=128",
+        "learning_rate=3e-3",
+        "rms_norm_eps=1e-6",
+        f"export_hf_path={tmp_path / 'export'}",
+    )
     assert train.train(cfg) == 0
     losses = losses_of(cfg)
     assert np.mean([losses[s] for s in (9, 10, 11)]) < np.mean([losses[s] for s in (0, 1, 2)]) - 0.5

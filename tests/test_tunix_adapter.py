@@ -50,8 +50,8 @@ def packed_batch(rng, length=640, seg_lengths=(300, 200)):
     tokens[0], positions[0], segment_ids[0] = long_seq, np.arange(length), 1
     start = 0
     for i, s in enumerate(segs):
-        tokens[1, start:start + len(s)], positions[1, start:start + len(s)] = s, np.arange(len(s))
-        segment_ids[1, start:start + len(s)] = i + 1
+        tokens[1, start : start + len(s)], positions[1, start : start + len(s)] = s, np.arange(len(s))
+        segment_ids[1, start : start + len(s)] = i + 1
         start += len(s)
     return tokens, positions, segment_ids, long_seq, segs
 
@@ -71,9 +71,13 @@ def decode_batch():
     prompt = {k: np.zeros((B, P), np.int32) for k in ("tokens", "positions", "segments")}
     steps = {"tokens": np.zeros((B, N - 1), np.int32), "positions": np.tile(np.arange(N - 1, dtype=np.int32), (B, 1))}
     for b, (row, start, n) in enumerate(r for r in DECODE_ROWS if r):
-        seq = PACKED[0][row, start:start + n + N]
-        prompt["tokens"][b, P - n:], prompt["positions"][b, P - n:], prompt["segments"][b, P - n:] = seq[:n], np.arange(n), 1
-        steps["tokens"][b], steps["positions"][b] = seq[n:n + N - 1], n + np.arange(N - 1)
+        seq = PACKED[0][row, start : start + n + N]
+        prompt["tokens"][b, P - n :], prompt["positions"][b, P - n :], prompt["segments"][b, P - n :] = (
+            seq[:n],
+            np.arange(n),
+            1,
+        )
+        steps["tokens"][b], steps["positions"][b] = seq[n : n + N - 1], n + np.arange(N - 1)
     return prompt, steps
 
 
@@ -153,7 +157,7 @@ def test_logits_match_transformers(families, name):
     for ours, tol in ((np.asarray(logits), TOL), (family.compiled, JIT_TOL)):
         np.testing.assert_allclose(ours[0], refs[0], atol=tol, rtol=0)
         for ref, start in zip(refs[1:], starts):
-            np.testing.assert_allclose(ours[1, start:start + len(ref)], ref, atol=tol, rtol=0)
+            np.testing.assert_allclose(ours[1, start : start + len(ref)], ref, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -164,10 +168,11 @@ def test_cache_decode_matches_full_forward(families, name):
     full = family.compiled
     for b, (row, start, n) in enumerate(r for r in DECODE_ROWS if r):
         np.testing.assert_allclose(last[b], full[row, start + n - 1], atol=TOL, rtol=0)
-        np.testing.assert_allclose(step_logits[:, b], full[row, start + n:start + n + N - 1], atol=TOL, rtol=0)
+        np.testing.assert_allclose(step_logits[:, b], full[row, start + n : start + n + N - 1], atol=TOL, rtol=0)
 
 
 # ---------------------------------------------------------------- sharding
+
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sharded_matches_single_device(families, name):
@@ -179,8 +184,9 @@ def test_sharded_matches_single_device(families, name):
     assert embedding.sharding.spec == PartitionSpec("tensor", "fsdp")  # vocab -> tensor, embed -> fsdp
     axes = model.param_axes()
     assert axes["net"]["embedder"]["input_embedding"] == ("vocab", "embed")
-    assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == \
-        jax.tree.structure(nnx.to_pure_dict(nnx.state(model)))
+    assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(
+        nnx.to_pure_dict(nnx.state(model))
+    )
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(forward(model, *PACKED[:3]), reference, atol=TOL, rtol=0)
 
@@ -201,7 +207,9 @@ def test_sampler_phases_grow_the_cache_to_the_same_draws(families):
     model = families("qwen2").model
     prompts = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 11, 8, 1], [12]]
     sampling = SamplingParams(max_new_tokens=7, temperature=1.0)
-    one, phased = (ColocatedSampler(model, cache_phases=k).generate(prompts, sampling, jax.random.key(4)) for k in (1, 3))
+    one, phased = (
+        ColocatedSampler(model, cache_phases=k).generate(prompts, sampling, jax.random.key(4)) for k in (1, 3)
+    )
     np.testing.assert_array_equal(phased.tokens, one.tokens)
     np.testing.assert_allclose(phased.logprobs, one.logprobs, atol=1e-5, rtol=0)
     assert len(set(one.tokens.ravel())) > 7
@@ -217,6 +225,7 @@ def test_indivisible_or_replicated_parameters_are_config_errors(families):
 
 
 # ---------------------------------------------------------------- the rest of the interface
+
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_save_hf_then_transformers_load_gives_same_logits(families, tmp_path, name):
@@ -247,7 +256,10 @@ def test_trainer_pattern_state_grads_and_interface(families):
     assert decay["net"]["layers"][0]["attn"]["q_bias"] is False and decay["net"]["final_norm"]["w"] is False
     assert decay["net"]["layers"][0]["mlp"]["up_proj"]["kernel"] is True
     E, M, H, K, D, L, V = 64, 128, 4, 2, 16, 2, 512
-    assert model.flops_per_token(100) == 6 * (L * (2 * E * H * D + 2 * E * K * D + 3 * E * M) + E * V) + 12 * L * H * D * 100
+    assert (
+        model.flops_per_token(100)
+        == 6 * (L * (2 * E * H * D + 2 * E * K * D + 3 * E * M) + E * V) + 12 * L * H * D * 100
+    )
 
 
 def test_mixed_precision_keeps_float32_parameters(families):
@@ -272,6 +284,7 @@ def test_source_builds_from_the_config(families):
 
 # ---------------------------------------------------------------- the unchanged trainer
 
+
 @pytest.mark.parametrize("mode", ["sft", "grpo"])
 def test_trainer_with_model_source_tunix_sharded_equals_one_device(families, tmp_path, mode):
     """model_source=tunix through train.train: fsdp=4 x tensor=2 gives the losses of one device."""
@@ -279,11 +292,29 @@ def test_trainer_with_model_source_tunix_sharded_equals_one_device(families, tmp
     from unitrain import train
 
     path = str(families("qwen2").path)
-    common = dict(model_source="tunix", load_parameters_path=path, tokenizer_path=path, mode=mode, steps=3,
-                  eval_interval=0, log_period=1, warmup_steps=0, learning_rate="1e-3", max_target_length=32,
-                  per_device_batch_size=1, base_output_directory=tmp_path, peak_flops_per_device="1e12",
-                  builtin_task_digits=1, rollout_batch_size=4, n_samples_per_prompt=2, rollout_max_response_len=4,
-                  max_prompt_length=32, reward="format", format_reward_pattern="[aeiou]", rollout_temperature=2.0)
+    common = dict(
+        model_source="tunix",
+        load_parameters_path=path,
+        tokenizer_path=path,
+        mode=mode,
+        steps=3,
+        eval_interval=0,
+        log_period=1,
+        warmup_steps=0,
+        learning_rate="1e-3",
+        max_target_length=32,
+        per_device_batch_size=1,
+        base_output_directory=tmp_path,
+        peak_flops_per_device="1e12",
+        builtin_task_digits=1,
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        rollout_max_response_len=4,
+        max_prompt_length=32,
+        reward="format",
+        format_reward_pattern="[aeiou]",
+        rollout_temperature=2.0,
+    )
     with only_first_device():
         one = make_cfg(**common, run_name="one")  # the config still counts 8 devices: the same 8 rows per step
         assert train.train(one) == 0
@@ -301,6 +332,7 @@ def test_trainer_with_model_source_tunix_sharded_equals_one_device(families, tmp
 
 # ---------------------------------------------------------------- negative controls
 
+
 def test_unsupported_checkpoints_are_one_line_config_errors(tiny_checkpoint):
     with pytest.raises(ConfigError, match=r"config.json: field 'rope_parameters.rope_type' is 'llama3'"):
         tunix.load(tiny_checkpoint("llama"))  # conftest's llama uses llama3 RoPE scaling
@@ -312,9 +344,11 @@ def test_a_wrong_mask_is_caught_by_the_tolerance(families):
     """Causal by column, blind to segments: the second packed sequence then sees the first one."""
     family = families("llama")
     tokens, positions, _, _, segs = PACKED
-    logits, _ = family.model.net(jnp.asarray(tokens), jnp.asarray(positions), None, jnp.tril(jnp.ones((2, 640, 640), bool)))
-    second = np.asarray(logits[1, len(segs[0]):len(segs[0]) + len(segs[1])])
-    assert np.abs(second - family.compiled[1, len(segs[0]):len(segs[0]) + len(segs[1])]).max() > 100 * TOL
+    logits, _ = family.model.net(
+        jnp.asarray(tokens), jnp.asarray(positions), None, jnp.tril(jnp.ones((2, 640, 640), bool))
+    )
+    second = np.asarray(logits[1, len(segs[0]) : len(segs[0]) + len(segs[1])])
+    assert np.abs(second - family.compiled[1, len(segs[0]) : len(segs[0]) + len(segs[1])]).max() > 100 * TOL
 
 
 def test_gemma3_sliding_window_is_exercised(families):
@@ -359,7 +393,9 @@ def test_cached_hidden_states_equal_the_uncached_forward_and_fill_the_calls_cach
 
     hidden, logits, cache, call_cache, uncached = jax.jit(prefill)(params, decode_batch()[0])
     for b, (row, start, n) in enumerate(r for r in DECODE_ROWS if r):
-        np.testing.assert_allclose(np.asarray(hidden[b, P - n:]), uncached[row, start:start + n], atol=TOL, rtol=0)
-        np.testing.assert_allclose(np.asarray(logits[b, P - n:]), family.compiled[row, start:start + n], atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.asarray(hidden[b, P - n :]), uncached[row, start : start + n], atol=TOL, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(logits[b, P - n :]), family.compiled[row, start : start + n], atol=TOL, rtol=0
+        )
     jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-6, rtol=0), cache, call_cache)
     assert int(cache.layers["layer_0"]["end_index"][0]) == P

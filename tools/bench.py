@@ -66,6 +66,7 @@ libtpu`, or ./setup.sh --tpu), not a TPU.
 
 Exit 2 with `bench: <message>` for a config mistake.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,14 +101,35 @@ def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
     tokens = np.random.default_rng(seed + jax.process_index()).integers(0, cfg.vocab_size, (local, T + 1), np.int32)
     ones = np.ones((local, T), np.int32)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (local, T)).copy()
-    return {"inputs": tokens[:, :-1], "inputs_position": positions, "inputs_segmentation": ones,
-            "targets": tokens[:, 1:], "targets_segmentation": ones.copy()}
+    return {
+        "inputs": tokens[:, :-1],
+        "inputs_position": positions,
+        "inputs_segmentation": ones,
+        "targets": tokens[:, 1:],
+        "targets_segmentation": ones.copy(),
+    }
 
 
-MODEL_KEYS = ("model_name", "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers",
-              "num_query_heads", "num_kv_heads", "head_dim", "dtype", "weight_dtype")
-CONFIG_KEYS = MODEL_KEYS + ("remat_policy", "scan_layers", "per_device_batch_size", "gradient_accumulation_steps",
-                            "max_target_length")
+MODEL_KEYS = (
+    "model_name",
+    "model_family",
+    "vocab_size",
+    "emb_dim",
+    "mlp_dim",
+    "num_decoder_layers",
+    "num_query_heads",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "weight_dtype",
+)
+CONFIG_KEYS = MODEL_KEYS + (
+    "remat_policy",
+    "scan_layers",
+    "per_device_batch_size",
+    "gradient_accumulation_steps",
+    "max_target_length",
+)
 
 
 def _abstract(shapes, shardings):
@@ -134,21 +156,34 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
     adapters_only = cfg.lora_rank > 0  # LoRA: the optimizer holds the adapters alone
     optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only))
     trained, trained_shardings = (lora.trainable(t, adapters_only) for t in (params, param_shardings))
-    opt_state = _abstract(jax.eval_shape(optimizer.init, trained),
-                          step_lib.opt_state_shardings(optimizer, trained, trained_shardings, mesh))
-    state = {"params": params, "opt_state": opt_state,
-             "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))}
-    run = RunContext(cfg=cfg, mesh=mesh, rollout_mesh=None, rules=rules,
-                     tokenizer=load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code),
-                     model=model, graphdef=graphdef, init_params=params, optimizer=optimizer,
-                     state_shardings=jax.tree.map(lambda x: x.sharding, state), programs=step_lib.CompileCache(mesh))
+    opt_state = _abstract(
+        jax.eval_shape(optimizer.init, trained),
+        step_lib.opt_state_shardings(optimizer, trained, trained_shardings, mesh),
+    )
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh)),
+    }
+    run = RunContext(
+        cfg=cfg,
+        mesh=mesh,
+        rollout_mesh=None,
+        rules=rules,
+        tokenizer=load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code),
+        model=model,
+        graphdef=graphdef,
+        init_params=params,
+        optimizer=optimizer,
+        state_shardings=jax.tree.map(lambda x: x.sharding, state),
+        programs=step_lib.CompileCache(mesh),
+    )
     return run, state
 
 
 def bytes_per_device(tree) -> int:
     """Bytes one device holds of these (abstract or concrete) arrays: the largest shard of each."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree))
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def update_batch(cfg, shardings: dict) -> dict:
@@ -217,12 +252,20 @@ def compile_only(cfg) -> dict:
         "opt_state_bytes_per_device": bytes_per_device(state["opt_state"]),
         "memory_per_device": memory_per_device(compiled),
         "cost_analysis_flops": float(flops) if flops is not None else None,
-        "model_flops_per_device": sum(run.model.flops_per_token(x.shape[1]) * x.size for key, x in batch.items()
-                                      if key.endswith("inputs")) / mesh.size,
+        "model_flops_per_device": sum(
+            run.model.flops_per_token(x.shape[1]) * x.size for key, x in batch.items() if key.endswith("inputs")
+        )
+        / mesh.size,
         "compile_seconds": compile_seconds,
         "config": {k: cfg[k] for k in CONFIG_KEYS}
-        | {"mode": cfg.mode, "global_batch_rows": cfg.rows_per_update, "mesh_shape": dict(mesh.shape), "device_kind": mesh.devices.flat[0].device_kind,
-           "num_devices": mesh.size, "platform": mesh.devices.flat[0].platform},
+        | {
+            "mode": cfg.mode,
+            "global_batch_rows": cfg.rows_per_update,
+            "mesh_shape": dict(mesh.shape),
+            "device_kind": mesh.devices.flat[0].device_kind,
+            "num_devices": mesh.size,
+            "platform": mesh.devices.flat[0].platform,
+        },
     }
 
 
@@ -231,9 +274,13 @@ def memory_per_device(compiled) -> dict | None:
     memory = compiled.memory_analysis()
     if memory is None:
         return None
-    per_device = {name: int(getattr(memory, f"{name}_size_in_bytes"))
-                  for name in ("argument", "output", "temp", "generated_code", "alias")}
-    per_device["total_estimate"] = per_device["argument"] + per_device["output"] + per_device["temp"] - per_device["alias"]
+    per_device = {
+        name: int(getattr(memory, f"{name}_size_in_bytes"))
+        for name in ("argument", "output", "temp", "generated_code", "alias")
+    }
+    per_device["total_estimate"] = (
+        per_device["argument"] + per_device["output"] + per_device["temp"] - per_device["alias"]
+    )
     per_device["peak"] = int(memory.peak_memory_in_bytes)
     return per_device
 
@@ -243,8 +290,10 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
     `new_tokens` each, with the config's sampling flags, on abstract weights in the shardings
     training gives them; returns the compiler's per-device memory and the KV cache's bytes."""
     if cfg.sampler != "colocated":
-        raise ConfigError(f"--compile-only --mode sampler compiles the colocated sampler's program, not sampler={cfg.sampler}"
-                          " (for the rollout mesh's, give the mesh keys its shape)")
+        raise ConfigError(
+            f"--compile-only --mode sampler compiles the colocated sampler's program, not sampler={cfg.sampler}"
+            " (for the rollout mesh's, give the mesh keys its shape)"
+        )
     run, state = abstract_run(cfg.replace(eval_interval=0))
     sampler = rollout.make_sampler(run)
     sampler.update_weights(state["params"], 0)
@@ -258,12 +307,26 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
     # The program's arguments are the weights it reads (often the decode weights and the embedding
     # alone); while it samples, a device holds all the parameters, the decode weights and its temporaries.
     holds = params + decode + memory["temp"] + memory["output"] if memory else None
-    return {"compile_only": True, "mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "block_shape": [rows, columns], "param_bytes_per_device": params, "decode_weight_bytes_per_device": decode,
-            "sampling_bytes_per_device": holds, "kv_cache_bytes": cache_bytes(run.model, rows, columns + new_tokens),
-            "memory_per_device": memory, "compile_seconds": compile_seconds,
-            "config": {k: cfg[k] for k in MODEL_KEYS}
-            | {"mesh_shape": dict(run.mesh.shape), "num_devices": run.mesh.size, "platform": run.mesh.devices.flat[0].platform}}
+    return {
+        "compile_only": True,
+        "mode": "sampler",
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "block_shape": [rows, columns],
+        "param_bytes_per_device": params,
+        "decode_weight_bytes_per_device": decode,
+        "sampling_bytes_per_device": holds,
+        "kv_cache_bytes": cache_bytes(run.model, rows, columns + new_tokens),
+        "memory_per_device": memory,
+        "compile_seconds": compile_seconds,
+        "config": {k: cfg[k] for k in MODEL_KEYS}
+        | {
+            "mesh_shape": dict(run.mesh.shape),
+            "num_devices": run.mesh.size,
+            "platform": run.mesh.devices.flat[0].platform,
+        },
+    }
 
 
 def bench(cfg, steps: int, warmup: int) -> dict:
@@ -287,9 +350,17 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     return {
         "num_params": int(num_params),
         "config": {k: cfg[k] for k in CONFIG_KEYS}
-        | {"global_batch_rows": rows, "mesh_shape": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
-           "num_devices": mesh.size, "steps": steps, "warmup": warmup},
-        "step_time_median": median, "step_time_min": min(times), "step_time_max": max(times),
+        | {
+            "global_batch_rows": rows,
+            "mesh_shape": dict(mesh.shape),
+            "device_kind": jax.devices()[0].device_kind,
+            "num_devices": mesh.size,
+            "steps": steps,
+            "warmup": warmup,
+        },
+        "step_time_median": median,
+        "step_time_min": min(times),
+        "step_time_max": max(times),
         "tokens_per_sec": tokens_per_sec,
         "model_flops_per_token": flops_per_token,
         "model_flops_per_sec_per_device": tokens_per_sec * flops_per_token / mesh.size,
@@ -302,6 +373,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
 
 # ---------------------------------------------------------------- rollouts and RL steps
 
+
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """`n` prompts of `length` random ids in [1, vocab) (0 is often the pad id)."""
     return np.random.default_rng(seed).integers(1, vocab, (n, length)).tolist()
@@ -309,8 +381,13 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 def rollout_sampling(cfg, new_tokens: int) -> SamplingParams:
     """The config's rollout sampling flags, `new_tokens` per row and no stop token."""
-    return SamplingParams(max_new_tokens=new_tokens, temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k,
-                          top_p=cfg.rollout_top_p, stop_token_ids=())
+    return SamplingParams(
+        max_new_tokens=new_tokens,
+        temperature=cfg.rollout_temperature,
+        top_k=cfg.rollout_top_k,
+        top_p=cfg.rollout_top_p,
+        stop_token_ids=(),
+    )
 
 
 def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
@@ -339,21 +416,35 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
 
     times, tokens = timed_calls(new_tokens)
     median = statistics.median(times)
-    result = {"mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-              "tokens_per_call": tokens, "tokens_per_sec": tokens / median, "call_time_median": median,
-              "call_times": times, "sampler": cfg.sampler, "device_kind": jax.devices()[0].device_kind,
-              "num_devices": run.mesh.size}
+    result = {
+        "mode": "sampler",
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "tokens_per_call": tokens,
+        "tokens_per_sec": tokens / median,
+        "call_time_median": median,
+        "call_times": times,
+        "sampler": cfg.sampler,
+        "device_kind": jax.devices()[0].device_kind,
+        "num_devices": run.mesh.size,
+    }
     if new_tokens > 1:
         first = statistics.median(timed_calls(1)[0])
         step_time = (median - first) / (new_tokens - 1)
         rows, columns = sampler.block_shape(batch, prompt_len)
-        step_bytes = decode_bytes_per_step(run.model, state["params"], cfg.dtype, rows, columns, new_tokens,
-                                           cfg.rollout_cache_phases)
+        step_bytes = decode_bytes_per_step(
+            run.model, state["params"], cfg.dtype, rows, columns, new_tokens, cfg.rollout_cache_phases
+        )
         bandwidth = metrics.measure_memory_bandwidth()
-        result |= {"first_token_call_time_median": first, "decode_step_time": step_time,
-                   "decode_tokens_per_sec": batch / step_time, "decode_bytes_per_step": step_bytes,
-                   "memory_bandwidth_per_device": bandwidth,
-                   "decode_bandwidth_fraction": step_bytes / step_time / (bandwidth * run.mesh.size)}
+        result |= {
+            "first_token_call_time_median": first,
+            "decode_step_time": step_time,
+            "decode_tokens_per_sec": batch / step_time,
+            "decode_bytes_per_step": step_bytes,
+            "memory_bandwidth_per_device": bandwidth,
+            "decode_bandwidth_fraction": step_bytes / step_time / (bandwidth * run.mesh.size),
+        }
     return result
 
 
@@ -365,8 +456,7 @@ def timed_generate(sampler, prompts, sampling, key, tokenizer):
     return time.perf_counter() - start, out
 
 
-def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int,
-                          warmup: int) -> dict:
+def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
     """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys."""
     runs = [build_run(c.replace(eval_interval=0)) for c in (cfg, cfg_b)]  # each compiles its own programs
     samplers = []
@@ -386,15 +476,26 @@ def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: i
         same &= bool((outs[0] == outs[1]).all())
     a, b = (t[warmup:] for t in times)
     tokens = batch * new_tokens
-    return {"mode": "sampler", "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "tokens_per_sec": tokens / statistics.median(a), "call_times": a,
-            "against": {"tokens_per_sec": tokens / statistics.median(b), "call_times": b,
-                        "speedup_median": statistics.median(x / y for x, y in zip(a, b)), "same_tokens": same},
-            "device_kind": jax.devices()[0].device_kind}
+    return {
+        "mode": "sampler",
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "tokens_per_sec": tokens / statistics.median(a),
+        "call_times": a,
+        "against": {
+            "tokens_per_sec": tokens / statistics.median(b),
+            "call_times": b,
+            "speedup_median": statistics.median(x / y for x, y in zip(a, b)),
+            "same_tokens": same,
+        },
+        "device_kind": jax.devices()[0].device_kind,
+    }
 
 
-def decode_bytes_per_step(model, params, dtype: str, rows: int, prompt_columns: int, new_tokens: int,
-                          phases: int) -> float:
+def decode_bytes_per_step(
+    model, params, dtype: str, rows: int, prompt_columns: int, new_tokens: int, phases: int
+) -> float:
     """Bytes one decode step reads, averaged over the new_tokens - 1 steps: every parameter in the
     compute `dtype` (as the sampler applies them; an untied input table is counted whole, though a
     step reads a row per sequence) and the KV cache its phase attends over (rollout/colocated.py):
@@ -428,28 +529,55 @@ class _SamePrompts:
 def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int, steps: int, warmup: int) -> dict:
     """Time of whole GRPO steps (rollout, rewards, advantages, logprobs, update) on random prompts of
     `prompt_len` ids, `samples` completions of `new_tokens` each (no stop token)."""
-    cfg = cfg.replace(mode="grpo", rollout_batch_size=prompts, n_samples_per_prompt=samples, eval_interval=0, steps=warmup + steps,
-                      rollout_max_response_len=new_tokens, max_prompt_length=max(cfg.max_prompt_length, prompt_len))
+    cfg = cfg.replace(
+        mode="grpo",
+        rollout_batch_size=prompts,
+        n_samples_per_prompt=samples,
+        eval_interval=0,
+        steps=warmup + steps,
+        rollout_max_response_len=new_tokens,
+        max_prompt_length=max(cfg.max_prompt_length, prompt_len),
+    )
     run, state = build_run(cfg)
     task = tasks.create(run)
     task.sampling = dataclasses.replace(task.sampling, stop_token_ids=())
-    task.rollouts.prompts = _SamePrompts({"num_dropped": 0, "prompts": [
-        Prompt(tuple(ids), "", "") for ids in random_prompts(prompts, prompt_len, run.model.vocab_size, cfg.seed)]})
+    task.rollouts.prompts = _SamePrompts(
+        {
+            "num_dropped": 0,
+            "prompts": [
+                Prompt(tuple(ids), "", "")
+                for ids in random_prompts(prompts, prompt_len, run.model.vocab_size, cfg.seed)
+            ],
+        }
+    )
     times, parts = [], []
     for step in range(warmup + steps):
         start = time.perf_counter()
         state, step_metrics = task.step(state, step)
         step_metrics = jax.device_get(step_metrics)
         times.append(time.perf_counter() - start)
-        parts.append({k: float(step_metrics[k]) for k in ("time_rollout", "time_weight_push", "time_logprob", "time_update")})
+        parts.append(
+            {k: float(step_metrics[k]) for k in ("time_rollout", "time_weight_push", "time_logprob", "time_update")}
+        )
     timed = parts[warmup:]
-    return {"mode": "grpo", "prompts": prompts, "samples": samples, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "step_time_median": statistics.median(times[warmup:]), "step_times": times[warmup:],
-            **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
-            "kl_coef": cfg.kl_coef, "sampler": cfg.sampler, "max_staleness": cfg.max_staleness,
-            "old_logprob_pass": task.separate_old, "shared_prompt_rows": task.group_rows,
-            "device_kind": jax.devices()[0].device_kind, "num_devices": run.mesh.size,
-            "rollout_devices": cfg.rollout_devices}
+    return {
+        "mode": "grpo",
+        "prompts": prompts,
+        "samples": samples,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "step_time_median": statistics.median(times[warmup:]),
+        "step_times": times[warmup:],
+        **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
+        "kl_coef": cfg.kl_coef,
+        "sampler": cfg.sampler,
+        "max_staleness": cfg.max_staleness,
+        "old_logprob_pass": task.separate_old,
+        "shared_prompt_rows": task.group_rows,
+        "device_kind": jax.devices()[0].device_kind,
+        "num_devices": run.mesh.size,
+        "rollout_devices": cfg.rollout_devices,
+    }
 
 
 def bench_push(cfg, steps: int, warmup: int) -> dict:
@@ -467,12 +595,20 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
         via_hosts.append(time.perf_counter() - start)
     median = statistics.median(times[warmup:])
     gigabytes = sum(x.nbytes for x in jax.tree.leaves(state["params"])) / 1e9
-    return {"mode": "push", "parameters": sum(x.size for x in jax.tree.leaves(state["params"])),
-            "weight_dtype": cfg.weight_dtype, "gigabytes": gigabytes, "push_seconds_median": median,
-            "push_times": times[warmup:], "gigabytes_per_sec": gigabytes / median,
-            "through_hosts_seconds_median": statistics.median(via_hosts[warmup:]), "trainer_mesh": dict(run.mesh.shape),
-            "rollout_mesh": dict(run.rollout_mesh.shape), "processes": jax.process_count(),
-            "device_kind": jax.devices()[0].device_kind}
+    return {
+        "mode": "push",
+        "parameters": sum(x.size for x in jax.tree.leaves(state["params"])),
+        "weight_dtype": cfg.weight_dtype,
+        "gigabytes": gigabytes,
+        "push_seconds_median": median,
+        "push_times": times[warmup:],
+        "gigabytes_per_sec": gigabytes / median,
+        "through_hosts_seconds_median": statistics.median(via_hosts[warmup:]),
+        "trainer_mesh": dict(run.mesh.shape),
+        "rollout_mesh": dict(run.rollout_mesh.shape),
+        "processes": jax.process_count(),
+        "device_kind": jax.devices()[0].device_kind,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,20 +617,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--compile-only", action="store_true",
-                        help="compile the step on abstract arrays and print its memory per device; run nothing")
-    parser.add_argument("--mode", choices=("sft", "sampler", "grpo", "push"), default="sft",
-                        help="sft: the train step | sampler: rollout tokens/s | grpo: whole GRPO steps | "
-                             "push: the weight push of sampler=mesh")
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile the step on abstract arrays and print its memory per device; run nothing",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("sft", "sampler", "grpo", "push"),
+        default="sft",
+        help="sft: the train step | sampler: rollout tokens/s | grpo: whole GRPO steps | "
+        "push: the weight push of sampler=mesh",
+    )
     parser.add_argument("--batch", type=int, default=16, help="sampler: prompts per call")
     parser.add_argument("--prompts", type=int, default=4, help="grpo: prompts per step")
     parser.add_argument("--samples", type=int, default=4, help="grpo: completions per prompt")
     parser.add_argument("--prompt-len", type=int, default=64, help="sampler, grpo: prompt ids")
     parser.add_argument("--new-tokens", type=int, default=128, help="sampler, grpo: tokens generated per completion")
-    parser.add_argument("--topology", metavar="NAME",
-                        help="with --compile-only: compile for this TPU slice (JAX's name, e.g. v5e:2x2) ahead of time")
-    parser.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
-                        help="sampler: also time the sampler of the config with this override, A B A B in one process")
+    parser.add_argument(
+        "--topology",
+        metavar="NAME",
+        help="with --compile-only: compile for this TPU slice (JAX's name, e.g. v5e:2x2) ahead of time",
+    )
+    parser.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="sampler: also time the sampler of the config with this override, A B A B in one process",
+    )
     opts = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     args = opts.args
     if not args or "=" in args[0]:
@@ -529,8 +680,15 @@ def run_mode(opts, args: list[str]) -> dict:
     if opts.mode == "sampler" and opts.compile_only:
         return compile_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens)
     if opts.mode == "sampler" and opts.against:
-        return bench_sampler_against(cfg, load_config([*args, *opts.against]), opts.batch, opts.prompt_len,
-                                     opts.new_tokens, opts.steps, opts.warmup)
+        return bench_sampler_against(
+            cfg,
+            load_config([*args, *opts.against]),
+            opts.batch,
+            opts.prompt_len,
+            opts.new_tokens,
+            opts.steps,
+            opts.warmup,
+        )
     if opts.mode == "sampler":
         return bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
     if opts.compile_only:

@@ -61,7 +61,8 @@ def torch_logits(ckpt: Path, tokens: np.ndarray, dtype: str) -> np.ndarray:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(ckpt), dtype=getattr(torch, dtype), attn_implementation="eager", trust_remote_code=False)
+        str(ckpt), dtype=getattr(torch, dtype), attn_implementation="eager", trust_remote_code=False
+    )
     with torch.no_grad():
         return model.eval()(torch.from_numpy(tokens.astype(np.int64))[None]).logits[0].float().numpy()
 
@@ -70,7 +71,7 @@ def compare(ref: np.ndarray, ours: np.ndarray, chunk: int = 256) -> dict:
     """Metrics over all positions; float64, in row chunks so a 150k vocab stays within memory."""
     abs_max, abs_sum, kls, top1 = 0.0, 0.0, [], 0
     for i in range(0, len(ref), chunk):
-        r, o = ref[i:i + chunk].astype(np.float64), ours[i:i + chunk].astype(np.float64)
+        r, o = ref[i : i + chunk].astype(np.float64), ours[i : i + chunk].astype(np.float64)
         d = np.abs(r - o)
         abs_max, abs_sum = max(abs_max, float(d.max())), abs_sum + float(d.sum())
         lr = r - np.logaddexp.reduce(r, axis=-1, keepdims=True)
@@ -78,20 +79,30 @@ def compare(ref: np.ndarray, ours: np.ndarray, chunk: int = 256) -> dict:
         kls.append((np.exp(lr) * (lr - lo)).sum(-1))
         top1 += int((r.argmax(-1) == o.argmax(-1)).sum())
     kl = np.concatenate(kls)
-    return dict(max_abs_diff=abs_max, mean_abs_diff=abs_sum / ref.size, kl_mean=float(kl.mean()),
-                kl_max=float(kl.max()), top1_agreement=top1 / len(ref))
+    return dict(
+        max_abs_diff=abs_max,
+        mean_abs_diff=abs_sum / ref.size,
+        kl_mean=float(kl.mean()),
+        kl_max=float(kl.max()),
+        top1_agreement=top1 / len(ref),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog="exit status: 0 within tolerance, 1 over it, 2 usage error")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="exit status: 0 within tolerance, 1 over it, 2 usage error"
+    )
     p.add_argument("ckpt_dir", help="local HF checkpoint dir (config.json + safetensors [+ tokenizer])")
     p.add_argument("--dtype", default="float32", choices=sorted(DEFAULT_TOLS))
     p.add_argument("--length", type=int, default=1024, help="prompt length in tokens")
     p.add_argument("--prompt-file", help="text to tokenize with the checkpoint's tokenizer (else random ids)")
     p.add_argument("--atol", type=float, help="max |logit diff| allowed; default 1e-4 (float32), 2.0 (bfloat16)")
-    p.add_argument("--kl-tol", type=float, help="max per-token KL allowed; default 1e-6 (float32), 0.1 "
-                   "(bfloat16). The bfloat16 defaults are loose sanity checks, not a parity proof")
+    p.add_argument(
+        "--kl-tol",
+        type=float,
+        help="max per-token KL allowed; default 1e-6 (float32), 0.1 "
+        "(bfloat16). The bfloat16 defaults are loose sanity checks, not a parity proof",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     a = p.parse_args(argv)
@@ -125,10 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     failures += [f"max per-token KL {m['kl_max']:.3g} > kl-tol {kl_tol:g}"] * (not m["kl_max"] <= kl_tol)
     reason = "; ".join(failures) or None  # `not x <= tol` also fails on NaN
     if a.json:
-        print(json.dumps(dict(m, tokens=len(tokens), dtype=a.dtype, atol=atol, kl_tol=kl_tol,
-                              ok=reason is None, reason=reason)))
+        print(
+            json.dumps(
+                dict(m, tokens=len(tokens), dtype=a.dtype, atol=atol, kl_tol=kl_tol, ok=reason is None, reason=reason)
+            )
+        )
     else:
-        print(f"{ckpt} ({a.dtype}, {len(tokens)} tokens, {'prompt file' if a.prompt_file else f'random ids, seed {a.seed}'})")
+        print(
+            f"{ckpt} ({a.dtype}, {len(tokens)} tokens, {'prompt file' if a.prompt_file else f'random ids, seed {a.seed}'})"
+        )
         print(f"  max abs diff   {m['max_abs_diff']:.3e}   (atol {atol:g})")
         print(f"  mean abs diff  {m['mean_abs_diff']:.3e}")
         print(f"  KL mean / max  {m['kl_mean']:.3e} / {m['kl_max']:.3e}   (kl-tol {kl_tol:g})")

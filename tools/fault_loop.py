@@ -9,6 +9,7 @@ Each attempt is `python -m unitrain.train` on one CPU device with the tiny model
 task; it is killed (SIGKILL, no chance to save) after a random delay, and the next attempt resumes
 from whatever checkpoint is complete. A kill that lands after the run finished counts as none.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,18 +22,41 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "log_period=1000",
-          "peak_flops_per_device=1e12", "checkpoint_period=5"]
+COMMON = [
+    "max_target_length=32",
+    "per_device_batch_size=1",
+    "eval_interval=0",
+    "log_period=1000",
+    "peak_flops_per_device=1e12",
+    "checkpoint_period=5",
+]
 MODES = {
     "sft": ["mode=sft", "learning_rate=1e-3"],
-    "grpo": ["mode=grpo", "per_device_batch_size=8", "rollout_batch_size=2", "n_samples_per_prompt=4",
-             "rollout_max_response_len=4", "learning_rate=1e-4", "reward=format", "format_reward_pattern=[0-9]"],
+    "grpo": [
+        "mode=grpo",
+        "per_device_batch_size=8",
+        "rollout_batch_size=2",
+        "n_samples_per_prompt=4",
+        "rollout_max_response_len=4",
+        "learning_rate=1e-4",
+        "reward=format",
+        "format_reward_pattern=[0-9]",
+    ],
 }
 
 
 def command(out: Path, mode: str, steps: int, checkpointing: str) -> list[str]:
-    return [sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"), f"base_output_directory={out}",
-            *COMMON, *MODES[mode], f"steps={steps}", f"async_checkpointing={checkpointing == 'async'}"]
+    return [
+        sys.executable,
+        "-m",
+        "unitrain.train",
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={out}",
+        *COMMON,
+        *MODES[mode],
+        f"steps={steps}",
+        f"async_checkpointing={checkpointing == 'async'}",
+    ]
 
 
 def run(cmd: list[str], kill_after: float | None) -> int | None:
@@ -84,10 +108,21 @@ def main() -> int:
         reference, _ = losses(straight / "default" / "metrics.jsonl")
         ours, lines = losses(killed / "default" / "metrics.jsonl")
     differ = [s for s in reference if s in ours and abs(ours[s] - reference[s]) > 1e-6 * max(1.0, abs(reference[s]))]
-    print(json.dumps({"mode": opts.mode, "checkpointing": opts.checkpointing, "steps": opts.steps,
-                      "kills_survived": kills, "attempts": attempts, "records_lost": len(set(reference) - set(ours)),
-                      "records_repeated": lines - len(ours), "steps_whose_loss_differs": len(differ),
-                      "first_differing_steps": differ[:5]}))
+    print(
+        json.dumps(
+            {
+                "mode": opts.mode,
+                "checkpointing": opts.checkpointing,
+                "steps": opts.steps,
+                "kills_survived": kills,
+                "attempts": attempts,
+                "records_lost": len(set(reference) - set(ours)),
+                "records_repeated": lines - len(ours),
+                "steps_whose_loss_differs": len(differ),
+                "first_differing_steps": differ[:5],
+            }
+        )
+    )
     return 0
 
 

@@ -16,6 +16,7 @@ sid_index_path in the config the beams are constrained to its SIDs (and last one
 extra_tokens extends the tokenizer as training does. User errors: exit 2 with `generate: <message>`
 on stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="render each prompt as a user message (chat template)")
     p.add_argument("--json", action="store_true", help="one JSON object per sample")
-    p.add_argument("--beam", type=int, default=0, help="beam search of this width (0 = sample); sid_index_path constrains it")
+    p.add_argument(
+        "--beam", type=int, default=0, help="beam search of this width (0 = sample); sid_index_path constrains it"
+    )
     return p.parse_intermixed_args(argv)
 
 
@@ -91,8 +94,10 @@ def run(args) -> None:
         prompt, sample, toks = prompts[r // args.n], r % args.n, [int(t) for t in tokens[:n]]
         text, lp = tok.decode(toks, skip_special_tokens=False), float(logprobs[:n].sum())
         if args.json:
-            print(json.dumps({"prompt": prompt, "sample": sample, "completion": text, "tokens": toks,
-                              "logprob_sum": lp}), flush=True)
+            print(
+                json.dumps({"prompt": prompt, "sample": sample, "completion": text, "tokens": toks, "logprob_sum": lp}),
+                flush=True,
+            )
         else:
             print(f"=== prompt {r // args.n} sample {sample} ({n} tokens, logprob {lp:.3f}): {prompt!r}")
             print(text, flush=True)

@@ -35,22 +35,44 @@ def build_tokenizer(vocab_size: int, corpus: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
 
 
-def hf_config(family: str, vocab_size: int, emb_dim: int, mlp_dim: int, layers: int, heads: int,
-              kv_heads: int, head_dim: int, tie: bool, rope_scaling: str, sliding_window: int | None,
-              rope_theta: float | None = None):
+def hf_config(
+    family: str,
+    vocab_size: int,
+    emb_dim: int,
+    mlp_dim: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    tie: bool,
+    rope_scaling: str,
+    sliding_window: int | None,
+    rope_theta: float | None = None,
+):
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if rope_scaling == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
     elif rope_scaling == "linear":
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
     if rope_theta is not None:
@@ -59,33 +81,61 @@ def hf_config(family: str, vocab_size: int, emb_dim: int, mlp_dim: int, layers: 
     if family == "gemma3":
         rope, extra = gemma3_fields(rope, rope_scaling, rope_theta, sliding_window, head_dim)
     return transformers.AutoConfig.for_model(
-        MODEL_TYPES.get(family, family), vocab_size=vocab_size, hidden_size=emb_dim, intermediate_size=mlp_dim,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, tie_word_embeddings=tie, rope_parameters=rope, max_position_embeddings=4096,
-        rms_norm_eps=1e-6, **extra)
+        MODEL_TYPES.get(family, family),
+        vocab_size=vocab_size,
+        hidden_size=emb_dim,
+        intermediate_size=mlp_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie,
+        rope_parameters=rope,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        **extra,
+    )
 
 
-def gemma3_fields(rope: dict, rope_scaling: str, rope_theta: float | None, sliding_window: int | None,
-                  head_dim: int) -> tuple[dict, dict]:
+def gemma3_fields(
+    rope: dict, rope_scaling: str, rope_theta: float | None, sliding_window: int | None, head_dim: int
+) -> tuple[dict, dict]:
     """(rope_parameters, other fields) of Gemma3. Its layers alternate (HF's default layer_types:
     every 6th is global, the rest slide over `sliding_window`), each kind with its own RoPE: `rope`
     (theta 1e6 unless given) is the global layers', the sliding ones keep theta 1e4 unscaled.
     Queries are scaled by 1/sqrt(head_dim)."""
     if rope_scaling == "llama3":
         raise ValueError("--rope-scaling llama3 does not apply to gemma3 (none or linear)")
-    rope_parameters = {"full_attention": dict(rope, rope_theta=float(rope_theta or 1e6)),
-                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    rope_parameters = {
+        "full_attention": dict(rope, rope_theta=float(rope_theta or 1e6)),
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
     extra = {"query_pre_attn_scalar": head_dim}
     if sliding_window is not None:
         extra["sliding_window"] = sliding_window
     return rope_parameters, extra
 
 
-def make_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size: int = 512, emb_dim: int = 64,
-                    mlp_dim: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                    tie: bool = False, rope_scaling: str = "none", sliding_window: int | None = None,
-                    corpus: list[str] | None = None, init_std: float = 0.02, seed: int = 0,
-                    rope_theta: float | None = None, extra_tokens: str | None = None) -> Path:
+def make_tiny_model(
+    out_dir: str | Path,
+    family: str = "llama",
+    *,
+    vocab_size: int = 512,
+    emb_dim: int = 64,
+    mlp_dim: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    tie: bool = False,
+    rope_scaling: str = "none",
+    sliding_window: int | None = None,
+    corpus: list[str] | None = None,
+    init_std: float = 0.02,
+    seed: int = 0,
+    rope_theta: float | None = None,
+    extra_tokens: str | None = None,
+) -> Path:
     """Saves the checkpoint and tokenizer to `out_dir` and returns it. `extra_tokens` (a SID index .json
     or a token list, as the config key) are added to the tokenizer and the vocabulary holds them."""
     import torch
@@ -100,8 +150,20 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size: i
 
         tokenizer.add_tokens(read_tokens(extra_tokens))
         vocab_size = max(vocab_size, len(tokenizer))
-    config = hf_config(family, vocab_size, emb_dim, mlp_dim, layers, heads, kv_heads, head_dim, tie,
-                       rope_scaling, sliding_window, rope_theta)
+    config = hf_config(
+        family,
+        vocab_size,
+        emb_dim,
+        mlp_dim,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        tie,
+        rope_scaling,
+        sliding_window,
+        rope_theta,
+    )
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
@@ -133,16 +195,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sliding-window", type=int, default=None, help="mistral and gemma3 (its sliding layers)")
     p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (gemma3: of its global layers)")
     p.add_argument("--corpus", help="text file the tokenizer is trained on (one example per line)")
-    p.add_argument("--init-std", type=float, default=0.02,
-                   help="weight init std; ~0.25 makes attention sharp enough for parity tests to see RoPE/masks")
+    p.add_argument(
+        "--init-std",
+        type=float,
+        default=0.02,
+        help="weight init std; ~0.25 makes attention sharp enough for parity tests to see RoPE/masks",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-tokens", help="tokens to add: a SID index .json (all its SID tokens) or one token a line")
     a = p.parse_args(argv)
     corpus = Path(a.corpus).read_text().splitlines() if a.corpus else None
-    out = make_tiny_model(a.out_dir, a.family, vocab_size=a.vocab_size, emb_dim=a.emb_dim, mlp_dim=a.mlp_dim,
-                          layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, tie=a.tie,
-                          rope_scaling=a.rope_scaling, sliding_window=a.sliding_window, corpus=corpus, init_std=a.init_std, seed=a.seed,
-                          rope_theta=a.rope_theta, extra_tokens=a.extra_tokens)
+    out = make_tiny_model(
+        a.out_dir,
+        a.family,
+        vocab_size=a.vocab_size,
+        emb_dim=a.emb_dim,
+        mlp_dim=a.mlp_dim,
+        layers=a.layers,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        tie=a.tie,
+        rope_scaling=a.rope_scaling,
+        sliding_window=a.sliding_window,
+        corpus=corpus,
+        init_std=a.init_std,
+        seed=a.seed,
+        rope_theta=a.rope_theta,
+        extra_tokens=a.extra_tokens,
+    )
     print(f"wrote {out}")
     return 0
 

@@ -10,6 +10,7 @@ Metrics that never change and exact copies of another metric are left out (named
 picture). --keys plots just those keys, one panel each. --out defaults to <run dir>/curves.png.
 A missing run directory or metrics file, or an unknown key, prints one line and exits with status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ from typing import NamedTuple
 
 class Panel(NamedTuple):
     title: str
-    left: tuple[str, ...]       # regexes (full match) of the keys on the left axis, drawn in this order
+    left: tuple[str, ...]  # regexes (full match) of the keys on the left axis, drawn in this order
     right: tuple[str, ...] = ()  # keys on a right axis of their own scale
-    robust: bool = False        # clip the y range to the bulk of the data (timings spike at compiles and evals)
+    robust: bool = False  # clip the y range to the bulk of the data (timings spike at compiles and evals)
 
 
 PANELS = (
@@ -81,7 +82,7 @@ def rolling_median(values: list[float], weight: float) -> list[float]:
     """A centred running median as wide as the moving average's reach, (1 + w) / (1 - w) points: it
     follows the level of a series with spikes (compiles, evals, checkpoints) without echoing them."""
     half = round((1 + weight) / (1 - weight)) // 2
-    return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
+    return [statistics.median(values[max(0, i - half) : i + half + 1]) for i in range(len(values))]
 
 
 def dashboard(data: dict[str, list]) -> tuple[list[tuple[Panel, list[str], list[str]]], list[str]]:
@@ -133,6 +134,7 @@ def _robust_ylim(ax, data: dict, keys: list[str], smoother) -> None:
 
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")  # files only: no display on servers
     import matplotlib.pyplot as plt
 
@@ -149,6 +151,7 @@ def plot_dashboard(data: dict, panels: list, left_out: list[str], out: Path, tit
     """Writes the dashboard PNG of `panels` (from `dashboard`)."""
     plt = _pyplot()
     import matplotlib.ticker
+
     cols = 2 if len(panels) > 1 else 1
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3.6 * rows), squeeze=False)
@@ -176,7 +179,7 @@ def plot_dashboard(data: dict, panels: list, left_out: list[str], out: Path, tit
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(handles, labels, fontsize=8, loc="best")
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=12)
     if left_out:
@@ -191,8 +194,14 @@ def plot_keys(data: dict, keys: list[str], out: Path, smoothing: float) -> None:
     fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.4 * len(keys)), sharex=True, squeeze=False)
     densest = max(len(v) for v in data.values())
     for ax, key in zip(axes[:, 0], keys):
-        _draw(ax, data, [key], functools.partial(smooth, weight=smoothing), densest,
-              iter(plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+        _draw(
+            ax,
+            data,
+            [key],
+            functools.partial(smooth, weight=smoothing),
+            densest,
+            iter(plt.rcParams["axes.prop_cycle"].by_key()["color"]),
+        )
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
@@ -205,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
     parser.add_argument("--out", type=Path, help="PNG to write (default: <run_dir>/curves.png)")
     parser.add_argument("--keys", help="comma-separated keys, one panel each (default: the dashboard)")
-    parser.add_argument("--smoothing", type=float, default=0.6, help="moving-average weight in [0, 1) (default 0.6, as TensorBoard)")
+    parser.add_argument(
+        "--smoothing", type=float, default=0.6, help="moving-average weight in [0, 1) (default 0.6, as TensorBoard)"
+    )
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:
@@ -239,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     if not panels:
         return fail(f"{path} has none of the dashboard's metrics; name some with --keys ({', '.join(data)})")
     last = max(int(r["step"]) for r in rows)
-    plot_dashboard(data, panels, left_out, out, f"{args.run_dir.name}: {len(rows)} lines, steps 0..{last}",
-                   args.smoothing)
+    plot_dashboard(
+        data, panels, left_out, out, f"{args.run_dir.name}: {len(rows)} lines, steps 0..{last}", args.smoothing
+    )
     print(f"wrote {out} (panels: {', '.join(panel.title for panel, _, _ in panels)})")
     shown = {k for _, left, right in panels for k in left + right}
     if others := [k for k in data if k not in shown and not any(entry.startswith(f"{k}=") for entry in left_out)]:

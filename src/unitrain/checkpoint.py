@@ -62,9 +62,11 @@ class Checkpointer:
         self.adapters_only = adapters_only
         self._known_good = _KeepStep()
         keep = ocp.checkpoint_managers.AnyPreservationPolicy(
-            [ocp.checkpoint_managers.LatestN(n=max_to_keep), self._known_good])
+            [ocp.checkpoint_managers.LatestN(n=max_to_keep), self._known_good]
+        )
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=period, preservation_policy=keep, enable_async_checkpointing=async_save, create=True)
+            save_interval_steps=period, preservation_policy=keep, enable_async_checkpointing=async_save, create=True
+        )
         self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
         self._saving = None  # the step of the save in flight: a background failure surfaces later
 
@@ -120,24 +122,32 @@ class Checkpointer:
             step_dir = os.path.join(self.manager.directory, str(candidate))
             try:
                 check_shapes(os.path.join(step_dir, "params"), target["params"])
-                restored = self.manager.restore(candidate, args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(target["params"]),
-                    train=ocp.args.StandardRestore({"opt_state": target["opt_state"], "step": target["step"]}),
-                    data=ocp.args.JsonRestore()))
+                restored = self.manager.restore(
+                    candidate,
+                    args=ocp.args.Composite(
+                        params=ocp.args.StandardRestore(target["params"]),
+                        train=ocp.args.StandardRestore({"opt_state": target["opt_state"], "step": target["step"]}),
+                        data=ocp.args.JsonRestore(),
+                    ),
+                )
             except ConfigError:
                 raise
             except Exception as e:  # whatever orbax and tensorstore raise on a file they cannot read
                 if not fallback:
-                    raise ConfigError(f"the checkpoint {step_dir} is damaged ({reason(e)}); move it away to resume "
-                                      "from the one before, or set checkpoint_fallback=true") from None
+                    raise ConfigError(
+                        f"the checkpoint {step_dir} is damaged ({reason(e)}); move it away to resume "
+                        "from the one before, or set checkpoint_fallback=true"
+                    ) from None
                 log.warning("the checkpoint %s is damaged (%s); trying the one before", step_dir, reason(e))
                 self.set_aside([candidate])
                 continue
             data_iterator.set_state(restored.data)
             params = lora.with_trainable(state["params"], restored.params, self.adapters_only)
             return candidate, {"params": params, **restored.train}
-        raise ConfigError(f"no intact checkpoint left in {self.manager.directory} up to step {step} (the damaged "
-                          f"ones are in {self.manager.directory}.set_aside); remove the directory to start over")
+        raise ConfigError(
+            f"no intact checkpoint left in {self.manager.directory} up to step {step} (the damaged "
+            f"ones are in {self.manager.directory}.set_aside); remove the directory to start over"
+        )
 
     def wait(self) -> None:
         with self._failures():
@@ -155,8 +165,10 @@ class Checkpointer:
         except Exception as e:
             self._saving, step = None, self._saving
             what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
-            raise ConfigError(f"saving {what} in {self.manager.directory} failed: {reason(e)}; the checkpoints "
-                              "saved before it are intact") from None
+            raise ConfigError(
+                f"saving {what} in {self.manager.directory} failed: {reason(e)}; the checkpoints "
+                "saved before it are intact"
+            ) from None
 
 
 def reason(e: BaseException) -> str:
@@ -185,8 +197,10 @@ def check_shapes(item_dir: str, params) -> None:
         name = jax.tree_util.keystr(key)
         if stored.get(name) != tuple(leaf.shape):
             found = f"shape {list(stored[name])}" if name in stored else "no such parameter"
-            raise ConfigError(f"the checkpoint {os.path.dirname(item_dir)} has {found} for parameter {name}, the "
-                              f"model {list(leaf.shape)}: the model config differs from the one that wrote it")
+            raise ConfigError(
+                f"the checkpoint {os.path.dirname(item_dir)} has {found} for parameter {name}, the "
+                f"model {list(leaf.shape)}: the model config differs from the one that wrote it"
+            )
 
 
 def iterator_state(data_iterator):
@@ -201,7 +215,7 @@ def _allgather_text(text: str) -> list[str]:
     local = np.frombuffer(text.encode(), np.uint8)
     lengths = multihost_utils.process_allgather(np.asarray([local.size], np.int32)).reshape(-1)
     padded = np.zeros(max(int(lengths.max()), 1), np.uint8)
-    padded[:local.size] = local
+    padded[: local.size] = local
     gathered = multihost_utils.process_allgather(padded).reshape(len(lengths), -1)
     return [gathered[i, :n].tobytes().decode() for i, n in enumerate(lengths)]
 
@@ -215,7 +229,9 @@ def load_params(path: str, params):
 def load_opt_state(path: str, state: dict):
     """The optimizer state saved at `path` (as in load_params), in the shardings of state["opt_state"]:
     a run that continues another's training (load_optimizer_state) rather than starting it afresh."""
-    return _read(os.path.join(_step_dir(path), "train"), {"opt_state": state["opt_state"], "step": state["step"]})["opt_state"]
+    return _read(os.path.join(_step_dir(path), "train"), {"opt_state": state["opt_state"], "step": state["step"]})[
+        "opt_state"
+    ]
 
 
 def _step_dir(path: str) -> str:
@@ -226,8 +242,10 @@ def _step_dir(path: str) -> str:
         return path
     steps = ocp.utils.checkpoint_steps(path) if os.path.isdir(path) else []
     if not steps:
-        raise ConfigError(f"load_parameters_path {path} is neither an HF checkpoint (config.json) nor an orbax "
-                          "checkpoint directory with saved steps")
+        raise ConfigError(
+            f"load_parameters_path {path} is neither an HF checkpoint (config.json) nor an orbax "
+            "checkpoint directory with saved steps"
+        )
     return os.path.join(path, str(max(steps)))
 
 

@@ -10,6 +10,7 @@
 Then each key is checked against RULES, the cross-key CHECKS run, and derive() adds computed values.
 A user mistake raises ConfigError whose message is one sentence naming the key and where it came from.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -136,8 +137,9 @@ RULES: dict[str, Rule] = {
     "mode": builtin_or_plugin(MODES),
     "model_source": builtin_or_plugin(SOURCES),
     "sampler": builtin_or_plugin(SAMPLERS),
-    "dynamic_sampling_filter": Rule(lambda v: v == "" or builtin_or_plugin(FILTERS).test(v),
-                                    '"" (keep all), ' + builtin_or_plugin(FILTERS).expected),
+    "dynamic_sampling_filter": Rule(
+        lambda v: v == "" or builtin_or_plugin(FILTERS).test(v), '"" (keep all), ' + builtin_or_plugin(FILTERS).expected
+    ),
     "steps": POSITIVE_INT,
     "gradient_accumulation_steps": POSITIVE_INT,
     "learning_rate": NON_NEGATIVE,
@@ -178,10 +180,16 @@ RULES: dict[str, Rule] = {
     "wandb_mode": choices("online", "offline", "disabled"),
     "label_key": NAME,
     "max_prompt_length": POSITIVE_INT,
-    "reward": Rule(lambda v: isinstance(v, str) and all(e.strip() for e in v.split(",")),
-                   "a comma list of reward names (math, gsm8k, exact_match, format or pkg.module:function)"),
-    "reward_weights": optional(Rule(lambda v: isinstance(v, list) and len(v) > 0 and all(_is_num(w) and math.isfinite(w) for w in v),
-                                    "a non-empty list of finite numbers")),
+    "reward": Rule(
+        lambda v: isinstance(v, str) and all(e.strip() for e in v.split(",")),
+        "a comma list of reward names (math, gsm8k, exact_match, format or pkg.module:function)",
+    ),
+    "reward_weights": optional(
+        Rule(
+            lambda v: isinstance(v, list) and len(v) > 0 and all(_is_num(w) and math.isfinite(w) for w in v),
+            "a non-empty list of finite numbers",
+        )
+    ),
     "format_reward_pattern": NAME,
     "math_reward_timeout": NON_NEGATIVE,
     "n_samples_per_prompt": POSITIVE_INT,
@@ -223,27 +231,54 @@ RULES: dict[str, Rule] = {
     "rejected_key": NAME,
     "vocab_pad_multiple": POSITIVE_INT,
     "data_format": choices("records", "minionerec"),
-    "rec_task_weights": Rule(lambda v: isinstance(v, list) and len(v) == 3 and all(_is_num(w) and 0 <= w < math.inf for w in v)
-                             and sum(v) > 0, "a list of 3 finite numbers >= 0, not all 0 (next-SID, title->SID, SID->title)"),
+    "rec_task_weights": Rule(
+        lambda v: (
+            isinstance(v, list) and len(v) == 3 and all(_is_num(w) and 0 <= w < math.inf for w in v) and sum(v) > 0
+        ),
+        "a list of 3 finite numbers >= 0, not all 0 (next-SID, title->SID, SID->title)",
+    ),
     "rollout_decoding": choices("sample", "beam"),
     "beam_width": POSITIVE_INT,
     "beam_length_penalty": Rule(lambda v: _is_num(v) and math.isfinite(v), "a finite number"),
-    "rec_eval_k": Rule(lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(k, int) and not isinstance(k, bool)
-                                                                          and k > 0 for k in v), "a non-empty list of positive ints"),
+    "rec_eval_k": Rule(
+        lambda v: (
+            isinstance(v, list)
+            and len(v) > 0
+            and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in v)
+        ),
+        "a non-empty list of positive ints",
+    ),
     "rec_eval_batch_size": POSITIVE_INT,
     "lora_rank": Rule(lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0 = no LoRA)"),
     "lora_alpha": POSITIVE,
     "lora_target": Rule(_is_regex, "a regular expression over '/'-joined parameter paths"),
-    "lora_base_dtype": Rule(lambda v: v in ("", "bfloat16", "int8", "nf4"), '"" (as weight_dtype) | bfloat16 | int8 | nf4'),
+    "lora_base_dtype": Rule(
+        lambda v: v in ("", "bfloat16", "int8", "nf4"), '"" (as weight_dtype) | bfloat16 | int8 | nf4'
+    ),
 }
 
 # The only keys a configs/models/*.yml may (and must) set: the model section of base.yml without
 # the run-time choices (model_name, dtype, weight_dtype, remat_policy, scan_layers, attention).
 MODEL_KEYS = (
-    "model_family", "vocab_size", "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads",
-    "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling_type",
-    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_original_max_position", "qkv_bias", "qk_norm", "tie_word_embeddings", "sliding_window",
+    "model_family",
+    "vocab_size",
+    "emb_dim",
+    "mlp_dim",
+    "num_decoder_layers",
+    "num_query_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling_type",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position",
+    "qkv_bias",
+    "qk_norm",
+    "tie_word_embeddings",
+    "sliding_window",
 )
 
 
@@ -300,55 +335,117 @@ def _check_rollout_devices(c: dict) -> str | None:
 
 # Cross-key checks: each returns None or what is wrong (impossible combinations of valid values).
 CHECKS: list[Callable[[dict], str | None]] = [
-    lambda c: None if c["num_query_heads"] % c["num_kv_heads"] == 0 else
-    f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})",
-    lambda c: None if c["head_dim"] is not None or c["emb_dim"] % c["num_query_heads"] == 0 else
-    f"head_dim is null but emb_dim ({c['emb_dim']}) is not a multiple of num_query_heads ({c['num_query_heads']}); set head_dim",
-    lambda c: None if c["rope_scaling_type"] != "llama3" or c["rope_high_freq_factor"] > c["rope_low_freq_factor"] else
-    "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor",
+    lambda c: (
+        None
+        if c["num_query_heads"] % c["num_kv_heads"] == 0
+        else f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
+    ),
+    lambda c: (
+        None
+        if c["head_dim"] is not None or c["emb_dim"] % c["num_query_heads"] == 0
+        else f"head_dim is null but emb_dim ({c['emb_dim']}) is not a multiple of num_query_heads ({c['num_query_heads']}); set head_dim"
+    ),
+    lambda c: (
+        None
+        if c["rope_scaling_type"] != "llama3" or c["rope_high_freq_factor"] > c["rope_low_freq_factor"]
+        else "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor"
+    ),
     _check_logical_axis_rules,
     _check_attention,
     _check_one_fill,
     _check_rollout_devices,
-    lambda c: None if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"] else
-    f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})",
-    lambda c: None if c["process_id"] < c["num_processes"] else
-    f"process_id ({c['process_id']}) must be below num_processes ({c['num_processes']})",
+    lambda c: (
+        None
+        if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"]
+        else f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})"
+    ),
+    lambda c: (
+        None
+        if c["process_id"] < c["num_processes"]
+        else f"process_id ({c['process_id']}) must be below num_processes ({c['num_processes']})"
+    ),
     lambda c: None if c["action"] != "export" or c["export_hf_path"] else "action=export needs export_hf_path",
-    lambda c: None if not c["load_optimizer_state"] or c["load_parameters_path"] and not
-    os.path.isfile(os.path.join(c["load_parameters_path"], "config.json")) else
-    "load_optimizer_state needs load_parameters_path on a unitrain checkpoint (an HF checkpoint has no optimizer state)",
-    lambda c: None if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"] else
-    f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})",
-    lambda c: None if c["chat_template"] or not c["system_prompt"] else
-    "system_prompt is set but chat_template is false; a system prompt needs the chat template (or write it into the data)",
-    lambda c: None if c["lora_rank"] or not (c["lora_base_dtype"] or c["lora_export_adapters"]) else
-    "lora_base_dtype and lora_export_adapters need lora_rank > 0",
-    lambda c: None if not c["lora_export_adapters"] or (c["export_hf_path"] and c["model_source"] == "unitrain") else
-    "lora_export_adapters writes into export_hf_path with the unitrain decoder's HF names: set export_hf_path and model_source=unitrain",
-    lambda c: None if not (c["export_hf_path"] and c["tokenizer_path"].endswith(".model")) else
-    f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
-    "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "
-    "directory or export_hf_path=\"\"",
-    lambda c: None if c["data_format"] != "minionerec" or c["beam_width"] >= max(c["rec_eval_k"]) else
-    f"beam_width ({c['beam_width']}) must be at least the largest rec_eval_k ({max(c['rec_eval_k'])})",
-    lambda c: None if c["rec_info_path"] or not any(c["rec_task_weights"][1:]) else
-    "rec_task_weights gives the alignment tasks (title->SID, SID->title) a weight but rec_info_path is empty",
-    lambda c: None if c["data_format"] != "minionerec" or c["mode"] != "grpo" or c["rec_task_weights"][2] == 0 else
-    "mode=grpo cannot score SID->title records (rewards compare SIDs); set the third rec_task_weights entry to 0",
-    lambda c: None if "sid_rank" not in [r.strip() for r in c["reward"].split(",")] or c["rollout_decoding"] == "beam"
-    or c["sid_index_path"] else
-    "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)",
-    lambda c: None if c["policy_loss"] != "gspo" or c["loss_agg_mode"] == "seq-mean-token-mean" else
-    f"policy_loss=gspo is a sequence-level objective and needs loss_agg_mode=seq-mean-token-mean, got {c['loss_agg_mode']}",
-    lambda c: None if c["policy_loss"] != "gspo" or c["eps_clip_c"] is None else
-    "policy_loss=gspo has no dual clip; set eps_clip_c=null",
-    lambda c: None if c["rollout_is_threshold_lower"] is None or c["rollout_is_mode"] == "mask" else
-    "rollout_is_threshold_lower bounds rollout_is_mode=mask only (truncate caps above); set it to null or rollout_is_mode=mask",
-    lambda c: None if not c["rollout_is"] or c["rollout_decoding"] == "sample" else
-    "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for",
-    lambda c: None if c["overlong_buffer_len"] < c["rollout_max_response_len"] else
-    f"overlong_buffer_len ({c['overlong_buffer_len']}) must be below rollout_max_response_len ({c['rollout_max_response_len']})",
+    lambda c: (
+        None
+        if not c["load_optimizer_state"]
+        or c["load_parameters_path"]
+        and not os.path.isfile(os.path.join(c["load_parameters_path"], "config.json"))
+        else "load_optimizer_state needs load_parameters_path on a unitrain checkpoint (an HF checkpoint has no optimizer state)"
+    ),
+    lambda c: (
+        None
+        if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"]
+        else f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})"
+    ),
+    lambda c: (
+        None
+        if c["chat_template"] or not c["system_prompt"]
+        else "system_prompt is set but chat_template is false; a system prompt needs the chat template (or write it into the data)"
+    ),
+    lambda c: (
+        None
+        if c["lora_rank"] or not (c["lora_base_dtype"] or c["lora_export_adapters"])
+        else "lora_base_dtype and lora_export_adapters need lora_rank > 0"
+    ),
+    lambda c: (
+        None
+        if not c["lora_export_adapters"] or (c["export_hf_path"] and c["model_source"] == "unitrain")
+        else "lora_export_adapters writes into export_hf_path with the unitrain decoder's HF names: set export_hf_path and model_source=unitrain"
+    ),
+    lambda c: (
+        None
+        if not (c["export_hf_path"] and c["tokenizer_path"].endswith(".model"))
+        else f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
+        "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "
+        'directory or export_hf_path=""'
+    ),
+    lambda c: (
+        None
+        if c["data_format"] != "minionerec" or c["beam_width"] >= max(c["rec_eval_k"])
+        else f"beam_width ({c['beam_width']}) must be at least the largest rec_eval_k ({max(c['rec_eval_k'])})"
+    ),
+    lambda c: (
+        None
+        if c["rec_info_path"] or not any(c["rec_task_weights"][1:])
+        else "rec_task_weights gives the alignment tasks (title->SID, SID->title) a weight but rec_info_path is empty"
+    ),
+    lambda c: (
+        None
+        if c["data_format"] != "minionerec" or c["mode"] != "grpo" or c["rec_task_weights"][2] == 0
+        else "mode=grpo cannot score SID->title records (rewards compare SIDs); set the third rec_task_weights entry to 0"
+    ),
+    lambda c: (
+        None
+        if "sid_rank" not in [r.strip() for r in c["reward"].split(",")]
+        or c["rollout_decoding"] == "beam"
+        or c["sid_index_path"]
+        else "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)"
+    ),
+    lambda c: (
+        None
+        if c["policy_loss"] != "gspo" or c["loss_agg_mode"] == "seq-mean-token-mean"
+        else f"policy_loss=gspo is a sequence-level objective and needs loss_agg_mode=seq-mean-token-mean, got {c['loss_agg_mode']}"
+    ),
+    lambda c: (
+        None
+        if c["policy_loss"] != "gspo" or c["eps_clip_c"] is None
+        else "policy_loss=gspo has no dual clip; set eps_clip_c=null"
+    ),
+    lambda c: (
+        None
+        if c["rollout_is_threshold_lower"] is None or c["rollout_is_mode"] == "mask"
+        else "rollout_is_threshold_lower bounds rollout_is_mode=mask only (truncate caps above); set it to null or rollout_is_mode=mask"
+    ),
+    lambda c: (
+        None
+        if not c["rollout_is"] or c["rollout_decoding"] == "sample"
+        else "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for"
+    ),
+    lambda c: (
+        None
+        if c["overlong_buffer_len"] < c["rollout_max_response_len"]
+        else f"overlong_buffer_len ({c['overlong_buffer_len']}) must be below rollout_max_response_len ({c['rollout_max_response_len']})"
+    ),
 ]
 
 
@@ -375,7 +472,8 @@ def derive(cfg: dict) -> dict:
         if rollout_rows % out["rows_per_update"]:
             raise ConfigError(
                 f"rollout_batch_size * n_samples_per_prompt ({rollout_rows}) must be a multiple of per_device_batch_size"
-                f" * devices * gradient_accumulation_steps ({out['rows_per_update']}), the rows of one update")
+                f" * devices * gradient_accumulation_steps ({out['rows_per_update']}), the rows of one update"
+            )
         out["updates_per_step"] = rollout_rows // out["rows_per_update"] * out["num_iterations"]
     else:
         out["updates_per_step"] = 1
@@ -390,12 +488,16 @@ def _mesh_shapes(c: dict) -> tuple[dict, dict, dict]:
 
     n, r, processes = len(sharding.target_devices()), c["rollout_devices"], sharding.target_process_count()
     if r and (r >= n or r % processes):
-        raise ConfigError(f"rollout_devices ({r}) must be below the {n} devices and a multiple of the {processes} "
-                          "processes (each process gives the same number)")
+        raise ConfigError(
+            f"rollout_devices ({r}) must be below the {n} devices and a multiple of the {processes} "
+            "processes (each process gives the same number)"
+        )
     trainer = _fill({k: c[k] for k in TRAINER_MESH_KEYS}, n - r, "the ici_* and dcn_* parallelism sizes")
     rollout = _fill({k: c[k] for k in ROLLOUT_MESH_KEYS}, r or 1, "the rollout_*_parallelism sizes")
-    return tuple({a: sizes[f"{net}_{a}_parallelism"] for a in MESH_AXES}
-                 for net, sizes in (("ici", trainer), ("dcn", trainer), ("rollout", rollout)))
+    return tuple(
+        {a: sizes[f"{net}_{a}_parallelism"] for a in MESH_AXES}
+        for net, sizes in (("ici", trainer), ("dcn", trainer), ("rollout", rollout))
+    )
 
 
 def _fill(sizes: dict, n: int, what: str) -> dict:
@@ -403,11 +505,15 @@ def _fill(sizes: dict, n: int, what: str) -> dict:
     fill = [k for k, v in sizes.items() if v == -1]
     others = math.prod(v for v in sizes.values() if v != -1)
     if fill and n % others:
-        raise ConfigError(f"{fill[0]}=-1 cannot fill the mesh: the other sizes multiply to {others}, which does not divide the {n} devices")
+        raise ConfigError(
+            f"{fill[0]}=-1 cannot fill the mesh: the other sizes multiply to {others}, which does not divide the {n} devices"
+        )
     if fill:
         return {**sizes, fill[0]: n // others}
     if others != n:
-        raise ConfigError(f"{what} multiply to {others} but there are {n} devices for them; make the product {n} or set one size to -1")
+        raise ConfigError(
+            f"{what} multiply to {others} but there are {n} devices for them; make the product {n} or set one size to -1"
+        )
     return sizes
 
 
@@ -424,13 +530,23 @@ class _FrozenDict(dict):
 
 
 def _freeze(v):
-    return tuple(map(_freeze, v)) if isinstance(v, (list, tuple)) else \
-        _FrozenDict({k: _freeze(x) for k, x in v.items()}) if isinstance(v, Mapping) else v
+    return (
+        tuple(map(_freeze, v))
+        if isinstance(v, (list, tuple))
+        else _FrozenDict({k: _freeze(x) for k, x in v.items()})
+        if isinstance(v, Mapping)
+        else v
+    )
 
 
 def _thaw(v):
-    return list(map(_thaw, v)) if isinstance(v, (list, tuple)) else \
-        {k: _thaw(x) for k, x in v.items()} if isinstance(v, Mapping) else v
+    return (
+        list(map(_thaw, v))
+        if isinstance(v, (list, tuple))
+        else {k: _thaw(x) for k, x in v.items()}
+        if isinstance(v, Mapping)
+        else v
+    )
 
 
 class Config(Mapping):
@@ -490,7 +606,9 @@ def _build(inputs: dict, schema: dict, origin: dict, explicit: set, before_deriv
     _take_checkpoint_architecture(inputs, origin, explicit)
     for key, rule in RULES.items():
         if key in inputs and not rule.test(inputs[key]):
-            raise ConfigError(f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, 'from replace()')})")
+            raise ConfigError(
+                f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, 'from replace()')})"
+            )
     for check in CHECKS:
         if problem := check(inputs):
             raise ConfigError(f"invalid config: {problem}")
@@ -511,9 +629,13 @@ def load_config(argv: list[str], before_derive=None) -> Config:
     root, schema, root_lines = chain[-1]
     missing = [k for k in RULES if k not in schema]
     if missing:
-        raise ConfigError(f"{_show_path(root)} has no base_config and lacks key '{missing[0]}'; a recipe must start with `base_config: base.yml`")
+        raise ConfigError(
+            f"{_show_path(root)} has no base_config and lacks key '{missing[0]}'; a recipe must start with `base_config: base.yml`"
+        )
     if clash := _RESERVED & set(schema):
-        raise ConfigError(f"config key '{sorted(clash)[0]}' in {_show_path(root)} is reserved (a Config method); rename it")
+        raise ConfigError(
+            f"config key '{sorted(clash)[0]}' in {_show_path(root)} is reserved (a Config method); rename it"
+        )
     inputs = dict(schema)
     origin = {k: f"from {_show_path(root)} line {root_lines.get(k)}" for k in schema}
     explicit = set()  # keys a user chose (not base.yml's defaults): a checkpoint may not contradict them
@@ -531,7 +653,9 @@ def load_config(argv: list[str], before_derive=None) -> Config:
         _set(inputs, origin, schema, "model_name", None, "from command line", raw=cli["model_name"])
     if resolved:  # a written config already holds its model's dimensions (and maybe overrides of them)
         if inputs["model_name"] != schema["model_name"]:
-            raise ConfigError(f"model_name cannot change when loading the resolved config {_show_path(chain[0][0])}; start from configs/base.yml instead")
+            raise ConfigError(
+                f"model_name cannot change when loading the resolved config {_show_path(chain[0][0])}; start from configs/base.yml instead"
+            )
     else:
         _apply_model(inputs, origin, schema, root.parent / "models")
         if "model_name" in explicit or "model_name" in cli:
@@ -551,16 +675,20 @@ def _take_checkpoint_architecture(inputs: dict, origin: dict, explicit: set) -> 
         return
     arch, where = found
     if not arch and (chosen := sorted(explicit & set(MODEL_KEYS))):
-        raise ConfigError(f"config key '{chosen[0]}' is set ({origin.get(chosen[0], 'from replace()')}) but model_source "
-                          f"{inputs['model_source']} takes the architecture from {where}; drop the architecture keys")
+        raise ConfigError(
+            f"config key '{chosen[0]}' is set ({origin.get(chosen[0], 'from replace()')}) but model_source "
+            f"{inputs['model_source']} takes the architecture from {where}; drop the architecture keys"
+        )
     for key, value in arch.items():
         ours = inputs[key]
         if key == "vocab_size" and key in explicit and inputs["extra_tokens"] and ours is not None and ours > value:
             continue  # extra_tokens: the model source grows the checkpoint's vocabulary (unitrain.vocab)
         if key in explicit and ours is not None and ours != value:
-            raise ConfigError(f"config key '{key}' is {_show(ours)} ({origin.get(key, 'from replace()')}) but the "
-                              f"checkpoint at load_parameters_path has {key}={_show(value)} ({where}); drop the key to "
-                              "take the checkpoint's value")
+            raise ConfigError(
+                f"config key '{key}' is {_show(ours)} ({origin.get(key, 'from replace()')}) but the "
+                f"checkpoint at load_parameters_path has {key}={_show(value)} ({where}); drop the key to "
+                "take the checkpoint's value"
+            )
         inputs[key], origin[key] = value, f"from {where}"
 
 
@@ -572,12 +700,17 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
     if os.path.isfile(os.path.join(path, "config.json")):
         from unitrain.adapters import hf_config
 
-        if inputs["model_source"] != "unitrain" and hf_config.read_hf_config(
-                path, inputs["trust_remote_code"]).model_type not in hf_config.MODEL_TYPES:
+        if (
+            inputs["model_source"] != "unitrain"
+            and hf_config.read_hf_config(path, inputs["trust_remote_code"]).model_type not in hf_config.MODEL_TYPES
+        ):
             return {}, os.path.join(path, "config.json")
         return hf_config.model_keys(path, inputs["trust_remote_code"]), os.path.join(path, "config.json")
-    for run_config in (os.path.join(path, "config.yml"), os.path.join(path, os.pardir, "config.yml"),
-                       os.path.join(path, os.pardir, os.pardir, "config.yml")):
+    for run_config in (
+        os.path.join(path, "config.yml"),
+        os.path.join(path, os.pardir, "config.yml"),
+        os.path.join(path, os.pardir, os.pardir, "config.yml"),
+    ):
         if os.path.isdir(path) and os.path.isfile(run_config):
             data, _ = _read_yml(Path(run_config))
             where = _show_path(Path(os.path.normpath(run_config)))
@@ -609,7 +742,14 @@ def _set(inputs, origin, schema, key, value, where, raw=None) -> None:
     origin[key] = where
 
 
-_TYPE_NAMES = {bool: "a bool (true or false)", int: "an int", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
+_TYPE_NAMES = {
+    bool: "a bool (true or false)",
+    int: "an int",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "a mapping",
+}
 
 
 def _typed(key: str, value, default, where: str, raw: str | None = None):
@@ -656,7 +796,8 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node)
             if key in lines:
                 raise yaml.constructor.ConstructorError(
-                    problem=f"key '{key}' appears twice (first on line {lines[key]})", problem_mark=key_node.start_mark)
+                    problem=f"key '{key}' appears twice (first on line {lines[key]})", problem_mark=key_node.start_mark
+                )
             lines[key] = key_node.start_mark.line + 1
         if self.key_lines is None:  # the first mapping constructed is the document's top level
             self.key_lines = lines
@@ -664,8 +805,10 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def _read_yml(path: Path) -> tuple[dict, dict]:
@@ -720,10 +863,13 @@ def write_config(cfg: Config, path: str | os.PathLike) -> None:
     inputs = {k: values[k] for k in cfg._inputs}
     derived = {k: v for k, v in values.items() if k not in cfg._inputs}
     dump = lambda d: yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=1000)  # noqa: E731
-    text = ("# Fully resolved unitrain config (write_config): load it as is to reproduce the run.\n"
-            "resolved_config: true\n" + dump(inputs)
-            + "# ---- derived: recomputed on load, not accepted as input\n"
-            + "".join(f"# {line}\n" for line in dump(derived).splitlines()))
+    text = (
+        "# Fully resolved unitrain config (write_config): load it as is to reproduce the run.\n"
+        "resolved_config: true\n"
+        + dump(inputs)
+        + "# ---- derived: recomputed on load, not accepted as input\n"
+        + "".join(f"# {line}\n" for line in dump(derived).splitlines())
+    )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

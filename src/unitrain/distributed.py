@@ -44,8 +44,12 @@ def maybe_initialize(c) -> bool:
         num_processes=c["num_processes"] if explicit else None,
         process_id=c["process_id"] if explicit else None,
     )
-    log.info("jax.distributed initialized (%s): process %d of %d", cluster or "explicit",
-             jax.process_index(), jax.process_count())
+    log.info(
+        "jax.distributed initialized (%s): process %d of %d",
+        cluster or "explicit",
+        jax.process_index(),
+        jax.process_count(),
+    )
     return True
 
 

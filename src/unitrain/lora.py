@@ -64,6 +64,7 @@ class Target:
 
 # ---------------------------------------------------------------- the trained part of the parameters
 
+
 def trainable(params: dict, adapters_only: bool) -> dict:
     """What the optimizer updates and a checkpoint saves: the adapters with LoRA, else everything."""
     return params[ADAPTERS] if adapters_only else params
@@ -82,6 +83,7 @@ def adapters_off(params: dict) -> dict:
 
 # ---------------------------------------------------------------- building
 
+
 def apply(model, cfg, mesh):
     """The built model wrapped with adapters on the weights matching cfg.lora_target, every array
     placed in the sharding its logical axes give (param_axes) over `mesh`. Built inside one jit
@@ -93,14 +95,22 @@ def apply(model, cfg, mesh):
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
 
     def build(state):
-        return LoraModel(nnx.merge(base_graphdef, state), targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_base_dtype,
-                         cfg.seed, rules)
+        return LoraModel(
+            nnx.merge(base_graphdef, state),
+            targets,
+            cfg.lora_rank,
+            cfg.lora_alpha,
+            cfg.lora_base_dtype,
+            cfg.seed,
+            rules,
+        )
 
     graphdef, abstract = nnx.split(nnx.eval_shape(build, base_state))
     axes = nnx.merge(graphdef, abstract).param_axes()
     shardings = sharding.logical_shardings(axes, mesh, rules)
-    params = jax.jit(lambda state: nnx.to_pure_dict(nnx.state(build(state))), out_shardings=shardings,
-                     donate_argnums=0)(base_state)
+    params = jax.jit(
+        lambda state: nnx.to_pure_dict(nnx.state(build(state))), out_shardings=shardings, donate_argnums=0
+    )(base_state)
     nnx.replace_by_pure_dict(abstract, params)
     return nnx.merge(graphdef, abstract)
 
@@ -116,8 +126,10 @@ def find_targets(axes: dict, params: dict, pattern: str) -> tuple[Target, ...]:
         lead = 1 if names and names[0] == "layers" else 0
         inner = names[lead:]
         if len(inner) < 2 or "embed" not in (inner[0], inner[-1]):
-            raise ConfigError(f"lora_target matches {'/'.join(path)} (axes {names}), which is not a projection with "
-                              "the embed axis first or last; narrow lora_target")
+            raise ConfigError(
+                f"lora_target matches {'/'.join(path)} (axes {names}), which is not a projection with "
+                "the embed axis first or last; narrow lora_target"
+            )
         n_in = 1 if inner[0] == "embed" else len(inner) - 1
         found.append(Target(path, lead, n_in, str(_get(params, path).dtype), tuple(names)))
     if not found:
@@ -140,7 +152,7 @@ def _set(tree: dict, path, value) -> dict:
 
 def delta(a: jax.Array, b: jax.Array, shape, target: Target) -> jax.Array:
     """A @ B over the flattened input and output axes, shaped like the weight."""
-    lead = shape[:target.lead]
+    lead = shape[: target.lead]
     return jnp.matmul(a.reshape(*lead, -1, a.shape[-1]), b.reshape(*lead, b.shape[target.lead], -1)).reshape(shape)
 
 
@@ -149,8 +161,9 @@ def quantise(w: jax.Array, target: Target, qtype: str):
     block of QUANT_BLOCK along the last input axis (the whole axis when it is not a multiple)."""
     last_in = target.in_axes[-1]
     tiles = {last_in: QUANT_BLOCK} if w.shape[last_in] % QUANT_BLOCK == 0 else {}
-    q = qwix.quantize(w, qtype, channelwise_axes=[ax for ax in range(w.ndim) if ax != last_in],
-                      tiled_axes=tiles, scale_dtype=w.dtype)
+    q = qwix.quantize(
+        w, qtype, channelwise_axes=[ax for ax in range(w.ndim) if ax != last_in], tiled_axes=tiles, scale_dtype=w.dtype
+    )
     # 4-bit codes are held one per byte: JAX's CPU runtime hands packed 4-bit arrays to compiled
     # programs in a layout they refuse.
     return q.replace(qvalue=q.qvalue.astype(jnp.uint8)) if qtype in FOUR_BIT else q
@@ -164,17 +177,19 @@ def dequantise(q) -> jax.Array:
 
 # ---------------------------------------------------------------- the model
 
+
 class LoraModel(nnx.Module):
     """A model with low-rank adapters on its `targets`; the model interface of models/base.py."""
 
-    def __init__(self, base, targets: tuple[Target, ...], rank: int, alpha: float, base_dtype: str, seed: int,
-                 rules: tuple = ()):
+    def __init__(
+        self, base, targets: tuple[Target, ...], rank: int, alpha: float, base_dtype: str, seed: int, rules: tuple = ()
+    ):
         self.targets, self.rank, self.alpha, self.rules = targets, rank, alpha, rules
         graphdef, state = nnx.split(base)
         params, adapters = nnx.to_pure_dict(state), {}
         for t, key in zip(targets, jax.random.split(jax.random.key(seed), len(targets))):
             w = _get(params, t.path)
-            lead, ins, outs = w.shape[:t.lead], w.shape[t.lead:t.lead + t.n_in], w.shape[t.lead + t.n_in:]
+            lead, ins, outs = w.shape[: t.lead], w.shape[t.lead : t.lead + t.n_in], w.shape[t.lead + t.n_in :]
             # qwix's LoraRule defaults: A he-uniform over its inputs (each layer its own draw), B zero,
             # so training starts from the base model exactly. Adapters are float32 whatever the base.
             init = jax.nn.initializers.he_uniform(batch_axis=tuple(range(t.lead)))
@@ -258,8 +273,8 @@ class LoraModel(nnx.Module):
         lora_axes = {}
         for t in self.targets:
             names, w = _get(base_axes, t.path), _get(params, t.path)
-            a_axes = names[:t.lead + t.n_in] + (None,)
-            b_axes = names[:t.lead] + (None,) + names[t.lead + t.n_in:]
+            a_axes = names[: t.lead + t.n_in] + (None,)
+            b_axes = names[: t.lead] + (None,) + names[t.lead + t.n_in :]
             lora_axes = _set(lora_axes, t.path, {"a": a_axes, "b": b_axes})
             if isinstance(w, qwix.QArray):
                 scale = tuple(n if s == q else None for n, s, q in zip(names, w.scale.shape, w.qvalue.shape))
@@ -269,8 +284,10 @@ class LoraModel(nnx.Module):
     def decay_mask(self) -> dict:
         """Weight decay on the adapters only: the base is frozen."""
         params = nnx.to_pure_dict(nnx.state(self))
-        return {"base": jax.tree.map(lambda _: False, params["base"]),
-                ADAPTERS: jax.tree.map(lambda _: True, params[ADAPTERS])}
+        return {
+            "base": jax.tree.map(lambda _: False, params["base"]),
+            ADAPTERS: jax.tree.map(lambda _: True, params[ADAPTERS]),
+        }
 
     def save_hf(self, path: str) -> None:
         """The merged model (base + scaled adapters): transformers loads it as a plain model."""
@@ -300,8 +317,17 @@ class LoraModel(nnx.Module):
             return
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
-                  "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-                  "inference_mode": True, "base_model_name_or_path": None}
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": sorted(modules),
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+            "base_model_name_or_path": None,
+        }
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=2)

@@ -34,8 +34,9 @@ def logit_stats(logits, targets, with_entropy: bool = False) -> TokenStats:
     return TokenStats(logprobs, log_z, entropy)
 
 
-def token_stats(head, hidden, targets, chunk_size: int, temperature: float = 1.0,
-                with_entropy: bool = False) -> TokenStats:
+def token_stats(
+    head, hidden, targets, chunk_size: int, temperature: float = 1.0, with_entropy: bool = False
+) -> TokenStats:
     """TokenStats of `head(hidden) / temperature` without ever holding the [B, T, V] float32 logits:
     `chunk_size` positions of every row at a time (0, or >= T: all at once).
 
@@ -44,6 +45,7 @@ def token_stats(head, hidden, targets, chunk_size: int, temperature: float = 1.0
     one chunk's logits at a time too: [B, chunk_size, V] is the largest logits array, forward or
     backward, at the price of a second forward matmul of the head.
     """
+
     def stats(h, t):
         return logit_stats(head(h).astype(jnp.float32) / temperature, t, with_entropy)
 
@@ -52,8 +54,9 @@ def token_stats(head, hidden, targets, chunk_size: int, temperature: float = 1.0
         return stats(hidden, targets)
     n = -(-T // chunk_size)
     pad = n * chunk_size - T
-    chunks = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
-        B, n, chunk_size, *x.shape[2:]).swapaxes(0, 1)
+    chunks = lambda x: (
+        jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(B, n, chunk_size, *x.shape[2:]).swapaxes(0, 1)
+    )
     _, out = jax.lax.scan(jax.checkpoint(lambda _, xs: (None, stats(*xs))), None, (chunks(hidden), chunks(targets)))
     return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, n * chunk_size)[:, :T], out)
 
@@ -86,8 +89,9 @@ _LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios to [-20, 20] before exp
 _GSPO_LOG_RATIO_MAX = 10.0  # verl's compute_policy_loss_gspo clamps the log sequence ratio above at 10
 
 
-def compute_advantages(rewards, group_ids, num_groups: int, estimator: str, norm_by_std: bool = True,
-                       eps: float = 1e-6, weights=None):
+def compute_advantages(
+    rewards, group_ids, num_groups: int, estimator: str, norm_by_std: bool = True, eps: float = 1e-6, weights=None
+):
     """Outcome advantages from scalar rewards, one per sample, grouped by prompt.
 
     rewards [N] float, group_ids [N] int32 in [0, num_groups) (samples of one prompt share a group),
@@ -224,10 +228,25 @@ def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "
     raise ValueError(f"unknown policy loss {policy_loss_type!r}; expected one of {POLICY_LOSSES}")
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, eps_clip_high: float | None = None,
-                eps_clip_c: float | None = None, loss_agg_mode: str = "token-mean", horizon: int | None = None,
-                ref_logprobs=None, kl_coef: float = 0.0, kl_type: str = "low_var_kl", entropy=None,
-                entropy_coef: float = 0.0, policy_loss_type: str = "ppo", pg_weights=None):
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    horizon: int | None = None,
+    ref_logprobs=None,
+    kl_coef: float = 0.0,
+    kl_type: str = "low_var_kl",
+    entropy=None,
+    entropy_coef: float = 0.0,
+    policy_loss_type: str = "ppo",
+    pg_weights=None,
+):
     """PPO/GRPO clipped surrogate (verl compute_policy_loss "vanilla") or GSPO's sequence-level one
     (verl compute_policy_loss_gspo), plus optional KL and entropy terms.
 
@@ -318,8 +337,16 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, eps_clip: float, ep
     return loss_sum, denom, metrics
 
 
-def rollout_correction(old_logprobs, sampler_logprobs, mask, *, level: str, mode: str, threshold: float,
-                       threshold_lower: float | None = None):
+def rollout_correction(
+    old_logprobs,
+    sampler_logprobs,
+    mask,
+    *,
+    level: str,
+    mode: str,
+    threshold: float,
+    threshold_lower: float | None = None,
+):
     """Importance weights for the gap between the policy that sampled the tokens (the sampler's
     logprobs: another engine, other kernels, or a policy k versions old) and the trainer's old policy,
     as verl's compute_rollout_importance_weights (rollout_is) and slime's TIS/MIS do.
@@ -349,22 +376,27 @@ def rollout_correction(old_logprobs, sampler_logprobs, mask, *, level: str, mode
     """
     sg = jax.lax.stop_gradient
     m = jnp.asarray(mask, jnp.float32)
-    log_w = jnp.where(m > 0, sg(jnp.asarray(old_logprobs, jnp.float32)) - jnp.asarray(sampler_logprobs, jnp.float32),
-                      0.0)
+    log_w = jnp.where(
+        m > 0, sg(jnp.asarray(old_logprobs, jnp.float32)) - jnp.asarray(sampler_logprobs, jnp.float32), 0.0
+    )
     if level == "sequence":
         log_w = jnp.broadcast_to(log_w.sum(axis=-1, keepdims=True), m.shape)
     elif level == "geometric":
-        log_w = jnp.broadcast_to(log_w.sum(axis=-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0),
-                                 m.shape)
+        log_w = jnp.broadcast_to(
+            log_w.sum(axis=-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0), m.shape
+        )
     elif level != "token":
         raise ValueError(f"unknown rollout_is_level {level!r}; expected one of {ROLLOUT_IS_LEVELS}")
     w = jnp.exp(jnp.clip(log_w, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     lower = 1.0 / threshold if threshold_lower is None else threshold_lower
     high, low = (w > threshold).astype(jnp.float32), (w < lower).astype(jnp.float32)
     tokens = m.sum()
-    metrics = {"rollout_is_mean": ((w * m).sum(), tokens), "rollout_is_max": ((w * m).max(), jnp.float32(1.0)),
-               "rollout_is_fraction_high": ((high * m).sum(), tokens),
-               "rollout_is_fraction_low": ((low * m).sum(), tokens)}
+    metrics = {
+        "rollout_is_mean": ((w * m).sum(), tokens),
+        "rollout_is_max": ((w * m).max(), jnp.float32(1.0)),
+        "rollout_is_fraction_high": ((high * m).sum(), tokens),
+        "rollout_is_fraction_low": ((low * m).sum(), tokens),
+    }
     if mode == "truncate":
         weights, kept = jnp.minimum(w, threshold) * m, m
     elif mode == "mask":
@@ -382,14 +414,16 @@ def rollout_correction(old_logprobs, sampler_logprobs, mask, *, level: str, mode
 # Sequence log-probabilities and preference losses (DPO).
 # ----------------------------------------------------------------------------------------------
 
+
 def sequence_logprobs(logprobs, weights):
     """Summed log-probabilities of the weighted target tokens of each row: [B,T], [B,T] {0,1} -> [B]
     float32. Positions with weight 0 contribute exactly 0 (even a non-finite logit there)."""
     return jnp.where(weights > 0, logprobs, 0.0).sum(axis=-1)
 
 
-def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float,
-             label_smoothing: float = 0.0, weights=None):
+def dpo_loss(
+    policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0, weights=None
+):
     """Direct Preference Optimization, sigmoid loss (Rafailov et al. 2023; TRL DPOTrainer
     loss_type="sigmoid", with label smoothing = conservative DPO), in train_step's loss_fn form.
 
@@ -406,8 +440,9 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: 
       rewards/margin                     rewards_c - rewards_r
       logps/chosen, logps/rejected       pi_c, pi_r
     """
-    pi_c, pi_r, ref_c, ref_r = (jnp.asarray(x, jnp.float32) for x in (policy_chosen, policy_rejected,
-                                                                       ref_chosen, ref_rejected))
+    pi_c, pi_r, ref_c, ref_r = (
+        jnp.asarray(x, jnp.float32) for x in (policy_chosen, policy_rejected, ref_chosen, ref_rejected)
+    )
     w = jnp.ones_like(pi_c) if weights is None else jnp.asarray(weights, jnp.float32)
     rewards_c = beta * (pi_c - ref_c)
     rewards_r = beta * (pi_r - ref_r)

@@ -6,6 +6,7 @@ and do nothing, so the training loop needs no `if primary:` branches.
 MFU (the project's rule) = achieved model FLOP/s per device / the FLOP/s that `jnp.dot` reaches on the
 same machine in the same run (`measure_matmul_peak`), unless `peak_flops_per_device` gives a number.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -43,9 +44,17 @@ class MetricsWriter:
     purge_step.
     """
 
-    def __init__(self, metrics_file: str | os.PathLike, tensorboard_dir: str | os.PathLike, total_steps: int,
-                 log_period: int = 1, *, is_primary: bool | None = None, resume_step: int | None = None,
-                 wandb=None):
+    def __init__(
+        self,
+        metrics_file: str | os.PathLike,
+        tensorboard_dir: str | os.PathLike,
+        total_steps: int,
+        log_period: int = 1,
+        *,
+        is_primary: bool | None = None,
+        resume_step: int | None = None,
+        wandb=None,
+    ):
         self.total_steps, self.log_period = total_steps, log_period
         self.is_primary = _primary(is_primary)
         self._file = self._tb = None
@@ -62,18 +71,27 @@ class MetricsWriter:
         if broken:
             self._file.write("\n")  # a run killed mid-write left half a line; don't glue the next one to it
         from tensorboardX import SummaryWriter  # here: non-primary processes never need it
+
         self._tb = SummaryWriter(str(tensorboard_dir), purge_step=resume_step, flush_secs=30)
 
     @classmethod
-    def from_config(cls, cfg, total_steps: int, *, is_primary: bool | None = None,
-                    resume_step: int | None = None) -> MetricsWriter:
+    def from_config(
+        cls, cfg, total_steps: int, *, is_primary: bool | None = None, resume_step: int | None = None
+    ) -> MetricsWriter:
         wandb = None
         if cfg.wandb_project and _primary(is_primary):
             from unitrain.wandb_sink import WandbSink  # here: runs without W&B never import it
 
             wandb = WandbSink(cfg)
-        return cls(cfg.metrics_file, cfg.tensorboard_dir, total_steps, cfg.log_period,
-                   is_primary=is_primary, resume_step=resume_step, wandb=wandb)
+        return cls(
+            cfg.metrics_file,
+            cfg.tensorboard_dir,
+            total_steps,
+            cfg.log_period,
+            is_primary=is_primary,
+            resume_step=resume_step,
+            wandb=wandb,
+        )
 
     def write(self, step: int, scalars: dict) -> None:
         """Logs `scalars` (python/numpy/jax numbers) for `step`; prints a progress line when it is due."""
@@ -179,12 +197,17 @@ def _keep_steps_before(path: Path, resume_step: int) -> None:
 
 # ---------------------------------------------------------------- MFU
 
+
 def append_eval(path: str, step: int, source: str, results: dict) -> None:
     """One line of an eval-only run (action=eval) in its own file: metrics.jsonl stays the training record."""
     if jax.process_index() != 0:
         return
-    line = {"step": int(step), "parameters": source, "time": datetime.datetime.now().isoformat(timespec="seconds"),
-            **{k: np.asarray(v).item() for k, v in results.items()}}
+    line = {
+        "step": int(step),
+        "parameters": source,
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        **{k: np.asarray(v).item() for k, v in results.items()},
+    }
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -239,6 +262,7 @@ def peak_flops_per_device(cfg) -> float:
 
 # ---------------------------------------------------------------- profiler
 
+
 class Profiler:
     """An xplane trace of steps [start_step, start_step + num_steps), written where TensorBoard's profile
     tab looks: <tensorboard_dir>/plugins/profile/<timestamp>/<host>.xplane.pb. Primary process only.
@@ -247,8 +271,15 @@ class Profiler:
     after it; `outputs` are waited for, otherwise the trace would stop before the device finished.
     """
 
-    def __init__(self, tensorboard_dir: str | os.PathLike, mode: str = "", start_step: int = 0,
-                 num_steps: int = 1, *, is_primary: bool | None = None):
+    def __init__(
+        self,
+        tensorboard_dir: str | os.PathLike,
+        mode: str = "",
+        start_step: int = 0,
+        num_steps: int = 1,
+        *,
+        is_primary: bool | None = None,
+    ):
         if mode not in ("", "xplane"):
             raise ValueError(f"profiler mode '{mode}' is not one of '' | xplane")
         self.tensorboard_dir, self.start_step, self.num_steps = str(tensorboard_dir), start_step, num_steps
@@ -257,13 +288,18 @@ class Profiler:
 
     @classmethod
     def from_config(cls, cfg, *, is_primary: bool | None = None) -> Profiler:
-        return cls(cfg.tensorboard_dir, cfg.profiler, cfg.profiler_start_step, cfg.profiler_steps,
-                   is_primary=is_primary)
+        return cls(
+            cfg.tensorboard_dir, cfg.profiler, cfg.profiler_start_step, cfg.profiler_steps, is_primary=is_primary
+        )
 
     def maybe_start(self, step: int) -> None:
         # A window test, not step == start_step: a run resumed inside the window still gets a trace.
-        if self.enabled and not self.active and not self._done and \
-                self.start_step <= step < self.start_step + self.num_steps:
+        if (
+            self.enabled
+            and not self.active
+            and not self._done
+            and self.start_step <= step < self.start_step + self.num_steps
+        ):
             jax.profiler.start_trace(self.tensorboard_dir)
             self.active = True
 

@@ -22,8 +22,14 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
 
 def make_optimizer(cfg, decay_mask) -> optax.GradientTransformation:
     """decay_mask: a pytree of bools shaped like the parameters (True = weight decay applies)."""
-    adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                        weight_decay=cfg.weight_decay, mask=decay_mask)
+    adamw = optax.adamw(
+        learning_rate_schedule(cfg),
+        b1=cfg.adam_b1,
+        b2=cfg.adam_b2,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask,
+    )
     if cfg.max_grad_norm > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
     return adamw

@@ -40,8 +40,13 @@ def stage_configs(cfg) -> list:
             raise ConfigError(f"stages: {where} is named '{name}', which is repeated or contains '/'")
         names.add(name)
         # One W&B group per pipeline, one W&B run per stage; TensorBoard shows <run_dir>'s stages together.
-        changes = {"stages": [], "base_output_directory": cfg.run_dir, "run_name": name,
-                   "wandb_group": cfg.wandb_group or cfg.run_name, "wandb_run_name": f"{cfg.run_name}/{name}"}
+        changes = {
+            "stages": [],
+            "base_output_directory": cfg.run_dir,
+            "run_name": name,
+            "wandb_group": cfg.wandb_group or cfg.run_name,
+            "wandb_run_name": f"{cfg.run_name}/{name}",
+        }
         if stages:
             changes["load_parameters_path"] = stages[-1].checkpoint_dir
         own = {k: v for k, v in stage.items() if k != "name"}
@@ -86,8 +91,11 @@ def _check_finished_stages_unchanged(stages) -> None:
         changes = run_dir.changed_keys(stage, previous)
         shown = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items())
         if changes and os.path.exists(os.path.join(stage.run_dir, "stage_done")):
-            raise ConfigError(f"stage '{stage.run_name}' is finished but its definition changed ({shown}); "
-                              f"use another run_name, or remove {stage.run_dir} to run it again")
+            raise ConfigError(
+                f"stage '{stage.run_name}' is finished but its definition changed ({shown}); "
+                f"use another run_name, or remove {stage.run_dir} to run it again"
+            )
         if changes:
-            log.warning("stage %s changed since it started (%s); it resumes with the new definition",
-                        stage.run_name, shown)
+            log.warning(
+                "stage %s changed since it started (%s); it resumes with the new definition", stage.run_name, shown
+            )

@@ -31,8 +31,9 @@ def load(spec: str, key: str, expected: str = "a callable"):
         raise ConfigError(f"{where} but importing '{module_name}' failed: {one_line(e)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{where} but module '{module_name}' has no attribute '{attr}'"
-                              f"{did_you_mean(part, dir(obj))}")
+            raise ConfigError(
+                f"{where} but module '{module_name}' has no attribute '{attr}'{did_you_mean(part, dir(obj))}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{where} but '{attr}' is a {type(obj).__name__}, not {expected}")
@@ -45,8 +46,10 @@ def resolve(name: str, builtins: dict[str, str], key: str, expected: str = "a ca
         return load(builtins[name], key, expected)
     if ":" in name:
         return load(name, key, expected)
-    raise ConfigError(f"config key '{key}' names unknown '{name}'{did_you_mean(name, builtins)} "
-                      f"(built-ins: {', '.join(builtins)}; a plugin is written pkg.module:symbol)")
+    raise ConfigError(
+        f"config key '{key}' names unknown '{name}'{did_you_mean(name, builtins)} "
+        f"(built-ins: {', '.join(builtins)}; a plugin is written pkg.module:symbol)"
+    )
 
 
 def one_line(e) -> str:

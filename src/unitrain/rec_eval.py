@@ -10,6 +10,7 @@ Beam search is constrained to `sid_index_path`'s SIDs when it is set. The prompt
 in blocks of `rec_eval_batch_size` (the last block padded), so every evaluation reuses one compiled
 program per prompt-length bucket.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,8 +48,15 @@ def sid_beams(cfg, tokenizer, width: int, sample: bool = False, temperature: flo
     """Beam (or sampling) settings over the run's SIDs: constrained to sid_index_path when set (then
     as long as a SID plus EOS), else `rollout_max_response_len` tokens, stopping at EOS."""
     trie = _trie(cfg.sid_index_path, tokenizer) if cfg.sid_index_path else None
-    return BeamParams(width, trie.depth if trie else cfg.rollout_max_response_len, trie, cfg.beam_length_penalty,
-                      sample, temperature, (tokenizer.eos_id,))
+    return BeamParams(
+        width,
+        trie.depth if trie else cfg.rollout_max_response_len,
+        trie,
+        cfg.beam_length_penalty,
+        sample,
+        temperature,
+        (tokenizer.eos_id,),
+    )
 
 
 class RecEvaluator:
@@ -69,12 +77,17 @@ class RecEvaluator:
         """(SID, total logprob) of each eval prompt's beams, best first; beams with no sequence left out."""
         size, out = self.cfg.rec_eval_batch_size, []
         for start in range(0, len(self.prompts), size):
-            ids = [list(p.ids) for p in self.prompts[start:start + size]]
+            ids = [list(p.ids) for p in self.prompts[start : start + size]]
             n = len(ids)
             ranked = self.sampler.beam_search(ids + ids[:1] * (size - n), self.beams, jax.random.key(0))
             for tokens, lengths, scores in zip(ranked.tokens[:n], ranked.lengths[:n], ranked.scores[:n]):
-                out.append([(self.tokenizer.decode(t[:l]).strip(), float(s))
-                            for t, l, s in zip(tokens, lengths, scores) if np.isfinite(s)])
+                out.append(
+                    [
+                        (self.tokenizer.decode(t[:l]).strip(), float(s))
+                        for t, l, s in zip(tokens, lengths, scores)
+                        if np.isfinite(s)
+                    ]
+                )
         return out
 
     def __call__(self, params, step: int) -> dict:
@@ -84,9 +97,11 @@ class RecEvaluator:
         targets = [e["target"] for e in self.examples]
         metrics = hr_ndcg([[sid for sid, _ in p] for p in predictions], targets, self.cfg.rec_eval_k)
         self._write(step, predictions)
-        self.samples = "\n\n".join(f"**history** {', '.join(e['history'])}\n\n**target** {e['target']}\n\n"
-                                   f"**top 3** {', '.join(sid for sid, _ in p[:3])}"
-                                   for e, p in zip(self.examples[:4], predictions))
+        self.samples = "\n\n".join(
+            f"**history** {', '.join(e['history'])}\n\n**target** {e['target']}\n\n"
+            f"**top 3** {', '.join(sid for sid, _ in p[:3])}"
+            for e, p in zip(self.examples[:4], predictions)
+        )
         return {f"eval_{k}": v for k, v in metrics.items()}
 
     def _write(self, step: int, predictions) -> None:
@@ -97,6 +112,16 @@ class RecEvaluator:
         path = os.path.join(self.cfg.run_dir, "predictions.jsonl")
         with open(path + ".tmp", "w") as f:
             for e, p in zip(self.examples, predictions):
-                f.write(json.dumps({"step": step, "user_id": e["user"], "target": e["target"],
-                                    "predictions": [sid for sid, _ in p], "logprobs": [s for _, s in p]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "user_id": e["user"],
+                            "target": e["target"],
+                            "predictions": [sid for sid, _ in p],
+                            "logprobs": [s for _, s in p],
+                        }
+                    )
+                    + "\n"
+                )
         os.replace(path + ".tmp", path)

@@ -17,6 +17,7 @@ The final answer (`final_answer`) is what the completion states last of: a \\box
 a number or one math expression. A completion that states none scores 0 with math and gsm8k,
 whatever numbers its reasoning holds: an intermediate "= 20" is no answer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,7 +62,9 @@ def final_answer(completion: str) -> str | None:
     if _BARE.fullmatch(completion):
         return completion.strip().rstrip(".")
     markers = [(m.start(), m.end(), True) for m in _BOXED.finditer(completion)]
-    markers += [(m.start(), m.end(), False) for pattern in (_HASHES, _ANSWER_PHRASE) for m in pattern.finditer(completion)]
+    markers += [
+        (m.start(), m.end(), False) for pattern in (_HASHES, _ANSWER_PHRASE) for m in pattern.finditer(completion)
+    ]
     for _, end, boxed in sorted(markers, reverse=True):  # the last one that states something
         answer = _braced(completion, end) if boxed else _stated(completion[end:])
         if answer:
@@ -84,7 +87,7 @@ def _stated(text: str) -> str:
     if env := _MATH_ENV.match(text):
         return env.group(0)
     end = _ANSWER_END.search(text)
-    return text[:end.start() if end else len(text)].strip()
+    return text[: end.start() if end else len(text)].strip()
 
 
 # ---------------------------------------------------------------- gsm8k
@@ -157,6 +160,7 @@ def make_math_reward(cfg) -> Reward:
 
 # ---------------------------------------------------------------- exact match and format
 
+
 def exact_match_reward(prompt: str, completion: str, label: str) -> float:
     return float(completion.strip() == label.strip())
 
@@ -174,6 +178,7 @@ def make_format_reward(cfg) -> Reward:
 
 
 # ---------------------------------------------------------------- recommendation (semantic IDs)
+
 
 def sid_hit_reward(prompt: str, completion: str, label: str) -> float:
     """1.0 if the completion is the label's SID (whitespace between its tokens ignored)."""
@@ -201,6 +206,7 @@ def sid_rank_reward(prompts: list[str], completions: list[str], labels: list[str
 
 # ---------------------------------------------------------------- length (DAPO)
 
+
 def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float) -> np.ndarray:
     """DAPO's soft overlong punishment (Yu et al. 2025; verl's DAPO reward manager), a reward term
     from completion lengths in tokens (stop token included) [N] -> float32 [N]: with L_max = max_len
@@ -223,13 +229,16 @@ BUILTINS: dict[str, Callable[..., Reward]] = {
 
 # ---------------------------------------------------------------- resolution and the reward function
 
+
 def _resolve(name: str, cfg) -> Reward:
     if name in BUILTINS:
         return BUILTINS[name](cfg)
     if ":" in name:
         return plugins.load(name, "reward", "a function (prompt, completion, label) -> float")
-    raise ConfigError(f"config key 'reward' names unknown reward '{name}'{did_you_mean(name, BUILTINS)} "
-                      f"(built-ins: {', '.join(BUILTINS)}; a plugin is written pkg.module:function)")
+    raise ConfigError(
+        f"config key 'reward' names unknown reward '{name}'{did_you_mean(name, BUILTINS)} "
+        f"(built-ins: {', '.join(BUILTINS)}; a plugin is written pkg.module:function)"
+    )
 
 
 class RewardFn:
@@ -242,13 +251,18 @@ class RewardFn:
     def __init__(self, names: tuple[str, ...], fns: tuple[Reward, ...], weights: tuple[float, ...]):
         self.names, self.fns, self.weights = names, fns, weights
 
-    def __call__(self, prompts: list[str], completions: list[str], labels: list[str], group_size: int = 1
-                 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def __call__(
+        self, prompts: list[str], completions: list[str], labels: list[str], group_size: int = 1
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         n = len(completions)
         if len(prompts) != n or len(labels) != n:
-            raise ValueError(f"reward inputs differ in length: {len(prompts)} prompts, {n} completions, {len(labels)} labels")
-        per_reward = {name: self._evaluate(name, fn, prompts, completions, labels, group_size)
-                      for name, fn in zip(self.names, self.fns)}
+            raise ValueError(
+                f"reward inputs differ in length: {len(prompts)} prompts, {n} completions, {len(labels)} labels"
+            )
+        per_reward = {
+            name: self._evaluate(name, fn, prompts, completions, labels, group_size)
+            for name, fn in zip(self.names, self.fns)
+        }
         total = np.zeros(n, np.float32)
         for name, weight in zip(self.names, self.weights):
             total += np.float32(weight) * per_reward[name]
@@ -262,18 +276,29 @@ class RewardFn:
         for start in range(0, len(completions), size):
             part = slice(start, start + size)
             try:
-                got = (fn.fn(prompts[part], completions[part], labels[part]) if isinstance(fn, GroupReward)
-                       else [fn(prompts[start], completions[start], labels[start])])
+                got = (
+                    fn.fn(prompts[part], completions[part], labels[part])
+                    if isinstance(fn, GroupReward)
+                    else [fn(prompts[start], completions[start], labels[start])]
+                )
             except Exception as e:
-                raise RewardError(_sample_error(name, f"raised {one_line(e)}", (prompts[start], completions[start],
-                                                                                labels[start]))) from e
+                raise RewardError(
+                    _sample_error(name, f"raised {one_line(e)}", (prompts[start], completions[start], labels[start]))
+                ) from e
             if len(got) != len(completions[part]):
-                raise RewardError(f"reward '{name}' returned {len(got)} values for {len(completions[part])} completions")
+                raise RewardError(
+                    f"reward '{name}' returned {len(got)} values for {len(completions[part])} completions"
+                )
             for i, value in enumerate(got, start):
                 # A NaN or a string would silently poison the advantages: stop at the sample that made it.
                 if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                    raise RewardError(_sample_error(name, f"returned {one_line(repr(value))}, not a finite number",
-                                                    (prompts[i], completions[i], labels[i])))
+                    raise RewardError(
+                        _sample_error(
+                            name,
+                            f"returned {one_line(repr(value))}, not a finite number",
+                            (prompts[i], completions[i], labels[i]),
+                        )
+                    )
                 values[i] = value
         return values
 
@@ -282,13 +307,19 @@ def make_reward_fn(cfg) -> RewardFn:
     """The RewardFn of cfg.reward and cfg.reward_weights; name errors raise ConfigError before any work."""
     names = tuple(entry.strip() for entry in cfg.reward.split(","))
     if "" in names:
-        raise ConfigError(f"config key 'reward' has an empty entry in '{cfg.reward}'; separate names with single commas")
+        raise ConfigError(
+            f"config key 'reward' has an empty entry in '{cfg.reward}'; separate names with single commas"
+        )
     if len(set(names)) < len(names):
-        raise ConfigError(f"config key 'reward' names a reward twice in '{cfg.reward}'; give it a larger weight instead")
+        raise ConfigError(
+            f"config key 'reward' names a reward twice in '{cfg.reward}'; give it a larger weight instead"
+        )
     weights = (1.0,) * len(names) if cfg.reward_weights is None else tuple(float(w) for w in cfg.reward_weights)
     if len(weights) != len(names):
-        raise ConfigError(f"config key 'reward_weights' has {len(weights)} weights but config key 'reward' names "
-                          f"{len(names)} rewards ({', '.join(names)})")
+        raise ConfigError(
+            f"config key 'reward_weights' has {len(weights)} weights but config key 'reward' names "
+            f"{len(names)} rewards ({', '.join(names)})"
+        )
     return RewardFn(names, tuple(_resolve(name, cfg) for name in names), weights)
 
 

@@ -56,7 +56,17 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     adapters_only = cfg.lora_rank > 0
     optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only))
     state = step_lib.init_state(params, optimizer, mesh, cfg.optimizer_host_offload, adapters_only)
-    run = RunContext(cfg=cfg, mesh=mesh, rollout_mesh=sharding.rollout_mesh_from_config(cfg), rules=rules, tokenizer=tokenizer, model=model, graphdef=graphdef,
-                     init_params=params, optimizer=optimizer, state_shardings=jax.tree.map(lambda x: x.sharding, state),
-                     programs=step_lib.CompileCache(mesh))
+    run = RunContext(
+        cfg=cfg,
+        mesh=mesh,
+        rollout_mesh=sharding.rollout_mesh_from_config(cfg),
+        rules=rules,
+        tokenizer=tokenizer,
+        model=model,
+        graphdef=graphdef,
+        init_params=params,
+        optimizer=optimizer,
+        state_shardings=jax.tree.map(lambda x: x.sharding, state),
+        programs=step_lib.CompileCache(mesh),
+    )
     return run, state

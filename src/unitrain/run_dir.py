@@ -19,9 +19,25 @@ from unitrain.config import ConfigError, write_config
 log = logging.getLogger("unitrain")
 
 # Keys that may differ between invocations of one run without changing what is trained.
-_RUN_CONTROL = ("steps", "action", "resume_step", "log_period", "eval_interval", "checkpoint_period", "max_to_keep",
-                "async_checkpointing", "export_hf_path", "profiler", "profiler_start_step", "profiler_steps",
-                "sample_log_period", "distributed_init", "coordinator_address", "num_processes", "process_id")
+_RUN_CONTROL = (
+    "steps",
+    "action",
+    "resume_step",
+    "log_period",
+    "eval_interval",
+    "checkpoint_period",
+    "max_to_keep",
+    "async_checkpointing",
+    "export_hf_path",
+    "profiler",
+    "profiler_start_step",
+    "profiler_steps",
+    "sample_log_period",
+    "distributed_init",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+)
 
 
 def previous_config(run_dir: str) -> dict | None:
@@ -35,8 +51,10 @@ def previous_config(run_dir: str) -> dict | None:
         inputs = yaml.safe_load(text)
         derived = yaml.safe_load("\n".join(line[2:] for line in text.split("# ---- derived", 1)[-1].splitlines()[1:]))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path} cannot be read ({e.__class__.__name__}: {str(e).splitlines()[0]}); "
-                          "move it away to start the run afresh") from None
+        raise ConfigError(
+            f"{path} cannot be read ({e.__class__.__name__}: {str(e).splitlines()[0]}); "
+            "move it away to start the run afresh"
+        ) from None
     return {**(derived or {}), **(inputs or {})}
 
 
@@ -48,20 +66,33 @@ def keep_global_batch(cfg, previous: dict, has_checkpoint: bool):
         return cfg
     devices = now // cfg.per_device_batch_size
     if previous.get("per_device_batch_size") == cfg.per_device_batch_size and before % devices == 0:
-        log.warning("resuming on %d devices: per_device_batch_size %d -> %d keeps the global batch of %d rows",
-                    devices, cfg.per_device_batch_size, before // devices, before)
+        log.warning(
+            "resuming on %d devices: per_device_batch_size %d -> %d keeps the global batch of %d rows",
+            devices,
+            cfg.per_device_batch_size,
+            before // devices,
+            before,
+        )
         return cfg.replace(per_device_batch_size=before // devices)
-    hint = (f"set per_device_batch_size={before // devices} to keep it" if before % devices == 0 else
-            f"which {devices} devices cannot split evenly; resume on a device count that divides it")
-    raise ConfigError(f"{cfg.run_dir} was trained with a global batch of {before} rows, this command gives {now} "
-                      f"({devices} devices x per_device_batch_size {cfg.per_device_batch_size}); {hint}")
+    hint = (
+        f"set per_device_batch_size={before // devices} to keep it"
+        if before % devices == 0
+        else f"which {devices} devices cannot split evenly; resume on a device count that divides it"
+    )
+    raise ConfigError(
+        f"{cfg.run_dir} was trained with a global batch of {before} rows, this command gives {now} "
+        f"({devices} devices x per_device_batch_size {cfg.per_device_batch_size}); {hint}"
+    )
 
 
 def changed_keys(cfg, previous: dict) -> dict:
     """{key: (before, now)} for the inputs that differ from the earlier invocation's."""
     now = cfg.to_dict()
-    return {k: (previous.get(k), now[k]) for k in cfg._inputs
-            if k not in _RUN_CONTROL and k in previous and previous[k] != now[k]}
+    return {
+        k: (previous.get(k), now[k])
+        for k in cfg._inputs
+        if k not in _RUN_CONTROL and k in previous and previous[k] != now[k]
+    }
 
 
 def save_config(cfg, previous: dict | None) -> None:
@@ -72,8 +103,11 @@ def save_config(cfg, previous: dict | None) -> None:
         while os.path.exists(kept := os.path.join(cfg.run_dir, f"config.{n}.yml")):
             n += 1
         shutil.copyfile(path, kept)
-        log.warning("the config changed since the last invocation of this run (%s); the earlier one is kept as %s",
-                    ", ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in changes.items()), kept)
+        log.warning(
+            "the config changed since the last invocation of this run (%s); the earlier one is kept as %s",
+            ", ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in changes.items()),
+            kept,
+        )
     write_config(cfg, path)
 
 
@@ -88,7 +122,9 @@ def resume_step(cfg, checkpointer) -> int:
     if cfg.resume_step is None:
         return max(saved, default=0)
     if cfg.resume_step not in saved:
-        raise ConfigError(f"resume_step={cfg.resume_step} is not a saved step of {cfg.checkpoint_dir}; "
-                          f"saved: {', '.join(map(str, saved)) or 'none'}")
+        raise ConfigError(
+            f"resume_step={cfg.resume_step} is not a saved step of {cfg.checkpoint_dir}; "
+            f"saved: {', '.join(map(str, saved)) or 'none'}"
+        )
     checkpointer.set_aside(s for s in saved if s > cfg.resume_step)
     return cfg.resume_step

@@ -53,7 +53,9 @@ def logical_to_spec(logical_axes: tuple, rules: Rules) -> PartitionSpec:
         if name is None:
             spec.append(None)
         elif name not in table:
-            raise ValueError(f"logical axis '{name}' has no entry in logical_axis_rules; add [{name}, <mesh axes or null>]")
+            raise ValueError(
+                f"logical axis '{name}' has no entry in logical_axis_rules; add [{name}, <mesh axes or null>]"
+            )
         else:
             spec.append(table[name])
     return PartitionSpec(*spec)
@@ -143,6 +145,7 @@ def state_shardings(state, mesh: Mesh, rules: Rules):
 
     Raises a clear error when a dimension does not divide evenly over the mesh axes it maps to.
     """
+
     def one(path, var):
         spec = logical_to_spec(logical_axes_of(var), rules)
         _check_divisible(jax.tree_util.keystr(path), var.shape, spec, mesh)
@@ -153,8 +156,11 @@ def state_shardings(state, mesh: Mesh, rules: Rules):
 
 def logical_shardings(axes_tree, mesh: Mesh, rules: Rules):
     """NamedShardings for a pytree of logical-axis tuples (a model's param_axes()), shapes unchecked."""
-    return jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes, rules)), axes_tree,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda axes: NamedSharding(mesh, logical_to_spec(axes, rules)),
+        axes_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def _check_divisible(name: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:
@@ -166,7 +172,8 @@ def _check_divisible(name: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:
         if size % parts:
             raise ValueError(
                 f"parameter {name} dimension {dim} (size {size}) cannot be split over mesh axes {axes} "
-                f"({parts} devices); change logical_axis_rules or the *_parallelism sizes")
+                f"({parts} devices); change logical_axis_rules or the *_parallelism sizes"
+            )
 
 
 def param_axes(state) -> dict:
@@ -187,7 +194,8 @@ def check_not_replicated(abstract_state, mesh: Mesh, rules: Rules, limit_mib: fl
             raise ConfigError(
                 f"parameter {name} ({mib:.0f} MiB, logical axes {logical_axes_of(var)}) would be fully "
                 f"replicated on all {mesh.size} devices; map one of its axes to a mesh axis in logical_axis_rules "
-                f"or raise max_replicated_param_mib")
+                f"or raise max_replicated_param_mib"
+            )
 
 
 def init_sharded(make_module: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> nnx.Module:
@@ -218,4 +226,3 @@ def with_memory_kind(tree, kind: str):
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
-

@@ -29,15 +29,26 @@ log = logging.getLogger("unitrain")
 
 # ---------------------------------------------------------------- state
 
+
 def opt_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
     """Shardings of optimizer.init(params): each moment takes its parameter's sharding, everything
     else (step counts) is replicated over the mesh. `params` may be concrete or abstract."""
-    return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
-                                 param_shardings, transform_non_params=lambda _: sharding.replicated(mesh))
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, s: s,
+        jax.eval_shape(optimizer.init, params),
+        param_shardings,
+        transform_non_params=lambda _: sharding.replicated(mesh),
+    )
 
 
-def init_state(params: dict, optimizer: optax.GradientTransformation, mesh, opt_host_offload: bool = False,
-               adapters_only: bool = False) -> dict:
+def init_state(
+    params: dict,
+    optimizer: optax.GradientTransformation,
+    mesh,
+    opt_host_offload: bool = False,
+    adapters_only: bool = False,
+) -> dict:
     """{params, opt_state, step}, every array in its sharding (the optimizer state optionally in
     pinned host memory, brought to the device inside each step). With `adapters_only` (LoRA) the
     optimizer holds the adapters alone (lora.trainable)."""
@@ -65,6 +76,7 @@ def device_shardings(params: dict) -> dict:
 
 
 # ---------------------------------------------------------------- the step
+
 
 def train_step(loss_fn, cfg, optimizer, state, batch, *, opt_device_shardings=None):
     """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level.
@@ -104,8 +116,11 @@ def train_step(loss_fn, cfg, optimizer, state, batch, *, opt_device_shardings=No
     params = full(optax.apply_updates(trained, updates))
     clipped = jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm
     step_metrics = {
-        "loss": loss_sum / denom, "grad_norm": grad_norm, "grad_norm_clipped": clipped,
-        "learning_rate": learning_rate_schedule(cfg)(state["step"]), "loss_denominator": denom,
+        "loss": loss_sum / denom,
+        "grad_norm": grad_norm,
+        "grad_norm_clipped": clipped,
+        "learning_rate": learning_rate_schedule(cfg)(state["step"]),
+        "loss_denominator": denom,
         **{name: total / jnp.maximum(count, 1.0) for name, (total, count) in sums.items()},
     }
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
@@ -113,19 +128,27 @@ def train_step(loss_fn, cfg, optimizer, state, batch, *, opt_device_shardings=No
 
 def make_train_step(loss_fn, cfg, optimizer, state_shardings, batch_shardings):
     """train_step jitted with explicit shardings and the state donated."""
-    opt_device = (jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
-                  if cfg.optimizer_host_offload else None)
-    return jax.jit(functools.partial(train_step, loss_fn, cfg, optimizer, opt_device_shardings=opt_device),
-                   in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, None),
-                   donate_argnums=0)
+    opt_device = (
+        jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
+        if cfg.optimizer_host_offload
+        else None
+    )
+    return jax.jit(
+        functools.partial(train_step, loss_fn, cfg, optimizer, opt_device_shardings=opt_device),
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    )
 
 
 # ---------------------------------------------------------------- compilation
 
+
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)), getattr(x, "sharding", None))
-                          for x in leaves)
+    return treedef, tuple(
+        (getattr(x, "shape", None), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves
+    )
 
 
 class CompileCache:
@@ -139,15 +162,29 @@ class CompileCache:
         self.mesh = mesh
         self._compiled: dict = {}
 
-    def __call__(self, name: str, jitted: Callable | None, *args, static: Any = (), build: Callable | None = None,
-                 options: dict | None = None):
+    def __call__(
+        self,
+        name: str,
+        jitted: Callable | None,
+        *args,
+        static: Any = (),
+        build: Callable | None = None,
+        options: dict | None = None,
+    ):
         """Runs the program `name` on `args`, compiling it first if this signature is new. `build`
         (called only then) makes the jitted function when it depends on the `static` choices;
         `options` are XLA compiler options for this program alone (jax's `compiler_options`)."""
         return self.compiled(name, jitted, *args, static=static, build=build, options=options)(*args)
 
-    def compiled(self, name: str, jitted: Callable | None, *args, static: Any = (), build: Callable | None = None,
-                 options: dict | None = None):
+    def compiled(
+        self,
+        name: str,
+        jitted: Callable | None,
+        *args,
+        static: Any = (),
+        build: Callable | None = None,
+        options: dict | None = None,
+    ):
         key = (name, static, _signature(args), tuple(sorted((options or {}).items())))
         program = self._compiled.get(key)
         if program is None:
@@ -162,13 +199,18 @@ class CompileCache:
         start = time.perf_counter()
         with in_mesh(self.mesh):
             compiled = jitted.lower(*args).compile(compiler_options=options)
-        log.info("compiled %s in %.1f s%s", name, time.perf_counter() - start,
-                 f" (XLA options {options})" if options else "")
+        log.info(
+            "compiled %s in %.1f s%s", name, time.perf_counter() - start, f" (XLA options {options})" if options else ""
+        )
         memory = compiled.memory_analysis()
         if memory is not None:
-            log.info("%s memory per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB", name,
-                     memory.argument_size_in_bytes / 2**20, memory.output_size_in_bytes / 2**20,
-                     memory.temp_size_in_bytes / 2**20)
+            log.info(
+                "%s memory per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
+                name,
+                memory.argument_size_in_bytes / 2**20,
+                memory.output_size_in_bytes / 2**20,
+                memory.temp_size_in_bytes / 2**20,
+            )
         return compiled
 
 
@@ -181,11 +223,17 @@ def _in_mesh(program, mesh):
     def call(*args):
         with jax.set_mesh(mesh):
             return program(*args)
-    call.memory_analysis, call.cost_analysis, call.out_info = program.memory_analysis, program.cost_analysis, program.out_info
+
+    call.memory_analysis, call.cost_analysis, call.out_info = (
+        program.memory_analysis,
+        program.cost_analysis,
+        program.out_info,
+    )
     return call
 
 
 # ---------------------------------------------------------------- rows between host and device
+
 
 def local_rows_to_global(batch: dict, shardings) -> dict:
     """This process's rows -> global arrays (SFT data: each process reads its own rows)."""
@@ -208,5 +256,6 @@ def to_host(x) -> np.ndarray:
     """A global array as one numpy array on every process (gathered when it spans processes)."""
     if not x.is_fully_addressable:
         from jax.experimental import multihost_utils
+
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x)

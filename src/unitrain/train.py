@@ -38,13 +38,24 @@ class NonFiniteLoss(RuntimeError):
 def train(cfg) -> int:
     sigterm = _SigtermFlag()  # first: a SIGTERM during start-up stops the run before its first step
     previous = run_dir.previous_config(cfg.run_dir)
-    checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_period, cfg.max_to_keep,
-                                           cfg.async_checkpointing, adapters_only=cfg.lora_rank > 0)
+    checkpointer = checkpoint.Checkpointer(
+        cfg.checkpoint_dir,
+        cfg.checkpoint_period,
+        cfg.max_to_keep,
+        cfg.async_checkpointing,
+        adapters_only=cfg.lora_rank > 0,
+    )
     if previous is not None:
         cfg = run_dir.keep_global_batch(cfg, previous, has_checkpoint=bool(checkpointer.all_steps()))
     run, state = build_run(cfg)
-    log.info("mode %s; model %s; mesh %s over %d devices (%d processes)", cfg.mode, cfg.model_source,
-             dict(run.mesh.shape), run.mesh.size, jax.process_count())
+    log.info(
+        "mode %s; model %s; mesh %s over %d devices (%d processes)",
+        cfg.mode,
+        cfg.model_source,
+        dict(run.mesh.shape),
+        run.mesh.size,
+        jax.process_count(),
+    )
     task = tasks.create(run)
     start = run_dir.resume_step(cfg, checkpointer)
     if start:
@@ -68,8 +79,10 @@ def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> 
     evaluated into <run_dir>/evals.jsonl or exported to export_hf_path; nothing is trained or saved."""
     cfg = run.cfg
     if not start and not cfg.load_parameters_path:
-        raise ConfigError(f"action={cfg.action} needs parameters: {cfg.checkpoint_dir} has no checkpoint and "
-                          "load_parameters_path is empty")
+        raise ConfigError(
+            f"action={cfg.action} needs parameters: {cfg.checkpoint_dir} has no checkpoint and "
+            "load_parameters_path is empty"
+        )
     source = f"{cfg.checkpoint_dir} step {start}" if start else cfg.load_parameters_path
     if cfg.action == "export":
         export.export_hf(run, state["params"], cfg.export_hf_path)
@@ -77,13 +90,16 @@ def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> 
         return 0
     results = task.evaluate(state["params"], start)
     if not results:
-        raise ConfigError(f"mode {cfg.mode} has nothing to evaluate with this config (set eval_dataset_path or eval keys)")
+        raise ConfigError(
+            f"mode {cfg.mode} has nothing to evaluate with this config (set eval_dataset_path or eval keys)"
+        )
     metrics.append_eval(os.path.join(cfg.run_dir, "evals.jsonl"), start, source, results)
     log.info("evaluated %s: %s", source, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
     return 0
 
 
 # ---------------------------------------------------------------- the loop
+
 
 def _fetch(step: int, step_metrics: dict) -> dict:
     """Host copy of a step's metrics; a non-finite loss or gradient means the state after it is bad."""
@@ -114,15 +130,21 @@ class _Throughput:
         if tokens_per_step:
             self.flops_per_token = model.flops_per_token(cfg.max_target_length)
             self.peak = metrics.peak_flops_per_device(cfg)
-            log.info("MFU denominator: %.3g FLOP/s per device (jnp.dot); model: %.3g FLOP per token",
-                     self.peak, self.flops_per_token)
+            log.info(
+                "MFU denominator: %.3g FLOP/s per device (jnp.dot); model: %.3g FLOP per token",
+                self.peak,
+                self.flops_per_token,
+            )
 
     def __call__(self, step_time: float) -> dict:
         if not self.tokens_per_step:
             return {"step_time": step_time}
         tokens_per_sec = self.tokens_per_step / step_time
-        return {"step_time": step_time, "tokens_per_sec": tokens_per_sec,
-                "mfu": metrics.mfu(tokens_per_sec, self.flops_per_token, self.peak, self.num_devices)}
+        return {
+            "step_time": step_time,
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": metrics.mfu(tokens_per_sec, self.flops_per_token, self.peak, self.num_devices),
+        }
 
 
 class _Pending:
@@ -190,15 +212,22 @@ class _KnownGood:
         if self.step is not None:
             return f"the newest checkpoint whose weights gave a finite loss is step {self.step}; a rerun resumes there"
         latest = self.checkpointer.latest_step()
-        return (f"no checkpoint of this run is known good; a rerun resumes from step {latest}" if latest
-                else "no checkpoint is left; a rerun starts over")
+        return (
+            f"no checkpoint of this run is known good; a rerun resumes from step {latest}"
+            if latest
+            else "no checkpoint is left; a rerun starts over"
+        )
 
 
 def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, writer, sigterm: _SigtermFlag) -> int:
     """The shared loop. Metrics of step s are written while step s+1 runs (no host sync for them)."""
     cfg = run.cfg
     throughput = _Throughput(cfg, run.model, run.mesh.size, task.tokens_per_step)
-    profiler, pending, good = metrics.Profiler.from_config(cfg), _Pending(writer, throughput), _KnownGood(checkpointer, start)
+    profiler, pending, good = (
+        metrics.Profiler.from_config(cfg),
+        _Pending(writer, throughput),
+        _KnownGood(checkpointer, start),
+    )
     try:
         if sigterm.raised:
             log.warning("SIGTERM during start-up: stopping before the first step; nothing was trained")

@@ -62,8 +62,12 @@ def extend(cfg, tokenizer):
         raise ConfigError(f"extra_tokens: {e}") from None
     multiple = cfg.vocab_pad_multiple
     size = -(-tokenizer.vocab_size // multiple) * multiple
-    log.info("extra_tokens: %d new tokens, tokenizer %d, model vocabulary %d", added, tokenizer.vocab_size,
-             max(size, cfg.vocab_size))
+    log.info(
+        "extra_tokens: %d new tokens, tokenizer %d, model vocabulary %d",
+        added,
+        tokenizer.vocab_size,
+        max(size, cfg.vocab_size),
+    )
     return cfg.replace(vocab_size=size) if size > cfg.vocab_size else cfg
 
 

@@ -6,6 +6,7 @@ step. The W&B run id is kept in <run_dir>/wandb_id, so a resumed run continues t
 W&B's steps only grow, so after a resume from an older checkpoint W&B keeps its first values of
 the steps run again (resume is exact: they are the same numbers).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,18 +23,29 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ConfigError(f"wandb_project={cfg.wandb_project!r} needs the wandb package: pip install "
-                              "'unitrain[wandb]' (or wandb_project='' for no W&B)") from None
+            raise ConfigError(
+                f"wandb_project={cfg.wandb_project!r} needs the wandb package: pip install "
+                "'unitrain[wandb]' (or wandb_project='' for no W&B)"
+            ) from None
         os.makedirs(cfg.run_dir, exist_ok=True)
         id_path = os.path.join(cfg.run_dir, ID_FILE)
         try:
-            self.run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None,
-                                  name=cfg.wandb_run_name or cfg.run_name, group=cfg.wandb_group or None,
-                                  mode=cfg.wandb_mode, dir=cfg.run_dir, id=_read(id_path), resume="allow",
-                                  config=cfg.to_dict())
+            self.run = wandb.init(
+                project=cfg.wandb_project,
+                entity=cfg.wandb_entity or None,
+                name=cfg.wandb_run_name or cfg.run_name,
+                group=cfg.wandb_group or None,
+                mode=cfg.wandb_mode,
+                dir=cfg.run_dir,
+                id=_read(id_path),
+                resume="allow",
+                config=cfg.to_dict(),
+            )
         except wandb.Error as e:  # no login, unreachable server, bad entity: the user's to fix
-            raise ConfigError(f"W&B could not start a run for wandb_project={cfg.wandb_project!r}: {e} "
-                              "(log in with `wandb login`, or set wandb_mode=offline)") from None
+            raise ConfigError(
+                f"W&B could not start a run for wandb_project={cfg.wandb_project!r}: {e} "
+                "(log in with `wandb login`, or set wandb_mode=offline)"
+            ) from None
         if cfg.wandb_mode != "disabled" and not os.path.exists(id_path):
             _write(id_path, self.run.id)
 

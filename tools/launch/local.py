@@ -38,9 +38,9 @@ class ProcessResult:
     process_id: int
     args: list[str]
     returncode: int
-    output: str              # stdout and stderr interleaved, without the [p<i>] prefixes ("" if not kept)
+    output: str  # stdout and stderr interleaved, without the [p<i>] prefixes ("" if not kept)
     killed: str | None = None  # why the launcher killed it: "peer_failed" | "timeout" | None
-    end_time: float = 0.0    # time.monotonic() when its exit was noticed
+    end_time: float = 0.0  # time.monotonic() when its exit was noticed
 
     @property
     def stdout(self) -> str:
@@ -83,8 +83,15 @@ def child_env(devices_per_process: int, port: int, env: dict | None = None) -> d
 
 
 def child_command(module: str, args: list[str], processes: int, process_id: int, port: int) -> list[str]:
-    return [sys.executable, "-m", module, *args, f"coordinator_address={HOST}:{port}",
-            f"num_processes={processes}", f"process_id={process_id}"]
+    return [
+        sys.executable,
+        "-m",
+        module,
+        *args,
+        f"coordinator_address={HOST}:{port}",
+        f"num_processes={processes}",
+        f"process_id={process_id}",
+    ]
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -110,9 +117,19 @@ def _pump(i: int, stream, sink, keep: list[str] | None, lock: threading.Lock) ->
     stream.close()
 
 
-def launch(args: list[str], processes: int, devices_per_process: int, port: int = 0,
-           timeout: float | None = None, module: str = "unitrain.train", env: dict | None = None, *,
-           echo=True, keep_output: bool = True, grace: float = 5.0) -> list[ProcessResult]:
+def launch(
+    args: list[str],
+    processes: int,
+    devices_per_process: int,
+    port: int = 0,
+    timeout: float | None = None,
+    module: str = "unitrain.train",
+    env: dict | None = None,
+    *,
+    echo=True,
+    keep_output: bool = True,
+    grace: float = 5.0,
+) -> list[ProcessResult]:
     """Start `processes` copies of `python -m module args... coordinator_address=127.0.0.1:<port>
     num_processes=N process_id=i` and wait for them.
 
@@ -150,8 +167,14 @@ def launch(args: list[str], processes: int, devices_per_process: int, port: int 
             previous[sig] = signal.signal(sig, lambda signum, _frame: signals_seen.append(signum))
     try:
         for i, cmd in enumerate(commands):
-            proc = subprocess.Popen(cmd, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                env=environment,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             procs.append(proc)
             keep: list[str] | None = [] if keep_output else None
             outputs.append(keep)
@@ -187,8 +210,12 @@ def launch(args: list[str], processes: int, devices_per_process: int, port: int 
             signal.signal(sig, handler)
     for t in pumps:
         t.join(timeout=5)
-    return [ProcessResult(i, commands[i], p.returncode, "".join(outputs[i] or []), killed.get(i),
-                          ended.get(i, time.monotonic())) for i, p in enumerate(procs)]
+    return [
+        ProcessResult(
+            i, commands[i], p.returncode, "".join(outputs[i] or []), killed.get(i), ended.get(i, time.monotonic())
+        )
+        for i, p in enumerate(procs)
+    ]
 
 
 def _forward(procs, signals: list[int]) -> None:
@@ -236,35 +263,48 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--" in argv:
         split = argv.index("--")
-        own, rest = argv[:split], argv[split + 1:]
+        own, rest = argv[:split], argv[split + 1 :]
     else:
         own, rest = argv, []
     parser = argparse.ArgumentParser(
         prog="tools/launch/local.py",
         description="Run N local processes of a multi-host JAX job on CPU (args after -- go to the module).",
-        allow_abbrev=False)
+        allow_abbrev=False,
+    )
     parser.add_argument("-n", "--processes", type=int, default=2, help="number of processes (default 2)")
-    parser.add_argument("-d", "--devices-per-process", type=int, default=4,
-                        help="simulated CPU devices per process (default 4)")
+    parser.add_argument(
+        "-d", "--devices-per-process", type=int, default=4, help="simulated CPU devices per process (default 4)"
+    )
     parser.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (0: a free one)")
     parser.add_argument("--timeout", type=float, default=None, help="kill everything after this many seconds")
     parser.add_argument("--module", default="unitrain.train", help="module to run (default unitrain.train)")
-    parser.add_argument("--grace", type=float, default=5.0,
-                        help="seconds between SIGTERM and SIGKILL when stopping the others (default 5)")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping the others (default 5)",
+    )
     opts, unknown = parser.parse_known_args(own)
     rest = unknown + rest  # `local.py configs/base.yml steps=2` without -- works too
     if opts.processes < 1 or opts.devices_per_process < 1:
         parser.error("--processes and --devices-per-process must be >= 1")
     try:
-        results = launch(rest, opts.processes, opts.devices_per_process, port=opts.port, timeout=opts.timeout,
-                         module=opts.module, keep_output=False, grace=opts.grace)
+        results = launch(
+            rest,
+            opts.processes,
+            opts.devices_per_process,
+            port=opts.port,
+            timeout=opts.timeout,
+            module=opts.module,
+            keep_output=False,
+            grace=opts.grace,
+        )
     except OSError as e:
         print(f"launch: {e}", file=sys.stderr)
         return 2
     code = exit_code(results)
     if code != 0:
-        parts = [f"p{r.process_id}: {r.returncode}" + (f" (killed: {r.killed})" if r.killed else "")
-                 for r in results]
+        parts = [f"p{r.process_id}: {r.returncode}" + (f" (killed: {r.killed})" if r.killed else "") for r in results]
         print(f"launch: exit {code}; " + ", ".join(parts), file=sys.stderr)
     return code
 

@@ -5,6 +5,7 @@ operands with up to `digits` digits). A hash of the problem text decides which s
 so train and eval are disjoint by construction whatever the streams draw. The problem streams use
 fixed seeds, not the run seed: every run evaluates on the same problems.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +14,7 @@ import numpy as np
 
 SPLITS = {"train": 0, "eval": 1}
 EVAL_FRACTION_PERCENT = 10  # share of all possible problems reserved for eval
-NUM_PROBLEMS = 1 << 20      # length of each split's stream; the train stream is reshuffled per epoch
+NUM_PROBLEMS = 1 << 20  # length of each split's stream; the train stream is reshuffled per epoch
 
 
 def problem_split(prompt: str) -> str:

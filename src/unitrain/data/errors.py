@@ -1,4 +1,5 @@
 """The exception the data path raises for unusable user data."""
+
 from unitrain.config import ConfigError
 
 

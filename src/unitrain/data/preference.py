@@ -26,6 +26,7 @@ Over-long sequences (more than max_target_length tokens): `truncation=truncate` 
 on the right (the prompt is kept whole); a pair whose prompt alone fills the row is dropped.
 `truncation=drop` drops every pair with an over-long sequence.
 """
+
 from __future__ import annotations
 
 import grain
@@ -44,6 +45,7 @@ PAIR_FIELDS = tuple(f"{side}_{field}" for side in SIDES for field in BATCH_FIELD
 
 # ---------------------------------------------------------------- records
 
+
 def read_preference_records(spec: str, prompt_key: str, chosen_key: str, rejected_key: str) -> list[dict]:
     """All records of the files named by `spec`, checked eagerly (file:line on error), each reduced to
     {prompt, chosen, rejected} texts or {prompt_messages, chosen_message, rejected_message}."""
@@ -55,24 +57,31 @@ def read_preference_records(spec: str, prompt_key: str, chosen_key: str, rejecte
 
 def _is_messages(value) -> bool:
     return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    )
 
 
 def _normalize(row, where: str, prompt_key: str, chosen_key: str, rejected_key: str) -> dict:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
     if chosen_key not in row or rejected_key not in row:
-        raise DataError(f"{where}: record lacks {chosen_key!r} or {rejected_key!r} (it has {sorted(row)}); "
-                        "set chosen_key and rejected_key")
+        raise DataError(
+            f"{where}: record lacks {chosen_key!r} or {rejected_key!r} (it has {sorted(row)}); "
+            "set chosen_key and rejected_key"
+        )
     chosen, rejected, prompt = row[chosen_key], row[rejected_key], row.get(prompt_key)
     if isinstance(chosen, str) and isinstance(rejected, str):
         if not isinstance(prompt, str):
-            raise DataError(f"{where}: field {prompt_key!r} must be a string beside string {chosen_key!r} and "
-                            f"{rejected_key!r}, got {type(prompt).__name__}; set prompt_key")
+            raise DataError(
+                f"{where}: field {prompt_key!r} must be a string beside string {chosen_key!r} and "
+                f"{rejected_key!r}, got {type(prompt).__name__}; set prompt_key"
+            )
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     if not (_is_messages(chosen) and _is_messages(rejected)):
-        raise DataError(f"{where}: fields {chosen_key!r} and {rejected_key!r} must both be strings or both lists "
-                        "of {role, content} messages")
+        raise DataError(
+            f"{where}: fields {chosen_key!r} and {rejected_key!r} must both be strings or both lists "
+            "of {role, content} messages"
+        )
     chosen, rejected = [_message(m) for m in chosen], [_message(m) for m in rejected]
     if prompt is None:  # implicit prompt: the messages both share
         shared = 0
@@ -82,12 +91,16 @@ def _normalize(row, where: str, prompt_key: str, chosen_key: str, rejected_key: 
     elif _is_messages(prompt):
         prompt = [_message(m) for m in prompt]
     else:
-        raise DataError(f"{where}: field {prompt_key!r} must be a list of {{role, content}} messages beside "
-                        f"conversational {chosen_key!r} and {rejected_key!r}")
+        raise DataError(
+            f"{where}: field {prompt_key!r} must be a list of {{role, content}} messages beside "
+            f"conversational {chosen_key!r} and {rejected_key!r}"
+        )
     for key, tail in ((chosen_key, chosen), (rejected_key, rejected)):
         if len(tail) != 1 or tail[0]["role"] != "assistant":
-            raise DataError(f"{where}: after the prompt, {key!r} must hold exactly one assistant message, it holds "
-                            f"{[m['role'] for m in tail]}")
+            raise DataError(
+                f"{where}: after the prompt, {key!r} must hold exactly one assistant message, it holds "
+                f"{[m['role'] for m in tail]}"
+            )
     return {"prompt_messages": prompt, "chosen_message": chosen[0], "rejected_message": rejected[0]}
 
 
@@ -107,13 +120,17 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
     if path == "builtin":
         digits = cfg.builtin_task_digits
         if cfg.max_target_length < max_builtin_length(digits):  # the wrong answers fit the same bound
-            raise ConfigError(f"max_target_length={cfg.max_target_length} is too short for the built-in task with "
-                              f"builtin_task_digits={digits}; it needs {max_builtin_length(digits)}")
+            raise ConfigError(
+                f"max_target_length={cfg.max_target_length} is too short for the built-in task with "
+                f"builtin_task_digits={digits}; it needs {max_builtin_length(digits)}"
+            )
         return grain.MapDataset.range(NUM_PROBLEMS).map(lambda i: builtin_pair(int(i), split, digits))
     if path == "synthetic":
         key = "dataset_path" if split == "train" else "eval_dataset_path"
-        raise ConfigError(f"{key}=synthetic has no preference pairs; use builtin or data files with "
-                          "prompt_key, chosen_key and rejected_key")
+        raise ConfigError(
+            f"{key}=synthetic has no preference pairs; use builtin or data files with "
+            "prompt_key, chosen_key and rejected_key"
+        )
     records = read_preference_records(path, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
     if not tokenizer.has_chat_template and any("prompt_messages" in r for r in records):
         tokenizer.apply_chat_template([])  # raises the ConfigError naming tokenizer_path
@@ -122,12 +139,15 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
 
 # ---------------------------------------------------------------- tokenize and lay out
 
+
 def _row(ex: dict, max_len: int, pad_id: int) -> dict:
     """example_arrays' unpacked arrays -> one right-padded row of the five batch fields."""
     n = len(ex["inputs"])
     out = {
-        "inputs": np.full(max_len, pad_id, np.int32), "inputs_position": np.zeros(max_len, np.int32),
-        "inputs_segmentation": np.zeros(max_len, np.int32), "targets": np.full(max_len, pad_id, np.int32),
+        "inputs": np.full(max_len, pad_id, np.int32),
+        "inputs_position": np.zeros(max_len, np.int32),
+        "inputs_segmentation": np.zeros(max_len, np.int32),
+        "targets": np.full(max_len, pad_id, np.int32),
         "targets_segmentation": np.zeros(max_len, np.int32),
     }
     out["inputs"][:n], out["targets"][:n] = ex["inputs"], ex["targets"]
@@ -144,18 +164,23 @@ def pair_fn(tokenizer, max_len: int, truncation: str):
 
     def to_pair(record: dict) -> dict:
         if "prompt_messages" in record:  # the chat template owns BOS and end-of-turn tokens
-            texts = [tokenizer.apply_chat_template([*record["prompt_messages"], record[f"{side}_message"]])
-                     for side in SIDES]
+            texts = [
+                tokenizer.apply_chat_template([*record["prompt_messages"], record[f"{side}_message"]]) for side in SIDES
+            ]
             prompt = tokenizer.encode(texts[0][0])  # the same prompt text for both sides
             completions = [tokenizer.encode(completion) for _, completion in texts]
         else:  # plain texts, concatenated verbatim: separators belong in the data
             prompt = bos + tokenizer.encode(record["prompt"])
             completions = [tokenizer.encode(record[side]) + eos for side in SIDES]
-        examples = [example_arrays([(prompt, False), (c, True)], max_len, truncation, tokenizer.pad_id) for c in completions]
+        examples = [
+            example_arrays([(prompt, False), (c, True)], max_len, truncation, tokenizer.pad_id) for c in completions
+        ]
         truncated = np.int32(any(int(e["num_truncated"]) for e in examples))
         if not all("inputs" in e for e in examples):
             return {"num_truncated": truncated}
-        rows = {f"{side}_{k}": v for side, e in zip(SIDES, examples) for k, v in _row(e, max_len, tokenizer.pad_id).items()}
+        rows = {
+            f"{side}_{k}": v for side, e in zip(SIDES, examples) for k, v in _row(e, max_len, tokenizer.pad_id).items()
+        }
         return {**rows, "num_truncated": truncated}
 
     return to_pair
@@ -174,11 +199,13 @@ def _check_not_empty(pairs: grain.MapDataset, where: str, max_len: int) -> None:
     for i in range(len(pairs)):
         if _kept(pairs[i]):
             return
-    raise DataError(f"no preference pair of {where} fits in max_target_length={max_len}; raise it or use "
-                    "truncation=truncate")
+    raise DataError(
+        f"no preference pair of {where} fits in max_target_length={max_len}; raise it or use truncation=truncate"
+    )
 
 
 # ---------------------------------------------------------------- pipelines
+
 
 def make_preference_dataset(cfg, tokenizer, rows: int, shard: int = 0, num_shards: int = 1) -> grain.IterDataset:
     """The grain pipeline of one virtual data shard of the train split: records[shard::num_shards],
@@ -192,19 +219,27 @@ def make_preference_dataset(cfg, tokenizer, rows: int, shard: int = 0, num_shard
     if cfg.shuffle:
         ds = ds.shuffle(seed=shard_seed(cfg.seed, shard))  # reshuffled every epoch
     ds = ds.repeat(cfg.num_epochs)  # None = forever
-    it = CountDropped(ds.map(to_pair).to_iter_dataset(grain.ReadOptions(num_threads=0)),
-                      dropped=lambda e: None if _kept(e) else int(e["num_truncated"]),
-                      keep=lambda e, n: {**e, "num_truncated": np.int32(e["num_truncated"] + n)})
+    it = CountDropped(
+        ds.map(to_pair).to_iter_dataset(grain.ReadOptions(num_threads=0)),
+        dropped=lambda e: None if _kept(e) else int(e["num_truncated"]),
+        keep=lambda e, n: {**e, "num_truncated": np.int32(e["num_truncated"] + n)},
+    )
     return it.batch(rows, drop_remainder=True).map(_sum_counts)
 
 
-def make_preference_iterator(cfg, tokenizer, global_batch_size: int, process_index: int = 0,
-                             process_count: int = 1) -> ShardedIterator:
+def make_preference_iterator(
+    cfg, tokenizer, global_batch_size: int, process_index: int = 0, process_count: int = 1
+) -> ShardedIterator:
     """This process's rows (pairs) of each global batch of `global_batch_size` pairs, drawn from
     cfg.data_shards virtual shards: the same global batches for any process count, and
     get_state()/set_state() restore the position exactly (as make_sft_iterator)."""
-    return sharded_iterator(cfg.data_shards, global_batch_size, process_index, process_count,
-                            lambda rows, s: make_preference_dataset(cfg, tokenizer, rows, s, cfg.data_shards))
+    return sharded_iterator(
+        cfg.data_shards,
+        global_batch_size,
+        process_index,
+        process_count,
+        lambda rows, s: make_preference_dataset(cfg, tokenizer, rows, s, cfg.data_shards),
+    )
 
 
 def eval_pair_batches(cfg, tokenizer, rows: int, max_batches: int) -> list[dict]:
@@ -223,8 +258,10 @@ def eval_pair_batches(cfg, tokenizer, rows: int, max_batches: int) -> list[dict]
         if _kept(element):
             pairs.append({k: element[k] for k in PAIR_FIELDS})
     if not pairs:
-        raise DataError(f"no eval preference pair of {path!r} fits in max_target_length={cfg.max_target_length}; "
-                        "raise it or use truncation=truncate")
+        raise DataError(
+            f"no eval preference pair of {path!r} fits in max_target_length={cfg.max_target_length}; "
+            "raise it or use truncation=truncate"
+        )
     padding = {k: np.zeros_like(v) for k, v in pairs[0].items()}
     pairs += [padding] * (-len(pairs) % rows)
-    return [{k: np.stack([p[k] for p in pairs[b:b + rows]]) for k in PAIR_FIELDS} for b in range(0, len(pairs), rows)]
+    return [{k: np.stack([p[k] for p in pairs[b : b + rows]]) for k in PAIR_FIELDS} for b in range(0, len(pairs), rows)]

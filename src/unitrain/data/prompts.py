@@ -17,6 +17,7 @@ message (after a system message when `system_prompt` is set), rendered by the to
 template with the generation prompt, and the template owns every special token. Prompts with more
 than `max_prompt_length` ids are dropped and counted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,8 @@ _BUILTIN_SCAN_LIMIT = 1000
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     ids: tuple[int, ...]  # token ids fed to the sampler (BOS or chat template applied)
-    text: str             # the prompt as the reward sees it: the raw text, before any template
-    label: str            # the gold answer for the reward
+    text: str  # the prompt as the reward sees it: the raw text, before any template
+    label: str  # the gold answer for the reward
 
 
 def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict]:
@@ -52,8 +53,10 @@ def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict
         if not isinstance(row, dict):
             raise DataError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
         if prompt_key not in row or label_key not in row:
-            raise DataError(f"{where}: record lacks {prompt_key!r} or {label_key!r} (it has {sorted(row)}); "
-                            "set prompt_key and label_key")
+            raise DataError(
+                f"{where}: record lacks {prompt_key!r} or {label_key!r} (it has {sorted(row)}); "
+                "set prompt_key and label_key"
+            )
         prompt = row[prompt_key]
         if not isinstance(prompt, str):
             raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
@@ -75,8 +78,10 @@ def _records(cfg, split: str, path: str) -> grain.MapDataset:
         return grain.MapDataset.range(NUM_PROBLEMS).map(problem)
     if path == "synthetic":
         key = "dataset_path" if split == "train" else "eval_dataset_path"
-        raise ConfigError(f"{key}=synthetic has no prompts or labels for rollouts; use builtin or "
-                          "data files with prompt_key and label_key")
+        raise ConfigError(
+            f"{key}=synthetic has no prompts or labels for rollouts; use builtin or "
+            "data files with prompt_key and label_key"
+        )
     if cfg.data_format == "minionerec":
         return grain.MapDataset.source(recommendation.prompt_records(cfg, path))
     return grain.MapDataset.source(read_prompt_records(path, cfg.prompt_key, cfg.label_key))
@@ -85,8 +90,10 @@ def _records(cfg, split: str, path: str) -> grain.MapDataset:
 def _prompt_fn(cfg, tokenizer):
     """record -> {"prompt": Prompt or None (over-long, dropped), "length": number of ids}."""
     if cfg.chat_template and not tokenizer.has_chat_template:
-        raise ConfigError(f"chat_template is true but tokenizer_path={tokenizer.path!r} has no chat template; "
-                          "use a chat tokenizer or chat_template=false")
+        raise ConfigError(
+            f"chat_template is true but tokenizer_path={tokenizer.path!r} has no chat template; "
+            "use a chat tokenizer or chat_template=false"
+        )
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     chat, max_len = cfg.chat_template, cfg.max_prompt_length
@@ -100,8 +107,10 @@ def _prompt_fn(cfg, tokenizer):
         else:
             ids = bos + tokenizer.encode(text)
         fits = len(ids) <= max_len
-        return {"prompt": Prompt(tuple(int(i) for i in ids), text, record["label"]) if fits else None,
-                "length": len(ids)}
+        return {
+            "prompt": Prompt(tuple(int(i) for i in ids), text, record["label"]) if fits else None,
+            "length": len(ids),
+        }
 
     return to_prompt
 
@@ -116,16 +125,18 @@ def _check_not_empty(prompts: grain.MapDataset, path: str, max_len: int) -> None
             return
         shortest = element["length"] if shortest is None else min(shortest, element["length"])
     scanned = "" if limit == len(prompts) else f" (of the first {limit})"
-    raise DataError(f"no prompt of {path!r}{scanned} fits in max_prompt_length={max_len}; the shortest has "
-                    f"{shortest} tokens")
+    raise DataError(
+        f"no prompt of {path!r}{scanned} fits in max_prompt_length={max_len}; the shortest has {shortest} tokens"
+    )
 
 
 def _to_batch(elements) -> dict:
     return {"prompts": [e["prompt"] for e in elements], "num_dropped": sum(e["num_dropped"] for e in elements)}
 
 
-def make_prompt_dataset(cfg, tokenizer, prompts_per_batch: int, split: str = "train",
-                        process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+def make_prompt_dataset(
+    cfg, tokenizer, prompts_per_batch: int, split: str = "train", process_index: int = 0, process_count: int = 1
+) -> grain.IterDataset:
     """The grain pipeline behind `make_prompt_iterator` (see the module docstring for the batch).
 
     split="train" is shuffled with `seed` (when `shuffle`) and repeated `num_epochs` times (null =
@@ -153,14 +164,17 @@ def make_prompt_dataset(cfg, tokenizer, prompts_per_batch: int, split: str = "tr
         ds = ds.shuffle(seed=cfg.seed)  # reshuffled every epoch: grain folds the epoch into the seed
     if split == "train":
         ds = ds.repeat(cfg.num_epochs)  # None = forever
-    it = CountDropped(ds.map(to_prompt).to_iter_dataset(grain.ReadOptions(num_threads=0)),
-                      dropped=lambda e: 1 if e["prompt"] is None else None,
-                      keep=lambda e, n: {"prompt": e["prompt"], "num_dropped": n})
+    it = CountDropped(
+        ds.map(to_prompt).to_iter_dataset(grain.ReadOptions(num_threads=0)),
+        dropped=lambda e: 1 if e["prompt"] is None else None,
+        keep=lambda e, n: {"prompt": e["prompt"], "num_dropped": n},
+    )
     return it.batch(prompts_per_batch // process_count, drop_remainder=True, batch_fn=_to_batch)
 
 
-def make_prompt_iterator(cfg, tokenizer, prompts_per_batch: int, split: str = "train",
-                         process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+def make_prompt_iterator(
+    cfg, tokenizer, prompts_per_batch: int, split: str = "train", process_index: int = 0, process_count: int = 1
+) -> grain.DatasetIterator:
     """This process's prompt batches, {"prompts": [Prompt, ...], "num_dropped": int}; a grain
     DatasetIterator, so get_state()/set_state() and grain.checkpoint.CheckpointSave/CheckpointRestore
     (orbax) checkpoint its position exactly."""
@@ -190,6 +204,8 @@ def eval_prompts(cfg, tokenizer, count: int, records: list[dict] | None = None) 
         if not out and path == "builtin" and i + 1 >= _BUILTIN_SCAN_LIMIT:
             break
     if count > 0 and not out:
-        raise DataError(f"no eval prompt of {path!r} fits in max_prompt_length={cfg.max_prompt_length}; the "
-                        f"shortest has {shortest} tokens")
+        raise DataError(
+            f"no eval prompt of {path!r} fits in max_prompt_length={cfg.max_prompt_length}; the "
+            f"shortest has {shortest} tokens"
+        )
     return out

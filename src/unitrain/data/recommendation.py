@@ -13,6 +13,7 @@ Tasks, mixed by `rec_task_weights` (records per CSV row, drawn round-robin in a 
   SID->title "What is the title of item <sid>?" -> <title>           (alignment, SFT only)
 SFT gets {prompt, completion}; GRPO prompts get {prompt, label} with the SID as the label.
 """
+
 from __future__ import annotations
 
 import ast
@@ -84,10 +85,15 @@ def read_info(path: str) -> list[tuple[str, str]]:
 
 
 def history_prompt(example: dict) -> str:
-    items = example["history"] if example["titles"] is None else [
-        f'{sid} "{title}"' for sid, title in zip(example["history"], example["titles"])]
-    return (f"The user has interacted with items {', '.join(items)} in chronological order. "
-            "Can you predict the next possible item that the user may expect?\n")
+    items = (
+        example["history"]
+        if example["titles"] is None
+        else [f'{sid} "{title}"' for sid, title in zip(example["history"], example["titles"])]
+    )
+    return (
+        f"The user has interacted with items {', '.join(items)} in chronological order. "
+        "Can you predict the next possible item that the user may expect?\n"
+    )
 
 
 def title_prompt(title: str) -> str:

@@ -17,6 +17,7 @@ Over-long examples (more than max_target_length tokens): `truncation=truncate` c
 right (the prompt is kept whole, the completion is cut); an example whose prompt alone fills the
 row is dropped, since nothing of it would be learned. `truncation=drop` skips every over-long one.
 """
+
 from __future__ import annotations
 
 import grain
@@ -66,12 +67,17 @@ def _example_fn(cfg, tokenizer):
         if "ids" in record:  # synthetic: the whole row is trained on
             segments = [(record["ids"], True)]
         elif "messages" in record or cfg.chat_template:  # the chat template owns BOS and end-of-turn tokens
-            messages = record.get("messages") or [*system, {"role": "user", "content": record["prompt"]},
-                                                  {"role": "assistant", "content": record["completion"]}]
+            messages = record.get("messages") or [
+                *system,
+                {"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["completion"]},
+            ]
             segments = [(tokenizer.encode(text), on) for text, on in tokenizer.chat_segments(messages, last_only)]
         else:  # plain texts, concatenated verbatim: separators belong in the data
-            segments = [(bos + tokenizer.encode(record["prompt"]), False),
-                        (tokenizer.encode(record["completion"]) + eos, True)]
+            segments = [
+                (bos + tokenizer.encode(record["prompt"]), False),
+                (tokenizer.encode(record["completion"]) + eos, True),
+            ]
         return example_arrays(segments, cfg.max_target_length, cfg.truncation, tokenizer.pad_id)
 
     return to_example
@@ -174,8 +180,9 @@ def _file_records(cfg, tokenizer, path: str, label_key: str | None = None) -> li
     return records
 
 
-def make_sft_dataset(cfg, tokenizer, rows: int, split: str = "train", shard: int = 0,
-                     num_shards: int = 1) -> grain.IterDataset:
+def make_sft_dataset(
+    cfg, tokenizer, rows: int, split: str = "train", shard: int = 0, num_shards: int = 1
+) -> grain.IterDataset:
     """The grain pipeline of one virtual data shard (see unitrain.data.shards): it reads
     records[shard::num_shards] and yields batches of `rows` rows (see the module docstring)."""
     if split not in ("train", "eval"):
@@ -199,9 +206,11 @@ def make_sft_dataset(cfg, tokenizer, rows: int, split: str = "train", shard: int
         ds = ds.repeat(cfg.num_epochs)  # None = forever
     # Records are in memory and tokenizing holds the GIL: reader threads would only contend (grain
     # recommends num_threads=0 for in-memory data).
-    it = CountDropped(ds.map(to_example).to_iter_dataset(grain.ReadOptions(num_threads=0)),
-                      dropped=lambda e: None if "inputs" in e else int(e["num_truncated"]),
-                      keep=lambda e, n: {**e, "num_truncated": np.int32(e["num_truncated"] + n)})
+    it = CountDropped(
+        ds.map(to_example).to_iter_dataset(grain.ReadOptions(num_threads=0)),
+        dropped=lambda e: None if "inputs" in e else int(e["num_truncated"]),
+        keep=lambda e, n: {**e, "num_truncated": np.int32(e["num_truncated"] + n)},
+    )
     it = grain.experimental.FirstFitPackIterDataset(
         it,
         length_struct={k: max_len for k in _PACKED},
@@ -213,14 +222,20 @@ def make_sft_dataset(cfg, tokenizer, rows: int, split: str = "train", shard: int
     return it.batch(rows, drop_remainder=True).map(_to_batch)
 
 
-def make_sft_iterator(cfg, tokenizer, global_batch_size: int, split: str = "train",
-                      process_index: int = 0, process_count: int = 1) -> ShardedIterator:
+def make_sft_iterator(
+    cfg, tokenizer, global_batch_size: int, split: str = "train", process_index: int = 0, process_count: int = 1
+) -> ShardedIterator:
     """This process's rows of each global batch of `global_batch_size` rows, drawn from
     cfg.data_shards virtual shards (unitrain.data.shards): the global batch does not depend on the
     process count. get_state()/set_state() save and restore the position exactly, and the state
     of every shard, merged over processes (shards.merge_states), restores on any process count."""
-    return sharded_iterator(cfg.data_shards, global_batch_size, process_index, process_count,
-                            lambda rows, s: make_sft_dataset(cfg, tokenizer, rows, split, s, cfg.data_shards))
+    return sharded_iterator(
+        cfg.data_shards,
+        global_batch_size,
+        process_index,
+        process_count,
+        lambda rows, s: make_sft_dataset(cfg, tokenizer, rows, split, s, cfg.data_shards),
+    )
 
 
 def _check_not_empty(examples: grain.MapDataset, where: str, max_len: int) -> None:

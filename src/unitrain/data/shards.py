@@ -12,6 +12,7 @@ process count P; process p's local batch is its contiguous part of it:
 So 1 process x 8 devices and 2 processes x 4 devices see the same global batches, and the position
 of every shard can be saved by any process count and restored by any other (`merge_states`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -77,7 +78,7 @@ class ShardedIterator(grain.DatasetIterator):
                 if len(rows) % self._parts:
                     raise ValueError(f"{len(rows)} rows of a data shard do not split into {self._parts} parts")
                 n = len(rows) // self._parts
-                rows = rows[self._part * n:(self._part + 1) * n]
+                rows = rows[self._part * n : (self._part + 1) * n]
             out[key] = rows
         return out
 
@@ -87,10 +88,14 @@ class ShardedIterator(grain.DatasetIterator):
     def set_state(self, state: Mapping[str, Any]) -> None:
         saved = state.get("data_shards") if isinstance(state, Mapping) else None
         if saved is None or "shards" not in state:
-            raise ValueError(f"not a sharded data iterator state: {sorted(state) if isinstance(state, Mapping) else state!r}")
+            raise ValueError(
+                f"not a sharded data iterator state: {sorted(state) if isinstance(state, Mapping) else state!r}"
+            )
         if int(saved) != self._num_shards:
-            raise ConfigError(f"the checkpoint's data position was saved with data_shards={saved}, this run has "
-                              f"data_shards={self._num_shards}; resume with data_shards={saved}")
+            raise ConfigError(
+                f"the checkpoint's data position was saved with data_shards={saved}, this run has "
+                f"data_shards={self._num_shards}; resume with data_shards={saved}"
+            )
         states = {int(s): v for s, v in state["shards"].items()}
         missing = sorted(set(self._shards) - set(states))
         if missing:
@@ -114,8 +119,9 @@ def merge_states(states: Sequence[Any]) -> Any:
     if all(s == first for s in states[1:]):
         return first
     if not all(isinstance(s, Mapping) and "shards" in s for s in states):
-        raise ValueError("the data iterator's state differs between processes and is not sharded; it cannot be "
-                         "saved as one state")
+        raise ValueError(
+            "the data iterator's state differs between processes and is not sharded; it cannot be saved as one state"
+        )
     rest = {k: v for k, v in first.items() if k != "shards"}
     shards: dict[str, Any] = {}
     for state in states:
@@ -129,8 +135,9 @@ def merge_states(states: Sequence[Any]) -> Any:
     return {**rest, "shards": dict(sorted(shards.items(), key=lambda kv: int(kv[0])))}
 
 
-def sharded_iterator(num_shards: int, global_batch_size: int, process_index: int, process_count: int,
-                     make_shard) -> ShardedIterator:
+def sharded_iterator(
+    num_shards: int, global_batch_size: int, process_index: int, process_count: int, make_shard
+) -> ShardedIterator:
     """This process's rows of each global batch, drawn from `num_shards` virtual shards;
     make_shard(rows_per_shard, shard) -> a dataset of batches of that shard."""
     if global_batch_size % process_count:

@@ -9,6 +9,7 @@ with its `file:line` (`file:row N` for the columnar formats), instead of hours i
 record is either prompt/completion text (the names come from `prompt_key`/`completion_key`) or a
 chat under `messages_key`.
 """
+
 from __future__ import annotations
 
 import csv
@@ -49,8 +50,9 @@ def iter_rows(spec: str):
         yield from reader(path)
 
 
-def read_records(spec: str, prompt_key: str, completion_key: str, messages_key: str,
-                 label_key: str | None = None) -> list[dict]:
+def read_records(
+    spec: str, prompt_key: str, completion_key: str, messages_key: str, label_key: str | None = None
+) -> list[dict]:
     """All records of the files named by `spec`, each reduced to {prompt, completion} or {messages},
     plus {label} where a record has `label_key` (the gold answer of SFT eval files)."""
     records = []
@@ -69,11 +71,15 @@ def _saved_dataset_files(folder: str) -> list[str]:
     state = os.path.join(folder, "state.json")
     if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
         splits = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, "state.json")))
-        raise DataError(f"{folder!r} is a datasets DatasetDict; name one of its splits' folders "
-                        f"({', '.join(os.path.join(folder, s) for s in splits)})")
+        raise DataError(
+            f"{folder!r} is a datasets DatasetDict; name one of its splits' folders "
+            f"({', '.join(os.path.join(folder, s) for s in splits)})"
+        )
     if not os.path.isfile(state):
-        raise DataError(f"{folder!r} is a folder but not one made by datasets' save_to_disk (no state.json); "
-                        f"name its files instead ({FORMATS})")
+        raise DataError(
+            f"{folder!r} is a folder but not one made by datasets' save_to_disk (no state.json); "
+            f"name its files instead ({FORMATS})"
+        )
     try:
         with open(state, encoding="utf-8") as f:
             files = [entry["filename"] for entry in json.load(f)["_data_files"]]
@@ -90,8 +96,9 @@ def _text(path: str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); re-encode the file as "
-                        "UTF-8") from None
+        raise DataError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); re-encode the file as UTF-8"
+        ) from None
 
 
 def _jsonl_rows(path: str):
@@ -119,8 +126,10 @@ def _csv_rows(path: str):
         for fields in reader:
             if fields:  # a blank line is no record
                 if len(fields) != len(header):
-                    raise DataError(f"{path}:{start}: the row has {len(fields)} field(s), the header {len(header)} "
-                                    f"({', '.join(header)})")
+                    raise DataError(
+                        f"{path}:{start}: the row has {len(fields)} field(s), the header {len(header)} "
+                        f"({', '.join(header)})"
+                    )
                 yield f"{path}:{start}", dict(zip(header, fields))
             start = reader.line_num + 1
     except csv.Error as e:
@@ -178,9 +187,13 @@ def _normalize(row, where: str, prompt_key: str, completion_key: str, messages_k
         return {"prompt": prompt, "completion": completion}
     if messages_key in row:
         messages = row[messages_key]
-        ok = isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
+        ok = (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
         )
         if not ok:
             raise DataError(f"{where}: field {messages_key!r} must be a non-empty list of {{role, content}} strings")

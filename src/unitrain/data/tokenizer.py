@@ -4,6 +4,7 @@ The rest of unitrain sees only `Tokenizer`: encode/decode without implicit speci
 special ids, and the chat template: `chat_segments` splits a conversation into context and
 assistant pieces (the SFT loss), `render_prompt` renders a prompt for generation.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,11 +38,15 @@ class Tokenizer:
                 i if i >= 0 else None for i in (spm.bos_id(), spm.eos_id(), spm.pad_id())
             )
         if not self.encode(_PROBE):
-            raise ConfigError(f"tokenizer_path={path!r}: the tokenizer encodes ordinary text to no tokens (a folder without "
-                              "tokenizer files, such as a bare export, loads as an empty tokenizer); point it at a "
-                              "folder with tokenizer.json / tokenizer_config.json or a SentencePiece .model file")
+            raise ConfigError(
+                f"tokenizer_path={path!r}: the tokenizer encodes ordinary text to no tokens (a folder without "
+                "tokenizer files, such as a bare export, loads as an empty tokenizer); point it at a "
+                "folder with tokenizer.json / tokenizer_config.json or a SentencePiece .model file"
+            )
         if self.eos_id is None:
-            raise ConfigError(f"tokenizer_path={path!r}: the tokenizer has no EOS token, which SFT needs to end completions")
+            raise ConfigError(
+                f"tokenizer_path={path!r}: the tokenizer has no EOS token, which SFT needs to end completions"
+            )
         if self.pad_id is None:
             self.pad_id = self.eos_id  # only ever written where the segmentation is 0
 
@@ -80,21 +85,30 @@ class Tokenizer:
         owns all special tokens of a chat (BOS, end-of-turn), so the SFT path adds none of its own.
         """
         if not self.has_chat_template:
-            raise ConfigError(f"tokenizer_path={self.path!r} has no chat template, so it cannot render chat messages "
-                              "(a 'messages' field or chat_template=true); use a chat tokenizer or plain prompt/completion data")
+            raise ConfigError(
+                f"tokenizer_path={self.path!r} has no chat template, so it cannot render chat messages "
+                "(a 'messages' field or chat_template=true); use a chat tokenizer or plain prompt/completion data"
+            )
         if not messages or messages[-1].get("role") != "assistant":
             raise DataError("a 'messages' conversation must end with an assistant turn to train on")
         render = lambda upto, generation: self._hf.apply_chat_template(
-            messages[:upto], tokenize=False, add_generation_prompt=generation)
+            messages[:upto], tokenize=False, add_generation_prompt=generation
+        )
         full = render(len(messages), False)
-        turns = [len(messages) - 1] if last_assistant_only else [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        turns = (
+            [len(messages) - 1]
+            if last_assistant_only
+            else [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        )
         pieces, done = [], 0
         for i in turns:
             before, through = render(i, True), render(i + 1, False)
             if not (through.startswith(before) and full.startswith(through) and len(before) >= done):
-                raise DataError(f"the chat template of {self.path!r} does not render the conversation up to assistant turn "
-                                f"{i} as a prefix of the whole; train on the last turn only (chat_loss_on=last_assistant)")
-            pieces += [(full[done:len(before)], False), (full[len(before):len(through)], True)]
+                raise DataError(
+                    f"the chat template of {self.path!r} does not render the conversation up to assistant turn "
+                    f"{i} as a prefix of the whole; train on the last turn only (chat_loss_on=last_assistant)"
+                )
+            pieces += [(full[done : len(before)], False), (full[len(before) : len(through)], True)]
             done = len(through)
         return pieces + [(full[done:], False)] if done < len(full) else pieces
 
@@ -102,15 +116,18 @@ class Tokenizer:
         """Renders a conversation that stops before the assistant's turn, with the template's
         generation prompt, as the text a sampler continues (the GRPO prompt path)."""
         if not self.has_chat_template:
-            raise ConfigError(f"tokenizer_path={self.path!r} has no chat template, so it cannot render prompts as chat messages")
+            raise ConfigError(
+                f"tokenizer_path={self.path!r} has no chat template, so it cannot render prompts as chat messages"
+            )
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def add_tokens(self, tokens: list[str]) -> int:
         """Adds the tokens the vocabulary lacks, each then encoded as one id after the existing ones
         (unitrain.vocab); returns how many were new."""
         if self._hf is None:
-            raise NotImplementedError(f"tokenizer_path={self.path!r} is a SentencePiece file; tokens can be added "
-                                      "to an HF tokenizer only")
+            raise NotImplementedError(
+                f"tokenizer_path={self.path!r} is a SentencePiece file; tokens can be added to an HF tokenizer only"
+            )
         added = self._hf.add_tokens(tokens)
         self.vocab_size = len(self._hf)
         return added

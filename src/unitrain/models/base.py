@@ -21,8 +21,9 @@ import jax
 class Model(Protocol):
     vocab_size: int  # rows of the logits' last axis
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 cache: Any = None) -> tuple[jax.Array, Any]:
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: Any = None
+    ) -> tuple[jax.Array, Any]:
         """logits [B, T, V] (compute dtype) and the updated cache (None when `cache` is None).
 
         tokens, positions, segment_ids: int32 [B, T]. positions restart at 0 in every packed
@@ -34,8 +35,9 @@ class Model(Protocol):
         logits of the full forward.
         """
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                      cache: Any = None) -> jax.Array | tuple[jax.Array, Any]:
+    def hidden_states(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: Any = None
+    ) -> jax.Array | tuple[jax.Array, Any]:
         """The call split before its output head: the final-normed hidden states [B, T, E] (compute
         dtype), such that `logits(hidden)` equals the call's logits. Without a cache, the hidden
         states alone: the losses compute the logits from them a chunk of positions at a time

@@ -118,15 +118,20 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> KVCache:
     v = jnp.zeros((batch_size, cfg.num_kv_heads, max_length, cfg.head_dim), cfg.dtype)
     columns = jnp.zeros((batch_size, max_length), jnp.int32)
     L = cfg.num_decoder_layers
-    return KVCache(k=[k] * L, v=[v] * L, segment_ids=columns, positions=columns,
-                   end=jnp.zeros((batch_size,), jnp.int32))
+    return KVCache(
+        k=[k] * L, v=[v] * L, segment_ids=columns, positions=columns, end=jnp.zeros((batch_size,), jnp.int32)
+    )
 
 
 def cache_axes(cfg: ModelConfig) -> KVCache:
     L = cfg.num_decoder_layers
-    return KVCache(k=[("batch", "kv_heads", "kv", "length")] * L, v=[("batch", "kv_heads", "length", "kv")] * L,
-                   segment_ids=("batch", "length"), positions=("batch", "length"),
-                   end=("batch",))
+    return KVCache(
+        k=[("batch", "kv_heads", "kv", "length")] * L,
+        v=[("batch", "kv_heads", "length", "kv")] * L,
+        segment_ids=("batch", "length"),
+        positions=("batch", "length"),
+        end=("batch",),
+    )
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
@@ -143,8 +148,14 @@ class DecoderLayers(nnx.Module):
     """All transformer blocks, each parameter stacked on a leading `layers` axis."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        L, E, M, H, K, D = (cfg.num_decoder_layers, cfg.emb_dim, cfg.mlp_dim,
-                            cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim)
+        L, E, M, H, K, D = (
+            cfg.num_decoder_layers,
+            cfg.emb_dim,
+            cfg.mlp_dim,
+            cfg.num_query_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         p = lambda init, shape, axes: _param(rngs, init, (L, *shape), ("layers", *axes), cfg.weight_dtype)
         self.attn_norm = p(_ones, (E,), ("norm",))
         self.wq = p(_normal, (E, H, D), ("embed", "heads", "kv"))
@@ -192,8 +203,9 @@ class Decoder(nnx.Module):
         return sharding.param_axes(nnx.state(self, nnx.Param))
 
     def decay_mask(self) -> dict:
-        return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in _NO_DECAY,
-                                                nnx.to_pure_dict(nnx.state(self, nnx.Param)))
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: path[-1].key not in _NO_DECAY, nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        )
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of one training step (forward + backward) per token, as MaxText and PaLM count them.
@@ -226,8 +238,12 @@ class Decoder(nnx.Module):
         if not copies_weight_slices(sharding.target_platform()):
             return None
         params = self._stacked_layers()
-        return {"layers": [_decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)],
-                "head": self._head()}
+        return {
+            "layers": [
+                _decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)
+            ],
+            "head": self._head(),
+        }
 
     def for_decoding(self, weights):
         return self if weights is None else Decoding(self, weights)
@@ -278,8 +294,10 @@ class Decoder(nnx.Module):
         R, T = tokens.shape
         # A reshape and a repeat, not a strided slice and a gather: with the rows split over devices
         # in whole runs, each device finds its runs' prefixes on itself.
-        cut = lambda a: (jnp.reshape(a, (R // group_rows, group_rows, T))[:, 0, :prefix_len],
-                         jnp.asarray(a)[:, prefix_len:])
+        cut = lambda a: (
+            jnp.reshape(a, (R // group_rows, group_rows, T))[:, 0, :prefix_len],
+            jnp.asarray(a)[:, prefix_len:],
+        )
         copies = lambda a: jnp.repeat(a, group_rows, axis=0)
         (tok_p, tok_c), (pos_p, pos_c), (seg_p, seg_c) = cut(tokens), cut(positions), cut(segment_ids)
         rope_p, rope_c = rope_tables(cfg, pos_p), rope_tables(cfg, pos_c)
@@ -287,12 +305,16 @@ class Decoder(nnx.Module):
         attend_c = _attention_fn(cfg, seg_c, pos_c, prefix=(copies(seg_p), copies(pos_p)))
 
         def layer(xs, p):
-            (q_p, k_p, v_p), (q_c, k_c, v_c) = (_attention_inputs(cfg, p, x, *rope) for x, rope in
-                                                 zip(xs, (rope_p, rope_c)))
-            k, v = (jnp.concatenate([copies(a_p), a_c], axis=2).astype(cfg.dtype) for a_p, a_c in
-                    ((k_p, k_c), (v_p, v_c)))
-            return (_block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p)),
-                    _block_output(cfg, p, xs[1], attend_c(q_c, k, v)))
+            (q_p, k_p, v_p), (q_c, k_c, v_c) = (
+                _attention_inputs(cfg, p, x, *rope) for x, rope in zip(xs, (rope_p, rope_c))
+            )
+            k, v = (
+                jnp.concatenate([copies(a_p), a_c], axis=2).astype(cfg.dtype) for a_p, a_c in ((k_p, k_c), (v_p, v_c))
+            )
+            return (
+                _block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p)),
+                _block_output(cfg, p, xs[1], attend_c(q_c, k, v)),
+            )
 
         x_p, x_c = _run_stack(cfg, (self._embed(tok_p), self._embed(tok_c)), self._stacked_layers(), layer)
         return rms_norm(jnp.concatenate([copies(x_p), x_c], axis=1), self.final_norm[...], cfg.rms_norm_eps)
@@ -360,8 +382,9 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: KVCache
     put = lambda a, new, axis: jax.lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), column, axis)
     segments, slot_positions = put(cache.segment_ids, segment_ids, 1), put(cache.positions, positions, 1)
     mask = attention_mask(segment_ids, positions, segments, slot_positions, cfg.sliding_window)
-    attend = functools.partial(cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size,
-                               matmuls=sharding.target_platform() != "cpu")
+    attend = functools.partial(
+        cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size, matmuls=sharding.target_platform() != "cpu"
+    )
     ks, vs = [], []
     for i in range(cfg.num_decoder_layers):
         p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
@@ -444,7 +467,7 @@ def _dense(x, w, n_in=1):
     by the weight flattened to two (both reshapes are bitcasts). The weight gradient then contracts
     a single row axis; over batch and length XLA:CPU would first copy the activation or its gradient
     into a transposed layout, for every projection of every layer (a third of the SFT step)."""
-    rows = x.shape[:x.ndim - n_in]
+    rows = x.shape[: x.ndim - n_in]
     y = x.reshape(math.prod(rows), -1) @ w.reshape(math.prod(w.shape[:n_in]), -1)
     return y.reshape(*rows, *w.shape[n_in:])
 
@@ -480,8 +503,15 @@ def _attend_causal_chunks(q, k, v, mask, size):
     computed, forward or backward. The chunks differ in shape, so they are unrolled, not mapped."""
     T = q.shape[3]
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-    outs = [_attend_chunk(q[:, :, :, start:start + size], k32[:, :, :start + size], v32[:, :, :start + size],
-                          mask[:, start:start + size, :start + size]) for start in range(0, T, size)]
+    outs = [
+        _attend_chunk(
+            q[:, :, :, start : start + size],
+            k32[:, :, : start + size],
+            v32[:, :, : start + size],
+            mask[:, start : start + size, : start + size],
+        )
+        for start in range(0, T, size)
+    ]
     return jnp.concatenate(outs, axis=3)
 
 
@@ -591,13 +621,17 @@ def _attention_fn(cfg: ModelConfig, segment_ids, positions, prefix=None):
     if prefix is not None:
         keys = tuple(jnp.concatenate([before, own], axis=1) for before, own in zip(prefix, keys))
     if kernel == "splash":
-        return functools.partial(splash_attention, segment_ids=segment_ids, window=cfg.sliding_window,
-                                 rules=cfg.logical_axis_rules, key_segment_ids=keys[0])
+        return functools.partial(
+            splash_attention,
+            segment_ids=segment_ids,
+            window=cfg.sliding_window,
+            rules=cfg.logical_axis_rules,
+            key_segment_ids=keys[0],
+        )
     mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window)
     if kernel == "cudnn":
         return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
-    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size,
-                             causal_columns=prefix is None)
+    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=prefix is None)
 
 
 def dot_product_attention(q, k, v, mask, implementation):
@@ -643,13 +677,24 @@ def _splash(q, k, v, q_segments, kv_segments, window, offset, interpret):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU kernels: only when chosen
 
     H, T, S = q.shape[1], q.shape[2], k.shape[2]
-    causal = (splash.CausalMask((T, S), offset=offset) if window is None else
-              splash.LocalMask((T, S), (window - 1, 0), offset=offset))
+    causal = (
+        splash.CausalMask((T, S), offset=offset)
+        if window is None
+        else splash.LocalMask((T, S), (window - 1, 0), offset=offset)
+    )
     block = max(b for b in (512, 256, SPLASH_BLOCK) if T % b == 0 and S % b == 0)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
-    kernel = splash.make_splash_mha(splash.MultiHeadMask([causal] * H), block_sizes=sizes, head_shards=1,
-                                    q_seq_shards=1, interpret=interpret)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        use_fused_bwd_kernel=True,
+    )
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([causal] * H), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
     return jax.vmap(kernel)(q, k, v, splash.SegmentIds(q=q_segments, kv=kv_segments))
 
 
@@ -663,7 +708,7 @@ def rms_norm(x, weight, eps):
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies of RoPE (float32, as HF computes them), with linear or llama3 scaling."""
     dim = cfg.head_dim
-    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
     inv = inv.astype(np.float32)
     if cfg.rope_scaling_type == "linear":
         return inv / np.float32(cfg.rope_scaling_factor)
@@ -706,6 +751,7 @@ def create(cfg: ModelConfig, seed: int = 0) -> Decoder:
 
 # ---------------------------------------------------------------- the model source
 
+
 def source(cfg, mesh) -> Decoder:
     """The decoder of the config with its parameters placed in their shardings: random init, HF
     weights, or the parameters of a unitrain checkpoint (`load_parameters_path`)."""
@@ -715,8 +761,9 @@ def source(cfg, mesh) -> Decoder:
     log.info("attention: %s%s", kernel, f" (auto on {platform})" if model_cfg.attention == "auto" else "")
     rules = model_cfg.logical_axis_rules
     # Checked on the abstract model, before any parameter is materialised.
-    sharding.check_not_replicated(nnx.state(nnx.eval_shape(lambda: create(model_cfg))), mesh, rules,
-                                  cfg.max_replicated_param_mib)
+    sharding.check_not_replicated(
+        nnx.state(nnx.eval_shape(lambda: create(model_cfg))), mesh, rules, cfg.max_replicated_param_mib
+    )
     path = cfg.load_parameters_path
     if path and os.path.isfile(os.path.join(path, "config.json")):
         from unitrain.adapters import hf

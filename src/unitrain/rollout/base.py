@@ -88,8 +88,7 @@ class Completions:
     version: int  # the policy version (update_weights) that produced them
 
     def __getitem__(self, rows) -> Completions:
-        return Completions(self.tokens[rows], self.mask[rows], self.logprobs[rows], self.lengths[rows],
-                           self.version)
+        return Completions(self.tokens[rows], self.mask[rows], self.logprobs[rows], self.lengths[rows], self.version)
 
 
 @runtime_checkable

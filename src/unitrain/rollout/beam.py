@@ -55,7 +55,9 @@ class BeamParams:
         if self.width < 1:
             raise ValueError(f"beam width must be >= 1, got {self.width}")
         if self.trie is not None and self.max_new_tokens < self.trie.depth:
-            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) is shorter than the trie's sequences ({self.trie.depth})")
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) is shorter than the trie's sequences ({self.trie.depth})"
+            )
         if self.max_new_tokens < 1 or self.temperature <= 0:
             raise ValueError("max_new_tokens must be >= 1 and temperature > 0")
 
@@ -74,8 +76,13 @@ class Ranked:
         """The B*W sequences as sampler rows (prompt b's beams at rows b*W .. b*W + W-1)."""
         B, W, N = self.tokens.shape
         mask = (np.arange(N)[None, None] < self.lengths[..., None]).astype(np.int32)
-        return Completions(self.tokens.reshape(B * W, N), mask.reshape(B * W, N), self.logprobs.reshape(B * W, N),
-                           self.lengths.reshape(B * W), self.version)
+        return Completions(
+            self.tokens.reshape(B * W, N),
+            mask.reshape(B * W, N),
+            self.logprobs.reshape(B * W, N),
+            self.lengths.reshape(B * W),
+            self.version,
+        )
 
 
 def _rows(cache, axes, fn):
@@ -107,8 +114,20 @@ def _beam_select(cand, score, done, B: int, W: int, pad_id: int):
 def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, constrained: bool, cache_rules):
     R = B * W
 
-    def run(params, decode, tokens, positions, segments, prompt_lens, trie_tokens, trie_children, stop_ids,
-            temperature, length_penalty, rng):
+    def run(
+        params,
+        decode,
+        tokens,
+        positions,
+        segments,
+        prompt_lens,
+        trie_tokens,
+        trie_children,
+        stop_ids,
+        temperature,
+        length_penalty,
+        rng,
+    ):
         model = nnx.merge(graphdef, params).for_decoding(decode)  # prefill and steps on the decode weights
         axes = model.cache_axes()
         hidden, cache = model.hidden_states(tokens, positions, segments, sharded_cache(model, B, P + N, cache_rules))
@@ -152,8 +171,17 @@ def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, 
             return cache, node, score, done, out_tokens, out_lps, lengths + emitted, token, emitted
 
         zeros = jnp.zeros((R,), jnp.int32)
-        carry = (cache, zeros, score, ~jnp.isfinite(score), jnp.full((R, N), pad_id, jnp.int32),
-                 jnp.zeros((R, N), jnp.float32), zeros, zeros, jnp.zeros((R,), bool))
+        carry = (
+            cache,
+            zeros,
+            score,
+            ~jnp.isfinite(score),
+            jnp.full((R, N), pad_id, jnp.int32),
+            jnp.zeros((R, N), jnp.float32),
+            zeros,
+            zeros,
+            jnp.zeros((R,), bool),
+        )
         carry = advance(carry, jnp.repeat(logits, W, axis=0), 0)
 
         def body(loop):
@@ -169,8 +197,12 @@ def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, 
         rank = jnp.where(jnp.isfinite(score), score / jnp.maximum(lengths, 1) ** length_penalty, -jnp.inf)
         order = (jnp.argsort(-rank.reshape(B, W), axis=1, stable=True) + jnp.arange(B)[:, None] * W).reshape(-1)
         shape = lambda a: jnp.take(a, order, axis=0).reshape(B, W, *a.shape[1:])
-        return {"tokens": shape(out_tokens), "logprobs": shape(out_lps), "lengths": shape(lengths),
-                "scores": shape(score)}
+        return {
+            "tokens": shape(out_tokens),
+            "logprobs": shape(out_lps),
+            "lengths": shape(lengths),
+            "scores": shape(score),
+        }
 
     return jax.jit(run)
 
@@ -185,15 +217,39 @@ def search(sampler, block: dict, n_real: int, beams: BeamParams, key) -> Ranked:
     runtime = {"trie_tokens": trie.tokens, "trie_children": trie.children, "stop": stop}
     if sampler.mesh is not None:
         rows2d = sharding.batch_sharding(sampler.mesh, sampler.rules)
-        block = full_rows_to_global(block, {"tokens": rows2d, "positions": rows2d, "segments": rows2d,
-                                            "prompt_lens": sharding.batch_sharding(sampler.mesh, sampler.rules, ("batch",))})
+        block = full_rows_to_global(
+            block,
+            {
+                "tokens": rows2d,
+                "positions": rows2d,
+                "segments": rows2d,
+                "prompt_lens": sharding.batch_sharding(sampler.mesh, sampler.rules, ("batch",)),
+            },
+        )
         runtime = full_rows_to_global(runtime, sharding.replicated(sampler.mesh))
     static = (sampler.graphdef, B, P, N, W, sampler.pad_id, beams.sample, beams.trie is not None, sampler.rules)
-    args = (sampler.params, sampler.decode_weights(), block["tokens"], block["positions"], block["segments"], block["prompt_lens"],
-            runtime["trie_tokens"], runtime["trie_children"], runtime["stop"], np.float32(beams.temperature),
-            np.float32(beams.length_penalty), key)
+    args = (
+        sampler.params,
+        sampler.decode_weights(),
+        block["tokens"],
+        block["positions"],
+        block["segments"],
+        block["prompt_lens"],
+        runtime["trie_tokens"],
+        runtime["trie_children"],
+        runtime["stop"],
+        np.float32(beams.temperature),
+        np.float32(beams.length_penalty),
+        key,
+    )
     kind = "sample" if beams.sample else "beam"
-    out = sampler.programs(f"{kind} search (batch={B} prompt={P} new={N} width={W})", None, *args, static=static,
-                           build=lambda: _build(*static), options=compiler_options(B * W // sampler.parallelism))
+    out = sampler.programs(
+        f"{kind} search (batch={B} prompt={P} new={N} width={W})",
+        None,
+        *args,
+        static=static,
+        build=lambda: _build(*static),
+        options=compiler_options(B * W // sampler.parallelism),
+    )
     out = {k: to_host(v)[:n_real] for k, v in out.items()}
     return Ranked(out["tokens"], out["logprobs"], out["lengths"], out["scores"], sampler.version)

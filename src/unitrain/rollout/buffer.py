@@ -93,7 +93,12 @@ class RolloutBuffer:
             pass
         groups, discarded, refilled = select_groups(kept, dropped, cfg.rollout_batch_size)
         staleness = np.asarray([step - g.completions.version for g in groups])
-        return groups, {"sampling_rounds": len(taken), "groups_discarded": discarded, "groups_refilled": refilled,
-                        "prompts_dropped": sum(r.num_dropped for r in taken),
-                        "rollout_staleness_mean": float(staleness.mean()), "rollout_staleness_max": int(staleness.max()),
-                        "rollouts_in_flight": len(self.in_flight)}
+        return groups, {
+            "sampling_rounds": len(taken),
+            "groups_discarded": discarded,
+            "groups_refilled": refilled,
+            "prompts_dropped": sum(r.num_dropped for r in taken),
+            "rollout_staleness_mean": float(staleness.mean()),
+            "rollout_staleness_max": int(staleness.max()),
+            "rollouts_in_flight": len(self.in_flight),
+        }

@@ -177,8 +177,9 @@ def constrain_cache(model, cache, rules):
     """`cache` constrained to the shardings its logical axes get under `rules` (None: as it is)."""
     if rules is None:
         return cache
-    specs = jax.tree.map(lambda axes: sharding.logical_to_spec(axes, rules), model.cache_axes(),
-                         is_leaf=lambda x: isinstance(x, tuple))
+    specs = jax.tree.map(
+        lambda axes: sharding.logical_to_spec(axes, rules), model.cache_axes(), is_leaf=lambda x: isinstance(x, tuple)
+    )
     return jax.lax.with_sharding_constraint(cache, specs)
 
 
@@ -201,8 +202,18 @@ def phase_ends(new_tokens: int, phases: int) -> list[int]:
     return sorted({-(-new_tokens * (j + 1) // phases) for j in range(phases)})
 
 
-def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: int, use_top_p: bool, cache_rules,
-           cache_phases: int):
+def _build(
+    graphdef,
+    B: int,
+    P: int,
+    N: int,
+    pad_id: int,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    cache_rules,
+    cache_phases: int,
+):
     ends = phase_ends(N, cache_phases)
 
     def run(params, decode, tokens, positions, segments, prompt_lens, source, stop_ids, temperature, top_p, rng):
@@ -212,8 +223,9 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
         # Prefill and decode steps alike run on the decode weights: no layer's slices copied.
         model = nnx.merge(graphdef, params).for_decoding(decode)
         cache = sharded_cache(model, tokens.shape[0], P + ends[0], cache_rules)
-        sample = lambda logits, i: _sample(logits, jax.random.fold_in(rng, i), temperature, top_p,
-                                           greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+        sample = lambda logits, i: _sample(
+            logits, jax.random.fold_in(rng, i), temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p
+        )
         is_stop = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
 
         hidden, cache = model.hidden_states(tokens, positions, segments, cache)
@@ -257,8 +269,12 @@ def _build(graphdef, B: int, P: int, N: int, pad_id: int, greedy: bool, top_k: i
                 carry = (i, grown_cache(model, cache, end - start, cache_rules), *rest)
             carry = jax.lax.while_loop(lambda c, end=end: cond(c) & (c[0] < end), body, carry)
         _, _, out_tokens, out_mask, out_logprobs, _, _ = carry
-        return {"tokens": out_tokens, "mask": out_mask, "logprobs": out_logprobs,
-                "lengths": out_mask.sum(axis=1, dtype=jnp.int32)}
+        return {
+            "tokens": out_tokens,
+            "mask": out_mask,
+            "logprobs": out_logprobs,
+            "lengths": out_mask.sum(axis=1, dtype=jnp.int32),
+        }
 
     return jax.jit(run)
 
@@ -272,8 +288,16 @@ class ColocatedSampler:
     `cache_phases` (config rollout_cache_phases): the decode loop's phases (module docstring).
     """
 
-    def __init__(self, model, *, pad_id: int = 0, mesh=None, rules=None, programs: CompileCache | None = None,
-                 cache_phases: int = 1):
+    def __init__(
+        self,
+        model,
+        *,
+        pad_id: int = 0,
+        mesh=None,
+        rules=None,
+        programs: CompileCache | None = None,
+        cache_phases: int = 1,
+    ):
         self.graphdef, params = nnx.split(model)
         self.params, self.version, self.decode = nnx.to_pure_dict(params), 0, None
         self.vocab_size, self.pad_id, self.mesh, self.cache_phases = model.vocab_size, pad_id, mesh, cache_phases
@@ -296,8 +320,13 @@ class ColocatedSampler:
         Of abstract parameters (bench's --compile-only), their abstract arrays."""
         if self.decode is None:
             graphdef = self.graphdef
-            make = self.programs.compiled("decode weights", None, self.params, static=(graphdef,),
-                                          build=lambda: jax.jit(lambda p: nnx.merge(graphdef, p).decode_weights()))
+            make = self.programs.compiled(
+                "decode weights",
+                None,
+                self.params,
+                static=(graphdef,),
+                build=lambda: jax.jit(lambda p: nnx.merge(graphdef, p).decode_weights()),
+            )
             abstract = isinstance(jax.tree.leaves(self.params)[0], jax.ShapeDtypeStruct)
             self.decode = make.out_info if abstract else make(self.params)
         return self.decode
@@ -352,14 +381,29 @@ class ColocatedSampler:
             # are placed like any other input.
             bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(key))}, sharding.replicated(self.mesh))
             key = jax.random.wrap_key_data(bits["key"])
-        args = (self.params, self.decode_weights(), block["tokens"], block["positions"], block["segments"], block["prompt_lens"],
-                block.get("source"), stop_ids, np.float32(sampling.temperature if not greedy else 1.0),
-                np.float32(sampling.top_p), key)
+        args = (
+            self.params,
+            self.decode_weights(),
+            block["tokens"],
+            block["positions"],
+            block["segments"],
+            block["prompt_lens"],
+            block.get("source"),
+            stop_ids,
+            np.float32(sampling.temperature if not greedy else 1.0),
+            np.float32(sampling.top_p),
+            key,
+        )
         static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules, self.cache_phases)
         batch = f"batch={B} prefill rows={R}" if R < B else f"batch={B}"
         program = self.programs.compiled(
-            f"generate ({batch} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})", None,
-            *args, static=static, build=lambda: _build(*static), options=compiler_options(B // self.parallelism))
+            f"generate ({batch} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})",
+            None,
+            *args,
+            static=static,
+            build=lambda: _build(*static),
+            options=compiler_options(B // self.parallelism),
+        )
         return program, args
 
     def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
@@ -384,7 +428,7 @@ class Pending:
 
     def result(self) -> Completions:
         with in_mesh(self.mesh):  # gathering them runs on their mesh, which may not be the caller's
-            out = {k: to_host(v)[:self.n_real] for k, v in self.out.items()}
+            out = {k: to_host(v)[: self.n_real] for k, v in self.out.items()}
         return Completions(out["tokens"], out["mask"], out["logprobs"], out["lengths"], self.version)
 
 
@@ -400,18 +444,28 @@ def _distinct(prompt_ids: list[list[int]], B: int) -> tuple[list[list[int]], np.
 
 def _left_padded(prompt_ids: list[list[int]], B: int, P: int, pad_id: int) -> dict:
     """The prompt block: each prompt ends in the last column; rows past the prompts are all padding."""
-    block = {"tokens": np.full((B, P), pad_id, np.int32), "positions": np.zeros((B, P), np.int32),
-             "segments": np.zeros((B, P), np.int32), "prompt_lens": np.zeros((B,), np.int32)}
+    block = {
+        "tokens": np.full((B, P), pad_id, np.int32),
+        "positions": np.zeros((B, P), np.int32),
+        "segments": np.zeros((B, P), np.int32),
+        "prompt_lens": np.zeros((B,), np.int32),
+    }
     for b, p in enumerate(prompt_ids):
         n = len(p)
-        block["tokens"][b, P - n:] = p
-        block["positions"][b, P - n:] = np.arange(n)
-        block["segments"][b, P - n:] = 1
+        block["tokens"][b, P - n :] = p
+        block["positions"][b, P - n :] = np.arange(n)
+        block["segments"][b, P - n :] = 1
         block["prompt_lens"][b] = n
     return block
 
 
 def from_run(run) -> ColocatedSampler:
     """The sampler factory of `sampler: colocated`."""
-    return ColocatedSampler(run.model, pad_id=run.tokenizer.pad_id, mesh=run.mesh, rules=run.rules,
-                            programs=run.programs, cache_phases=run.cfg.rollout_cache_phases)
+    return ColocatedSampler(
+        run.model,
+        pad_id=run.tokenizer.pad_id,
+        mesh=run.mesh,
+        rules=run.rules,
+        programs=run.programs,
+        cache_phases=run.cfg.rollout_cache_phases,
+    )

@@ -30,14 +30,16 @@ class Group:
     per_reward: dict[str, np.ndarray]  # each reward's raw [n] values
 
 
-def collect_groups(sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array,
-                   tokenizer, reward_fn) -> list[Group]:
+def collect_groups(
+    sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array, tokenizer, reward_fn
+) -> list[Group]:
     """n completions of every prompt in one generate call, decoded and scored."""
     return start_groups(sampler, prompts, n, sampling, key, tokenizer, reward_fn)()
 
 
-def start_groups(sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array,
-                 tokenizer, reward_fn) -> Callable[[], list[Group]]:
+def start_groups(
+    sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array, tokenizer, reward_fn
+) -> Callable[[], list[Group]]:
     """collect_groups, started: the sampler samples (rollout/base.submit) while the caller goes on;
     the function returned waits for the completions and scores them."""
     pending = submit(sampler, [list(p.ids) for p in prompts for _ in range(n)], sampling, key)
@@ -65,8 +67,11 @@ def _scored_groups(prompts: list, n: int, out: Completions, tokenizer, reward_fn
 
 def samples_markdown(groups: list[Group], count: int = 4) -> str:
     """The first completion of the first `count` groups as TensorBoard markdown."""
-    return "\n\n".join(f"**prompt** {g.prompt.text}\n\n**completion** {g.texts[0]}\n\n**label** {g.prompt.label}\n\n"
-                       f"**reward** {g.rewards[0]:.3f}" for g in groups[:count])
+    return "\n\n".join(
+        f"**prompt** {g.prompt.text}\n\n**completion** {g.texts[0]}\n\n**label** {g.prompt.label}\n\n"
+        f"**reward** {g.rewards[0]:.3f}"
+        for g in groups[:count]
+    )
 
 
 def nonzero_std(group: Group) -> bool:
@@ -75,7 +80,7 @@ def nonzero_std(group: Group) -> bool:
 
 
 def make_filter(spec: str):
-    """"" (keep every group), a FILTERS name or a plugin `pkg.module:fn(group) -> bool`."""
+    """ "" (keep every group), a FILTERS name or a plugin `pkg.module:fn(group) -> bool`."""
     if spec == "":
         return None
     return plugins.resolve(spec, FILTERS, "dynamic_sampling_filter", "a function (group) -> bool")
@@ -88,6 +93,8 @@ def select_groups(kept: list, dropped: list, batch_size: int) -> tuple[list, int
     refilled = min(max(0, batch_size - len(kept)), len(dropped))
     groups = (kept + dropped[:refilled])[:batch_size]
     if len(groups) < batch_size:
-        raise ConfigError(f"the prompt stream ran out before a rollout batch of {batch_size} groups was full; "
-                          "raise num_epochs or lower steps")
+        raise ConfigError(
+            f"the prompt stream ran out before a rollout batch of {batch_size} groups was full; "
+            "raise num_epochs or lower steps"
+        )
     return groups, len(dropped) - refilled, refilled

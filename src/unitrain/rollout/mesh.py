@@ -63,7 +63,13 @@ def through_hosts(x, target):
 def from_run(run) -> RolloutMeshSampler:
     """The sampler factory of `sampler: mesh`."""
     mesh = run.rollout_mesh
-    log.info("rollouts on their own mesh %s over %d devices; the trainer's: %s over %d", dict(mesh.shape), mesh.size,
-             dict(run.mesh.shape), run.mesh.size)
-    return RolloutMeshSampler(run.model, pad_id=run.tokenizer.pad_id, mesh=mesh, rules=run.rules,
-                              cache_phases=run.cfg.rollout_cache_phases)
+    log.info(
+        "rollouts on their own mesh %s over %d devices; the trainer's: %s over %d",
+        dict(mesh.shape),
+        mesh.size,
+        dict(run.mesh.shape),
+        run.mesh.size,
+    )
+    return RolloutMeshSampler(
+        run.model, pad_id=run.tokenizer.pad_id, mesh=mesh, rules=run.rules, cache_phases=run.cfg.rollout_cache_phases
+    )

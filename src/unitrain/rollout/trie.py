@@ -85,8 +85,10 @@ def sid_token_ids(tokenizer, sid: str, where: str) -> list[int]:
     """The ids of one SID; each of its tokens must be one token of the tokenizer (see extra_tokens)."""
     ids = tokenizer.encode(sid)
     if len(ids) != sid.count("<"):
-        raise DataError(f"{where}: SID {sid!r} is {len(ids)} tokens, not one per SID token; add the SID tokens "
-                        "to the vocabulary (extra_tokens)")
+        raise DataError(
+            f"{where}: SID {sid!r} is {len(ids)} tokens, not one per SID token; add the SID tokens "
+            "to the vocabulary (extra_tokens)"
+        )
     return ids
 
 

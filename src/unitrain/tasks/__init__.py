@@ -1,9 +1,9 @@
 """Training modes behind one interface (base.py). `mode` picks one:
 
-    sft    supervised fine-tuning on packed prompt/completion examples (sft.py)
-    grpo   RL with verifiable rewards: GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++ (grpo.py)
-    dpo    direct preference optimisation on chosen/rejected pairs (dpo.py)
-    pkg.module:Class   any Task subclass
+sft    supervised fine-tuning on packed prompt/completion examples (sft.py)
+grpo   RL with verifiable rewards: GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++ (grpo.py)
+dpo    direct preference optimisation on chosen/rejected pairs (dpo.py)
+pkg.module:Class   any Task subclass
 """
 
 from __future__ import annotations

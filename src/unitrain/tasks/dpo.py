@@ -37,8 +37,11 @@ def pair_logps(graphdef, chunk_size: int, params, batch):
 
     One forward for both sides: the rows are interleaved ([P, 2, T] -> [2P, T]), which keeps every
     pair on the device that holds its row."""
+
     def both(key):
-        return jnp.stack([batch[f"{side}_{key}"] for side in SIDES], axis=1).reshape(-1, batch[f"chosen_{key}"].shape[-1])
+        return jnp.stack([batch[f"{side}_{key}"] for side in SIDES], axis=1).reshape(
+            -1, batch[f"chosen_{key}"].shape[-1]
+        )
 
     model = nnx.merge(graphdef, params)
     hidden = model.hidden_states(both("inputs"), both("inputs_position"), both("inputs_segmentation"))
@@ -49,7 +52,9 @@ def pair_logps(graphdef, chunk_size: int, params, batch):
 
 def real_pairs(batch):
     """1.0 for a pair whose sequences both carry loss tokens, 0.0 for a padding row (eval batches)."""
-    return jnp.logical_and(*(batch[f"{side}_targets_segmentation"].max(axis=-1) > 0 for side in SIDES)).astype(jnp.float32)
+    return jnp.logical_and(*(batch[f"{side}_targets_segmentation"].max(axis=-1) > 0 for side in SIDES)).astype(
+        jnp.float32
+    )
 
 
 def reference_logps(logps, num_micro: int, device, ref_params, batch) -> dict:
@@ -71,8 +76,9 @@ class DPOTask(Task):
         # Copied now: the first update donates the start parameters.
         # With LoRA the reference is the base with its adapters off: the live arrays, no copy (reference()).
         self.ref_params = None if cfg.lora_rank else step_lib.frozen_copy(run.init_params, cfg.ref_params_host_offload)
-        self.data_iterator = make_preference_iterator(cfg, run.tokenizer, cfg.rows_per_update,
-                                                      jax.process_index(), jax.process_count())
+        self.data_iterator = make_preference_iterator(
+            cfg, run.tokenizer, cfg.rows_per_update, jax.process_index(), jax.process_count()
+        )
         self.tokens_per_step = 2 * cfg.rows_per_update * cfg.max_target_length  # both sequences of every pair
         self.rows2d = sharding.batch_sharding(run.mesh, run.rules)
         self.rows1d = sharding.batch_sharding(run.mesh, run.rules, ("batch",))
@@ -80,21 +86,32 @@ class DPOTask(Task):
         ref_in = jax.tree.map(lambda x: x.sharding, self.reference(run.init_params))
         self.ref_device = step_lib.device_shardings(self.reference(run.init_params))
         self.pair_logps = functools.partial(pair_logps, run.graphdef, cfg.logits_chunk_size)
-        self.ref_fn = jax.jit(functools.partial(reference_logps, self.pair_logps, cfg.gradient_accumulation_steps,
-                                                self.ref_device),
-                              in_shardings=(ref_in, pair_shardings), out_shardings={k: self.rows1d for k in REF_KEYS})
-        self.update = step_lib.make_train_step(self.loss, cfg, run.optimizer, run.state_shardings,
-                                               self.batch_shardings())
+        self.ref_fn = jax.jit(
+            functools.partial(reference_logps, self.pair_logps, cfg.gradient_accumulation_steps, self.ref_device),
+            in_shardings=(ref_in, pair_shardings),
+            out_shardings={k: self.rows1d for k in REF_KEYS},
+        )
+        self.update = step_lib.make_train_step(
+            self.loss, cfg, run.optimizer, run.state_shardings, self.batch_shardings()
+        )
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
         if self.eval_batches:
-            self.eval_fn = jax.jit(self._eval_sums, in_shardings=(run.state_shardings["params"], ref_in, pair_shardings))
+            self.eval_fn = jax.jit(
+                self._eval_sums, in_shardings=(run.state_shardings["params"], ref_in, pair_shardings)
+            )
 
     # -- the loss and its batch
     def loss(self, params, batch):
         chosen, rejected = self.pair_logps(params, batch)
-        return losses.dpo_loss(chosen, rejected, batch["ref_chosen_logps"], batch["ref_rejected_logps"],
-                               beta=self.cfg.dpo_beta, label_smoothing=self.cfg.dpo_label_smoothing,
-                               weights=real_pairs(batch))
+        return losses.dpo_loss(
+            chosen,
+            rejected,
+            batch["ref_chosen_logps"],
+            batch["ref_rejected_logps"],
+            beta=self.cfg.dpo_beta,
+            label_smoothing=self.cfg.dpo_label_smoothing,
+            weights=real_pairs(batch),
+        )
 
     def batch_shardings(self) -> dict:
         return {**{k: self.rows2d for k in PAIR_FIELDS}, **{k: self.rows1d for k in REF_KEYS}}
@@ -128,7 +145,9 @@ class DPOTask(Task):
     def evaluate(self, params, step) -> dict:
         if not self.eval_batches:
             return {}
-        outs = [self.run.programs("dpo_eval", self.eval_fn, params, self.reference(params), b) for b in self.eval_batches]
+        outs = [
+            self.run.programs("dpo_eval", self.eval_fn, params, self.reference(params), b) for b in self.eval_batches
+        ]
         totals: dict = {}
         for sums in jax.device_get(outs):  # one fetch after every batch is dispatched
             for name, (total, count) in sums.items():

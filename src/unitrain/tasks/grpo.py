@@ -54,8 +54,9 @@ log = logging.getLogger("unitrain")
 ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "sampler_logprobs")
 
 
-def token_stats(graphdef, temperature: float, chunk_size: int, params, batch, with_entropy: bool = False,
-                group_rows: int = 1):
+def token_stats(
+    graphdef, temperature: float, chunk_size: int, params, batch, with_entropy: bool = False, group_rows: int = 1
+):
     """losses.TokenStats of the completion tokens at the sampling temperature, float32 [rows, C].
     group_rows > 1: the rows come in runs of that many copies of one prompt, whose prompt columns
     the model computes once per run (`hidden_states_shared_prefix`)."""
@@ -63,10 +64,10 @@ def token_stats(graphdef, temperature: float, chunk_size: int, params, batch, wi
     rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     C = batch["targets"].shape[1]
     P = rows[0].shape[1] - C
-    hidden = (model.hidden_states_shared_prefix(*rows, P, group_rows) if group_rows > 1 else
-              model.hidden_states(*rows))
-    return losses.token_stats(model.logits, hidden[:, P - 1:P - 1 + C], batch["targets"], chunk_size, temperature,
-                              with_entropy)
+    hidden = model.hidden_states_shared_prefix(*rows, P, group_rows) if group_rows > 1 else model.hidden_states(*rows)
+    return losses.token_stats(
+        model.logits, hidden[:, P - 1 : P - 1 + C], batch["targets"], chunk_size, temperature, with_entropy
+    )
 
 
 def shared_prompt_rows(cfg, model, devices: int) -> dict:
@@ -78,8 +79,7 @@ def shared_prompt_rows(cfg, model, devices: int) -> dict:
     if not hasattr(model, "hidden_states_shared_prefix"):
         return {"logprobs": 1, "update": 1}
     fits = lambda count, run: count % (run * devices) == 0  # whole runs on every device
-    return {"logprobs": n if fits(rows, n) else 1,
-            "update": n // k if n % k == 0 and fits(rows // k, n // k) else 1}
+    return {"logprobs": n if fits(rows, n) else 1, "update": n // k if n % k == 0 and fits(rows // k, n // k) else 1}
 
 
 def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batch) -> dict:
@@ -96,8 +96,15 @@ def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batc
 
 def truncated_rows(groups, stop_ids) -> np.ndarray:
     """[rows] bool: the completions that end without a stop token (cut at the length limit)."""
-    return np.concatenate([[length == 0 or tokens[length - 1] not in stop_ids
-                            for tokens, length in zip(g.completions.tokens, g.completions.lengths)] for g in groups])
+    return np.concatenate(
+        [
+            [
+                length == 0 or tokens[length - 1] not in stop_ids
+                for tokens, length in zip(g.completions.tokens, g.completions.lengths)
+            ]
+            for g in groups
+        ]
+    )
 
 
 class GRPOTask(Task):
@@ -113,36 +120,55 @@ class GRPOTask(Task):
         self.rollouts = RolloutBuffer(cfg, prompts, self.start_round, self.keep)
         self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
         self.sampling = SamplingParams(
-            max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
-            top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, stop_token_ids=(tokenizer.eos_id,))
+            max_new_tokens=cfg.rollout_max_response_len,
+            temperature=cfg.rollout_temperature,
+            top_k=cfg.rollout_top_k,
+            top_p=cfg.rollout_top_p,
+            stop_token_ids=(tokenizer.eos_id,),
+        )
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
         self.group_rows = shared_prompt_rows(cfg, run.model, batch_parallelism(run.mesh, run.rules))
         self.separate_old = cfg.updates_per_step > 1 or cfg.use_kl_in_reward
-        log.info("GRPO passes: old-policy logprobs %s; a group's prompt computed once per %d rows in the "
-                 "logprob pass and per %d in the update (1: each row its own)",
-                 "in a pass of their own" if self.separate_old else "from the update's forward",
-                 self.group_rows["logprobs"], self.group_rows["update"])
+        log.info(
+            "GRPO passes: old-policy logprobs %s; a group's prompt computed once per %d rows in the "
+            "logprob pass and per %d in the update (1: each row its own)",
+            "in a pass of their own" if self.separate_old else "from the update's forward",
+            self.group_rows["logprobs"],
+            self.group_rows["update"],
+        )
         # The reference policy is the starting one, kept only when a KL term needs it.
         self.ref_params, ref_device = None, None
         if cfg.kl_coef > 0:  # with LoRA: the base with its adapters off, the live arrays (no copy; set each step)
-            self.ref_params = (lora.adapters_off(run.init_params) if cfg.lora_rank else
-                               step_lib.frozen_copy(run.init_params, cfg.ref_params_host_offload))
+            self.ref_params = (
+                lora.adapters_off(run.init_params)
+                if cfg.lora_rank
+                else step_lib.frozen_copy(run.init_params, cfg.ref_params_host_offload)
+            )
             ref_device = step_lib.device_shardings(self.ref_params)
         self.logprob_fn = None
         if self.separate_old or ref_device is not None:
             stats = functools.partial(self.stats, group_rows=self.group_rows["logprobs"])
             self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, stats, self.separate_old, ref_device))
-        self.update_fn = step_lib.make_train_step(self.loss, cfg, run.optimizer, run.state_shardings,
-                                                  self.batch_shardings())
+        self.update_fn = step_lib.make_train_step(
+            self.loss, cfg, run.optimizer, run.state_shardings, self.batch_shardings()
+        )
         self.evaluator = None
         if cfg.evaluates:  # recommendation: HR/NDCG of ranked SIDs
-            self.evaluator = (RecEvaluator(cfg, tokenizer, self.sampler) if cfg.data_format == "minionerec"
-                              else TaskEvaluator(cfg, tokenizer, self.sampler, self.reward_fn))
+            self.evaluator = (
+                RecEvaluator(cfg, tokenizer, self.sampler)
+                if cfg.data_format == "minionerec"
+                else TaskEvaluator(cfg, tokenizer, self.sampler, self.reward_fn)
+            )
         # Ranked rollouts (rollout/beam.py): beams, or samples constrained to the SIDs.
         self.beams = None
         if cfg.rollout_decoding == "beam" or cfg.sid_index_path:
-            self.beams = sid_beams(cfg, tokenizer, cfg.n_samples_per_prompt, sample=cfg.rollout_decoding == "sample",
-                                   temperature=cfg.rollout_temperature)
+            self.beams = sid_beams(
+                cfg,
+                tokenizer,
+                cfg.n_samples_per_prompt,
+                sample=cfg.rollout_decoding == "sample",
+                temperature=cfg.rollout_temperature,
+            )
         self.text = ""
 
     # -- what the loop and the step see
@@ -154,16 +180,33 @@ class GRPOTask(Task):
         mask, weights, is_metrics = batch["loss_mask"], None, {}
         if cfg.rollout_is:  # against the old policy, whichever pass it came from
             weights, mask, is_metrics = losses.rollout_correction(
-                old, batch["sampler_logprobs"], mask, level=cfg.rollout_is_level, mode=cfg.rollout_is_mode,
-                threshold=cfg.rollout_is_threshold, threshold_lower=cfg.rollout_is_threshold_lower)
+                old,
+                batch["sampler_logprobs"],
+                mask,
+                level=cfg.rollout_is_level,
+                mode=cfg.rollout_is_mode,
+                threshold=cfg.rollout_is_threshold,
+                threshold_lower=cfg.rollout_is_threshold_lower,
+            )
         kl_in_loss = cfg.kl_coef > 0 and not cfg.use_kl_in_reward
         loss_sum, denom, metrics = losses.policy_loss(
-            stats.logprobs, old, batch["advantages"],
-            mask, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-            loss_agg_mode=cfg.loss_agg_mode, horizon=cfg.rollout_max_response_len,
-            ref_logprobs=batch["ref_logprobs"] if kl_in_loss else None, kl_coef=cfg.kl_coef if kl_in_loss else 0.0,
-            kl_type=cfg.kl_type, entropy=stats.entropy, entropy_coef=cfg.entropy_coef, policy_loss_type=cfg.policy_loss,
-            pg_weights=weights)
+            stats.logprobs,
+            old,
+            batch["advantages"],
+            mask,
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip_high,
+            eps_clip_c=cfg.eps_clip_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+            horizon=cfg.rollout_max_response_len,
+            ref_logprobs=batch["ref_logprobs"] if kl_in_loss else None,
+            kl_coef=cfg.kl_coef if kl_in_loss else 0.0,
+            kl_type=cfg.kl_type,
+            entropy=stats.entropy,
+            entropy_coef=cfg.entropy_coef,
+            policy_loss_type=cfg.policy_loss,
+            pg_weights=weights,
+        )
         metrics.update(is_metrics)
         sampled = batch["loss_mask"].astype(jnp.float32)
         gap = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(old)) * sampled
@@ -173,7 +216,10 @@ class GRPOTask(Task):
     def batch_shardings(self) -> dict:
         rows2d = sharding.batch_sharding(self.run.mesh, self.run.rules)
         keys = [*ROW_KEYS] + ["old_logprobs"] * self.separate_old + ["ref_logprobs"] * (self.ref_params is not None)
-        return {**{k: rows2d for k in keys}, "advantages": sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",))}
+        return {
+            **{k: rows2d for k in keys},
+            "advantages": sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",)),
+        }
 
     def evaluate(self, params, step):
         return self.evaluator(params, step) if self.evaluator else {}
@@ -205,9 +251,16 @@ class GRPOTask(Task):
             kl = np.asarray(losses.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_type)) * mask
             rewards_ = rewards_ - cfg.kl_coef * kl.sum(axis=1)
         group_ids = np.repeat(np.arange(len(groups)), cfg.n_samples_per_prompt)
-        batch["advantages"] = np.asarray(losses.compute_advantages(
-            rewards_, group_ids, len(groups), cfg.advantage_estimator, cfg.advantage_norm_by_std,
-            weights=mask.sum(axis=1).astype(np.float32) if cfg.advantage_estimator == "reinforce_pp" else None))
+        batch["advantages"] = np.asarray(
+            losses.compute_advantages(
+                rewards_,
+                group_ids,
+                len(groups),
+                cfg.advantage_estimator,
+                cfg.advantage_norm_by_std,
+                weights=mask.sum(axis=1).astype(np.float32) if cfg.advantage_estimator == "reinforce_pp" else None,
+            )
+        )
         if cfg.overlong_filter:  # DAPO; after the advantages: cut completions still count in their group's baseline
             truncated = truncated_rows(groups, self.sampling.stop_token_ids)
             batch["loss_mask"] = batch["loss_mask"] * ~truncated[:, None]
@@ -216,8 +269,14 @@ class GRPOTask(Task):
         state, update_metrics = self.update(state, batch)
         t3 = time.perf_counter()
         # time_rollout is the time the step waited for its rollouts; only on-policy is that their sampling time.
-        metrics = {**update_metrics, **stats, **self.rollout_metrics(groups),
-                   "time_rollout": t1 - t0, "time_logprob": t2 - t1, "time_update": t3 - t2}
+        metrics = {
+            **update_metrics,
+            **stats,
+            **self.rollout_metrics(groups),
+            "time_rollout": t1 - t0,
+            "time_logprob": t2 - t1,
+            "time_update": t3 - t2,
+        }
         if not cfg.max_staleness:
             metrics["rollout_tokens_per_sec"] = float(mask.sum()) / max(t1 - t0, 1e-9)
         if step % cfg.sample_log_period == 0:
@@ -231,8 +290,9 @@ class GRPOTask(Task):
         if self.beams is not None:
             groups = collect_ranked_groups(self.sampler, prompts, self.beams, key, self.run.tokenizer, self.reward_fn)
             return lambda: self.with_overlong_penalty(groups)
-        finish = start_groups(self.sampler, prompts, self.cfg.n_samples_per_prompt, self.sampling, key,
-                              self.run.tokenizer, self.reward_fn)
+        finish = start_groups(
+            self.sampler, prompts, self.cfg.n_samples_per_prompt, self.sampling, key, self.run.tokenizer, self.reward_fn
+        )
         return lambda: self.with_overlong_penalty(finish())
 
     def with_overlong_penalty(self, groups):
@@ -241,21 +301,35 @@ class GRPOTask(Task):
         cfg = self.cfg
         if not cfg.overlong_buffer_len:
             return groups
-        penalties = [rewards.overlong_penalty(g.completions.lengths, cfg.rollout_max_response_len,
-                                              cfg.overlong_buffer_len, cfg.overlong_penalty_factor) for g in groups]
-        return [dataclasses.replace(g, rewards=g.rewards + p, per_reward={**g.per_reward, "overlong": p})
-                for g, p in zip(groups, penalties)]
+        penalties = [
+            rewards.overlong_penalty(
+                g.completions.lengths,
+                cfg.rollout_max_response_len,
+                cfg.overlong_buffer_len,
+                cfg.overlong_penalty_factor,
+            )
+            for g in groups
+        ]
+        return [
+            dataclasses.replace(g, rewards=g.rewards + p, per_reward={**g.per_reward, "overlong": p})
+            for g, p in zip(groups, penalties)
+        ]
 
     def to_rows(self, groups) -> dict:
         """The rows of the module docstring's layout, from the groups' prompts and completions."""
         # As long as this step needs, rounded up to a power of two: bounded recompilation.
         P = bucket_prompt_length(max(len(g.prompt.ids) for g in groups))
-        C = min(bucket_prompt_length(max(int(g.completions.lengths.max()) for g in groups)),
-                self.cfg.rollout_max_response_len)
+        C = min(
+            bucket_prompt_length(max(int(g.completions.lengths.max()) for g in groups)),
+            self.cfg.rollout_max_response_len,
+        )
         rows, pad = len(groups) * self.cfg.n_samples_per_prompt, self.run.tokenizer.pad_id
         arrays = {k: np.zeros((rows, P + C), np.int32) for k in ("inputs", "inputs_position", "inputs_segmentation")}
-        arrays.update(targets=np.full((rows, C), pad, np.int32), loss_mask=np.zeros((rows, C), np.int32),
-                      sampler_logprobs=np.zeros((rows, C), np.float32))
+        arrays.update(
+            targets=np.full((rows, C), pad, np.int32),
+            loss_mask=np.zeros((rows, C), np.int32),
+            sampler_logprobs=np.zeros((rows, C), np.float32),
+        )
         arrays["inputs"][:] = pad
         r = 0
         for group in groups:
@@ -277,10 +351,16 @@ class GRPOTask(Task):
         chunk = self.cfg.rows_per_update
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets")
         shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
-        outs = [self.run.programs(f"logprobs (rows of {batch['inputs'].shape[1]})", self.logprob_fn, params,
-                                  self.ref_params, step_lib.full_rows_to_global(
-                                      {k: batch[k][start:start + chunk] for k in keys}, shardings))
-                for start in range(0, len(batch["inputs"]), chunk)]
+        outs = [
+            self.run.programs(
+                f"logprobs (rows of {batch['inputs'].shape[1]})",
+                self.logprob_fn,
+                params,
+                self.ref_params,
+                step_lib.full_rows_to_global({k: batch[k][start : start + chunk] for k in keys}, shardings),
+            )
+            for start in range(0, len(batch["inputs"]), chunk)
+        ]
         outs = jax.tree.map(step_lib.to_host, outs)
         return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
 
@@ -290,8 +370,10 @@ class GRPOTask(Task):
         collected = []
         for _ in range(self.cfg.num_iterations):
             for start in range(0, rows, chunk):
-                mb = step_lib.full_rows_to_global({k: v[start:start + chunk] for k, v in batch.items()}, shardings)
-                state, m = self.run.programs(f"grpo_update (rows of {mb['inputs'].shape[1]})", self.update_fn, state, mb)
+                mb = step_lib.full_rows_to_global({k: v[start : start + chunk] for k, v in batch.items()}, shardings)
+                state, m = self.run.programs(
+                    f"grpo_update (rows of {mb['inputs'].shape[1]})", self.update_fn, state, mb
+                )
                 collected.append(m)
         # One device->host copy for all updates of the step.
         stacked = jax.device_get(collected)
@@ -300,11 +382,16 @@ class GRPOTask(Task):
     def rollout_metrics(self, groups) -> dict:
         rewards_ = np.concatenate([g.rewards for g in groups])
         lengths = np.concatenate([g.completions.lengths for g in groups])
-        metrics = {"reward_mean": rewards_.mean(), "reward_std": rewards_.std(), "reward_min": rewards_.min(),
-                   "reward_max": rewards_.max(), "response_length_mean": lengths.mean(),
-                   "response_length_max": lengths.max(),
-                   "response_clip_ratio": float(np.mean(lengths >= self.cfg.rollout_max_response_len)),
-                   "zero_std_group_fraction": float(np.mean([np.std(g.rewards) == 0 for g in groups]))}
+        metrics = {
+            "reward_mean": rewards_.mean(),
+            "reward_std": rewards_.std(),
+            "reward_min": rewards_.min(),
+            "reward_max": rewards_.max(),
+            "response_length_mean": lengths.mean(),
+            "response_length_max": lengths.max(),
+            "response_clip_ratio": float(np.mean(lengths >= self.cfg.rollout_max_response_len)),
+            "zero_std_group_fraction": float(np.mean([np.std(g.rewards) == 0 for g in groups])),
+        }
         for name in self.reward_fn.names + ("overlong",) * bool(self.cfg.overlong_buffer_len):
             values = np.concatenate([g.per_reward[name] for g in groups])
             metrics.update({f"reward_{name}_{stat}": getattr(values, stat)() for stat in ("mean", "std", "min", "max")})

@@ -27,11 +27,13 @@ class SFTTask(Task):
     def __init__(self, run: RunContext):
         super().__init__(run)
         cfg = self.cfg
-        self.data_iterator = data.make_sft_iterator(cfg, run.tokenizer, cfg.rows_per_update, "train",
-                                                    jax.process_index(), jax.process_count())
+        self.data_iterator = data.make_sft_iterator(
+            cfg, run.tokenizer, cfg.rows_per_update, "train", jax.process_index(), jax.process_count()
+        )
         self.tokens_per_step = cfg.rows_per_update * cfg.max_target_length
-        self.update = step_lib.make_train_step(self.loss, cfg, run.optimizer, run.state_shardings,
-                                               self.batch_shardings())
+        self.update = step_lib.make_train_step(
+            self.loss, cfg, run.optimizer, run.state_shardings, self.batch_shardings()
+        )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
         self.task_eval, self.text = None, ""
@@ -42,8 +44,9 @@ class SFTTask(Task):
                 self.task_eval = RecEvaluator(cfg, run.tokenizer, rollout.make_sampler(run))
             else:
                 records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
-                self.task_eval = TaskEvaluator(cfg, run.tokenizer, rollout.make_sampler(run),
-                                               rewards.make_reward_fn(cfg), records)
+                self.task_eval = TaskEvaluator(
+                    cfg, run.tokenizer, rollout.make_sampler(run), rewards.make_reward_fn(cfg), records
+                )
 
     def loss(self, params, batch):
         model = nnx.merge(self.run.graphdef, params)
@@ -62,8 +65,10 @@ class SFTTask(Task):
         if not self._seen_loss_tokens:  # the first batch of the run, checked on the host: no device sync
             self._seen_loss_tokens = bool(batch["targets_segmentation"].any())
             if not self._seen_loss_tokens:
-                raise ConfigError(f"step {step}: the batch has no completion tokens to train on (check tokenizer_path, "
-                                  f"{self.cfg.completion_key!r}/{self.cfg.messages_key!r} in {self.cfg.dataset_path})")
+                raise ConfigError(
+                    f"step {step}: the batch has no completion tokens to train on (check tokenizer_path, "
+                    f"{self.cfg.completion_key!r}/{self.cfg.messages_key!r} in {self.cfg.dataset_path})"
+                )
         batch = step_lib.local_rows_to_global(batch, self.batch_shardings())
         state, metrics = self.run.programs("train_step", self.update, state, batch)
         return state, {**metrics, "num_truncated": truncated}
@@ -83,15 +88,18 @@ class SFTTask(Task):
 
     def _eval_batches(self) -> list:
         cfg = self.cfg
-        iterator = data.make_sft_iterator(cfg, self.run.tokenizer, cfg.global_batch_size, "eval",
-                                          jax.process_index(), jax.process_count())
+        iterator = data.make_sft_iterator(
+            cfg, self.run.tokenizer, cfg.global_batch_size, "eval", jax.process_index(), jax.process_count()
+        )
         batches = []
         for batch in itertools.islice(iterator, cfg.eval_steps):  # fewer when the eval data runs out
             batch.pop("num_truncated")
             batches.append(step_lib.local_rows_to_global(batch, self.batch_shardings()))
         if not batches:
-            raise ConfigError(f"eval_dataset_path ({split_path(cfg, 'eval')}) does not fill one eval batch of "
-                              f"{cfg.global_batch_size} rows of {cfg.max_target_length} tokens; add eval records")
+            raise ConfigError(
+                f"eval_dataset_path ({split_path(cfg, 'eval')}) does not fill one eval batch of "
+                f"{cfg.global_batch_size} rows of {cfg.max_target_length} tokens; add eval records"
+            )
         return batches
 
     def _eval_sums(self, params, batch):
