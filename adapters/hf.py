@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from unitrain import sharding
 from unitrain.adapters import hf_config
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 from unitrain.models import decoder as model_lib
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -52,7 +52,7 @@ from tunix.models.qwen3 import params as qwen3_params
 from unitrain import sharding
 from unitrain.adapters.hf import open_safetensors
 from unitrain.adapters.hf_config import read_hf_config
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 
 # unitrain remat_policy -> Tunix RematConfig member; Tunix remats a whole layer saving nothing, or not at all.
 REMAT = {"none": "NONE", "full": "DECODER"}

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from unitrain import sharding
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
+from unitrain.errors import ConfigError
 from unitrain.models import decoder as model_lib
 
 B, T, H, K, D = 2, 100, 4, 2, 16  # T not a multiple of the splash block: the kernel pads it

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from unitrain import metrics, rollout, sharding
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
+from unitrain.errors import ConfigError
 from unitrain.models import decoder
 from unitrain.run import build_run
 

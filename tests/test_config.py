@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from unitrain import pipeline
-from unitrain.config import MODEL_KEYS, Config, ConfigError, load_config, write_config
+from unitrain.config import MODEL_KEYS, Config, load_config, write_config
+from unitrain.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 BASE = str(CONFIGS / "base.yml")

@@ -8,15 +8,14 @@ import numpy as np
 import pytest
 
 from conftest import make_cfg, write_jsonl
-from unitrain.config import ConfigError
 from unitrain.data import (
     BATCH_FIELDS,
-    DataError,
     builtin_problem,
     load_tokenizer,
     make_sft_iterator,
 )
 from unitrain.data.builtin import problem_split
+from unitrain.errors import ConfigError, DataError
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TOK = load_tokenizer("")  # built-in character tokenizer: <pad>=0, <bos>, <eos>

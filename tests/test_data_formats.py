@@ -9,8 +9,9 @@ import pytest
 
 from conftest import REPO, make_cfg, write_jsonl
 from unitrain import train
-from unitrain.data import DataError, load_tokenizer, make_prompt_iterator, make_sft_iterator
+from unitrain.data import load_tokenizer, make_prompt_iterator, make_sft_iterator
 from unitrain.data.preference import make_preference_iterator
+from unitrain.errors import DataError
 
 TOK = load_tokenizer("")
 # Text that CSV must quote: commas, quotes, a line break inside a field, non-ASCII.

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from unitrain import checkpoint
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
 from unitrain.data import load_tokenizer, make_prompt_iterator, make_sft_iterator, sft
 from unitrain.data.shards import local_shards, merge_states
+from unitrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOK = load_tokenizer("")

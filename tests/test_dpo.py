@@ -14,9 +14,9 @@ from flax import nnx
 from conftest import REPO, make_cfg, write_jsonl
 from unitrain import losses, train
 from unitrain import step as step_lib
-from unitrain.config import ConfigError
-from unitrain.data import DataError, load_tokenizer
+from unitrain.data import load_tokenizer
 from unitrain.data.preference import PAIR_FIELDS, eval_pair_batches, make_preference_iterator
+from unitrain.errors import ConfigError, DataError
 from unitrain.run import build_run
 from unitrain.tasks.dpo import DPOTask, real_pairs
 

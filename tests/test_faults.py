@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, cpu_env
 from test_train import FAST, config, losses_of, run_cli
 from unitrain import checkpoint, metrics, run, train
-from unitrain.config import ConfigError
+from unitrain.errors import CheckpointError
 
 
 def metric_lines(cfg):
@@ -173,7 +173,7 @@ def test_other_dimensions_than_the_checkpoint_are_one_line(tmp_path, capsys):
     err = one_line_exit_2(capsys, *base, "steps=4", "mlp_dim=96")
     assert "['layers']['w_down']" in err and "[2, 96, 64]" in err  # the first parameter that differs
     _, state = run.build_run(config(tmp_path, "run_name=other", "mlp_dim=96"))
-    with pytest.raises(ConfigError, match=r"\['layers'\]\['w_down'\]"):
+    with pytest.raises(CheckpointError, match=r"\['layers'\]\['w_down'\]"):
         checkpoint.load_params(str(tmp_path / "default" / "checkpoints"), state["params"])
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import REPO, sigterm_after_step
 from unitrain import evals, lora, losses, run, tasks, train
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
+from unitrain.errors import RunEndedEarly
 from unitrain.rollout.groups import Group, nonzero_std, select_groups
 from unitrain.tasks import grpo
 
@@ -88,7 +89,7 @@ def test_select_groups_drops_exactly_the_zero_std_groups():
     assert [g.prompt for g in groups] == [1, 4, 5] and (discarded, refilled) == (3, 0)
     groups, discarded, refilled = select_groups(kept, dropped, 4)  # rounds ran out: top up
     assert [g.prompt for g in groups] == [1, 4, 5, 0] and (discarded, refilled) == (2, 1)
-    with pytest.raises(ConfigError):
+    with pytest.raises(RunEndedEarly):
         select_groups(kept, dropped, 7)
 
 

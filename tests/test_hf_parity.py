@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from unitrain.adapters import hf
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 TOL = 1e-4

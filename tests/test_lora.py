@@ -16,7 +16,7 @@ from flax import nnx
 
 from conftest import REPO, make_cfg, write_jsonl
 from unitrain import checkpoint, run, tasks, train
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 
 TOKENS = np.random.default_rng(0).integers(1, 200, (8, 12)).astype(np.int32)  # a row per device
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, make_cfg
 from unitrain import rewards
 from unitrain.data import recommendation
-from unitrain.data.errors import DataError
+from unitrain.errors import DataError
 from unitrain.rec_eval import hr_ndcg
 
 DATA = REPO.parent / "shared" / "data" / "minionerec"

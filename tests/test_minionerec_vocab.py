@@ -11,8 +11,7 @@ import transformers
 
 from conftest import make_cfg
 from unitrain import export, vocab
-from unitrain.config import ConfigError
-from unitrain.data.errors import DataError
+from unitrain.errors import ConfigError, DataError
 from unitrain.run import build_run
 
 NEW = ["<a_0>", "<a_1>", "<b_0>", "<b_7>", "<c_3>"]

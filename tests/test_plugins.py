@@ -9,7 +9,8 @@ import pytest
 
 from conftest import REPO
 from unitrain import train
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
+from unitrain.errors import ConfigError
 
 TOY = textwrap.dedent('''
     """A toy mode and a toy sampler, written against unitrain's public interfaces only."""

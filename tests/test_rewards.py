@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
+from unitrain.errors import ConfigError
 from unitrain.rewards import RewardError, final_answer, make_reward_fn, overlong_penalty
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 from test_grpo import FAST, config, make_step
 from unitrain import train
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 from unitrain.rollout.base import Completions
 from unitrain.rollout.groups import Group
 from unitrain.tasks.grpo import truncated_rows

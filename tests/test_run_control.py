@@ -16,7 +16,8 @@ from flax import nnx
 
 from conftest import REPO, make_cfg
 from unitrain import checkpoint, models, run, run_dir, sharding, tasks, train
-from unitrain.config import MODEL_KEYS, ConfigError, load_config
+from unitrain.config import MODEL_KEYS, load_config
+from unitrain.errors import ConfigError
 
 BASE = str(REPO / "configs" / "base.yml")
 FAST = [

@@ -14,7 +14,8 @@ import pytest
 from conftest import REPO, cpu_env, only_first_device
 from unitrain import distributed, models, run, sharding, tasks, train
 from unitrain import step as step_lib
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
+from unitrain.errors import ConfigError
 
 SFT = [
     "max_target_length=32",

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 
 from unitrain import sharding
 from unitrain.adapters import tunix
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import ColocatedSampler, sharded_cache
 

@@ -85,9 +85,10 @@ from flax import nnx
 
 from unitrain import lora, metrics, models, rollout, sharding, tasks
 from unitrain import step as step_lib
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
 from unitrain.data import load_tokenizer
 from unitrain.data.prompts import Prompt
+from unitrain.errors import ConfigError, UserError
 from unitrain.optimizer import make_optimizer
 from unitrain.rollout import mesh as rollout_mesh
 from unitrain.rollout.base import SamplingParams
@@ -657,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--topology compiles for a TPU slice that is not here: it needs --compile-only")
         with sharding.compile_for(tpu_topology(opts.topology)) if opts.topology else contextlib.nullcontext():
             result = run_mode(opts, args)
-    except ConfigError as e:
+    except UserError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
     text = json.dumps(result)

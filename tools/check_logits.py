@@ -30,7 +30,7 @@ def prompt_tokens(ckpt: Path, text: str | None, length: int, vocab_size: int, se
     """`text` tokenized with the checkpoint's tokenizer and repeated/cut to `length`; random ids when None."""
     import transformers
 
-    from unitrain.config import ConfigError
+    from unitrain.errors import ConfigError
 
     if text is None:
         return np.random.default_rng(seed).integers(0, vocab_size, length, dtype=np.int32)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from unitrain.adapters import hf
-    from unitrain.config import ConfigError
+    from unitrain.errors import ConfigError, UserError
 
     atol = DEFAULT_TOLS[a.dtype][0] if a.atol is None else a.atol
     kl_tol = DEFAULT_TOLS[a.dtype][1] if a.kl_tol is None else a.kl_tol
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--prompt-file {a.prompt_file}: cannot be read ({e.strerror})") from None
         model = hf.load(ckpt, dtype=a.dtype)
         tokens = prompt_tokens(ckpt, text, a.length, model.cfg.vocab_size, a.seed)
-    except ConfigError as e:
+    except UserError as e:
         print(f"check_logits: {e}", file=sys.stderr)
         return 2
     ours = unitrain_logits(model, tokens)

@@ -26,8 +26,9 @@ import sys
 import jax
 
 from unitrain import models, sharding, vocab
-from unitrain.config import ConfigError, load_config
+from unitrain.config import load_config
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.errors import ConfigError, UserError
 from unitrain.rec_eval import sid_beams
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import ColocatedSampler
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)
-    except ConfigError as e:
+    except UserError as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2
     return 0

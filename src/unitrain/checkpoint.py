@@ -12,7 +12,7 @@ the union of the SFT data shards, or the one state of an iterator that is the sa
 the GRPO prompt stream), and restoring hands the merged state to set_state(), which takes what it
 needs. Any iterator whose get_state() is JSON-serialisable works.
 
-What goes wrong is said in one line (ConfigError): a save that fails (read-only or full disk) names
+What goes wrong is said in one line (CheckpointError): a save that fails (read-only or full disk) names
 the directory and the OS reason; a checkpoint whose parameter shapes differ from the model's names the
 first such parameter before anything is read; a damaged step directory (unreadable metadata or data)
 is moved aside and the next older one restored, or, with fallback off, the run stops saying how to
@@ -34,8 +34,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from unitrain import lora
-from unitrain.config import ConfigError
 from unitrain.data.shards import merge_states
+from unitrain.errors import CheckpointError, UserError
 
 log = logging.getLogger("unitrain")
 
@@ -130,11 +130,11 @@ class Checkpointer:
                         data=ocp.args.JsonRestore(),
                     ),
                 )
-            except ConfigError:
+            except UserError:
                 raise
             except Exception as e:  # whatever orbax and tensorstore raise on a file they cannot read
                 if not fallback:
-                    raise ConfigError(
+                    raise CheckpointError(
                         f"the checkpoint {step_dir} is damaged ({reason(e)}); move it away to resume "
                         "from the one before, or set checkpoint_fallback=true"
                     ) from None
@@ -144,7 +144,7 @@ class Checkpointer:
             data_iterator.set_state(restored.data)
             params = lora.with_trainable(state["params"], restored.params, self.adapters_only)
             return candidate, {"params": params, **restored.train}
-        raise ConfigError(
+        raise CheckpointError(
             f"no intact checkpoint left in {self.manager.directory} up to step {step} (the damaged "
             f"ones are in {self.manager.directory}.set_aside); remove the directory to start over"
         )
@@ -165,7 +165,7 @@ class Checkpointer:
         except Exception as e:
             self._saving, step = None, self._saving
             what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
-            raise ConfigError(
+            raise CheckpointError(
                 f"saving {what} in {self.manager.directory} failed: {reason(e)}; the checkpoints "
                 "saved before it are intact"
             ) from None
@@ -187,7 +187,7 @@ def reason(e: BaseException) -> str:
 
 def check_shapes(item_dir: str, params) -> None:
     """The parameter shapes stored in `item_dir` against those of `params`, before anything is read:
-    a different model is a ConfigError naming the first parameter that differs."""
+    a different model is a CheckpointError naming the first parameter that differs."""
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(item_dir).item_metadata
     stored = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
@@ -197,7 +197,7 @@ def check_shapes(item_dir: str, params) -> None:
         name = jax.tree_util.keystr(key)
         if stored.get(name) != tuple(leaf.shape):
             found = f"shape {list(stored[name])}" if name in stored else "no such parameter"
-            raise ConfigError(
+            raise CheckpointError(
                 f"the checkpoint {os.path.dirname(item_dir)} has {found} for parameter {name}, the "
                 f"model {list(leaf.shape)}: the model config differs from the one that wrote it"
             )
@@ -242,7 +242,7 @@ def _step_dir(path: str) -> str:
         return path
     steps = ocp.utils.checkpoint_steps(path) if os.path.isdir(path) else []
     if not steps:
-        raise ConfigError(
+        raise CheckpointError(
             f"load_parameters_path {path} is neither an HF checkpoint (config.json) nor an orbax "
             "checkpoint directory with saved steps"
         )
@@ -255,7 +255,7 @@ def _read(item_dir: str, like, check=None):
             check(item_dir, like)
         with ocp.StandardCheckpointer() as checkpointer:
             return checkpointer.restore(item_dir, abstract_like(like))
-    except ConfigError:
+    except UserError:
         raise
     except Exception as e:  # whatever orbax and tensorstore raise on a file they cannot read or that differs
-        raise ConfigError(f"load_parameters_path: cannot read {item_dir} ({reason(e)})") from None
+        raise CheckpointError(f"load_parameters_path: cannot read {item_dir} ({reason(e)})") from None

@@ -26,16 +26,14 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from unitrain.errors import ConfigError
+
 # The choice lists live beside their implementations; these modules import nothing heavy.
 from unitrain.models import SOURCES
 from unitrain.rollout import FILTERS, SAMPLERS
 from unitrain.tasks import MODES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.yml"  # the checkout's base.yml
-
-
-class ConfigError(Exception):
-    """A mistake in the config; the entry prints the message (one sentence) and exits with status 2."""
 
 
 class Rule(NamedTuple):

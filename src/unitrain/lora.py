@@ -36,7 +36,7 @@ import qwix
 from flax import nnx
 
 from unitrain import sharding
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 
 QUANT_BLOCK = 64  # inputs per quantisation scale, as QLoRA's NF4 blocks
 QUANTISED = ("int8", "nf4")

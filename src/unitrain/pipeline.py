@@ -23,7 +23,8 @@ import jax
 from jax.experimental import multihost_utils
 
 from unitrain import run_dir
-from unitrain.config import ConfigError, write_config
+from unitrain.config import write_config
+from unitrain.errors import ConfigError
 
 log = logging.getLogger("unitrain")
 

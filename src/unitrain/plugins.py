@@ -12,7 +12,8 @@ from __future__ import annotations
 import difflib
 import importlib
 
-from unitrain.config import ConfigError, is_plugin_spec
+from unitrain.config import is_plugin_spec
+from unitrain.errors import ConfigError
 
 
 def load(spec: str, key: str, expected: str = "a callable"):

@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 
 from unitrain import plugins
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError, UserError
 from unitrain.plugins import did_you_mean, one_line
 
 log = logging.getLogger("unitrain")
@@ -39,8 +39,8 @@ log = logging.getLogger("unitrain")
 Reward = Callable[[str, str, str], float]  # (prompt, completion, label) -> reward
 
 
-class RewardError(ConfigError):
-    """A reward failed on a sample; a ConfigError so that the entry prints one line and exits 2."""
+class RewardError(UserError):
+    """A reward failed on a sample: the entry prints one line naming it and exits 2."""
 
 
 # ---------------------------------------------------------------- the final answer

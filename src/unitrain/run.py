@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from unitrain import data, lora, models, sharding, vocab
 from unitrain import step as step_lib
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 from unitrain.optimizer import make_optimizer
 
 

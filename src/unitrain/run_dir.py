@@ -14,7 +14,8 @@ import shutil
 
 import yaml
 
-from unitrain.config import ConfigError, write_config
+from unitrain.config import write_config
+from unitrain.errors import ConfigError
 
 log = logging.getLogger("unitrain")
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

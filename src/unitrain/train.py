@@ -22,7 +22,8 @@ from pathlib import Path
 import jax
 
 from unitrain import checkpoint, distributed, export, metrics, pipeline, run_dir, tasks
-from unitrain.config import DEFAULT_CONFIG, ConfigError, describe_keys, load_config, root_config
+from unitrain.config import DEFAULT_CONFIG, describe_keys, load_config, root_config
+from unitrain.errors import ConfigError, RunEndedEarly, UserError
 from unitrain.run import RunContext, build_run
 from unitrain.tasks.base import Task
 
@@ -265,7 +266,7 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
     except NonFiniteLoss as e:
         log.error("stopping: %s; %s", e, good.set_aside_bad())
         return EXIT_NAN
-    except ConfigError:  # found by a step (the prompts ran out): the step before it trained, its line is written
+    except RunEndedEarly:  # the step before it trained: its line is written
         good.finite(pending.flush())
         raise
     finally:
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         if jax.process_index() != 0:  # only after jax.distributed has started
             log.setLevel(logging.WARNING)
         return pipeline.run(cfg, train) if cfg.stages else train(cfg)
-    except ConfigError as e:
+    except UserError as e:
         print(f"unitrain: {e}", file=sys.stderr)
         return _exit(EXIT_USER_ERROR)
     except OSError as e:  # the environment's fault (a read-only or full disk): the path and the OS reason
@@ -318,7 +319,7 @@ def _help(argv: list[str]) -> int:
     print(__doc__.split("\n\n")[1].strip() + "\n")
     try:
         print(describe_keys(root_config(first), keyword))
-    except ConfigError as e:
+    except UserError as e:
         print(f"unitrain: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     return 0

@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unitrain.config import ConfigError
-from unitrain.data.errors import DataError
+from unitrain.errors import ConfigError, DataError
 from unitrain.rollout.trie import read_sid_index
 
 log = logging.getLogger("unitrain")

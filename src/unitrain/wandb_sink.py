@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 
 ID_FILE = "wandb_id"
 

@@ -32,12 +32,11 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from unitrain.config import ConfigError
 from unitrain.data.builtin import NUM_PROBLEMS, SPLITS, builtin_problem, max_builtin_length
-from unitrain.data.errors import DataError
 from unitrain.data.sft import BATCH_FIELDS, CountDropped, example_arrays, split_path
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import iter_rows
+from unitrain.errors import ConfigError, DataError
 
 SIDES = ("chosen", "rejected")
 PAIR_FIELDS = tuple(f"{side}_{field}" for side in SIDES for field in BATCH_FIELDS)

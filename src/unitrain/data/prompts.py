@@ -24,12 +24,11 @@ import dataclasses
 
 import grain
 
-from unitrain.config import ConfigError
 from unitrain.data import recommendation
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
-from unitrain.data.errors import DataError
 from unitrain.data.sft import CountDropped, split_path
 from unitrain.data.sources import iter_rows, label_text
+from unitrain.errors import ConfigError, DataError
 
 # How many records the not-empty check (and eval_prompts) read before concluding that nothing fits;
 # files are checked whole, but the built-in stream has a million problems of near-equal length.

@@ -21,8 +21,8 @@ import re
 
 import numpy as np
 
-from unitrain.data.errors import DataError
 from unitrain.data.sources import iter_rows
+from unitrain.errors import DataError
 
 _SID = re.compile(r"^(<[^<>\s]+>)+$")
 

@@ -23,12 +23,11 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from unitrain.config import ConfigError
 from unitrain.data import recommendation
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
-from unitrain.data.errors import DataError
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import read_records
+from unitrain.errors import ConfigError, DataError
 
 BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
 # Per-example features the packer lays out in rows. num_truncated is a scalar per example: the

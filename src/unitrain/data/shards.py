@@ -21,8 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from unitrain.config import ConfigError
-from unitrain.data.errors import DataError
+from unitrain.errors import ConfigError, DataError
 
 
 def local_shards(num_shards: int, process_index: int, process_count: int) -> tuple[range, int, int]:

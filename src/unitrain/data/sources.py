@@ -18,7 +18,7 @@ import io
 import json
 import os
 
-from unitrain.data.errors import DataError
+from unitrain.errors import DataError
 
 FORMATS = ".jsonl, .csv, .parquet, .arrow or a datasets save_to_disk folder"
 

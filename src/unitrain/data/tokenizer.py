@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 
-from unitrain.config import ConfigError
-from unitrain.data.errors import DataError
+from unitrain.errors import ConfigError, DataError
 
 # Built-in character tokenizer: specials first (<pad> must be 0), then printable ASCII and newline,
 # enough for the built-in arithmetic task and for any plain-ASCII toy text.

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from unitrain import plugins
-from unitrain.config import ConfigError
+from unitrain.errors import RunEndedEarly
 from unitrain.rollout import FILTERS
 from unitrain.rollout.base import Completions, Sampler, SamplingParams, submit
 
@@ -93,7 +93,7 @@ def select_groups(kept: list, dropped: list, batch_size: int) -> tuple[list, int
     refilled = min(max(0, batch_size - len(kept)), len(dropped))
     groups = (kept + dropped[:refilled])[:batch_size]
     if len(groups) < batch_size:
-        raise ConfigError(
+        raise RunEndedEarly(
             f"the prompt stream ran out before a rollout batch of {batch_size} groups was full; "
             "raise num_epochs or lower steps"
         )

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from unitrain import sharding
-from unitrain.config import ConfigError
+from unitrain.errors import ConfigError
 from unitrain.rollout.colocated import ColocatedSampler
 
 log = logging.getLogger("unitrain")

@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 
-from unitrain.data.errors import DataError
+from unitrain.errors import DataError
 
 
 def _next_pow2(n: int) -> int:

@@ -16,8 +16,8 @@ from flax import nnx
 
 from unitrain import data, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
-from unitrain.config import ConfigError
 from unitrain.data.sft import eval_prompt_records, split_path
+from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator
 from unitrain.rec_eval import RecEvaluator
 from unitrain.tasks.base import RunContext, Task
