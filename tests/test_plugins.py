@@ -182,8 +182,8 @@ def test_a_toy_sampler_from_outside_the_package_feeds_grpo(tmp_path, toy):
             "config key 'sampler' names 'unitrain.rollout:NoSuch' but module 'unitrain.rollout' has no attribute 'NoSuch'",
         ),
         (
-            "model_source=unitrain.models:SOURCES",
-            "config key 'model_source' names 'unitrain.models:SOURCES' but 'SOURCES' is a dict",
+            "model_source=unitrain.registry:MODEL_SOURCES",
+            "config key 'model_source' names 'unitrain.registry:MODEL_SOURCES' but 'MODEL_SOURCES' is a dict",
         ),
         ("dynamic_sampling_filter=nonzero", "config key 'dynamic_sampling_filter' expects"),
     ],
@@ -202,13 +202,11 @@ def test_plugin_mistakes_are_one_line_and_exit_2(tmp_path, capsys, override, mes
 
 
 def test_choice_lists_come_from_the_registries():
-    from unitrain.models import SOURCES
-    from unitrain.rollout import FILTERS, SAMPLERS
-    from unitrain.tasks import MODES
+    from unitrain.registry import FILTERS, MODEL_SOURCES, MODES, SAMPLERS
 
     base = str(REPO / "configs" / "base.yml")
     needs = {"mesh": ["mode=grpo", "rollout_devices=4"]}  # the keys a choice needs beside it
-    for key, table in (("mode", MODES), ("model_source", SOURCES), ("sampler", SAMPLERS)):
+    for key, table in (("mode", MODES), ("model_source", MODEL_SOURCES), ("sampler", SAMPLERS)):
         for name in table:
             assert load_config([base, f"{key}={name}", "per_device_batch_size=1", *needs.get(name, [])])[key] == name
     assert load_config([base, f"dynamic_sampling_filter={next(iter(FILTERS))}"])

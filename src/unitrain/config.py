@@ -27,11 +27,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from unitrain.errors import ConfigError
-
-# The choice lists live beside their implementations; these modules import nothing heavy.
-from unitrain.models import SOURCES
-from unitrain.rollout import FILTERS, SAMPLERS
-from unitrain.tasks import MODES
+from unitrain.registry import FILTERS, MODEL_SOURCES, MODES, SAMPLERS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.yml"  # the checkout's base.yml
 
@@ -133,7 +129,7 @@ RULES: dict[str, Rule] = {
     "rollout_devices": NON_NEGATIVE_INT,
     "max_staleness": NON_NEGATIVE_INT,
     "mode": builtin_or_plugin(MODES),
-    "model_source": builtin_or_plugin(SOURCES),
+    "model_source": builtin_or_plugin(MODEL_SOURCES),
     "sampler": builtin_or_plugin(SAMPLERS),
     "dynamic_sampling_filter": Rule(
         lambda v: v == "" or builtin_or_plugin(FILTERS).test(v), '"" (keep all), ' + builtin_or_plugin(FILTERS).expected

@@ -7,15 +7,9 @@ pkg.module:fn   any fn(cfg, mesh) -> Model
 
 from __future__ import annotations
 
-# Short names of the built-in model sources ("module:function", imported only when chosen).
-SOURCES = {
-    "unitrain": "unitrain.models.decoder:source",
-    "tunix": "unitrain.adapters.tunix:source",
-}
+from unitrain import plugins, registry
 
 
 def build(cfg, mesh):
     """The configured model with its parameters placed in their shardings."""
-    from unitrain import plugins  # here: config validation imports SOURCES, and plugins imports config
-
-    return plugins.resolve(cfg.model_source, SOURCES, "model_source")(cfg, mesh)
+    return plugins.resolve(cfg.model_source, registry.MODEL_SOURCES, "model_source")(cfg, mesh)

@@ -1,7 +1,7 @@
 """Rollouts: the sampler interface (base.py: Sampler, SamplingParams, Completions), the colocated
 JAX sampler (colocated.py), and the one path from prompts to scored, filtered groups that GRPO and
-the evaluations share (groups.py). This file holds only the registries (config validation reads
-them without importing JAX) and the factory.
+the evaluations share (groups.py). This file holds the factory; the built-in names are in
+unitrain.registry.
 `sampler` picks the engine:
 
     colocated        the training parameters, sampled in-process (default)
@@ -11,14 +11,9 @@ them without importing JAX) and the factory.
 
 from __future__ import annotations
 
-# Short names of the built-in samplers and dynamic-sampling filters ("module:symbol", imported
-# only when chosen).
-SAMPLERS = {"colocated": "unitrain.rollout.colocated:from_run", "mesh": "unitrain.rollout.mesh:from_run"}
-FILTERS = {"nonzero_std": "unitrain.rollout.groups:nonzero_std"}
+from unitrain import plugins, registry
 
 
 def make_sampler(run):
     """The configured sampler for this run."""
-    from unitrain import plugins
-
-    return plugins.resolve(run.cfg.sampler, SAMPLERS, "sampler", "a sampler factory (run) -> Sampler")(run)
+    return plugins.resolve(run.cfg.sampler, registry.SAMPLERS, "sampler", "a sampler factory (run) -> Sampler")(run)

@@ -4,7 +4,7 @@
     kept = [g for g in groups if keep(g)]           # a dynamic-sampling filter sees whole groups
 
 A group is one prompt's n completions with their decoded texts and rewards. Filters are
-`dynamic_sampling_filter`: a built-in name from rollout.FILTERS or a plugin `pkg.module:fn(group) -> bool`.
+`dynamic_sampling_filter`: a built-in name from registry.FILTERS or a plugin `pkg.module:fn(group) -> bool`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from unitrain import plugins
+from unitrain import plugins, registry
 from unitrain.errors import RunEndedEarly
-from unitrain.rollout import FILTERS
 from unitrain.rollout.base import Completions, Sampler, SamplingParams, submit
 
 
@@ -80,10 +79,10 @@ def nonzero_std(group: Group) -> bool:
 
 
 def make_filter(spec: str):
-    """ "" (keep every group), a FILTERS name or a plugin `pkg.module:fn(group) -> bool`."""
+    """ "" (keep every group), a registry.FILTERS name or a plugin `pkg.module:fn(group) -> bool`."""
     if spec == "":
         return None
-    return plugins.resolve(spec, FILTERS, "dynamic_sampling_filter", "a function (group) -> bool")
+    return plugins.resolve(spec, registry.FILTERS, "dynamic_sampling_filter", "a function (group) -> bool")
 
 
 def select_groups(kept: list, dropped: list, batch_size: int) -> tuple[list, int, int]:

@@ -8,16 +8,9 @@ pkg.module:Class   any Task subclass
 
 from __future__ import annotations
 
-# Short names of the built-in modes ("module:class", imported only when chosen).
-MODES = {
-    "sft": "unitrain.tasks.sft:SFTTask",
-    "grpo": "unitrain.tasks.grpo:GRPOTask",
-    "dpo": "unitrain.tasks.dpo:DPOTask",
-}
+from unitrain import plugins, registry
 
 
 def create(run):
     """The configured mode's Task for this run."""
-    from unitrain import plugins  # here: config validation imports MODES, and plugins imports config
-
-    return plugins.resolve(run.cfg.mode, MODES, "mode", "a Task class")(run)
+    return plugins.resolve(run.cfg.mode, registry.MODES, "mode", "a Task class")(run)
