@@ -1,7 +1,8 @@
 """The wheel, built once from a clean copy of the checkout: it holds every module and the shipped configs
 (base.yml, the model ymls, the recipes) as files, and installed without the checkout (into a fresh venv
 that borrows this interpreter's installed requirements) its `unitrain` command runs the built-in run,
-configs/base.yml and a recipe naming `base_config: base.yml` from a directory outside the checkout."""
+configs/base.yml and a recipe naming `base_config: base.yml` from a directory outside the checkout.
+The rule behind it, in process: a relative yml path that does not exist is the shipped config."""
 
 import json
 import shutil
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cpu_env
+from unitrain.config import DEFAULT_CONFIG, load_config, root_config
+from unitrain.errors import ConfigError
 
 CONFIGS = REPO / "src" / "unitrain" / "configs"
 # The built-in run, small: 5 steps of a few short rows, no eval.
@@ -131,3 +134,21 @@ def test_shipped_base_yml_and_a_recipe_from_outside_the_checkout(venv, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert trained_steps(tmp_path / "runs" / "mine" / "metrics.jsonl") == [0, 1, 2, 3, 4]
     assert "seed: 3" in (tmp_path / "runs" / "mine" / "config.yml").read_text()
+
+
+def test_a_missing_relative_yml_is_the_shipped_one(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="unitrain")
+    assert root_config(Path("configs/base.yml")) == DEFAULT_CONFIG
+    assert "config configs/base.yml: no such file here, taking the shipped" in caplog.text
+    assert load_config(["configs/gsm8k_grpo.yml"]).model_name == "qwen2.5-0.5b"
+    (tmp_path / "recipe.yml").write_text("base_config: base.yml\nseed: 3\n")
+    assert root_config(Path("recipe.yml")) == DEFAULT_CONFIG and load_config(["recipe.yml"]).seed == 3
+    # a base.yml beside the recipe comes first
+    (tmp_path / "base.yml").write_text(DEFAULT_CONFIG.read_text().replace("seed: 0 ", "seed: 5 "))
+    (tmp_path / "models").symlink_to(DEFAULT_CONFIG.parent / "models")
+    (tmp_path / "other.yml").write_text("base_config: base.yml\n")
+    assert root_config(Path("other.yml")) == tmp_path / "base.yml" and load_config(["other.yml"]).seed == 5
+    # a path that names no shipped config keeps its own message
+    with pytest.raises(ConfigError, match="cannot read config file configs/nothing.yml"):
+        load_config(["configs/nothing.yml"])
