@@ -861,7 +861,7 @@ def _find_yml(name: str, directory: Path) -> Path:
     after a wheel install. Else `directory / name`, whose read then fails with its own message."""
     path = directory / name
     parts = Path(name).parts
-    if path.exists() or Path(name).is_absolute() or ".." in parts:
+    if path.exists():
         return path
     shipped = SHIPPED_CONFIGS.joinpath(*parts[1:] if parts[:1] == ("configs",) else parts)
     if not shipped.is_file():
