@@ -7,6 +7,8 @@
      the yml that names it; an absolute path also works);
   3. `<dir of the root base.yml>/models/<model_name>.yml`: model dimensions only;
   4. command-line `key=value` overrides (the last of a repeated key wins).
+A relative yml path (the first argument, or a base_config) that does not exist is taken from the
+configs shipped in the package when they hold it, a leading `configs/` dropped (_find_yml).
 Then each key is checked against RULES, the cross-key CHECKS run, and derive() adds computed values.
 A user mistake raises ConfigError whose message is one sentence naming the key and where it came from.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import logging
 import math
 import os
 import posixpath
@@ -29,7 +32,10 @@ import yaml
 from unitrain.errors import ConfigError
 from unitrain.registry import FILTERS, MODEL_SOURCES, MODES, SAMPLERS
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.yml"  # the checkout's base.yml
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"  # base.yml, models/ and the recipes, package data
+DEFAULT_CONFIG = SHIPPED_CONFIGS / "base.yml"
+
+log = logging.getLogger("unitrain")
 
 
 class Rule(NamedTuple):
@@ -831,9 +837,11 @@ def root_config(path: Path) -> Path:
 def _read_chain(path: Path) -> tuple[list[tuple[Path, dict, dict]], bool]:
     """The yml files from `path` along `base_config:` to the root, and whether one is a resolved config."""
     chain, resolved = [], False
+    path = _find_yml(str(path), Path())
     while True:
-        path = path.resolve()
-        if path in [p for p, _, _ in chain]:
+        # absolute but not resolved: messages name the path as given (configs/ is a link in the checkout)
+        path = Path(os.path.abspath(path))
+        if path.resolve() in [p.resolve() for p, _, _ in chain]:
             names = " -> ".join(_show_path(p) for p in [*(p for p, _, _ in chain), path])
             raise ConfigError(f"base_config forms a cycle: {names}")
         data, lines = _read_yml(path)
@@ -844,7 +852,22 @@ def _read_chain(path: Path) -> tuple[list[tuple[Path, dict, dict]], bool]:
             return chain, resolved
         if not isinstance(parent, str) or not parent:
             raise ConfigError(f"base_config in {_show_path(path)} must be a yml path, got '{_show(parent)}'")
-        path = path.parent / parent  # relative to this yml's directory; an absolute path replaces it
+        path = _find_yml(parent, path.parent)  # relative to this yml's directory; an absolute path replaces it
+
+
+def _find_yml(name: str, directory: Path) -> Path:
+    """`directory / name` if it exists, else the shipped config that `name` names (a leading
+    `configs/` dropped): so `configs/base.yml` and `base_config: base.yml` work from any directory
+    after a wheel install. Else `directory / name`, whose read then fails with its own message."""
+    path = directory / name
+    parts = Path(name).parts
+    if path.exists():
+        return path
+    shipped = SHIPPED_CONFIGS.joinpath(*parts[1:] if parts[:1] == ("configs",) else parts)
+    if not shipped.is_file():
+        return path
+    log.info("config %s: no such file here, taking the shipped %s", _show_path(path), shipped)
+    return shipped
 
 
 def write_config(cfg: Config, path: str | os.PathLike) -> None:

@@ -1,6 +1,6 @@
 """The entry point: config -> run (mesh, model, optimizer, state) -> mode -> loop.
 
-    python -m unitrain.train configs/base.yml [key=value ...]
+    unitrain [CONFIG.yml] [key=value ...]    (or python -m unitrain.train; no yml: configs/base.yml)
 
 Read top to bottom: `main` turns user mistakes into one line and exit status 2; `run.build_run`
 builds everything a mode needs once; `tasks.create` looks the mode up; `loop` runs it, fetching the
@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         return _help(argv)
+    if not argv or "=" in argv[0]:  # no yml named: the built-in run, the shipped base.yml
+        argv = [str(DEFAULT_CONFIG), *argv]
     _setup_logging()
     try:
         cfg = load_config(argv, before_derive=distributed.maybe_initialize)
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _help(argv: list[str]) -> int:
-    """`--help [KEYWORD]`: the keys of the root base.yml (of the yml given first, else configs/base.yml)."""
+    """`--help [KEYWORD]`: the keys of the root base.yml (of the yml given first, else the shipped one)."""
     at = argv.index("--help") if "--help" in argv else argv.index("-h")
     keyword = argv[at + 1] if at + 1 < len(argv) else ""
     first = Path(argv[0]) if at > 0 and argv[0].endswith((".yml", ".yaml")) else DEFAULT_CONFIG
