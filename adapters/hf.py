@@ -228,11 +228,12 @@ def load(
 
     The architecture is `model_cfg` (a run's, already reconciled with config.json by the config
     loader) or else read from config.json with `dtype`, `rules` and the ModelConfig execution fields
-    in `execution` (weight_dtype, remat_policy, scan_layers).
+    in `execution` (weight_dtype, remat_policy, scan_layers; platform: the one programs are built for).
     """
     path = Path(path)
     if model_cfg is None:
         execution.setdefault("weight_dtype", dtype)
+        execution.setdefault("platform", sharding.target_platform())
         model_cfg = model_config_from_hf(path, trust_remote_code, dtype=dtype, logical_axis_rules=rules, **execution)
     cfg, rules = model_cfg, model_cfg.logical_axis_rules
     mesh = mesh or _single_device_mesh()
@@ -242,8 +243,10 @@ def load(
         from unitrain import vocab
 
         narrow = load(path, mesh=mesh, model_cfg=dataclasses.replace(cfg, vocab_size=rows))
-        return vocab.grown(narrow, *vocab.wider(nnx.eval_shape(lambda: model_lib.create(cfg)), mesh, rules))
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg)))
+        return vocab.grown(
+            narrow, *vocab.wider(nnx.eval_shape(lambda: model_lib.create(cfg, hf_writer=save)), mesh, rules)
+        )
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg, hf_writer=save)))
     shardings = sharding.state_shardings(abstract, mesh, rules)
     mappings = _mappings(cfg)
     _check_no_unknown_tensors(path, index, cfg, mappings)

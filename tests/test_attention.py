@@ -13,7 +13,7 @@ from flax import nnx
 from unitrain import sharding
 from unitrain.config import load_config
 from unitrain.errors import ConfigError
-from unitrain.models import decoder as model_lib
+from unitrain.models import attention, decoder
 
 B, T, H, K, D = 2, 100, 4, 2, 16  # T not a multiple of the splash block: the kernel pads it
 
@@ -35,8 +35,8 @@ def packed_inputs(seed=0):
 
 
 def reference(q, k, v, segments, positions, window):
-    mask = model_lib.attention_mask(segments, positions, segments, positions, window)
-    return model_lib.attention(q, k, v, mask)
+    mask = attention.attention_mask(segments, positions, segments, positions, window)
+    return attention.attention(q, k, v, mask)
 
 
 def loss_and_grads(attend, q, k, v):
@@ -57,9 +57,9 @@ def assert_same_on_real_tokens(out, expected, segments):
 def test_dot_product_attention_equals_reference(window):
     """The cudnn choice's code path (jax.nn.dot_product_attention) on its CPU implementation."""
     q, k, v, segments, positions = packed_inputs()
-    mask = model_lib.attention_mask(segments, positions, segments, positions, window)
-    fused = functools.partial(model_lib.dot_product_attention, mask=mask, implementation="xla")
-    expected = functools.partial(model_lib.attention, mask=mask)
+    mask = attention.attention_mask(segments, positions, segments, positions, window)
+    fused = functools.partial(attention.dot_product_attention, mask=mask, implementation="xla")
+    expected = functools.partial(attention.attention, mask=mask)
     assert_same_on_real_tokens(fused(q, k, v), expected(q, k, v), segments)
     (value, grads), (ref_value, ref_grads) = loss_and_grads(fused, q, k, v), loss_and_grads(expected, q, k, v)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
@@ -71,7 +71,7 @@ def test_dot_product_attention_equals_reference(window):
 def test_splash_attention_equals_reference(window):
     """The splash kernel in Pallas' interpreter: values and gradients on the real tokens."""
     q, k, v, segments, positions = packed_inputs()
-    splash = functools.partial(model_lib.splash_attention, segment_ids=segments, window=window, interpret=True)
+    splash = functools.partial(attention.splash_attention, segment_ids=segments, window=window, interpret=True)
     expected = lambda q, k, v: reference(q, k, v, segments, positions, window)
     assert_same_on_real_tokens(jax.jit(splash)(q, k, v), expected(q, k, v), segments)
     (value, grads), (ref_value, ref_grads) = loss_and_grads(splash, q, k, v), loss_and_grads(expected, q, k, v)
@@ -93,11 +93,11 @@ def test_splash_attention_after_a_shared_prefix_equals_reference(window):
     pos_p = jnp.maximum(jnp.arange(P) - (P - real_p), 0)[None].repeat(B, 0)
     keys = lambda own, prefix: jnp.concatenate([prefix, own], axis=2)
     seg_k, pos_q = jnp.concatenate([seg_p, segments], 1), real_p + jnp.arange(T)[None].repeat(B, 0)
-    mask = model_lib.attention_mask(segments, pos_q, seg_k, jnp.concatenate([pos_p, pos_q], 1), window)
-    splash = lambda q, k, v: model_lib.splash_attention(
+    mask = attention.attention_mask(segments, pos_q, seg_k, jnp.concatenate([pos_p, pos_q], 1), window)
+    splash = lambda q, k, v: attention.splash_attention(
         q, keys(k, k_p), keys(v, v_p), segments, window, interpret=True, key_segment_ids=seg_k
     )
-    expected = lambda q, k, v: model_lib.attention(q, keys(k, k_p), keys(v, v_p), mask)
+    expected = lambda q, k, v: attention.attention(q, keys(k, k_p), keys(v, v_p), mask)
     assert_same_on_real_tokens(jax.jit(splash)(q, k_own, v_own), expected(q, k_own, v_own), segments)
     weights = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32) * (segments > 0)[:, :, None, None]
     grads = lambda attend: jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a) * weights), argnums=(0, 1, 2)))(
@@ -107,7 +107,7 @@ def test_splash_attention_after_a_shared_prefix_equals_reference(window):
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
 
 
-CFG = model_lib.ModelConfig(
+CFG = decoder.ModelConfig(
     vocab_size=64,
     emb_dim=32,
     mlp_dim=64,
@@ -115,17 +115,18 @@ CFG = model_lib.ModelConfig(
     num_query_heads=4,
     num_kv_heads=2,
     head_dim=8,
+    platform=sharding.target_platform(),
     sliding_window=5,
 )
 
 
 def use_kernel_on_cpu(monkeypatch, model, kernel):
     """`model` set to `kernel`, which then runs on its CPU path (Pallas' interpreter, XLA's)."""
-    monkeypatch.setattr(model_lib, "attention_kernel", lambda *_: kernel)
-    monkeypatch.setattr(model_lib, "splash_attention", functools.partial(model_lib.splash_attention, interpret=True))
-    fused = model_lib.dot_product_attention
+    monkeypatch.setattr(attention, "attention_kernel", lambda *_: kernel)
+    monkeypatch.setattr(attention, "splash_attention", functools.partial(attention.splash_attention, interpret=True))
+    fused = attention.dot_product_attention
     monkeypatch.setattr(
-        model_lib, "dot_product_attention", lambda q, k, v, mask, implementation: fused(q, k, v, mask, "xla")
+        attention, "dot_product_attention", lambda q, k, v, mask, implementation: fused(q, k, v, mask, "xla")
     )
     model.cfg = dataclasses.replace(CFG, attention=kernel)
 
@@ -133,7 +134,7 @@ def use_kernel_on_cpu(monkeypatch, model, kernel):
 @pytest.mark.parametrize("kernel", ["splash", "cudnn"])
 def test_model_with_a_kernel_equals_the_reference(monkeypatch, kernel):
     """The decoder's plumbing of each kernel (layouts, segment ids, window), run on its CPU path."""
-    model = model_lib.create(CFG, 0)
+    model = decoder.create(CFG, 0)
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, 64, (2, 12)), jnp.int32)
     segments = jnp.asarray([[1] * 7 + [2] * 4 + [0], [1] * 12], jnp.int32)
     positions = jnp.asarray([list(range(7)) + list(range(4)) + [0], list(range(12))], jnp.int32)
@@ -146,7 +147,7 @@ def test_model_with_a_kernel_equals_the_reference(monkeypatch, kernel):
 def test_shared_prefix_with_a_kernel_equals_the_reference(monkeypatch, kernel):
     """hidden_states_shared_prefix's plumbing of each kernel: 2 groups of 2 rows sharing a left-padded
     prompt, then their own completions, against hidden_states by the reference."""
-    model = model_lib.create(CFG, 0)
+    model = decoder.create(CFG, 0)
     rng = np.random.default_rng(2)
     P, C = 6, 5
     tokens, positions, segments = (np.zeros((4, P + C), np.int32) for _ in range(3))
@@ -163,7 +164,7 @@ def test_shared_prefix_with_a_kernel_equals_the_reference(monkeypatch, kernel):
 
 
 def test_kernel_choice_by_platform():
-    pick = model_lib.attention_kernel
+    pick = attention.attention_kernel
     assert pick("auto", "cpu", "float32") == "xla" and pick("auto", "tpu", "float32") == "splash"
     assert pick("auto", "gpu", "bfloat16") == "cudnn" and pick("auto", "gpu", "float32") == "xla"
     assert pick("xla", "tpu", "bfloat16") == "xla" and pick("cudnn", "gpu", "bfloat16") == "cudnn"
@@ -193,7 +194,7 @@ def test_an_unsupported_choice_is_one_config_line(value, message):
 def test_cache_decode_under_a_sliding_window_equals_full_forward():
     """Left-padded prefill, then one token per call: the window is measured in positions, so the
     padding columns the cache holds do not count."""
-    model = model_lib.create(CFG, 2)
+    model = decoder.create(CFG, 2)
     rng = np.random.default_rng(3)
     lens, prefill, steps = (9, 3), 9, 6
     seqs = [rng.integers(1, 64, n + steps) for n in lens]
@@ -225,7 +226,7 @@ def test_splash_attention_under_a_mesh_runs_per_shard():
     mesh = sharding.create_mesh({"data": 2, "fsdp": 2, "tensor": 2}, {"data": 1, "fsdp": 1, "tensor": 1})
     rules = sharding.rules_from_config(sharding.DEFAULT_RULES)
     q, k, v, segments, positions = (jnp.concatenate([a, a]) for a in packed_inputs())
-    splash = jax.jit(functools.partial(model_lib.splash_attention, window=7, rules=rules, interpret=True))
+    splash = jax.jit(functools.partial(attention.splash_attention, window=7, rules=rules, interpret=True))
     with jax.set_mesh(mesh):
         out = splash(q, k, v, segments)
     assert_same_on_real_tokens(out, reference(q, k, v, segments, positions, 7), segments)
@@ -237,9 +238,9 @@ def test_query_chunks_equal_whole_rows(chunk, window, causal_columns):
     """attention_chunk_size: chunks that divide T or not (padding queries), packed rows, a window,
     all keys or the causal prefix; values and the gradients in q, k, v against the whole rows."""
     q, k, v, segments, positions = packed_inputs()
-    mask = model_lib.attention_mask(segments, positions, segments, positions, window)
-    chunked = functools.partial(model_lib.attention, mask=mask, chunk_size=chunk, causal_columns=causal_columns)
-    whole = functools.partial(model_lib.attention, mask=mask)
+    mask = attention.attention_mask(segments, positions, segments, positions, window)
+    chunked = functools.partial(attention.attention, mask=mask, chunk_size=chunk, causal_columns=causal_columns)
+    whole = functools.partial(attention.attention, mask=mask)
     assert_same_on_real_tokens(jax.jit(chunked)(q, k, v), whole(q, k, v), segments)
     (value, grads), (ref_value, ref_grads) = loss_and_grads(chunked, q, k, v), loss_and_grads(whole, q, k, v)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
@@ -255,7 +256,7 @@ def test_query_chunks_bound_the_backward_memory():
     mask = jnp.tril(jnp.ones((n, n), bool))[None]
 
     def temp_bytes(chunk):
-        loss = lambda q, k, v: jnp.sum(model_lib.attention(q, k, v, mask, chunk))
+        loss = lambda q, k, v: jnp.sum(attention.attention(q, k, v, mask, chunk))
         return (
             jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
         )
@@ -273,7 +274,7 @@ def test_causal_chunks_skip_the_blocks_above_the_diagonal():
     mask = jax.ShapeDtypeStruct((1, n, n), jnp.bool_)
 
     def flops(chunk):
-        forward = lambda q, k, v, m: model_lib.attention(q, k, v, m, chunk, causal_columns=True)
+        forward = lambda q, k, v, m: attention.attention(q, k, v, m, chunk, causal_columns=True)
         return jax.jit(forward).lower(q, kv, kv, mask).compile().cost_analysis()["flops"]
 
     np.testing.assert_allclose(flops(128) / flops(0), 10 / 16, rtol=0.02)
@@ -283,8 +284,8 @@ def test_the_backward_keeps_no_probabilities():
     """What the forward keeps for the backward (the VJP's residuals): the inputs, the output, the
     mask and per-query statistics; no float array of the [T, S] probabilities (recomputed instead)."""
     q, k, v, segments, positions = packed_inputs()
-    mask = model_lib.attention_mask(segments, positions, segments, positions, None)
-    _, backward = jax.vjp(functools.partial(model_lib.attention, mask=mask), q, k, v)
+    mask = attention.attention_mask(segments, positions, segments, positions, None)
+    _, backward = jax.vjp(functools.partial(attention.attention, mask=mask), q, k, v)
     kept = [x for x in jax.tree.leaves(backward) if jnp.issubdtype(x.dtype, jnp.floating)]
     T = q.shape[1]
     assert kept and all(x.size < q.size * T // q.shape[-1] for x in kept), [x.shape for x in kept]
@@ -299,7 +300,7 @@ def test_model_with_query_chunks_equals_whole_rows():
     real = np.asarray(segments) > 0
 
     def run(chunk):
-        model = model_lib.create(dataclasses.replace(CFG, attention_chunk_size=chunk), 0)
+        model = decoder.create(dataclasses.replace(CFG, attention_chunk_size=chunk), 0)
 
         def loss(m):
             logits = m(tokens, positions, segments)[0]

@@ -17,7 +17,14 @@ from unitrain.rollout.trie import Trie
 
 EOS, V = 1, 48
 CFG = model_lib.ModelConfig(
-    vocab_size=V, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
+    vocab_size=V,
+    emb_dim=32,
+    mlp_dim=64,
+    num_decoder_layers=2,
+    num_query_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    platform=sharding.target_platform(),
 )
 PROMPTS = [[5, 6, 7], [8, 9], [2, 3, 4, 5, 6, 7, 40, 41, 42], [44]]
 

@@ -43,7 +43,7 @@ def test_bench_tiny_prints_json_with_mfu(tmp_path):
         assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["step_time_min"] <= result["step_time_median"] <= result["step_time_max"]
     cfg = load_config(["configs/base.yml", *OVERRIDES])
-    expected = decoder.create(decoder.ModelConfig.from_config(cfg)).flops_per_token(32)
+    expected = decoder.create(decoder.ModelConfig.from_config(cfg, sharding.target_platform())).flops_per_token(32)
     assert result["model_flops_per_token"] == expected
     assert result["config"]["num_devices"] == 8 and result["config"]["global_batch_rows"] == 16
     assert result["num_params"] > 0
@@ -130,7 +130,7 @@ def test_compile_only_compiles_the_grpo_and_dpo_updates():
     """The update of each RL mode, at the longest rows its config allows: GRPO rows of the prompt
     bucket (32 for 20 prompt tokens) plus 8 completion columns; DPO pairs of two sequences."""
     cfg = load_config(["configs/base.yml", *OVERRIDES])
-    flops = decoder.create(decoder.ModelConfig.from_config(cfg)).flops_per_token
+    flops = decoder.create(decoder.ModelConfig.from_config(cfg, sharding.target_platform())).flops_per_token
     grpo = [
         "--mode",
         "grpo",
@@ -343,7 +343,7 @@ def test_push_mode_times_the_copy_to_the_rollout_mesh():
         ]
     )
     result = bench.bench_push(cfg, steps=2, warmup=1)
-    model = decoder.create(decoder.ModelConfig.from_config(cfg))
+    model = decoder.create(decoder.ModelConfig.from_config(cfg, sharding.target_platform()))
     sizes = [x.size for x in jax.tree.leaves(nnx.state(model))]
     assert result["parameters"] == sum(sizes) and result["gigabytes"] == sum(sizes) * 4 / 1e9  # float32 weights
     assert (

@@ -7,11 +7,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import losses
+from unitrain import losses, sharding
 from unitrain.models import decoder
 
 CFG = decoder.ModelConfig(
-    vocab_size=97, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
+    vocab_size=97,
+    emb_dim=32,
+    mlp_dim=64,
+    num_decoder_layers=2,
+    num_query_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    platform=sharding.target_platform(),
 )
 
 
@@ -79,7 +86,14 @@ def test_the_compiled_gradient_holds_no_full_logits():
     needs two of them; with chunks of 16 positions (16 MiB of logits) the whole step needs less than
     one."""
     cfg = decoder.ModelConfig(
-        vocab_size=16384, emb_dim=32, mlp_dim=64, num_decoder_layers=1, num_query_heads=2, num_kv_heads=2, head_dim=16
+        vocab_size=16384,
+        emb_dim=32,
+        mlp_dim=64,
+        num_decoder_layers=1,
+        num_query_heads=2,
+        num_kv_heads=2,
+        head_dim=16,
+        platform=sharding.target_platform(),
     )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: decoder.create(cfg)))
     B, T = 16, 128

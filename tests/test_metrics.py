@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import metrics
+from unitrain import metrics, sharding
 from unitrain.config import load_config
 from unitrain.models import decoder as model
 
@@ -120,6 +120,7 @@ def test_flops_match_parameter_count():
             num_query_heads=4,
             num_kv_heads=2,
             head_dim=12,
+            platform=sharding.target_platform(),
             qkv_bias=True,
             qk_norm=True,
             tie_word_embeddings=tie,
@@ -148,6 +149,7 @@ def test_flops_match_xla_cost_analysis():
         num_query_heads=4,
         num_kv_heads=2,
         head_dim=48,
+        platform=sharding.target_platform(),
         scan_layers=False,
     )
     graphdef, state = nnx.split(nnx.eval_shape(lambda: model.create(cfg)))  # lowering needs shapes only

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain.models import decoder as model_lib
+from unitrain import sharding
+from unitrain.models import attention, decoder, kv_cache
 
-CFG = model_lib.ModelConfig(
+CFG = decoder.ModelConfig(
     vocab_size=128,
     emb_dim=32,
     mlp_dim=64,
@@ -19,6 +20,7 @@ CFG = model_lib.ModelConfig(
     num_query_heads=4,
     num_kv_heads=2,
     head_dim=8,
+    platform=sharding.target_platform(),
     qkv_bias=True,
     qk_norm=True,
 )
@@ -26,7 +28,7 @@ CFG = model_lib.ModelConfig(
 
 def sharp_model(cfg, seed=0):
     """Random weights scaled up so that attention is far from uniform (masks and RoPE matter)."""
-    model = model_lib.create(cfg, seed)
+    model = decoder.create(cfg, seed)
     for _, var in nnx_params(model):
         var.set_value(var.get_value() * 10.0)
     return model
@@ -57,11 +59,11 @@ def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, m
     `for_decoding(decode_weights())` as the samplers call the model, give the logits of the
     unpadded full forward on either route: a `Decoding`'s decode weights and head (CPU, GPU), or
     the decoder itself on its stacked weights (TPU)."""
-    monkeypatch.setattr(model_lib, "copies_weight_slices", lambda platform: copies)
+    monkeypatch.setattr(decoder, "copies_weight_slices", lambda platform: copies)
     call = nnx.jit(lambda model, *args: model.for_decoding(model.decode_weights())(*args))  # traced afresh per route
     cfg = dataclasses.replace(CFG, scan_layers=scan_layers, dtype=dtype, weight_dtype=dtype, tie_word_embeddings=tied)
     # bfloat16 rounding of the sharp weights' large logits would hide an error: plain weights there.
-    model = sharp_model(cfg) if dtype == "float32" else model_lib.create(cfg, 0)
+    model = sharp_model(cfg) if dtype == "float32" else decoder.create(cfg, 0)
     rng = np.random.default_rng(0)
     prompt_lens, prefill_len, decode_steps = (7, 4), 7, 5
     seqs = [rng.integers(0, 128, n + decode_steps) for n in prompt_lens]
@@ -74,7 +76,7 @@ def test_kv_cache_decode_equals_full_forward(scan_layers, dtype, tied, copies, m
         segments[b, prefill_len - n :] = 1
     # Causal: the full forward of the whole sequence holds the expected logits of every prefix.
     expected = [full_forward(model, s) for s in seqs]
-    cache = model_lib.init_cache(model.cfg, batch_size=2, max_length=16)
+    cache = kv_cache.init_cache(model.cfg, batch_size=2, max_length=16)
     chunks = []
     for part in (slice(0, 4), slice(4, prefill_len)):  # the second attends to the first's keys in the cache
         logits, cache = call(model, *(jnp.asarray(a[:, part]) for a in (tokens, positions, segments)), cache)
@@ -118,7 +120,7 @@ def test_cached_hidden_states_equal_the_uncached_forward_and_fill_the_calls_cach
     for b, (s, real) in enumerate(zip(seqs, columns)):
         tokens[b, real], positions[b, real], segments[b, real] = s, np.arange(len(s)), 1
     block = tuple(map(jnp.asarray, (tokens, positions, segments)))
-    empty = model_lib.init_cache(model.cfg, batch_size=2, max_length=12)
+    empty = kv_cache.init_cache(model.cfg, batch_size=2, max_length=12)
     hidden, logits, cache = prefill(model, *block, empty)
     for b, (s, real) in enumerate(zip(seqs, columns)):
         np.testing.assert_allclose(
@@ -156,7 +158,7 @@ def test_sliding_window_limits_attention():
 
 
 def loss_and_grads(cfg):
-    graphdef, params = nnx.split(model_lib.create(cfg, seed=3))
+    graphdef, params = nnx.split(decoder.create(cfg, seed=3))
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 128, (1, 10)))
 
     def loss(params):
@@ -204,13 +206,13 @@ def test_attention_vjp_equals_autodiff_of_the_plain_form():
     k, v = (jnp.asarray(rng.normal(size=(B, K, T, D)) * 2, jnp.float32) for _ in range(2))
     segments = jnp.asarray([[1] * 5 + [2] * 4 + [0] * 3, [1] * T], jnp.int32)
     positions = jnp.asarray([list(range(5)) + list(range(4)) + [0] * 3, list(range(T))], jnp.int32)
-    mask = model_lib.attention_mask(segments, positions, segments, positions, None)
+    mask = attention.attention_mask(segments, positions, segments, positions, None)
     weights = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
     grad = lambda attend: jax.jit(
         jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, mask) * weights), argnums=(0, 1, 2))
     )(q, k, v)
-    np.testing.assert_allclose(model_lib.attention(q, k, v, mask), plain_attention(q, k, v, mask), rtol=1e-6, atol=1e-6)
-    for g, r in zip(grad(model_lib.attention), grad(plain_attention)):
+    np.testing.assert_allclose(attention.attention(q, k, v, mask), plain_attention(q, k, v, mask), rtol=1e-6, atol=1e-6)
+    for g, r in zip(grad(attention.attention), grad(plain_attention)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
@@ -218,7 +220,7 @@ def test_dense_equals_the_einsum_and_its_gradients():
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.normal(size=(2, 3, 4, 5)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(4, 5, 6)), jnp.float32)
-    dense = lambda x, w: jnp.sum(model_lib._dense(x, w, n_in=2) ** 2)
+    dense = lambda x, w: jnp.sum(decoder._dense(x, w, n_in=2) ** 2)
     plain = lambda x, w: jnp.sum(jnp.einsum("btij,ijo->bto", x, w) ** 2)
     np.testing.assert_allclose(jax.grad(dense)(x, w), jax.grad(plain)(x, w), rtol=1e-5)
     np.testing.assert_allclose(jax.grad(dense, argnums=1)(x, w), jax.grad(plain, argnums=1)(x, w), rtol=1e-5)
@@ -234,7 +236,7 @@ def test_decode_step_attention_matches_numpy(matmuls):
     k, v = (rng.normal(size=(B, K, S, D)).astype(np.float32) for _ in range(2))
     mask = rng.random((B, 1, S)) < 0.6
     mask[:, 0, 0] = True  # every row attends somewhere
-    out = model_lib.cached_attention(
+    out = attention.cached_attention(
         jnp.asarray(q), jnp.asarray(k).swapaxes(2, 3), jnp.asarray(v), jnp.asarray(mask), matmuls=matmuls
     )
     expected = np.zeros((B, 1, K * G, D), np.float32)

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO
+from unitrain import sharding
 from unitrain.config import load_config
 from unitrain.models import decoder
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
@@ -54,6 +55,7 @@ def test_weight_decay_spares_norms_and_biases():
             num_query_heads=1,
             num_kv_heads=1,
             head_dim=2,
+            platform=sharding.target_platform(),
             qkv_bias=True,
             qk_norm=True,
         )

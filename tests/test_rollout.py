@@ -16,7 +16,14 @@ from unitrain.rollout import colocated
 from unitrain.rollout.base import SamplingParams
 
 CFG = model_lib.ModelConfig(
-    vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
+    vocab_size=64,
+    emb_dim=32,
+    mlp_dim=64,
+    num_decoder_layers=2,
+    num_query_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    platform=sharding.target_platform(),
 )
 FORWARD_LEN = 32  # the reference forward right-pads every sequence to this length: one compile
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 11, 8, 1], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]

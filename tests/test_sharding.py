@@ -20,6 +20,7 @@ CFG = model_lib.ModelConfig(
     num_query_heads=4,
     num_kv_heads=2,
     head_dim=16,
+    platform=sharding.target_platform(),
     qkv_bias=True,
     logical_axis_rules=sharding.DEFAULT_RULES,
 )

@@ -130,7 +130,7 @@ RULES: dict[str, Rule] = {
     "dtype": DTYPE,
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
-    "attention": choices_of("unitrain.models.decoder", "ATTENTION"),
+    "attention": choices_of("unitrain.models.attention", "ATTENTION"),
     **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn", "rollout") for axis in MESH_AXES},
     "rollout_devices": NON_NEGATIVE_INT,
     "max_staleness": NON_NEGATIVE_INT,
@@ -304,10 +304,10 @@ def _check_attention(c: dict) -> str | None:
     if c["model_source"] != "unitrain":
         return f"attention={c['attention']} is a kernel of model_source unitrain; model_source {c['model_source']} brings its own attention (use auto or xla)"
     from unitrain import sharding  # here, not at the top: importing this module must not initialise JAX's backends
-    from unitrain.models import decoder
+    from unitrain.models import attention
 
     try:
-        decoder.attention_kernel(c["attention"], sharding.target_platform(), c["dtype"])
+        attention.attention_kernel(c["attention"], sharding.target_platform(), c["dtype"])
     except ValueError as e:
         return str(e)
     return None

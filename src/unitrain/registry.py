@@ -5,7 +5,7 @@ importing JAX or any implementation."""
 
 # model_source: fn(cfg, mesh) -> Model, its parameters placed in their shardings
 MODEL_SOURCES = {
-    "unitrain": "unitrain.models.decoder:source",
+    "unitrain": "unitrain.models.source:source",
     "tunix": "unitrain.adapters.tunix:source",
 }
 

@@ -1,6 +1,6 @@
 """Models behind one interface (base.py). `model_source` picks who builds the model:
 
-unitrain   our decoder (decoder.py): random init, HF safetensors or a unitrain checkpoint
+unitrain   our decoder (source.py): random init, HF safetensors or a unitrain checkpoint
 tunix      Tunix's model library (unitrain.adapters.tunix; the `tunix` extra): HF checkpoints
 pkg.module:fn   any fn(cfg, mesh) -> Model
 """

@@ -1,0 +1,260 @@
+"""Attention of our decoder: the reference (grouped-query einsums with a softmax in float32 and
+FlashAttention's backward as a custom VJP), its chunked forms, the decode step's attention over a KV
+cache, the fused kernels (cuDNN through jax.nn.dot_product_attention, Pallas splash under shard_map)
+and the choice among them by the `attention` key and the model's platform (`attention_kernel`,
+`attention_fn`). Inputs are q [B, T, H, D] and k/v [B, K, S, D] with a [B, T, S] mask (or, for
+splash, the segment ids the mask comes from).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from unitrain import sharding
+
+# The `attention` key: the reference einsums (xla), a platform's fused kernel, or auto.
+ATTENTION = ("auto", "xla", "cudnn", "splash")
+
+
+def attention_kernel(choice: str, platform: str, dtype: str) -> str:
+    """The implementation the `attention` choice runs on `platform` (sharding.target_platform()) at compute
+    `dtype`: auto is cuDNN on a GPU in 16 bits, splash on a TPU, else xla. ValueError where it cannot run."""
+    fused = {"gpu": "cudnn", "tpu": "splash"}.get(platform)
+    if choice == "auto":
+        return fused if fused == "splash" or (fused == "cudnn" and dtype != "float32") else "xla"
+    if choice not in ("xla", fused):
+        device = "a GPU" if choice == "cudnn" else "a TPU"
+        raise ValueError(f"attention={choice} runs on {device}, and this platform is {platform}; use xla or auto")
+    if choice == "cudnn" and dtype == "float32":
+        raise ValueError("attention=cudnn needs dtype bfloat16 or float16 (cuDNN's fused attention has no float32)")
+    return choice
+
+
+def attention_fn(cfg, segment_ids, positions, prefix=None):
+    """attend(q, k, v) of a call without a cache, by the kernel the `attention` key picks on the
+    model's platform (cfg: the decoder's ModelConfig). The fused kernels serve training and scoring;
+    a cache call (prefill, decode) always takes the reference. The keys are the queries' own
+    columns, after a shared prefix's where `prefix` gives its (segment_ids, positions)."""
+    kernel = attention_kernel(cfg.attention, cfg.platform, cfg.dtype)
+    keys = (segment_ids, positions)
+    if prefix is not None:
+        keys = tuple(jnp.concatenate([before, own], axis=1) for before, own in zip(prefix, keys))
+    if kernel == "splash":
+        return functools.partial(
+            splash_attention,
+            segment_ids=segment_ids,
+            window=cfg.sliding_window,
+            rules=cfg.logical_axis_rules,
+            key_segment_ids=keys[0],
+        )
+    mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window)
+    if kernel == "cudnn":
+        return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
+    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=prefix is None)
+
+
+def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_window):
+    """[B, Tq, Tk] bool: same nonzero segment, causal by position, optionally within a window."""
+    same = (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments[:, :, None] > 0)
+    distance = q_positions[:, :, None] - k_positions[:, None, :]
+    allowed = same & (distance >= 0)
+    if sliding_window is not None:
+        allowed &= distance < sliding_window
+    return allowed
+
+
+def attention(q, k, v, mask, chunk_size=0, causal_columns=False):
+    """Grouped-query attention; q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. Softmax in float32.
+    With 0 < chunk_size < T the queries go `chunk_size` at a time: `_attend_causal_chunks` where
+    `causal_columns` (k and v are the queries' own columns and no query attends a later one, as in
+    every row unitrain builds: positions count up along a segment's columns), else `_attend_in_chunks`."""
+    B, T, H, D = q.shape
+    K = k.shape[1]
+    q = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
+    if not chunk_size or chunk_size >= T:
+        out = _attend(q, k, v, mask)
+    else:
+        out = (_attend_causal_chunks if causal_columns else _attend_in_chunks)(q, k, v, mask, chunk_size)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _attend_causal_chunks(q, k, v, mask, size):
+    """The chunks of `_attend_in_chunks`, each reading the keys up to its own last query only: the
+    blocks above the diagonal (at 2048 tokens in chunks of 256, 7/16 of the scores) are never
+    computed, forward or backward. The chunks differ in shape, so they are unrolled, not mapped."""
+    T = q.shape[3]
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    outs = [
+        _attend_chunk(
+            q[:, :, :, start : start + size],
+            k32[:, :, : start + size],
+            v32[:, :, : start + size],
+            mask[:, start : start + size, : start + size],
+        )
+        for start in range(0, T, size)
+    ]
+    return jnp.concatenate(outs, axis=3)
+
+
+def _attend_in_chunks(q, k, v, mask, size):
+    """_attend of `size` queries at a time in a `lax.map` of `_attend_chunk`: the largest arrays,
+    forward and backward, are one chunk's [B, K, G, size, S] float32 scores, not the whole
+    [.., T, S] (3 GiB at 4096 tokens for a 1.5B model's heads), for one more scores matmul in the
+    backward. Padding queries (T not a multiple of `size`) see no key."""
+    B, K, G, T, D = q.shape
+    n = -(-T // size)
+    pad = n * size - T
+    queries = jnp.pad(q, [(0, 0)] * 3 + [(0, pad), (0, 0)]).reshape(B, K, G, n, size, D).transpose(3, 0, 1, 2, 4, 5)
+    masks = jnp.pad(mask, [(0, 0), (0, pad), (0, 0)]).reshape(B, n, size, -1).swapaxes(0, 1)
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    out = jax.lax.map(lambda xs: _attend_chunk(xs[0], k32, v32, xs[1]), (queries, masks))  # [n, B, K, G, size, D]
+    return out.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, n * size, D)[:, :, :, :T]
+
+
+@jax.checkpoint
+def _attend_chunk(q, k32, v32, mask):
+    """_attend of one chunk of queries, recomputed in the backward. Keys and values come in as
+    float32 so that their gradients, summed over the chunks, are summed in float32."""
+    return _attend(q, k32.astype(q.dtype), v32.astype(q.dtype), mask)
+
+
+def cached_attention(q, k_t, v, mask, chunk_size=0, matmuls=True):
+    """attention over a KV cache, whose keys are transposed: k_t [B,K,D,S], v [B,K,S,D]: `attention`
+    on the keys transposed back, except for a decode step (T = 1) with `matmuls` off (XLA:CPU).
+
+    That one is two fused multiply-and-sums, over D and then over S, each reducing a middle axis of
+    a cache array in its stored order. As matmuls, XLA:CPU runs B*K tiny [G, D] x [D, S] and
+    [G, S] x [S, D] products on one thread: attention with its projections measured alone was
+    1.4-1.8x slower, more the longer the cache. On an H100 it is the other way round: the
+    multiply-and-sums made Llama-3.2-1B's decode step (64 rows, bfloat16) 1.28x slower."""
+    B, T, H, D = q.shape
+    K = v.shape[1]
+    if T > 1 or matmuls:
+        return attention(q, k_t.swapaxes(2, 3), v, mask, chunk_size)
+    q = q.reshape(B, K, H // K, D, 1).astype(jnp.float32)
+    scores = jnp.sum(q * k_t[:, :, None].astype(jnp.float32), axis=-2) / math.sqrt(D)  # [B,K,G,S]
+    probs = jax.nn.softmax(_masked(scores, mask[:, None]), axis=-1).astype(v.dtype)
+    out = jnp.sum(probs[..., None] * v[:, :, None], axis=-2)
+    return out.reshape(B, 1, H, D)
+
+
+def _masked(scores, mask):
+    # A finite minimum: a query with no key at all (padding) gets a uniform softmax, not NaN.
+    return jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+
+
+def _masked_scores(q, k, mask):
+    """[B,K,G,T,S] float32 scaled scores of q [B,K,G,T,D] and k [B,K,S,D], masked (`_masked`)."""
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    return _masked(scores, mask[:, None, None])
+
+
+@jax.custom_vjp
+def _attend(q, k, v, mask):
+    """softmax(q k^T / sqrt(D)) v of q [B,K,G,T,D], k/v [B,K,S,D], mask [B,T,S]; its VJP is
+    attention's own backward (see _attend_bwd) instead of autodiff's of the softmax."""
+    return _attend_fwd(q, k, v, mask)[0]
+
+
+def _attend_fwd(q, k, v, mask):
+    """The output and, as FlashAttention keeps, each query's row maximum and log-sum-exp relative
+    to it [B,K,G,T] instead of its [.., T, S] probabilities: the backward recomputes them with one
+    more scores matmul, where keeping them costs writing, holding (a float32 [B, H, T, T] per layer
+    until the backward) and reading them again. (The two parts stay apart: for a query with no key
+    the maximum is the float32 minimum, which would absorb the sum's log.)"""
+    scores = _masked_scores(q, k, mask)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(scores - top), axis=-1, keepdims=True))
+    probs = jnp.exp(scores - top - log_sum)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v)
+    return out, (q, k, v, mask, top, log_sum, out)
+
+
+def _attend_bwd(residuals, d_out):
+    """The softmax's gradient as FlashAttention's backward writes it, p * (dp - rowsum(d_out * out)):
+    the row sums come from [.., T, D] arrays, where autodiff's reduces the [.., T, S] product p * dp
+    (in XLA:CPU inside the dp matmul's fusion, at several times the matmul's cost) and masks it
+    again. Masked entries have p = 0, so they need no mask; only a query with no key at all
+    (uniform p over the masked scores) is zeroed, by its row's flag `live`."""
+    q, k, v, mask, top, log_sum, out = residuals
+    probs = jnp.exp(_masked_scores(q, k, mask) - top - log_sum)
+    live = jnp.any(mask, axis=-1)
+    d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_out, v).astype(jnp.float32)
+    row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    scale = jnp.where(live[:, None, None, :, None], 1 / math.sqrt(q.shape[-1]), 0.0)
+    d_scores = (probs * (d_probs - row) * scale).astype(q.dtype)
+    d_q = jnp.einsum("bkgts,bksd->bkgtd", d_scores, k)
+    d_k = jnp.einsum("bkgts,bkgtd->bksd", d_scores, q)
+    d_v = jnp.einsum("bkgts,bkgtd->bksd", probs.astype(d_out.dtype), d_out)
+    return d_q, d_k, d_v, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def dot_product_attention(q, k, v, mask, implementation):
+    """jax.nn.dot_product_attention (cuDNN's fused kernel on a GPU) on the reference's inputs:
+    q [B,T,H,D], k/v [B,K,S,D], mask [B,T,S]. The mask carries segments, causality and the window,
+    so any positions work."""
+    kv = lambda a: a.transpose(0, 2, 1, 3)
+    return jax.nn.dot_product_attention(q, kv(k), kv(v), mask=mask[:, None], implementation=implementation)
+
+
+SPLASH_BLOCK = 128  # the length splash attention's blocks divide
+
+
+def splash_attention(q, k, v, segment_ids, window, rules=(), interpret=False, key_segment_ids=None):
+    """JAX's Pallas splash attention (TPU; `interpret` runs it anywhere): q [B,T,H,D], k/v [B,K,S,D].
+
+    The keys are the queries' own columns (S = T), or those after S - T shared columns
+    (`key_segment_ids` [B, S]: a shared prefix's, then the queries'). Causality and the window are
+    read from the token order within each segment, which equals the positions' order in every row
+    unitrain builds (packed, left- or right-padded: positions count up by one inside a segment);
+    padding is segment 0. Both lengths are padded to a multiple of SPLASH_BLOCK, the keys so that
+    every padding query finds its own column. Under a mesh the kernel runs per shard of the batch
+    and heads (shard_map)."""
+    B, T, H, D = q.shape
+    key_segment_ids = segment_ids if key_segment_ids is None else key_segment_ids
+    offset = k.shape[2] - T
+    up = lambda n: -(-n // SPLASH_BLOCK) * SPLASH_BLOCK
+    Tp = up(T)
+    Sp = up(offset + Tp)
+    pad = lambda a, axis, n: jnp.pad(a, [(0, n - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)])
+    q = pad(q.transpose(0, 2, 1, 3) / jnp.asarray(math.sqrt(D), q.dtype), 2, Tp)
+    args = (q, pad(k, 2, Sp), pad(v, 2, Sp), pad(segment_ids, 1, Tp), pad(key_segment_ids, 1, Sp))
+    run = functools.partial(_splash, window=window, offset=offset, interpret=interpret)
+    if not jax.sharding.get_abstract_mesh().empty and rules:
+        heads = sharding.logical_to_spec(("batch", "heads", None, None), rules)
+        kv_heads = sharding.logical_to_spec(("batch", "kv_heads", None, None), rules)
+        rows = sharding.logical_to_spec(("batch", None), rules)
+        run = jax.shard_map(run, in_specs=(heads, kv_heads, kv_heads, rows, rows), out_specs=heads, check_vma=False)
+    return run(*args)[:, :, :T].transpose(0, 2, 1, 3)
+
+
+def _splash(q, k, v, q_segments, kv_segments, window, offset, interpret):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU kernels: only when chosen
+
+    H, T, S = q.shape[1], q.shape[2], k.shape[2]
+    causal = (
+        splash.CausalMask((T, S), offset=offset)
+        if window is None
+        else splash.LocalMask((T, S), (window - 1, 0), offset=offset)
+    )
+    block = max(b for b in (512, 256, SPLASH_BLOCK) if T % b == 0 and S % b == 0)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        use_fused_bwd_kernel=True,
+    )
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([causal] * H), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
+    return jax.vmap(kernel)(q, k, v, splash.SegmentIds(q=q_segments, kv=kv_segments))
