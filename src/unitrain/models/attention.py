@@ -103,7 +103,7 @@ def _attend_causal_chunks(q, k, v, mask, size):
 def _attend_in_chunks(q, k, v, mask, size):
     """_attend of `size` queries at a time in a `lax.map` of `_attend_chunk`: the largest arrays,
     forward and backward, are one chunk's [B, K, G, size, S] float32 scores, not the whole
-    [.., T, S] (3 GiB at 4096 tokens for a 1.5B model's heads), for one more scores matmul in the
+    [.., T, S] (gigabytes at thousands of tokens), for one more scores matmul in the
     backward. Padding queries (T not a multiple of `size`) see no key."""
     B, K, G, T, D = q.shape
     n = -(-T // size)
@@ -128,9 +128,8 @@ def cached_attention(q, k_t, v, mask, chunk_size=0, matmuls=True):
 
     That one is two fused multiply-and-sums, over D and then over S, each reducing a middle axis of
     a cache array in its stored order. As matmuls, XLA:CPU runs B*K tiny [G, D] x [D, S] and
-    [G, S] x [S, D] products on one thread: attention with its projections measured alone was
-    1.4-1.8x slower, more the longer the cache. On an H100 it is the other way round: the
-    multiply-and-sums made Llama-3.2-1B's decode step (64 rows, bfloat16) 1.28x slower."""
+    [G, S] x [S, D] products on one thread, slower the longer the cache. On a GPU it is the other
+    way round (docs/PERFORMANCE.md has both)."""
     B, T, H, D = q.shape
     K = v.shape[1]
     if T > 1 or matmuls:

@@ -295,11 +295,9 @@ def _run_stack(cfg, x, params, layer):
 def copies_weight_slices(platform: str) -> bool:
     """Whether XLA on `platform` copies a slice of a stacked weight wherever it is used: XLA:CPU
     and XLA:GPU do, XLA:TPU reads it in place. In the sampler's token loop the copies would be every
-    layer weight on every step (on an H100, 1.3 ms of a 3.9 ms Llama-3.2-1B decode step, 64 rows,
-    bfloat16), so there `Decoder.decode_weights` makes them once per weight version instead (that
-    step 3.3 -> 1.9 ms; XLA:GPU does not hoist them out of the loop by itself). That is a second
-    copy of every layer weight while the sampler keeps them, which a TPU does without: Qwen2.5-1.5B's
-    generate program (bf16, 16 x 256 + 512) needs 0.71 GiB of temporaries there, 2.98 GiB with it."""
+    layer weight on every step, so there `Decoder.decode_weights` makes them once per weight version
+    instead (XLA:GPU does not hoist them out of the loop by itself). That is a second copy of every
+    layer weight while the sampler keeps them, which a TPU does without."""
     return platform in ("cpu", "gpu")
 
 
@@ -352,10 +350,8 @@ def _decode_weights(cfg: ModelConfig, p: dict) -> dict:
     """One layer's parameters as a decode step applies them: every matmul weight in the compute
     dtype, and wq, wk, wv as one weight `wqkv` [embed, kv_heads, group + 2, head_dim]: each KV
     head's query heads, key and value together, so that it splits over the kv_heads axis as they
-    do. One projection instead of three saves two passes over the input (the sampler 1.03-1.07x
-    faster). The weights keep their inputs-first layout: XLA:CPU streams a few rows through it
-    faster than through its transpose (the decode step 1.1-1.3x faster than with the transposes,
-    on the Tunix benchmark's checkpoint and at Qwen2.5-0.5B in float32)."""
+    do. One projection instead of three saves two passes over the input. The weights keep their
+    inputs-first layout: XLA:CPU streams a few rows through it faster than through its transpose."""
     p = {name: w.astype(cfg.dtype) if name in _MATMUL_WEIGHTS else w for name, w in p.items()}
     E, K, D = cfg.emb_dim, cfg.num_kv_heads, cfg.head_dim
     by_kv_head = lambda name: p.pop(name).reshape(E, K, -1, D)
