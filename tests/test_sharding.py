@@ -92,7 +92,8 @@ def test_layout_errors_name_the_sizes_and_the_devices():
 def test_batch_sizes_and_updates_per_step():
     sft = layout("per_device_batch_size=2", "gradient_accumulation_steps=3", "steps=5")
     assert (sft.global_batch_size, sft.rows_per_update, sft.updates_per_step, sft.optimizer_steps) == (16, 48, 1, 5)
-    grpo = ["mode=grpo", "rollout_batch_size=8", "n_samples_per_prompt=4", "num_iterations=2", "steps=5"]
+    grpo = ["mode=grpo", "per_device_batch_size=1", "rollout_batch_size=8", "n_samples_per_prompt=4"]
+    grpo += ["num_iterations=2", "steps=5"]  # 32 rollout rows, 8 per update
     assert (layout(*grpo).updates_per_step, layout(*grpo).optimizer_steps) == (4 * 2, 5 * 4 * 2)
 
 

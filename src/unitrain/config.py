@@ -776,19 +776,29 @@ def write_config(cfg: Config, path: str | os.PathLike, on_devices: Mapping | Non
     values = cfg.to_dict()
     inputs = {k: values[k] for k in cfg._inputs}
     derived = {k: v for k, v in values.items() if k not in cfg._inputs} | dict(on_devices or {})
-    dump = lambda d: yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=1000)  # noqa: E731
     text = (
         "# Fully resolved unitrain config (write_config): load it as is to reproduce the run.\n"
         "resolved_config: true\n"
-        + dump(inputs)
+        + _dump(inputs)
         + "# ---- derived: recomputed on load, not accepted as input\n"
-        + "".join(f"# {line}\n" for line in dump(derived).splitlines())
+        + "".join(f"# {line}\n" for line in _dump(derived).splitlines())
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _dump(values: dict) -> str:
+    """One `key: value` line per key, a list or mapping inline where it holds only scalars (yaml's
+    default_flow_style=None would write a mapping of scalars alone as one inline line)."""
+    return "".join(
+        yaml.safe_dump(
+            {k: v}, sort_keys=False, default_flow_style=None if isinstance(v, (list, dict)) else False, width=1000
+        )
+        for k, v in values.items()
+    )
 
 
 _KEY_LINE = re.compile(r"^([A-Za-z_]\w*):\s*(.*?)(?:\s+#\s?(.*))?$")
