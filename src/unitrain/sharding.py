@@ -83,7 +83,7 @@ def target_process_count() -> int:
 
 @contextlib.contextmanager
 def compile_for(target: list):
-    """Within: configs, meshes and models are built for `target` (e.g. the devices of
+    """Within: layouts, meshes and models are built for `target` (e.g. the devices of
     jax.experimental.topologies.get_topology_desc) instead of this job's devices."""
     global _compile_target
     previous, _compile_target = _compile_target, list(target)
