@@ -1,7 +1,8 @@
 """An HF checkpoint's config.json as unitrain's architecture keys (the model section of base.yml).
 
-Imports neither JAX nor the model: config loading uses it to take a checkpoint's architecture as the
-run's, so the model that is built, the `config.yml` that is written and the checkpoint agree.
+A leaf beside config.py (it imports no JAX, no model and of unitrain only the errors): config loading
+uses it to take a checkpoint's architecture as the run's, so the model that is built, the
+`config.yml` that is written and the checkpoint agree.
 """
 
 from __future__ import annotations

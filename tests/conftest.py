@@ -103,15 +103,16 @@ def sigterm_after_step(monkeypatch, step: int):
 
 @contextlib.contextmanager
 def only_first_device():
-    """Makes mesh_from_config build a 1-device mesh inside an 8-device process: the reference run."""
+    """Makes trainer_mesh build a 1-device mesh inside an 8-device process: the reference run (its
+    Layout still counts the 8 devices: the same rows per update)."""
     import jax
 
     from unitrain import sharding
 
-    original = sharding.mesh_from_config
+    original = sharding.trainer_mesh
     ones = dict(data=1, fsdp=1, tensor=1)
-    sharding.mesh_from_config = lambda cfg: sharding.create_mesh(ones, ones, jax.devices()[:1])
+    sharding.trainer_mesh = lambda cfg, layout: sharding.create_mesh(ones, ones, jax.devices()[:1])
     try:
         yield
     finally:
-        sharding.mesh_from_config = original
+        sharding.trainer_mesh = original

@@ -14,6 +14,7 @@ from unitrain import sharding
 from unitrain.config import load_config
 from unitrain.errors import ConfigError
 from unitrain.models import attention, decoder
+from unitrain.run import device_layout
 
 B, T, H, K, D = 2, 100, 4, 2, 16  # T not a multiple of the splash block: the kernel pads it
 
@@ -187,7 +188,7 @@ def test_kernel_choice_by_platform():
 )
 def test_an_unsupported_choice_is_one_config_line(value, message):
     with pytest.raises(ConfigError) as e:
-        load_config(["configs/base.yml", f"attention={value}"])
+        device_layout(load_config(["configs/base.yml", f"attention={value}"]))  # the platform's check: devices
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -8,13 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import make_cfg, write_jsonl
-from unitrain.data import (
-    BATCH_FIELDS,
-    builtin_problem,
-    load_tokenizer,
-    make_sft_iterator,
-)
-from unitrain.data.builtin import problem_split
+from unitrain.data.builtin import builtin_problem, problem_split
+from unitrain.data.sft import BATCH_FIELDS, make_sft_iterator
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

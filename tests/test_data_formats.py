@@ -9,8 +9,10 @@ import pytest
 
 from conftest import REPO, make_cfg, write_jsonl
 from unitrain import train
-from unitrain.data import load_tokenizer, make_prompt_iterator, make_sft_iterator
 from unitrain.data.preference import make_preference_iterator
+from unitrain.data.prompts import make_prompt_iterator
+from unitrain.data.sft import make_sft_iterator
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import DataError
 
 TOK = load_tokenizer("")

@@ -10,8 +10,11 @@ import pytest
 
 from unitrain import checkpoint
 from unitrain.config import load_config
-from unitrain.data import load_tokenizer, make_prompt_iterator, make_sft_iterator, sft
+from unitrain.data import sft
+from unitrain.data.prompts import make_prompt_iterator
+from unitrain.data.sft import make_sft_iterator
 from unitrain.data.shards import local_shards, merge_states
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ from flax import nnx
 from conftest import REPO, make_cfg, write_jsonl
 from unitrain import losses, train
 from unitrain import step as step_lib
-from unitrain.data import load_tokenizer
 from unitrain.data.preference import PAIR_FIELDS, eval_pair_batches, make_preference_iterator
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
 from unitrain.run import build_run
 from unitrain.tasks.dpo import DPOTask, real_pairs
@@ -158,7 +158,9 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
     results = []
     for cfg, task, s in zip((big, small), tasks, (jax.tree.map(jnp.copy, state), state)):
         with jax.set_mesh(run.mesh):
-            new, m = jax.jit(lambda s, b: step_lib.train_step(task.loss, cfg, run.optimizer, s, b))(s, batch)
+            new, m = jax.jit(lambda s, b: step_lib.train_step(task.loss, cfg, run.optimizer, run.learning_rate, s, b))(
+                s, batch
+            )
         results.append((jax.device_get(new["params"]), jax.device_get(m)))
     (a, ma), (b, mb) = results
     assert ma["loss_denominator"] == mb["loss_denominator"] == 16

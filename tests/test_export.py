@@ -11,7 +11,7 @@ import transformers
 from conftest import REPO, make_cfg, write_jsonl
 from generate import main as generate_main
 from unitrain import train
-from unitrain.data import load_tokenizer
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 
 PROMPTS = ["Q: 2+2=", "Q: 3+4=", "Q: 5+1=", "Q: 6+2="]

@@ -29,9 +29,13 @@ def cfg(*overrides):
     )
 
 
+def schedule_of(c):
+    return learning_rate_schedule(c, sharding.layout_for(c).optimizer_steps)  # SFT: one update per step
+
+
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
 def test_schedules_by_hand(kind):
-    schedule = learning_rate_schedule(cfg(f"lr_schedule={kind}"))
+    schedule = schedule_of(cfg(f"lr_schedule={kind}"))
     peak, end = 1e-2, 1e-3
     for step in (0, 5, 10):
         assert float(schedule(step)) == pytest.approx(peak * step / 10)
@@ -84,7 +88,7 @@ def test_weight_decay_spares_norms_and_biases():
     }
     params = jax.tree.map(jnp.ones_like, nnx.to_pure_dict(nnx.state(model)))
     c = cfg("warmup_steps=0", "lr_schedule=constant", "weight_decay=0.5", "max_grad_norm=0")
-    optimizer = make_optimizer(c, mask)
+    optimizer = make_optimizer(c, mask, schedule_of(c))
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = optimizer.update(zeros, optimizer.init(params), params)
     new = optax.apply_updates(params, updates)  # zero gradients: only the decoupled decay moves params
@@ -96,7 +100,7 @@ def test_weight_decay_spares_norms_and_biases():
 
 def test_gradient_clipping_caps_the_global_norm():
     c = cfg("warmup_steps=0", "lr_schedule=constant", "weight_decay=0", "max_grad_norm=1.0", "adam_b1=0")
-    optimizer = make_optimizer(c, {"embed": True})
+    optimizer = make_optimizer(c, {"embed": True}, schedule_of(c))
     params = {"embed": jnp.zeros(3)}
     grads = {"embed": jnp.asarray([30.0, 40.0, 0.0])}  # norm 50 -> clipped to norm 1
     clipped, _ = optax.clip_by_global_norm(1.0).update(grads, optax.clip_by_global_norm(1.0).init(params))

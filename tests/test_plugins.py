@@ -51,8 +51,8 @@ TOY = textwrap.dedent('''
         def __init__(self, run):
             super().__init__(run)
             self.data_iterator = Counter()
-            self.update = step_lib.make_train_step(self.loss, self.cfg, run.optimizer, run.state_shardings,
-                                                   self.batch_shardings())
+            self.update = step_lib.make_train_step(self.loss, self.cfg, run.optimizer, run.learning_rate,
+                                                   run.state_shardings, self.batch_shardings())
 
         def loss(self, params, batch):
             logits, _ = nnx.merge(self.run.graphdef, params)(batch["tokens"], batch["positions"], batch["segments"])
@@ -65,7 +65,7 @@ TOY = textwrap.dedent('''
 
         def step(self, state, step):
             position = next(self.data_iterator)
-            rows, T = self.cfg.rows_per_update, self.cfg.max_target_length
+            rows, T = self.run.layout.rows_per_update, self.cfg.max_target_length
             tokens = np.random.default_rng(position).integers(1, 50, (rows, T)).astype(np.int32)
             batch = {"tokens": tokens, "positions": np.tile(np.arange(T, dtype=np.int32), (rows, 1)),
                      "segments": np.ones((rows, T), np.int32)}

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import make_cfg, write_jsonl
-from unitrain.data import Prompt, builtin_problem, eval_prompts, load_tokenizer, make_prompt_iterator
-from unitrain.data.builtin import problem_split
+from unitrain.data.builtin import builtin_problem, problem_split
+from unitrain.data.prompts import Prompt, eval_prompts, make_prompt_iterator
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
 
 GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from unitrain import losses
+from unitrain import losses, registry
 
 B, T, V = 6, 9, 11
 LENGTHS = [9, 1, 5, 0, 2, 7]  # ragged; row 3 fully masked
@@ -83,7 +83,7 @@ def np_advantages(r, g, estimator, norm_by_std=True, eps=1e-6, weights=None):
 # ------------------------------------------------------------------ aggregation / KL / entropy
 
 
-@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", registry.LOSS_AGG_MODES)
 def test_aggregate_matches_numpy(mode):
     d = _batch()
     s, n = jax.jit(losses.aggregate, static_argnums=(2, 3))(d["values"], d["mask"], mode, T)
@@ -93,7 +93,7 @@ def test_aggregate_matches_numpy(mode):
     assert ref_n == (sum(LENGTHS) if mode == "token-mean" else 5)
 
 
-@pytest.mark.parametrize("kind", losses.KL_TYPES)
+@pytest.mark.parametrize("kind", registry.KL_TYPES)
 def test_kl_penalty_matches_numpy(kind):
     d = _batch()
     kl = jax.jit(losses.kl_penalty, static_argnums=2)(d["logp"], d["ref"], kind)
@@ -293,7 +293,7 @@ def test_ratio_one_gradient_is_plain_policy_gradient():
     assert float(loss(d["logp"])) == pytest.approx(float(-(adv[:, None] * d["mask"]).sum() / d["mask"].sum()), rel=1e-5)
 
 
-@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", registry.LOSS_AGG_MODES)
 @pytest.mark.parametrize("kind", ["k1", "low_var_kl"])
 def test_policy_loss_full_matches_numpy(mode, kind):
     d = _batch()
@@ -358,13 +358,13 @@ def test_micro_batch_accumulation_is_exact():
     def f(lp, old, adv, m):
         return [
             losses.policy_loss(lp, old, adv, m, eps_clip=0.2, loss_agg_mode=mode, horizon=T)[:2]
-            for mode in losses.LOSS_AGG_MODES
+            for mode in registry.LOSS_AGG_MODES
         ]
 
     whole = f(d["logp"], d["old"], d["adv"], d["mask"])
     first = f(*(d[k][:3] for k in ("logp", "old", "adv", "mask")))
     second = f(*(d[k][3:] for k in ("logp", "old", "adv", "mask")))
-    for mode, (s, n), (s1, n1), (s2, n2) in zip(losses.LOSS_AGG_MODES, whole, first, second):
+    for mode, (s, n), (s1, n1), (s2, n2) in zip(registry.LOSS_AGG_MODES, whole, first, second):
         assert float((s1 + s2) / (n1 + n2)) == pytest.approx(float(s / n), rel=1e-6), mode
 
 
@@ -452,7 +452,7 @@ def np_rollout_is(old, sampler, mask, level, mode, upper, lower):
     return w * kept, kept, w
 
 
-@pytest.mark.parametrize("level", losses.ROLLOUT_IS_LEVELS)
+@pytest.mark.parametrize("level", registry.ROLLOUT_IS_LEVELS)
 @pytest.mark.parametrize("mode, lower", [("truncate", None), ("mask", None), ("mask", 0.7)])
 def test_rollout_correction_matches_numpy(level, mode, lower):
     d = _batch()

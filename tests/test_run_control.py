@@ -101,7 +101,7 @@ def test_the_architecture_of_an_hf_checkpoint_is_the_runs(tmp_path, tiny_checkpo
     assert yaml.safe_load(run_cfg.read_text())["rope_theta"] == 5e5
     reloaded = load_config([str(run_cfg), f"load_parameters_path={tmp_path / 'default' / 'checkpoints'}"])
     tokens = np.arange(1, 25)[None] % 384
-    ours = logits_of(models.build(reloaded, sharding.mesh_from_config(reloaded)), tokens)
+    ours = logits_of(models.build(reloaded, sharding.trainer_mesh(reloaded, sharding.layout_for(reloaded))), tokens)
     with torch.no_grad():
         ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)(torch.tensor(tokens)).logits
     np.testing.assert_allclose(ours, ref.numpy(), atol=2e-4)
@@ -149,7 +149,7 @@ def test_a_unitrain_checkpoint_brings_its_model_shape(tmp_path):
         make_cfg(load_parameters_path=str(tmp_path / "a" / "checkpoints"), emb_dim=64)
     # and the model built from it holds the checkpoint's parameters
     cfg = make_cfg(load_parameters_path=str(tmp_path / "a"))  # the run directory itself
-    model = models.build(cfg, sharding.mesh_from_config(cfg))
+    model = models.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))
     saved = checkpoint.load_params(str(tmp_path / "a" / "checkpoints"), nnx.to_pure_dict(nnx.state(model)))
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)), saved)
 
@@ -192,7 +192,7 @@ def test_eval_only_and_export_only_runs_from_a_checkpoint(tmp_path):
     export = tmp_path / "export"
     assert train.main(argv(tmp_path, "steps=2", "action=export", f"export_hf_path={export}")) == 0
     cfg = make_cfg(load_parameters_path=str(export))
-    exported = nnx.to_pure_dict(nnx.state(models.build(cfg, sharding.mesh_from_config(cfg))))
+    exported = nnx.to_pure_dict(nnx.state(models.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))))
     saved = checkpoint.load_params(str(run_path / "checkpoints"), exported)
     jax.tree.map(np.testing.assert_array_equal, exported, saved)
 
@@ -227,17 +227,17 @@ def test_a_resumed_run_reports_changed_keys_and_keeps_the_earlier_config(tmp_pat
 
 
 def test_a_resume_on_another_device_count_keeps_the_global_batch(tmp_path):
-    cfg = load_config(argv(tmp_path, "per_device_batch_size=1"))  # 8 devices here: 8 rows
-    kept = run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 1}, has_checkpoint=True)
-    assert (kept.per_device_batch_size, kept.global_batch_size) == (2, 16)
+    cfg = load_config(argv(tmp_path, "per_device_batch_size=1"))
+    now = sharding.layout_for(cfg).global_batch_size  # 8 devices here: 8 rows
+    kept = run_dir.keep_global_batch(cfg, now, {"global_batch_size": 16, "per_device_batch_size": 1}, True)
+    assert (kept.per_device_batch_size, sharding.layout_for(kept).global_batch_size) == (2, 16)
     assert (
-        run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 1}, has_checkpoint=False)
-        is cfg
+        run_dir.keep_global_batch(cfg, now, {"global_batch_size": 16, "per_device_batch_size": 1}, False) is cfg
     )  # nothing saved yet: nothing to continue
     with pytest.raises(ConfigError, match="global batch of 16 rows.*per_device_batch_size=2"):
-        run_dir.keep_global_batch(cfg, {"global_batch_size": 16, "per_device_batch_size": 4}, has_checkpoint=True)
+        run_dir.keep_global_batch(cfg, now, {"global_batch_size": 16, "per_device_batch_size": 4}, True)
     with pytest.raises(ConfigError, match="cannot split evenly"):
-        run_dir.keep_global_batch(cfg, {"global_batch_size": 12, "per_device_batch_size": 1}, has_checkpoint=True)
+        run_dir.keep_global_batch(cfg, now, {"global_batch_size": 12, "per_device_batch_size": 1}, True)
 
 
 def test_the_global_batch_is_read_back_from_the_written_config(tmp_path):

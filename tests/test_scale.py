@@ -127,7 +127,7 @@ def test_optimizer_offload_keeps_the_curve_and_lives_on_host(tmp_path):
     offloaded = config(tmp_path, *SFT, "per_device_batch_size=1", "run_name=offloaded", "optimizer_host_offload=true")
     assert train.train(plain) == 0 and train.train(offloaded) == 0
     np.testing.assert_allclose(losses_of(offloaded), losses_of(plain), rtol=1e-6)
-    mesh = sharding.mesh_from_config(offloaded)
+    mesh = sharding.trainer_mesh(offloaded, sharding.layout_for(offloaded))
     params = {"w": jax.device_put(jnp.ones((8, 4)), sharding.replicated(mesh))}
     state = step_lib.init_state(params, optax.adam(1e-3), mesh)
     moved = sharding.with_memory_kind(state["opt_state"], "pinned_host")
@@ -154,9 +154,9 @@ def test_a_large_replicated_parameter_stops_the_run(tmp_path):
         tmp_path, *SFT, "per_device_batch_size=1", f"logical_axis_rules={rules}", "max_replicated_param_mib=0.01"
     )
     with pytest.raises(ConfigError, match=r"parameter .* would be fully replicated on all 8 devices"):
-        models.build(cfg, sharding.mesh_from_config(cfg))
+        models.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))
     ok = config(tmp_path, *SFT, "per_device_batch_size=1", "max_replicated_param_mib=0.01")
-    models.build(ok, sharding.mesh_from_config(ok))  # the default rules shard every matrix
+    models.build(ok, sharding.trainer_mesh(ok, sharding.layout_for(ok)))  # the default rules shard every matrix
 
 
 def test_distributed_start_decision(monkeypatch):

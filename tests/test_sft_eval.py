@@ -15,8 +15,9 @@ from generate import main as generate_main
 from make_tiny_model import BUILTIN_CORPUS, build_tokenizer
 from test_metrics import read_events
 from unitrain import train
-from unitrain.data import eval_prompts, load_tokenizer, make_prompt_iterator, make_sft_iterator
-from unitrain.data.sft import eval_prompt_records
+from unitrain.data.prompts import eval_prompts, make_prompt_iterator
+from unitrain.data.sft import eval_prompt_records, make_sft_iterator
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 
 # ChatML as tools/make_tiny_model.py writes it, with the assistant turns marked for transformers'

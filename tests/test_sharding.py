@@ -8,8 +8,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO
-from unitrain import sharding
+from unitrain import pipeline, sharding
 from unitrain.adapters import hf
+from unitrain.config import load_config
+from unitrain.errors import ConfigError
 from unitrain.models import decoder as model_lib
 
 CFG = model_lib.ModelConfig(
@@ -53,6 +55,74 @@ def sharded_forward(model, mesh, arrays):
     fn = jax.jit(lambda s, *xs: nnx.merge(graphdef, s)(*xs)[0], in_shardings=(param_shardings, data, data, data))
     with jax.set_mesh(mesh):
         return np.asarray(fn(state, *[jax.device_put(a, data) for a in arrays]))
+
+
+def layout(*overrides) -> sharding.Layout:
+    return sharding.layout_for(load_config([str(REPO / "configs" / "base.yml"), *overrides]))
+
+
+def layout_error(*overrides) -> str:
+    with pytest.raises(ConfigError) as e:
+        layout(*overrides)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "args, mesh, dcn",
+    [
+        ([], (1, 8, 1), (1, 1, 1)),
+        (["ici_data_parallelism=2"], (2, 4, 1), (1, 1, 1)),
+        (["ici_tensor_parallelism=2", "dcn_data_parallelism=2"], (1, 2, 2), (2, 1, 1)),
+        (["ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=-1"], (1, 4, 1), (1, 2, 1)),
+        (["ici_fsdp_parallelism=2", "ici_data_parallelism=4"], (4, 2, 1), (1, 1, 1)),
+    ],
+)
+def test_mesh_fill(args, mesh, dcn):
+    got = layout(*args)
+    assert tuple(got.mesh_shape.values()) == mesh and tuple(got.dcn_mesh_shape.values()) == dcn
+    assert list(got.mesh_shape) == ["data", "fsdp", "tensor"]
+
+
+def test_layout_errors_name_the_sizes_and_the_devices():
+    assert "multiply to 3 but there are 8 devices" in layout_error("ici_fsdp_parallelism=3")
+    assert "ici_fsdp_parallelism=-1 cannot fill the mesh" in layout_error("ici_data_parallelism=3")
+    grpo = ["mode=grpo", "rollout_batch_size=3", "n_samples_per_prompt=2"]
+    assert "rollout_batch_size * n_samples_per_prompt (6) must be a multiple of" in layout_error(*grpo)
+
+
+def test_batch_sizes_and_updates_per_step():
+    sft = layout("per_device_batch_size=2", "gradient_accumulation_steps=3", "steps=5")
+    assert (sft.global_batch_size, sft.rows_per_update, sft.updates_per_step, sft.optimizer_steps) == (16, 48, 1, 5)
+    grpo = ["mode=grpo", "per_device_batch_size=1", "rollout_batch_size=8", "n_samples_per_prompt=4"]
+    grpo += ["num_iterations=2", "steps=5"]  # 32 rollout rows, 8 per update
+    assert (layout(*grpo).updates_per_step, layout(*grpo).optimizer_steps) == (4 * 2, 5 * 4 * 2)
+
+
+def test_rollout_devices_split_the_mesh():
+    got = layout(
+        "mode=grpo", "sampler=mesh", "rollout_devices=4", "rollout_tensor_parallelism=2", "per_device_batch_size=4"
+    )
+    assert got.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 1} and got.global_batch_size == 4 * 4
+    assert got.rollout_mesh_shape == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert layout().rollout_mesh_shape == {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+def test_rollout_device_layout_errors():
+    mesh = ["mode=grpo", "sampler=mesh"]
+    assert "rollout_devices (8) must be below the 8 devices" in layout_error(*mesh, "rollout_devices=8")
+    assert "rollout_*_parallelism sizes multiply to 3 but there are 4 devices" in layout_error(
+        *mesh, "rollout_devices=4", "rollout_data_parallelism=3"
+    )
+
+
+def test_every_stage_is_laid_out_before_the_first_runs(tmp_path):
+    recipe = tmp_path / "stages.yml"
+    recipe.write_text(
+        f"base_config: {REPO / 'configs' / 'base.yml'}\n"
+        "stages: [{name: sft, steps: 2}, {name: wide, ici_fsdp_parallelism: 3}]\n"
+    )
+    with pytest.raises(ConfigError, match=r"stage 'wide' \(stage 2 of 2\): .*multiply to 3 but there are 8 devices"):
+        pipeline.stage_configs(load_config([str(recipe)]))
 
 
 def test_default_rules_match_base_yml():

@@ -16,10 +16,11 @@ import transformers
 from flax import nnx
 
 from conftest import REPO, cpu_env, sigterm_after_step
-from unitrain import checkpoint, data, run, tasks, train
+from unitrain import checkpoint, run, tasks, train
 from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.config import load_config
+from unitrain.data.sft import make_sft_iterator
 
 FAST = [
     "max_target_length=32",
@@ -67,7 +68,7 @@ def test_loss_equals_numpy_on_a_packed_batch(tmp_path):
     cfg = config(tmp_path, "z_loss_weight=0.01")
     built, state = run.build_run(cfg)
     graphdef, params = built.graphdef, state["params"]
-    batch = next(data.make_sft_iterator(cfg, built.tokenizer, 8))
+    batch = next(make_sft_iterator(cfg, built.tokenizer, 8))
     batch.pop("num_truncated")
     assert (batch["inputs_segmentation"].max(axis=1) > 1).any(), "the batch must hold packed rows"
     loss_sum, (count, aux) = jax.jit(tasks.create(built).loss)(params, batch)
@@ -88,11 +89,13 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     results = []
     for cfg in (big, small):
         built, state = run.build_run(cfg)
-        batch = next(data.make_sft_iterator(big, built.tokenizer, 16))
+        batch = next(make_sft_iterator(big, built.tokenizer, 16))
         batch.pop("num_truncated")
         loss_fn = tasks.create(built).loss
         with jax.set_mesh(built.mesh):
-            state, m = jax.jit(lambda s, b: step_lib.train_step(loss_fn, cfg, built.optimizer, s, b))(state, batch)
+            state, m = jax.jit(
+                lambda s, b: step_lib.train_step(loss_fn, cfg, built.optimizer, built.learning_rate, s, b)
+            )(state, batch)
         results.append((state, m))
     (a, ma), (b, mb) = results
     np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-6)

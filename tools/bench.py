@@ -86,13 +86,13 @@ from flax import nnx
 from unitrain import lora, metrics, models, rollout, sharding, tasks
 from unitrain import step as step_lib
 from unitrain.config import load_config
-from unitrain.data import load_tokenizer
 from unitrain.data.prompts import Prompt
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, UserError
-from unitrain.optimizer import make_optimizer
+from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.rollout import mesh as rollout_mesh
 from unitrain.rollout.base import SamplingParams
-from unitrain.run import RunContext, build_run
+from unitrain.run import RunContext, build_run, device_layout
 
 
 def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
@@ -145,7 +145,8 @@ def _with_lora(cfg, model, mesh):
 def abstract_run(cfg) -> tuple[RunContext, dict]:
     """The run of `cfg` with every array abstract (ShapeDtypeStructs carrying the shardings
     build_run would give them): nothing is allocated and no weights are read."""
-    mesh = sharding.mesh_from_config(cfg)
+    layout = device_layout(cfg)
+    mesh = sharding.trainer_mesh(cfg, layout)
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
     model = nnx.eval_shape(lambda: _with_lora(cfg, models.build(cfg.replace(load_parameters_path=""), mesh), mesh))
     graphdef, shapes = nnx.split(model)
@@ -155,7 +156,8 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
         raise ConfigError(str(e)) from None
     params = _abstract(nnx.to_pure_dict(shapes), param_shardings)
     adapters_only = cfg.lora_rank > 0  # LoRA: the optimizer holds the adapters alone
-    optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only))
+    learning_rate = learning_rate_schedule(cfg, layout.optimizer_steps)
+    optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only), learning_rate)
     trained, trained_shardings = (lora.trainable(t, adapters_only) for t in (params, param_shardings))
     opt_state = _abstract(
         jax.eval_shape(optimizer.init, trained),
@@ -168,6 +170,7 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
     }
     run = RunContext(
         cfg=cfg,
+        layout=layout,
         mesh=mesh,
         rollout_mesh=None,
         rules=rules,
@@ -176,6 +179,7 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
         graphdef=graphdef,
         init_params=params,
         optimizer=optimizer,
+        learning_rate=learning_rate,
         state_shardings=jax.tree.map(lambda x: x.sharding, state),
         programs=step_lib.CompileCache(mesh),
     )
@@ -187,10 +191,9 @@ def bytes_per_device(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def update_batch(cfg, shardings: dict) -> dict:
-    """One update's batch of the config's mode as abstract arrays in `shardings`, at the longest
-    rows the config allows (GRPO: the longest prompt and completion)."""
-    rows = cfg.rows_per_update
+def update_batch(cfg, rows: int, shardings: dict) -> dict:
+    """One update's batch of the config's mode (`rows` rows) as abstract arrays in `shardings`, at
+    the longest rows the config allows (GRPO: the longest prompt and completion)."""
 
     def width(key):
         if cfg.mode != "grpo":
@@ -234,8 +237,8 @@ def compile_only(cfg) -> dict:
     run, state = abstract_run(cfg.replace(eval_interval=0))
     mesh, task = run.mesh, tasks.create(run)
     shardings = task.batch_shardings()
-    update = step_lib.make_train_step(task.loss, cfg, run.optimizer, run.state_shardings, shardings)
-    batch = update_batch(cfg, shardings)
+    update = step_lib.make_train_step(task.loss, cfg, run.optimizer, run.learning_rate, run.state_shardings, shardings)
+    batch = update_batch(cfg, run.layout.rows_per_update, shardings)
     start = time.perf_counter()
     compiled = run.programs.compiled(f"{cfg.mode} update", update, state, batch)
     compile_seconds = time.perf_counter() - start
@@ -261,7 +264,7 @@ def compile_only(cfg) -> dict:
         "config": {k: cfg[k] for k in CONFIG_KEYS}
         | {
             "mode": cfg.mode,
-            "global_batch_rows": cfg.rows_per_update,
+            "global_batch_rows": run.layout.rows_per_update,
             "mesh_shape": dict(mesh.shape),
             "device_kind": mesh.devices.flat[0].device_kind,
             "num_devices": mesh.size,
@@ -334,7 +337,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     run, state = build_run(cfg.replace(eval_interval=0))
     mesh, task = run.mesh, tasks.create(run)
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    rows = cfg.global_batch_size * cfg.gradient_accumulation_steps
+    rows = run.layout.rows_per_update
     batch = step_lib.local_rows_to_global(synthetic_batch(cfg, rows), task.batch_shardings())
     compiled = run.programs.compiled("train_step", task.update, state, batch)
     times = []

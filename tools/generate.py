@@ -32,6 +32,7 @@ from unitrain.errors import ConfigError, UserError
 from unitrain.rec_eval import sid_beams
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import ColocatedSampler
+from unitrain.run import device_layout
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -73,6 +74,7 @@ def run(args) -> None:
     if args.beam < 0:
         raise ConfigError(f"--beam must be >= 0 (0 = sample), got {args.beam}")
     cfg = load_config(args.config)
+    layout = device_layout(cfg)
     tok = load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
     cfg = vocab.extend(cfg, tok)
     texts = [tok.render_prompt([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
@@ -82,7 +84,7 @@ def run(args) -> None:
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, (tok.eos_id,))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    mesh = sharding.mesh_from_config(cfg)
+    mesh = sharding.trainer_mesh(cfg, layout)
     sampler = ColocatedSampler(models.build(cfg, mesh), pad_id=tok.pad_id, mesh=mesh, rules=cfg.logical_axis_rules)
     if args.beam:
         beams = sid_beams(cfg.replace(rollout_max_response_len=args.max_new_tokens), tok, args.beam)

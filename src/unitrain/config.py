@@ -11,13 +11,14 @@ A relative yml path (the first argument, or a base_config) that does not exist i
 configs shipped in the package when they hold it, a leading `configs/` dropped (_find_yml).
 Then each key is checked against RULES, the cross-key CHECKS run, and derive() adds computed values.
 A user mistake raises ConfigError whose message is one sentence naming the key and where it came from.
+What depends on the devices (mesh shapes, batch sizes, the attention kernel's platform) is the run
+builder's (run.device_layout), so that reading a config imports no JAX and starts no backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import logging
 import math
 import os
@@ -29,8 +30,22 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from unitrain.adapters import hf_config
 from unitrain.errors import ConfigError
-from unitrain.registry import FILTERS, MODEL_SOURCES, MODES, SAMPLERS
+from unitrain.registry import (
+    ADV_ESTIMATORS,
+    ATTENTION,
+    FILTERS,
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    MODEL_SOURCES,
+    MODES,
+    POLICY_LOSSES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+    SAMPLERS,
+    is_plugin_spec,
+)
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"  # base.yml, models/ and the recipes, package data
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "base.yml"
@@ -59,34 +74,9 @@ def choices(*options: str) -> Rule:
     return Rule(lambda v: v in options, "one of " + " | ".join(options))
 
 
-_PLUGIN_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-
-
-def is_plugin_spec(value) -> bool:
-    """`pkg.module:symbol`, the form in which a config names code outside unitrain (plugins.py loads it)."""
-    return isinstance(value, str) and bool(_PLUGIN_SPEC.match(value))
-
-
 def builtin_or_plugin(table) -> Rule:
-    """A short name of a built-in in `table` (the registry beside the implementations) or a plugin."""
+    """A short name of a built-in in `table` (a seam's table in registry.py) or a plugin."""
     return Rule(lambda v: v in table or is_plugin_spec(v), "one of " + " | ".join(table) + " or pkg.module:symbol")
-
-
-class _Later:
-    """Text computed when first shown: the choices of a module that imports JAX, which importing
-    this module must not do."""
-
-    def __init__(self, text: Callable[[], str]):
-        self.text = text
-
-    def __str__(self):
-        return self.text()
-
-
-def choices_of(module: str, name: str) -> Rule:
-    """One of the names in `module.name`, a tuple kept beside the implementations, read at validation."""
-    table = lambda: getattr(importlib.import_module(module), name)
-    return Rule(lambda v: v in table(), _Later(lambda: "one of " + " | ".join(table())))
 
 
 def optional(rule: Rule) -> Rule:
@@ -130,7 +120,7 @@ RULES: dict[str, Rule] = {
     "dtype": DTYPE,
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
-    "attention": choices_of("unitrain.models.attention", "ATTENTION"),
+    "attention": choices(*ATTENTION),
     **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn", "rollout") for axis in MESH_AXES},
     "rollout_devices": NON_NEGATIVE_INT,
     "max_staleness": NON_NEGATIVE_INT,
@@ -201,20 +191,20 @@ RULES: dict[str, Rule] = {
     "rollout_top_p": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
     "rollout_top_k": NON_NEGATIVE,
     "rollout_cache_phases": POSITIVE_INT,
-    "advantage_estimator": choices_of("unitrain.losses", "ADV_ESTIMATORS"),
+    "advantage_estimator": choices(*ADV_ESTIMATORS),
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),
     "eps_clip_c": optional(Rule(lambda v: _is_num(v) and v > 1, "a number > 1")),
-    "loss_agg_mode": choices_of("unitrain.losses", "LOSS_AGG_MODES"),
-    "policy_loss": choices_of("unitrain.losses", "POLICY_LOSSES"),
-    "rollout_is_level": choices_of("unitrain.losses", "ROLLOUT_IS_LEVELS"),
-    "rollout_is_mode": choices_of("unitrain.losses", "ROLLOUT_IS_MODES"),
+    "loss_agg_mode": choices(*LOSS_AGG_MODES),
+    "policy_loss": choices(*POLICY_LOSSES),
+    "rollout_is_level": choices(*ROLLOUT_IS_LEVELS),
+    "rollout_is_mode": choices(*ROLLOUT_IS_MODES),
     "rollout_is_threshold": Rule(lambda v: _is_num(v) and v > 1, "a number > 1"),
     "rollout_is_threshold_lower": optional(Rule(lambda v: _is_num(v) and 0 < v < 1, "a number in (0, 1)")),
     "overlong_buffer_len": Rule(lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0 = off)"),
     "overlong_penalty_factor": POSITIVE,
     "kl_coef": NON_NEGATIVE,
-    "kl_type": choices_of("unitrain.losses", "KL_TYPES"),
+    "kl_type": choices(*KL_TYPES),
     "entropy_coef": NON_NEGATIVE,
     "num_iterations": POSITIVE_INT,
     "eval_pass_k": POSITIVE_INT,
@@ -297,22 +287,6 @@ def _check_logical_axis_rules(c: dict) -> str | None:
     return None
 
 
-def _check_attention(c: dict) -> str | None:
-    """A fused attention kernel must run on this platform, and is our decoder's (Tunix's models bring their own)."""
-    if c["attention"] in ("auto", "xla"):
-        return None
-    if c["model_source"] != "unitrain":
-        return f"attention={c['attention']} is a kernel of model_source unitrain; model_source {c['model_source']} brings its own attention (use auto or xla)"
-    from unitrain import sharding  # here, not at the top: importing this module must not initialise JAX's backends
-    from unitrain.models import attention
-
-    try:
-        attention.attention_kernel(c["attention"], sharding.target_platform(), c["dtype"])
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def _check_one_fill(c: dict) -> str | None:
     for keys, which in ((TRAINER_MESH_KEYS, "ici_*/dcn_*"), (ROLLOUT_MESH_KEYS, "rollout_*")):
         fills = [k for k in keys if c[k] == -1]
@@ -351,7 +325,11 @@ CHECKS: list[Callable[[dict], str | None]] = [
         else "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor"
     ),
     _check_logical_axis_rules,
-    _check_attention,
+    lambda c: (
+        None
+        if c["attention"] in ("auto", "xla") or c["model_source"] == "unitrain"
+        else f"attention={c['attention']} is a kernel of model_source unitrain; model_source {c['model_source']} brings its own attention (use auto or xla)"
+    ),
     _check_one_fill,
     _check_rollout_devices,
     lambda c: (
@@ -463,62 +441,11 @@ def derive(cfg: dict) -> dict:
     out["tensorboard_dir"] = posixpath.join(run_dir, "tensorboard")
     out["metrics_file"] = posixpath.join(run_dir, "metrics.jsonl")
     out["evaluates"] = out["eval_interval"] > 0 or out["action"] == "eval"  # the mode builds its evaluators
-    out["mesh_shape"], out["dcn_mesh_shape"], out["rollout_mesh_shape"] = _mesh_shapes(out)
-    num_devices = math.prod(out["mesh_shape"].values()) * math.prod(out["dcn_mesh_shape"].values())
-    out["global_batch_size"] = out["per_device_batch_size"] * num_devices  # rows per micro-batch
-    out["rows_per_update"] = out["global_batch_size"] * out["gradient_accumulation_steps"]
-    if out["mode"] == "grpo":
-        rollout_rows = out["rollout_batch_size"] * out["n_samples_per_prompt"]
-        if rollout_rows % out["rows_per_update"]:
-            raise ConfigError(
-                f"rollout_batch_size * n_samples_per_prompt ({rollout_rows}) must be a multiple of per_device_batch_size"
-                f" * devices * gradient_accumulation_steps ({out['rows_per_update']}), the rows of one update"
-            )
-        out["updates_per_step"] = rollout_rows // out["rows_per_update"] * out["num_iterations"]
-    else:
-        out["updates_per_step"] = 1
-    out["optimizer_steps"] = out["steps"] * out["updates_per_step"]  # the learning-rate schedule's horizon
     return out
 
 
-def _mesh_shapes(c: dict) -> tuple[dict, dict, dict]:
-    """The trainer's ici and dcn mesh shapes over the devices rollout_devices leaves it, and the
-    rollout mesh's shape over those (all 1 without rollout devices)."""
-    from unitrain import sharding  # here, not at the top: importing this module must not initialise JAX's backends
-
-    n, r, processes = len(sharding.target_devices()), c["rollout_devices"], sharding.target_process_count()
-    if r and (r >= n or r % processes):
-        raise ConfigError(
-            f"rollout_devices ({r}) must be below the {n} devices and a multiple of the {processes} "
-            "processes (each process gives the same number)"
-        )
-    trainer = _fill({k: c[k] for k in TRAINER_MESH_KEYS}, n - r, "the ici_* and dcn_* parallelism sizes")
-    rollout = _fill({k: c[k] for k in ROLLOUT_MESH_KEYS}, r or 1, "the rollout_*_parallelism sizes")
-    return tuple(
-        {a: sizes[f"{net}_{a}_parallelism"] for a in MESH_AXES}
-        for net, sizes in (("ici", trainer), ("dcn", trainer), ("rollout", rollout))
-    )
-
-
-def _fill(sizes: dict, n: int, what: str) -> dict:
-    """The sizes with the one -1 set so that they multiply to n devices."""
-    fill = [k for k, v in sizes.items() if v == -1]
-    others = math.prod(v for v in sizes.values() if v != -1)
-    if fill and n % others:
-        raise ConfigError(
-            f"{fill[0]}=-1 cannot fill the mesh: the other sizes multiply to {others}, which does not divide the {n} devices"
-        )
-    if fill:
-        return {**sizes, fill[0]: n // others}
-    if others != n:
-        raise ConfigError(
-            f"{what} multiply to {others} but there are {n} devices for them; make the product {n} or set one size to -1"
-        )
-    return sizes
-
-
 class _FrozenDict(dict):
-    """A dict that refuses changes (mesh shapes inside a Config); still a dict for json and jax."""
+    """A dict that refuses changes (a mapping value inside a Config); still a dict for json and jax."""
 
     def _refuse(self, *args, **kwargs):
         raise TypeError("config values are frozen; use cfg.replace(...)")
@@ -602,7 +529,7 @@ class Config(Mapping):
 _RESERVED = {name for name in dir(Config) if not name.startswith("_")}  # keys that attributes would hide
 
 
-def _build(inputs: dict, schema: dict, origin: dict, explicit: set, before_derive=None) -> Config:
+def _build(inputs: dict, schema: dict, origin: dict, explicit: set) -> Config:
     _take_checkpoint_architecture(inputs, origin, explicit)
     for key, rule in RULES.items():
         if key in inputs and not rule.test(inputs[key]):
@@ -612,17 +539,11 @@ def _build(inputs: dict, schema: dict, origin: dict, explicit: set, before_deriv
     for check in CHECKS:
         if problem := check(inputs):
             raise ConfigError(f"invalid config: {problem}")
-    if before_derive is not None:
-        before_derive(inputs)
     return Config(derive(inputs), inputs, schema)
 
 
-def load_config(argv: list[str], before_derive=None) -> Config:
-    """argv[0] is a yml (configs/base.yml or a recipe), the rest `key=value` overrides.
-
-    `before_derive(values)` runs after validation and before derived values (which count devices)
-    are computed: the entry starts jax.distributed there.
-    """
+def load_config(argv: list[str]) -> Config:
+    """argv[0] is a yml (configs/base.yml or a recipe), the rest `key=value` overrides."""
     if not argv:
         raise ConfigError("no config file given; the first argument must be a yml such as configs/base.yml")
     chain, resolved = _read_chain(Path(argv[0]))
@@ -662,7 +583,7 @@ def load_config(argv: list[str], before_derive=None) -> Config:
             explicit |= set(MODEL_KEYS)
     for key, raw in cli.items():
         _set(inputs, origin, schema, key, None, "from command line", raw=raw)
-    return _build(inputs, schema, origin, explicit | set(cli), before_derive)
+    return _build(inputs, schema, origin, explicit | set(cli))
 
 
 def _take_checkpoint_architecture(inputs: dict, origin: dict, explicit: set) -> None:
@@ -698,8 +619,6 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
     directory); no keys for an HF folder that a model source other than unitrain's reads
     itself; None when `path` holds neither."""
     if os.path.isfile(os.path.join(path, "config.json")):
-        from unitrain.adapters import hf_config
-
         if (
             inputs["model_source"] != "unitrain"
             and hf_config.read_hf_config(path, inputs["trust_remote_code"]).model_type not in hf_config.MODEL_TYPES
@@ -870,28 +789,39 @@ def _find_yml(name: str, directory: Path) -> Path:
     return shipped
 
 
-def write_config(cfg: Config, path: str | os.PathLike) -> None:
+def write_config(cfg: Config, path: str | os.PathLike, on_devices: Mapping | None = None) -> None:
     """Write the fully resolved config as yml; load_config([path]) gives back an equal Config.
 
     The model yml is already applied, so the file says `resolved_config: true` and loading it skips that
-    layer; derived values follow as comments. Multi-host callers write from one process only.
+    layer; derived values follow as comments, then `on_devices`: what the run derived from its devices
+    (sharding.Layout), for the record. Multi-host callers write from one process only.
     """
     values = cfg.to_dict()
     inputs = {k: values[k] for k in cfg._inputs}
-    derived = {k: v for k, v in values.items() if k not in cfg._inputs}
-    dump = lambda d: yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=1000)  # noqa: E731
+    derived = {k: v for k, v in values.items() if k not in cfg._inputs} | dict(on_devices or {})
     text = (
         "# Fully resolved unitrain config (write_config): load it as is to reproduce the run.\n"
         "resolved_config: true\n"
-        + dump(inputs)
+        + _dump(inputs)
         + "# ---- derived: recomputed on load, not accepted as input\n"
-        + "".join(f"# {line}\n" for line in dump(derived).splitlines())
+        + "".join(f"# {line}\n" for line in _dump(derived).splitlines())
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _dump(values: dict) -> str:
+    """One `key: value` line per key, a list or mapping inline where it holds only scalars (yaml's
+    default_flow_style=None would write a mapping of scalars alone as one inline line)."""
+    return "".join(
+        yaml.safe_dump(
+            {k: v}, sort_keys=False, default_flow_style=None if isinstance(v, (list, dict)) else False, width=1000
+        )
+        for k, v in values.items()
+    )
 
 
 _KEY_LINE = re.compile(r"^([A-Za-z_]\w*):\s*(.*?)(?:\s+#\s?(.*))?$")

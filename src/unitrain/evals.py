@@ -11,7 +11,7 @@ import math
 import jax
 import numpy as np
 
-from unitrain import data
+from unitrain.data.prompts import eval_prompts
 from unitrain.rollout.base import SamplingParams, release
 from unitrain.rollout.groups import collect_groups, samples_markdown
 
@@ -26,11 +26,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 class TaskEvaluator:
     """`evaluator(params, step) -> metrics`; `samples` is then the markdown of the first greedy
     answers (prompt, completion, label, reward) for TensorBoard. `records` replace the eval split's
-    prompt records (see data.eval_prompts)."""
+    prompt records (see data.prompts.eval_prompts)."""
 
     def __init__(self, cfg, tokenizer, sampler, reward_fn, records: list[dict] | None = None):
         self.cfg, self.tokenizer, self.sampler, self.reward_fn = cfg, tokenizer, sampler, reward_fn
-        self.prompts = data.eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
+        self.prompts = eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
         self.samples = ""
 
     def groups(self, n: int, sampling: SamplingParams, key) -> list:

@@ -9,6 +9,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from unitrain.registry import (
+    ADV_ESTIMATORS,
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+)
+
 
 class TokenStats(NamedTuple):
     """What the losses need of the logits at each position, float32 [B, T]."""
@@ -76,13 +85,6 @@ def cross_entropy(stats: TokenStats, weights, z_loss_weight: float = 0.0):
 # RL (GRPO / PPO family). Everything below is pure JAX and jit-able: string and int arguments are
 # static (Python-level) choices, arrays are traced. Semantics mirror verl's core_algos.
 # ----------------------------------------------------------------------------------------------
-
-ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "gspo")
-ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
-ROLLOUT_IS_MODES = ("truncate", "mask")
 
 _WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
 _LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios to [-20, 20] before exp

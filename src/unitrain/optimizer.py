@@ -6,11 +6,12 @@ from __future__ import annotations
 import optax
 
 
-def learning_rate_schedule(cfg) -> optax.Schedule:
+def learning_rate_schedule(cfg, optimizer_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to learning_rate over warmup_steps, then the lr_schedule decay to
-    learning_rate * lr_final_fraction at the last optimizer step (GRPO makes several per step)."""
+    learning_rate * lr_final_fraction at the last of `optimizer_steps` (sharding.Layout's: GRPO
+    makes several per step)."""
     peak, end = cfg.learning_rate, cfg.learning_rate * cfg.lr_final_fraction
-    decay_steps = max(cfg.optimizer_steps - cfg.warmup_steps, 1)
+    decay_steps = max(optimizer_steps - cfg.warmup_steps, 1)
     decay = {
         "cosine": optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.lr_final_fraction),
         "linear": optax.linear_schedule(peak, end, decay_steps),
@@ -20,10 +21,10 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
-def make_optimizer(cfg, decay_mask) -> optax.GradientTransformation:
+def make_optimizer(cfg, decay_mask, learning_rate: optax.Schedule) -> optax.GradientTransformation:
     """decay_mask: a pytree of bools shaped like the parameters (True = weight decay applies)."""
     adamw = optax.adamw(
-        learning_rate_schedule(cfg),
+        learning_rate,
         b1=cfg.adam_b1,
         b2=cfg.adam_b2,
         eps=cfg.adam_eps,

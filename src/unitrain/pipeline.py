@@ -25,12 +25,14 @@ from jax.experimental import multihost_utils
 from unitrain import run_dir
 from unitrain.config import write_config
 from unitrain.errors import ConfigError
+from unitrain.run import device_layout
 
 log = logging.getLogger("unitrain")
 
 
 def stage_configs(cfg) -> list:
-    """The config of every stage, in order; a mistake in any is one line naming the stage."""
+    """The config of every stage, in order, each checked on the devices (run.device_layout); a mistake
+    in any is one line naming the stage."""
     stages, names = [], set()
     for i, stage in enumerate(cfg.stages):
         where = f"stage {i + 1} of {len(cfg.stages)}"
@@ -55,6 +57,7 @@ def stage_configs(cfg) -> list:
             raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
         try:
             stages.append(cfg.replace(**{**changes, **own}))
+            device_layout(stages[-1])
         except ConfigError as e:
             raise ConfigError(f"stage '{name}' ({where}): {e}") from None
     return stages

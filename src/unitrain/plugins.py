@@ -1,8 +1,8 @@
 """One loader for everything a config may name as `pkg.module:symbol`: rewards, dynamic-sampling
 filters, model sources, samplers and modes.
 
-Built-ins keep short names; each seam keeps its table of them beside its implementations (as
-"module:symbol" strings, imported only when chosen) and config validation reads the same tables.
+Built-ins keep short names; registry.py keeps each seam's table of them (as "module:symbol" strings,
+imported only when chosen) and config validation reads the same tables.
 A plugin is imported only when the config names it. Every failure is one ConfigError line that
 names the config key, the spec and what went wrong.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import difflib
 import importlib
 
-from unitrain.config import is_plugin_spec
 from unitrain.errors import ConfigError
+from unitrain.registry import is_plugin_spec
 
 
 def load(spec: str, key: str, expected: str = "a callable"):

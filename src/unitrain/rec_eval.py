@@ -20,8 +20,8 @@ import os
 import jax
 import numpy as np
 
-from unitrain import data
 from unitrain.data import recommendation
+from unitrain.data.prompts import eval_prompts
 from unitrain.data.sft import split_path
 from unitrain.rollout.base import release
 from unitrain.rollout.beam import BeamParams
@@ -68,7 +68,7 @@ class RecEvaluator:
         # The label is the example's index: a prompt longer than max_prompt_length is dropped, and
         # the index still finds its user and target.
         records = [{"prompt": recommendation.history_prompt(e), "label": str(i)} for i, e in enumerate(examples)]
-        self.prompts = data.eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
+        self.prompts = eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
         self.examples = [examples[int(p.label)] for p in self.prompts]
         self.beams = sid_beams(cfg, tokenizer, cfg.beam_width)
         self.samples = ""

@@ -1,7 +1,10 @@
-"""The built-in choices of every seam, as data: a short name -> "module:symbol", imported only when a
-config chooses it (plugins.resolve). A third party adds a choice without editing these tables by
-naming `pkg.module:symbol` in the config. A leaf: config validation reads these tables without
-importing JAX or any implementation."""
+"""The built-in choices of every seam and of the config's choice keys, as data. The seams' tables map
+a short name -> "module:symbol", imported only when a config chooses it (plugins.resolve); a third
+party adds a choice without editing them by naming `pkg.module:symbol` in the config. The choice
+keys' tables are tuples of names that the config validates against and the implementations branch
+on. A leaf: config validation reads these tables without importing JAX or any implementation."""
+
+import re
 
 # model_source: fn(cfg, mesh) -> Model, its parameters placed in their shardings
 MODEL_SOURCES = {
@@ -24,3 +27,21 @@ MODES = {
     "grpo": "unitrain.tasks.grpo:GRPOTask",
     "dpo": "unitrain.tasks.dpo:DPOTask",
 }
+
+# attention: the reference einsums (xla), a platform's fused kernel, or auto (the decoder's kernels)
+ATTENTION = ("auto", "xla", "cudnn", "splash")
+
+# The RL objective's choices (losses.py)
+ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "gspo")
+ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
+ROLLOUT_IS_MODES = ("truncate", "mask")
+
+_PLUGIN_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def is_plugin_spec(value) -> bool:
+    """`pkg.module:symbol`, the form in which a config names code outside unitrain (plugins.py loads it)."""
+    return isinstance(value, str) and bool(_PLUGIN_SPEC.match(value))

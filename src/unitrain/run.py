@@ -1,5 +1,6 @@
-"""A run: everything built once from the config (mesh, tokenizer, model, optimizer, train state,
-the compile cache) and handed to the mode. Used by the entry (train.py) and the tools alike.
+"""A run: everything built once from the config (its layout on the devices, mesh, tokenizer, model,
+optimizer, train state, the compile cache) and handed to the mode. Used by the entry (train.py) and
+the tools alike.
 
     run, state = build_run(cfg)
     task = tasks.create(run)
@@ -15,10 +16,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from unitrain import data, lora, models, sharding, vocab
+from unitrain import lora, models, sharding, vocab
 from unitrain import step as step_lib
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
-from unitrain.optimizer import make_optimizer
+from unitrain.models.attention import attention_kernel
+from unitrain.optimizer import learning_rate_schedule, make_optimizer
 
 
 @dataclasses.dataclass
@@ -26,24 +29,38 @@ class RunContext:
     """Everything built once for a run, handed to the mode."""
 
     cfg: Any  # the frozen Config
+    layout: sharding.Layout  # the config on the devices: mesh shapes, batch sizes, updates per step
     mesh: Mesh  # the trainer's
     rollout_mesh: Mesh | None  # rollout_devices' mesh (sampler: mesh), None = rollouts share the trainer's
     rules: tuple  # logical axis rules
-    tokenizer: Any  # unitrain.data.Tokenizer
+    tokenizer: Any  # unitrain.data.tokenizer.Tokenizer
     model: Any  # the Model (models/base.py) with its initial parameters placed
     graphdef: Any  # nnx graph of the model: nnx.merge(graphdef, params) is callable
     init_params: dict  # the starting parameters; the first step donates them: copy what you keep
     optimizer: optax.GradientTransformation
+    learning_rate: optax.Schedule  # the optimizer's, by optimizer step
     state_shardings: dict  # shardings of {params, opt_state, step}
     programs: step_lib.CompileCache  # the run's one ahead-of-time compile cache
 
 
+def device_layout(cfg) -> sharding.Layout:
+    """The config on the target devices (this job's, or compile_for's): the attention kernel checked
+    against their platform, then the meshes' shapes and the batch sizes. A config these devices
+    cannot run is a ConfigError here, before anything is built."""
+    try:
+        attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype)
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    return sharding.layout_for(cfg)
+
+
 def build_run(cfg) -> tuple[RunContext, dict]:
-    """The mesh, tokenizer, model, optimizer and train state of a run; the state is {params,
+    """The layout, mesh, tokenizer, model, optimizer and train state of a run; the state is {params,
     opt_state, step} with every array in its sharding."""
-    mesh = sharding.mesh_from_config(cfg)
+    layout = device_layout(cfg)
+    mesh = sharding.trainer_mesh(cfg, layout)
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
-    tokenizer = data.load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
     cfg = vocab.extend(cfg, tokenizer)  # extra_tokens: a wider vocabulary, grown by the model source
     vocab.save_tokenizer(cfg, tokenizer)
     model = models.build(cfg, mesh)
@@ -54,18 +71,21 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     adapters_only = cfg.lora_rank > 0
-    optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only))
+    learning_rate = learning_rate_schedule(cfg, layout.optimizer_steps)
+    optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only), learning_rate)
     state = step_lib.init_state(params, optimizer, mesh, cfg.optimizer_host_offload, adapters_only)
     run = RunContext(
         cfg=cfg,
+        layout=layout,
         mesh=mesh,
-        rollout_mesh=sharding.rollout_mesh_from_config(cfg),
+        rollout_mesh=sharding.rollout_mesh(cfg, layout),
         rules=rules,
         tokenizer=tokenizer,
         model=model,
         graphdef=graphdef,
         init_params=params,
         optimizer=optimizer,
+        learning_rate=learning_rate,
         state_shardings=jax.tree.map(lambda x: x.sharding, state),
         programs=step_lib.CompileCache(mesh),
     )

@@ -8,6 +8,7 @@ once the run is built and restored. A resumed run whose config changed keeps the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -59,10 +60,11 @@ def previous_config(run_dir: str) -> dict | None:
     return {**(derived or {}), **(inputs or {})}
 
 
-def keep_global_batch(cfg, previous: dict, has_checkpoint: bool):
-    """The config of a resumed run with the global batch of its earlier invocations: on another
-    device count the per-device batch follows, so the data stream and the loss curve continue."""
-    before, now = previous.get("global_batch_size"), cfg.global_batch_size
+def keep_global_batch(cfg, global_batch_size: int, previous: dict, has_checkpoint: bool):
+    """The config of a resumed run with the global batch of its earlier invocations (this command's
+    is `global_batch_size`, its Layout's): on another device count the per-device batch follows, so
+    the data stream and the loss curve continue."""
+    before, now = previous.get("global_batch_size"), global_batch_size
     if not has_checkpoint or before is None or before == now:
         return cfg
     devices = now // cfg.per_device_batch_size
@@ -96,8 +98,9 @@ def changed_keys(cfg, previous: dict) -> dict:
     }
 
 
-def save_config(cfg, previous: dict | None) -> None:
-    """Writes <run_dir>/config.yml; an earlier one that differs is kept as config.<n>.yml first."""
+def save_config(cfg, layout, previous: dict | None) -> None:
+    """Writes <run_dir>/config.yml with the run's Layout (keep_global_batch reads its global batch
+    back); an earlier config.yml that differs is kept as config.<n>.yml first."""
     path = os.path.join(cfg.run_dir, "config.yml")
     if previous is not None and (changes := changed_keys(cfg, previous)):
         n = 1
@@ -109,7 +112,7 @@ def save_config(cfg, previous: dict | None) -> None:
             ", ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in changes.items()),
             kept,
         )
-    write_config(cfg, path)
+    write_config(cfg, path, dataclasses.asdict(layout))
 
 
 def _show(value) -> str:

@@ -1,12 +1,14 @@
-"""Mesh, logical axis rules, and the shardings of state and batches.
+"""The devices a run is laid out on, its meshes, logical axis rules, and the shardings of state and batches.
 
-Parameters and activations name their dimensions logically (`embed`, `mlp`, `heads`, ...); the
-`logical_axis_rules` table of the config (data, not code) maps each name to mesh axes.
+`layout_for(cfg)` is what the config gives on the target devices (mesh shapes, batch sizes, updates
+per step). Parameters and activations name their dimensions logically (`embed`, `mlp`, `heads`,
+...); the `logical_axis_rules` table of the config (data, not code) maps each name to mesh axes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,9 +19,8 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from unitrain.config import MESH_AXES, ROLLOUT_MESH_KEYS, TRAINER_MESH_KEYS
 from unitrain.errors import ConfigError
-
-MESH_AXES = ("data", "fsdp", "tensor")
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -82,7 +83,7 @@ def target_process_count() -> int:
 
 @contextlib.contextmanager
 def compile_for(target: list):
-    """Within: configs, meshes and models are built for `target` (e.g. the devices of
+    """Within: layouts, meshes and models are built for `target` (e.g. the devices of
     jax.experimental.topologies.get_topology_desc) instead of this job's devices."""
     global _compile_target
     previous, _compile_target = _compile_target, list(target)
@@ -118,17 +119,89 @@ def split_devices(rollout_devices: int) -> tuple[list, list]:
     return [d for ds in local for d in ds[:cut]], [d for ds in local for d in ds[cut:]]
 
 
-def mesh_from_config(cfg) -> Mesh:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a config gives on its devices (layout_for): the meshes' shapes and the batch sizes."""
+
+    mesh_shape: dict  # the trainer's ici size per mesh axis
+    dcn_mesh_shape: dict  # the trainer's size per mesh axis across slices (TPU) or processes
+    rollout_mesh_shape: dict  # the rollout mesh's (all 1 without rollout_devices)
+    global_batch_size: int  # rows per micro-batch: per_device_batch_size * the trainer's devices
+    rows_per_update: int  # global_batch_size * gradient_accumulation_steps
+    updates_per_step: int  # GRPO: rollout rows / rows_per_update * num_iterations; else 1
+    optimizer_steps: int  # steps * updates_per_step: the learning-rate schedule's horizon
+
+
+def layout_for(cfg) -> Layout:
+    """The Layout of `cfg` on the target devices; a ConfigError where they cannot hold it."""
+    ici, dcn, rollout = _mesh_shapes(cfg)
+    global_batch_size = cfg.per_device_batch_size * math.prod(ici.values()) * math.prod(dcn.values())
+    rows_per_update = global_batch_size * cfg.gradient_accumulation_steps
+    updates_per_step = 1
+    if cfg.mode == "grpo":
+        rollout_rows = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+        if rollout_rows % rows_per_update:
+            raise ConfigError(
+                f"rollout_batch_size * n_samples_per_prompt ({rollout_rows}) must be a multiple of per_device_batch_size"
+                f" * devices * gradient_accumulation_steps ({rows_per_update}), the rows of one update"
+            )
+        updates_per_step = rollout_rows // rows_per_update * cfg.num_iterations
+    return Layout(
+        mesh_shape=ici,
+        dcn_mesh_shape=dcn,
+        rollout_mesh_shape=rollout,
+        global_batch_size=global_batch_size,
+        rows_per_update=rows_per_update,
+        updates_per_step=updates_per_step,
+        optimizer_steps=cfg.steps * updates_per_step,
+    )
+
+
+def _mesh_shapes(cfg) -> tuple[dict, dict, dict]:
+    """The trainer's ici and dcn mesh shapes over the devices rollout_devices leaves it, and the
+    rollout mesh's shape over those (all 1 without rollout devices)."""
+    n, r, processes = len(target_devices()), cfg.rollout_devices, target_process_count()
+    if r and (r >= n or r % processes):
+        raise ConfigError(
+            f"rollout_devices ({r}) must be below the {n} devices and a multiple of the {processes} "
+            "processes (each process gives the same number)"
+        )
+    trainer = _fill({k: cfg[k] for k in TRAINER_MESH_KEYS}, n - r, "the ici_* and dcn_* parallelism sizes")
+    rollout = _fill({k: cfg[k] for k in ROLLOUT_MESH_KEYS}, r or 1, "the rollout_*_parallelism sizes")
+    return tuple(
+        {a: sizes[f"{net}_{a}_parallelism"] for a in MESH_AXES}
+        for net, sizes in (("ici", trainer), ("dcn", trainer), ("rollout", rollout))
+    )
+
+
+def _fill(sizes: dict, n: int, what: str) -> dict:
+    """The sizes with the one -1 set so that they multiply to n devices."""
+    fill = [k for k, v in sizes.items() if v == -1]
+    others = math.prod(v for v in sizes.values() if v != -1)
+    if fill and n % others:
+        raise ConfigError(
+            f"{fill[0]}=-1 cannot fill the mesh: the other sizes multiply to {others}, which does not divide the {n} devices"
+        )
+    if fill:
+        return {**sizes, fill[0]: n // others}
+    if others != n:
+        raise ConfigError(
+            f"{what} multiply to {others} but there are {n} devices for them; make the product {n} or set one size to -1"
+        )
+    return sizes
+
+
+def trainer_mesh(cfg, layout: Layout) -> Mesh:
     """The trainer's mesh, over the devices rollout_devices leaves it."""
-    return create_mesh(cfg.mesh_shape, cfg.dcn_mesh_shape, split_devices(cfg.rollout_devices)[0])
+    return create_mesh(layout.mesh_shape, layout.dcn_mesh_shape, split_devices(cfg.rollout_devices)[0])
 
 
-def rollout_mesh_from_config(cfg) -> Mesh | None:
+def rollout_mesh(cfg, layout: Layout) -> Mesh | None:
     """The rollout mesh (axes as the trainer's, so the same logical rules apply), or None without
     rollout_devices. Its devices are ordered process by process: `data` spans the processes."""
     if not cfg.rollout_devices:
         return None
-    devices = np.array(split_devices(cfg.rollout_devices)[1]).reshape([cfg.rollout_mesh_shape[a] for a in MESH_AXES])
+    devices = np.array(split_devices(cfg.rollout_devices)[1]).reshape([layout.rollout_mesh_shape[a] for a in MESH_AXES])
     return Mesh(devices, MESH_AXES)
 
 

@@ -3,7 +3,7 @@ train step over any loss, the jitted and donated update, the run's one ahead-of-
 and the moves of rows between host and global arrays.
 
     state = init_state(params, optimizer, mesh)                       # {params, opt_state, step}
-    update = make_train_step(task.loss, cfg, optimizer, state_shardings, task.batch_shardings())
+    update = make_train_step(task.loss, cfg, optimizer, learning_rate, state_shardings, task.batch_shardings())
     state, metrics = programs("train_step", update, state, batch)     # compiled once per batch shape
 """
 
@@ -22,7 +22,6 @@ import numpy as np
 import optax
 
 from unitrain import lora, sharding
-from unitrain.optimizer import learning_rate_schedule
 
 log = logging.getLogger("unitrain")
 
@@ -78,14 +77,15 @@ def device_shardings(params: dict) -> dict:
 # ---------------------------------------------------------------- the step
 
 
-def train_step(loss_fn, cfg, optimizer, state, batch, *, opt_device_shardings=None):
+def train_step(loss_fn, cfg, optimizer, learning_rate, state, batch, *, opt_device_shardings=None):
     """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level.
 
     loss_fn(params, micro_batch) -> (loss_sum, (denominator, {metric: (sum, count)})). Gradients of
     the summed losses are added up over micro-batches and divided once by the total denominator;
     each metric likewise ends as its total sum over its total count. With the optimizer state
     offloaded to host memory, `opt_device_shardings` brings it to the device for the update (the
-    step's out_shardings send it back).
+    step's out_shardings send it back). `learning_rate` is the optimizer's schedule (run.learning_rate),
+    read for the step's metric.
     """
     k = cfg.gradient_accumulation_steps
     # Row i*k + j goes to micro-batch j: each device's contiguous rows stay on that device.
@@ -119,14 +119,14 @@ def train_step(loss_fn, cfg, optimizer, state, batch, *, opt_device_shardings=No
         "loss": loss_sum / denom,
         "grad_norm": grad_norm,
         "grad_norm_clipped": clipped,
-        "learning_rate": learning_rate_schedule(cfg)(state["step"]),
+        "learning_rate": learning_rate(state["step"]),
         "loss_denominator": denom,
         **{name: total / jnp.maximum(count, 1.0) for name, (total, count) in sums.items()},
     }
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
 
 
-def make_train_step(loss_fn, cfg, optimizer, state_shardings, batch_shardings):
+def make_train_step(loss_fn, cfg, optimizer, learning_rate, state_shardings, batch_shardings):
     """train_step jitted with explicit shardings and the state donated."""
     opt_device = (
         jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
@@ -134,7 +134,7 @@ def make_train_step(loss_fn, cfg, optimizer, state_shardings, batch_shardings):
         else None
     )
     return jax.jit(
-        functools.partial(train_step, loss_fn, cfg, optimizer, opt_device_shardings=opt_device),
+        functools.partial(train_step, loss_fn, cfg, optimizer, learning_rate, opt_device_shardings=opt_device),
         in_shardings=(state_shardings, batch_shardings),
         out_shardings=(state_shardings, None),
         donate_argnums=0,

@@ -24,7 +24,7 @@ import jax
 from unitrain import checkpoint, distributed, export, metrics, pipeline, run_dir, tasks
 from unitrain.config import DEFAULT_CONFIG, describe_keys, load_config, root_config
 from unitrain.errors import ConfigError, RunEndedEarly, UserError
-from unitrain.run import RunContext, build_run
+from unitrain.run import RunContext, build_run, device_layout
 from unitrain.tasks.base import Task
 
 log = logging.getLogger("unitrain")
@@ -38,6 +38,7 @@ class NonFiniteLoss(RuntimeError):
 
 def train(cfg) -> int:
     sigterm = _SigtermFlag()  # first: a SIGTERM during start-up stops the run before its first step
+    layout = device_layout(cfg)  # a config these devices cannot run stops before the run directory is read
     previous = run_dir.previous_config(cfg.run_dir)
     checkpointer = checkpoint.Checkpointer(
         cfg.checkpoint_dir,
@@ -47,7 +48,9 @@ def train(cfg) -> int:
         adapters_only=cfg.lora_rank > 0,
     )
     if previous is not None:
-        cfg = run_dir.keep_global_batch(cfg, previous, has_checkpoint=bool(checkpointer.all_steps()))
+        cfg = run_dir.keep_global_batch(
+            cfg, layout.global_batch_size, previous, has_checkpoint=bool(checkpointer.all_steps())
+        )
     run, state = build_run(cfg)
     log.info(
         "mode %s; model %s; mesh %s over %d devices (%d processes)",
@@ -69,7 +72,7 @@ def train(cfg) -> int:
         with jax.set_mesh(run.mesh):
             return evaluate_or_export(run, task, state, start)
     if jax.process_index() == 0:  # only now: a command that failed above leaves the run's config.yml alone
-        run_dir.save_config(cfg, previous)
+        run_dir.save_config(cfg, run.layout, previous)
     writer = metrics.MetricsWriter.from_config(cfg, cfg.steps, resume_step=start)
     with jax.set_mesh(run.mesh):
         return loop(run, task, state, start, checkpointer, writer, sigterm)
@@ -298,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = [str(DEFAULT_CONFIG), *argv]
     _setup_logging()
     try:
-        cfg = load_config(argv, before_derive=distributed.maybe_initialize)
+        cfg = load_config(argv)
+        distributed.maybe_initialize(cfg)  # before anything counts devices
         if jax.process_index() != 0:  # only after jax.distributed has started
             log.setLevel(logging.WARNING)
         return pipeline.run(cfg, train) if cfg.stages else train(cfg)

@@ -16,10 +16,6 @@ import jax.numpy as jnp
 
 from unitrain import sharding
 
-# The `attention` key: the reference einsums (xla), a platform's fused kernel, or auto.
-ATTENTION = ("auto", "xla", "cudnn", "splash")
-
-
 def attention_kernel(choice: str, platform: str, dtype: str) -> str:
     """The implementation the `attention` choice runs on `platform` (sharding.target_platform()) at compute
     `dtype`: auto is cuDNN on a GPU in 16 bits, splash on a TPU, else xla. ValueError where it cannot run."""

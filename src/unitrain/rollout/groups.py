@@ -22,7 +22,7 @@ from unitrain.rollout.base import Completions, Sampler, SamplingParams, submit
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    prompt: object  # unitrain.data.Prompt: ids, text, label
+    prompt: object  # unitrain.data.prompts.Prompt: ids, text, label
     completions: Completions  # n rows
     texts: list[str]  # decoded completions
     rewards: np.ndarray  # [n] float32, the weighted total

@@ -76,10 +76,11 @@ class DPOTask(Task):
         # Copied now: the first update donates the start parameters.
         # With LoRA the reference is the base with its adapters off: the live arrays, no copy (reference()).
         self.ref_params = None if cfg.lora_rank else step_lib.frozen_copy(run.init_params, cfg.ref_params_host_offload)
+        rows = run.layout.rows_per_update
         self.data_iterator = make_preference_iterator(
-            cfg, run.tokenizer, cfg.rows_per_update, jax.process_index(), jax.process_count()
+            cfg, run.tokenizer, rows, jax.process_index(), jax.process_count()
         )
-        self.tokens_per_step = 2 * cfg.rows_per_update * cfg.max_target_length  # both sequences of every pair
+        self.tokens_per_step = 2 * rows * cfg.max_target_length  # both sequences of every pair
         self.rows2d = sharding.batch_sharding(run.mesh, run.rules)
         self.rows1d = sharding.batch_sharding(run.mesh, run.rules, ("batch",))
         pair_shardings = {k: self.rows2d for k in PAIR_FIELDS}
@@ -92,7 +93,7 @@ class DPOTask(Task):
             out_shardings={k: self.rows1d for k in REF_KEYS},
         )
         self.update = step_lib.make_train_step(
-            self.loss, cfg, run.optimizer, run.state_shardings, self.batch_shardings()
+            self.loss, cfg, run.optimizer, run.learning_rate, run.state_shardings, self.batch_shardings()
         )
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
         if self.eval_batches:
@@ -134,7 +135,7 @@ class DPOTask(Task):
         cfg = self.cfg
         if not cfg.eval_dataset_path and cfg.dataset_path != "builtin":
             return []  # files without an eval split: nothing to evaluate on
-        batches = eval_pair_batches(cfg, self.run.tokenizer, cfg.global_batch_size, cfg.eval_steps)
+        batches = eval_pair_batches(cfg, self.run.tokenizer, self.run.layout.global_batch_size, cfg.eval_steps)
         return [step_lib.full_rows_to_global(b, self.rows2d) for b in batches]
 
     def _eval_sums(self, params, ref_params, batch):

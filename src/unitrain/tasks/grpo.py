@@ -39,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import data, lora, losses, rewards, rollout, sharding
+from unitrain import lora, losses, rewards, rollout, sharding
 from unitrain import step as step_lib
+from unitrain.data.prompts import make_prompt_iterator
 from unitrain.evals import TaskEvaluator
 from unitrain.rec_eval import RecEvaluator, sid_beams
 from unitrain.rollout.base import SamplingParams, release
@@ -70,12 +71,12 @@ def token_stats(
     )
 
 
-def shared_prompt_rows(cfg, model, devices: int) -> dict:
+def shared_prompt_rows(cfg, rows_per_update: int, model, devices: int) -> dict:
     """The runs of rows that share a prompt in the logprob pass and in an update's micro-batch (1:
     every row computes its own). A pass shares where its rows hold whole groups and every device
     its own whole groups: the logprob pass takes contiguous rows, and train_step's micro-batch j
     rows j, j+k, j+2k, ..., so a group's n rows come to it as a run of n/k."""
-    n, k, rows = cfg.n_samples_per_prompt, cfg.gradient_accumulation_steps, cfg.rows_per_update
+    n, k, rows = cfg.n_samples_per_prompt, cfg.gradient_accumulation_steps, rows_per_update
     if not hasattr(model, "hidden_states_shared_prefix"):
         return {"logprobs": 1, "update": 1}
     fits = lambda count, run: count % (run * devices) == 0  # whole runs on every device
@@ -116,7 +117,7 @@ class GRPOTask(Task):
         self.sampler = rollout.make_sampler(run)
         # Every process samples the same prompts with the same key (the sampler wants identical
         # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
-        prompts = data.make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+        prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
         self.rollouts = RolloutBuffer(cfg, prompts, self.start_round, self.keep)
         self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
         self.sampling = SamplingParams(
@@ -127,8 +128,10 @@ class GRPOTask(Task):
             stop_token_ids=(tokenizer.eos_id,),
         )
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
-        self.group_rows = shared_prompt_rows(cfg, run.model, batch_parallelism(run.mesh, run.rules))
-        self.separate_old = cfg.updates_per_step > 1 or cfg.use_kl_in_reward
+        self.group_rows = shared_prompt_rows(
+            cfg, run.layout.rows_per_update, run.model, batch_parallelism(run.mesh, run.rules)
+        )
+        self.separate_old = run.layout.updates_per_step > 1 or cfg.use_kl_in_reward
         log.info(
             "GRPO passes: old-policy logprobs %s; a group's prompt computed once per %d rows in the "
             "logprob pass and per %d in the update (1: each row its own)",
@@ -150,7 +153,7 @@ class GRPOTask(Task):
             stats = functools.partial(self.stats, group_rows=self.group_rows["logprobs"])
             self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, stats, self.separate_old, ref_device))
         self.update_fn = step_lib.make_train_step(
-            self.loss, cfg, run.optimizer, run.state_shardings, self.batch_shardings()
+            self.loss, cfg, run.optimizer, run.learning_rate, run.state_shardings, self.batch_shardings()
         )
         self.evaluator = None
         if cfg.evaluates:  # recommendation: HR/NDCG of ranked SIDs
@@ -348,7 +351,7 @@ class GRPOTask(Task):
 
     def logprobs(self, params, batch) -> dict:
         """rollout_logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
-        chunk = self.cfg.rows_per_update
+        chunk = self.run.layout.rows_per_update
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets")
         shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
         outs = [
@@ -366,7 +369,7 @@ class GRPOTask(Task):
 
     def update(self, state, batch):
         """num_iterations passes over the rows in mini-batches; metrics are averaged over updates."""
-        chunk, rows, shardings = self.cfg.rows_per_update, len(batch["inputs"]), self.batch_shardings()
+        chunk, rows, shardings = self.run.layout.rows_per_update, len(batch["inputs"]), self.batch_shardings()
         collected = []
         for _ in range(self.cfg.num_iterations):
             for start in range(0, rows, chunk):

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unitrain import data, losses, rewards, rollout, sharding
+from unitrain import losses, rewards, rollout, sharding
 from unitrain import step as step_lib
-from unitrain.data.sft import eval_prompt_records, split_path
+from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator, split_path
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator
 from unitrain.rec_eval import RecEvaluator
@@ -27,12 +27,13 @@ class SFTTask(Task):
     def __init__(self, run: RunContext):
         super().__init__(run)
         cfg = self.cfg
-        self.data_iterator = data.make_sft_iterator(
-            cfg, run.tokenizer, cfg.rows_per_update, "train", jax.process_index(), jax.process_count()
+        rows = run.layout.rows_per_update
+        self.data_iterator = make_sft_iterator(
+            cfg, run.tokenizer, rows, "train", jax.process_index(), jax.process_count()
         )
-        self.tokens_per_step = cfg.rows_per_update * cfg.max_target_length
+        self.tokens_per_step = rows * cfg.max_target_length
         self.update = step_lib.make_train_step(
-            self.loss, cfg, run.optimizer, run.state_shardings, self.batch_shardings()
+            self.loss, cfg, run.optimizer, run.learning_rate, run.state_shardings, self.batch_shardings()
         )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
@@ -57,7 +58,7 @@ class SFTTask(Task):
         return loss_sum, (count, {"nll": (nll_sum, count)})
 
     def batch_shardings(self) -> dict:
-        return {k: sharding.batch_sharding(self.run.mesh, self.run.rules) for k in data.BATCH_FIELDS}
+        return {k: sharding.batch_sharding(self.run.mesh, self.run.rules) for k in BATCH_FIELDS}
 
     def step(self, state, step):
         batch = next(self.data_iterator)
@@ -87,10 +88,8 @@ class SFTTask(Task):
         return text
 
     def _eval_batches(self) -> list:
-        cfg = self.cfg
-        iterator = data.make_sft_iterator(
-            cfg, self.run.tokenizer, cfg.global_batch_size, "eval", jax.process_index(), jax.process_count()
-        )
+        cfg, rows = self.cfg, self.run.layout.global_batch_size
+        iterator = make_sft_iterator(cfg, self.run.tokenizer, rows, "eval", jax.process_index(), jax.process_count())
         batches = []
         for batch in itertools.islice(iterator, cfg.eval_steps):  # fewer when the eval data runs out
             batch.pop("num_truncated")
@@ -98,7 +97,7 @@ class SFTTask(Task):
         if not batches:
             raise ConfigError(
                 f"eval_dataset_path ({split_path(cfg, 'eval')}) does not fill one eval batch of "
-                f"{cfg.global_batch_size} rows of {cfg.max_target_length} tokens; add eval records"
+                f"{rows} rows of {cfg.max_target_length} tokens; add eval records"
             )
         return batches
 
