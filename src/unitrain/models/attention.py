@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from unitrain import sharding
 
+
 def attention_kernel(choice: str, platform: str, dtype: str) -> str:
     """The implementation the `attention` choice runs on `platform` (sharding.target_platform()) at compute
     `dtype`: auto is cuDNN on a GPU in 16 bits, splash on a TPU, else xla. ValueError where it cannot run."""
