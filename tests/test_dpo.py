@@ -158,9 +158,8 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
     results = []
     for cfg, task, s in zip((big, small), tasks, (jax.tree.map(jnp.copy, state), state)):
         with jax.set_mesh(run.mesh):
-            new, m = jax.jit(lambda s, b: step_lib.train_step(task.loss, cfg, run.optimizer, run.learning_rate, s, b))(
-                s, batch
-            )
+            settings = step_lib.StepConfig.from_config(cfg, run.learning_rate)
+            new, m = jax.jit(lambda s, b: step_lib.train_step(task.loss, settings, run.optimizer, s, b))(s, batch)
         results.append((jax.device_get(new["params"]), jax.device_get(m)))
     (a, ma), (b, mb) = results
     assert ma["loss_denominator"] == mb["loss_denominator"] == 16

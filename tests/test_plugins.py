@@ -51,8 +51,9 @@ TOY = textwrap.dedent('''
         def __init__(self, run):
             super().__init__(run)
             self.data_iterator = Counter()
-            self.update = step_lib.make_train_step(self.loss, self.cfg, run.optimizer, run.learning_rate,
-                                                   run.state_shardings, self.batch_shardings())
+            settings = step_lib.StepConfig.from_config(self.cfg, run.learning_rate)
+            self.update = step_lib.make_train_step(self.loss, settings, run.optimizer, run.state_shardings,
+                                                   self.batch_shardings())
 
         def loss(self, params, batch):
             logits, _ = nnx.merge(self.run.graphdef, params)(batch["tokens"], batch["positions"], batch["segments"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from unitrain.config import load_config
-from unitrain.errors import ConfigError
+from unitrain.errors import ConfigError, UserError
 from unitrain.rewards import RewardError, final_answer, make_reward_fn, overlong_penalty
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,7 +285,7 @@ def test_reward_that_raises(plugin_dir):
     with pytest.raises(RewardError) as e:
         fn(["ok", long_prompt], ["fine", "bad completion"], ["l1", "gold label"])
     msg = str(e.value)
-    assert isinstance(e.value, ConfigError) and "\n" not in msg
+    assert isinstance(e.value, UserError) and "\n" not in msg
     assert "reward 'myplug:explode' raised ValueError: boom" in msg
     assert "completion='bad completion'" in msg and "label='gold label'" in msg
     assert "Q" * 200 + "..." in msg and "Q" * 201 not in msg  # the prompt is clipped

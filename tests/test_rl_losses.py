@@ -230,7 +230,8 @@ def _clip_inputs(a):
 def _per_token(a, **kw):
     """Per-token pg losses via the (linear) seq-mean-token-sum trick: one row, one token at a time."""
     logp, old, adv, mask = _clip_inputs(a)
-    fn = jax.jit(lambda m: losses.policy_loss(logp, old, adv, m, loss_agg_mode="seq-mean-token-sum", **kw))
+    settings = losses.PolicyLossConfig(loss_agg_mode="seq-mean-token-sum", **kw)
+    fn = jax.jit(lambda m: losses.policy_loss(logp, old, adv, m, settings))
     out = []
     for t in range(6):
         m = np.zeros_like(mask)
@@ -276,7 +277,7 @@ def test_dual_clip_region(a):
         s, c = met["pg_clipfrac_lower"]
         assert float(s) == 2 and float(c) == 12
     with pytest.raises(ValueError):
-        losses.policy_loss(*_clip_inputs(a), eps_clip=0.2, eps_clip_c=1.0)
+        losses.policy_loss(*_clip_inputs(a), losses.PolicyLossConfig(eps_clip=0.2, eps_clip_c=1.0))
 
 
 def test_ratio_one_gradient_is_plain_policy_gradient():
@@ -284,7 +285,9 @@ def test_ratio_one_gradient_is_plain_policy_gradient():
     adv = d["adv"]
 
     def loss(lp):
-        s, n, _ = losses.policy_loss(lp, d["logp"], adv, d["mask"], eps_clip=0.2, eps_clip_c=3.0)
+        s, n, _ = losses.policy_loss(
+            lp, d["logp"], adv, d["mask"], losses.PolicyLossConfig(eps_clip=0.2, eps_clip_c=3.0)
+        )
         return s / n
 
     g = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(d["logp"])))
@@ -299,24 +302,17 @@ def test_policy_loss_full_matches_numpy(mode, kind):
     d = _batch()
     eps, eps_hi, c, kl_coef, ent_coef = 0.2, 0.3, 3.0, 0.05, 0.01
     ent = np.abs(d["values"])
-    fn = jax.jit(
-        lambda lp, old, a, m, ref, e: losses.policy_loss(
-            lp,
-            old,
-            a,
-            m,
-            eps_clip=eps,
-            eps_clip_high=eps_hi,
-            eps_clip_c=c,
-            loss_agg_mode=mode,
-            horizon=T,
-            ref_logprobs=ref,
-            kl_coef=kl_coef,
-            kl_type=kind,
-            entropy=e,
-            entropy_coef=ent_coef,
-        )
+    settings = losses.PolicyLossConfig(
+        eps_clip=eps,
+        eps_clip_high=eps_hi,
+        eps_clip_c=c,
+        loss_agg_mode=mode,
+        horizon=T,
+        kl_coef=kl_coef,
+        kl_type=kind,
+        entropy_coef=ent_coef,
     )
+    fn = jax.jit(lambda lp, old, a, m, ref, e: losses.policy_loss(lp, old, a, m, settings, ref_logprobs=ref, entropy=e))
     s, n, met = fn(d["logp"], d["old"], d["adv"], d["mask"], d["ref"], ent)
 
     lp, old, m = (x.astype(np.float64) for x in (d["logp"], d["old"], d["mask"]))
@@ -354,12 +350,13 @@ def test_micro_batch_accumulation_is_exact():
     """Sum of (sum, denom) over two micro-batches == the loss of the whole batch, for every mode."""
     d = _batch()
 
+    every_mode = [
+        losses.PolicyLossConfig(eps_clip=0.2, loss_agg_mode=mode, horizon=T) for mode in registry.LOSS_AGG_MODES
+    ]
+
     @jax.jit
     def f(lp, old, adv, m):
-        return [
-            losses.policy_loss(lp, old, adv, m, eps_clip=0.2, loss_agg_mode=mode, horizon=T)[:2]
-            for mode in registry.LOSS_AGG_MODES
-        ]
+        return [losses.policy_loss(lp, old, adv, m, settings)[:2] for settings in every_mode]
 
     whole = f(d["logp"], d["old"], d["adv"], d["mask"])
     first = f(*(d[k][:3] for k in ("logp", "old", "adv", "mask")))
@@ -370,7 +367,7 @@ def test_micro_batch_accumulation_is_exact():
 
 def test_optional_metrics_and_errors():
     d = _batch()
-    _, _, met = losses.policy_loss(d["logp"], d["old"], d["adv"], d["mask"], eps_clip=0.2)
+    _, _, met = losses.policy_loss(d["logp"], d["old"], d["adv"], d["mask"], losses.PolicyLossConfig(eps_clip=0.2))
     assert set(met) == {"pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "approx_kl", "ratio"}
     with pytest.raises(ValueError):
         losses.aggregate(d["values"], d["mask"], "seq-mean-token-sum-norm")
@@ -403,16 +400,10 @@ def test_gspo_loss_and_gradient_match_numpy():
     eps_lo, eps_hi = 0.02, 0.03
 
     def loss(lp):
-        s, n, met = losses.policy_loss(
-            lp,
-            old,
-            d["adv"],
-            d["mask"],
-            eps_clip=eps_lo,
-            eps_clip_high=eps_hi,
-            loss_agg_mode="seq-mean-token-mean",
-            policy_loss_type="gspo",
+        settings = losses.PolicyLossConfig(
+            eps_clip=eps_lo, eps_clip_high=eps_hi, loss_agg_mode="seq-mean-token-mean", policy_loss_type="gspo"
         )
+        s, n, met = losses.policy_loss(lp, old, d["adv"], d["mask"], settings)
         return s / n, met
 
     (value, met), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(d["logp"]))
@@ -430,7 +421,13 @@ def test_gspo_refuses_token_level_aggregation_and_dual_clip():
     d = _batch()
     for kw in ({"loss_agg_mode": "token-mean"}, {"loss_agg_mode": "seq-mean-token-mean", "eps_clip_c": 3.0}):
         with pytest.raises(ValueError, match="gspo"):
-            losses.policy_loss(d["logp"], d["old"], d["adv"], d["mask"], eps_clip=0.2, policy_loss_type="gspo", **kw)
+            losses.policy_loss(
+                d["logp"],
+                d["old"],
+                d["adv"],
+                d["mask"],
+                losses.PolicyLossConfig(eps_clip=0.2, policy_loss_type="gspo", **kw),
+            )
 
 
 # ------------------------------------------------------------------ rollout/trainer mismatch correction
@@ -492,9 +489,8 @@ def test_rollout_correction_matches_numpy(level, mode, lower):
 
     # In the loss: each token's pg term times its weight, aggregated over the kept tokens only.
     lp = d["logp"]
-    s, n, _ = losses.policy_loss(
-        lp, d["old"], d["adv"], kept, eps_clip=0.2, loss_agg_mode="seq-mean-token-mean", pg_weights=weights
-    )
+    settings = losses.PolicyLossConfig(eps_clip=0.2, loss_agg_mode="seq-mean-token-mean")
+    s, n, _ = losses.policy_loss(lp, d["old"], d["adv"], kept, settings, pg_weights=weights)
     r = np.exp(lp.astype(np.float64) - d["old"])
     A = d["adv"].astype(np.float64)[:, None]
     pg = np.maximum(-A * r, -A * np.clip(r, 0.8, 1.2)) * want_w
@@ -508,7 +504,8 @@ def test_rollout_correction_weights_are_constants():
 
     def loss(lp):
         w, kept, _ = losses.rollout_correction(lp, d["old"], d["mask"], level="token", mode="truncate", threshold=2.0)
-        s, n, _ = losses.policy_loss(lp, jax.lax.stop_gradient(lp), d["adv"], kept, eps_clip=0.2, pg_weights=w)
+        settings = losses.PolicyLossConfig(eps_clip=0.2)
+        s, n, _ = losses.policy_loss(lp, jax.lax.stop_gradient(lp), d["adv"], kept, settings, pg_weights=w)
         return s / n
 
     g = np.asarray(jax.grad(loss)(jnp.asarray(d["logp"])))

@@ -93,9 +93,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
         batch.pop("num_truncated")
         loss_fn = tasks.create(built).loss
         with jax.set_mesh(built.mesh):
-            state, m = jax.jit(
-                lambda s, b: step_lib.train_step(loss_fn, cfg, built.optimizer, built.learning_rate, s, b)
-            )(state, batch)
+            settings = step_lib.StepConfig.from_config(cfg, built.learning_rate)
+            state, m = jax.jit(lambda s, b: step_lib.train_step(loss_fn, settings, built.optimizer, s, b))(state, batch)
         results.append((state, m))
     (a, ma), (b, mb) = results
     np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-6)

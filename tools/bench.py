@@ -237,7 +237,13 @@ def compile_only(cfg) -> dict:
     run, state = abstract_run(cfg.replace(eval_interval=0))
     mesh, task = run.mesh, tasks.create(run)
     shardings = task.batch_shardings()
-    update = step_lib.make_train_step(task.loss, cfg, run.optimizer, run.learning_rate, run.state_shardings, shardings)
+    update = step_lib.make_train_step(
+        task.loss,
+        step_lib.StepConfig.from_config(cfg, run.learning_rate),
+        run.optimizer,
+        run.state_shardings,
+        shardings,
+    )
     batch = update_batch(cfg, run.layout.rows_per_update, shardings)
     start = time.perf_counter()
     compiled = run.programs.compiled(f"{cfg.mode} update", update, state, batch)
@@ -385,13 +391,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 def rollout_sampling(cfg, new_tokens: int) -> SamplingParams:
     """The config's rollout sampling flags, `new_tokens` per row and no stop token."""
-    return SamplingParams(
-        max_new_tokens=new_tokens,
-        temperature=cfg.rollout_temperature,
-        top_k=cfg.rollout_top_k,
-        top_p=cfg.rollout_top_p,
-        stop_token_ids=(),
-    )
+    return SamplingParams.from_config(cfg, stop_token_ids=(), max_new_tokens=new_tokens)
 
 
 def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:

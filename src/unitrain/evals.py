@@ -48,13 +48,7 @@ class TaskEvaluator:
         self.samples = samples_markdown(answers)
         result = {"eval_accuracy": float(self.correct(answers).mean())}
         if cfg.eval_n_samples:
-            sampled = SamplingParams(
-                cfg.rollout_max_response_len,
-                temperature=cfg.rollout_temperature,
-                top_k=cfg.rollout_top_k,
-                top_p=cfg.rollout_top_p,
-                stop_token_ids=stop,
-            )
+            sampled = SamplingParams.from_config(cfg, stop_token_ids=stop)
             counts = self.correct(self.groups(cfg.eval_n_samples, sampled, jax.random.key(1))).sum(axis=1)
             result[f"eval_pass_at_{cfg.eval_pass_k}"] = float(
                 np.mean([pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in counts])

@@ -4,6 +4,7 @@ micro-batches, and averaging over hosts, is exact at token level: the step divid
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -230,27 +231,61 @@ def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "
     raise ValueError(f"unknown policy loss {policy_loss_type!r}; expected one of {POLICY_LOSSES}")
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """What policy_loss reads of the config (static: fixed for the run). The fields are the config
+    keys of the same names, but for policy_loss_type (key `policy_loss`) and horizon (the maximum
+    response length, for seq-mean-token-sum-norm). kl_coef is the KL term's weight in the loss: 0
+    when there is none or it goes into the reward (use_kl_in_reward)."""
+
+    eps_clip: float
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    loss_agg_mode: str = "token-mean"
+    horizon: int | None = None
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    policy_loss_type: str = "ppo"
+
+    def __post_init__(self):
+        if self.eps_clip_c is not None and not self.eps_clip_c > 1.0:
+            raise ValueError(f"eps_clip_c (dual-clip constant) must be > 1, got {self.eps_clip_c}")
+        if self.policy_loss_type == "gspo" and (
+            self.loss_agg_mode != "seq-mean-token-mean" or self.eps_clip_c is not None
+        ):
+            raise ValueError("gspo needs loss_agg_mode 'seq-mean-token-mean' and no dual clip (eps_clip_c None)")
+
+    @classmethod
+    def from_config(cls, cfg) -> PolicyLossConfig:
+        kl_in_loss = cfg.kl_coef > 0 and not cfg.use_kl_in_reward
+        return cls(
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip_high,
+            eps_clip_c=cfg.eps_clip_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+            horizon=cfg.rollout_max_response_len,
+            kl_coef=cfg.kl_coef if kl_in_loss else 0.0,
+            kl_type=cfg.kl_type,
+            entropy_coef=cfg.entropy_coef,
+            policy_loss_type=cfg.policy_loss,
+        )
+
+
 def policy_loss(
     logprobs,
     old_logprobs,
     advantages,
     mask,
+    settings: PolicyLossConfig,
     *,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    eps_clip_c: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    horizon: int | None = None,
     ref_logprobs=None,
-    kl_coef: float = 0.0,
-    kl_type: str = "low_var_kl",
     entropy=None,
-    entropy_coef: float = 0.0,
-    policy_loss_type: str = "ppo",
     pg_weights=None,
 ):
     """PPO/GRPO clipped surrogate (verl compute_policy_loss "vanilla") or GSPO's sequence-level one
-    (verl compute_policy_loss_gspo), plus optional KL and entropy terms.
+    (verl compute_policy_loss_gspo), plus optional KL and entropy terms; the names below are
+    `settings`' fields.
 
     logprobs, old_logprobs, mask (and ref_logprobs, entropy, pg_weights when given) [B,T]; advantages
     [B] (broadcast over tokens) or [B,T]. Per token, with ratio = exp(log_importance_ratio(...,
@@ -267,7 +302,7 @@ def policy_loss(
     so this equals verl's pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each aggregated alike.
     GSPO is a sequence-level objective: it takes loss_agg_mode "seq-mean-token-mean" (which verl's GSPO
     forces; the others would weight a sequence by its length) and no dual clip (verl has none for it);
-    anything else raises ValueError (config.py refuses it before the run).
+    PolicyLossConfig refuses anything else with a ValueError (config.py refuses it before the run).
 
     Returns (loss_sum, denominator, metrics). metrics maps name -> (sum, count), float32 scalars with
     stop_gradient; the exact average over micro-batches/devices is sum(sums) / sum(counts):
@@ -280,10 +315,6 @@ def policy_loss(
       kl                 kl_penalty(logp, ref, kl_type) per token / tokens     (only when ref_logprobs given)
       entropy            entropy per token / tokens                              (only when entropy given)
     """
-    if eps_clip_c is not None and not eps_clip_c > 1.0:
-        raise ValueError(f"eps_clip_c (dual-clip constant) must be > 1, got {eps_clip_c}")
-    if policy_loss_type == "gspo" and (loss_agg_mode != "seq-mean-token-mean" or eps_clip_c is not None):
-        raise ValueError("gspo needs loss_agg_mode 'seq-mean-token-mean' and no dual clip (eps_clip_c None)")
     logp = jnp.asarray(logprobs, jnp.float32)
     m = jnp.asarray(mask, jnp.float32)
     adv = jnp.asarray(advantages, jnp.float32)
@@ -291,14 +322,14 @@ def policy_loss(
         adv = adv[..., None]
     adv = jnp.broadcast_to(adv, logp.shape)
 
-    log_ratio = log_importance_ratio(logp, old_logprobs, m, policy_loss_type)
+    log_ratio = log_importance_ratio(logp, old_logprobs, m, settings.policy_loss_type)
     ratio = jnp.exp(log_ratio)
-    high = eps_clip if eps_clip_high is None else eps_clip_high
+    high = settings.eps_clip if settings.eps_clip_high is None else settings.eps_clip_high
     pg1 = -adv * ratio
-    pg2 = -adv * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + high)
+    pg2 = -adv * jnp.clip(ratio, 1.0 - settings.eps_clip, 1.0 + high)
     clipped = jnp.maximum(pg1, pg2)
-    if eps_clip_c is not None:
-        pg3 = -adv * eps_clip_c
+    if settings.eps_clip_c is not None:
+        pg3 = -adv * settings.eps_clip_c
         pg = jnp.where(adv < 0, jnp.minimum(pg3, clipped), clipped)
         lower = jnp.logical_and(adv < 0, clipped > pg3).astype(jnp.float32)
     else:
@@ -310,14 +341,14 @@ def policy_loss(
     loss_t = pg
     kl = None
     if ref_logprobs is not None:
-        kl = kl_penalty(logp, ref_logprobs, kl_type)
-        if kl_coef > 0:
-            loss_t = loss_t + kl_coef * kl
+        kl = kl_penalty(logp, ref_logprobs, settings.kl_type)
+        if settings.kl_coef > 0:
+            loss_t = loss_t + settings.kl_coef * kl
     if entropy is not None:
         entropy = jnp.asarray(entropy, jnp.float32)
-        if entropy_coef != 0:
-            loss_t = loss_t - entropy_coef * entropy
-    loss_sum, denom = aggregate(loss_t, m, loss_agg_mode, horizon)
+        if settings.entropy_coef != 0:
+            loss_t = loss_t - settings.entropy_coef * entropy
+    loss_sum, denom = aggregate(loss_t, m, settings.loss_agg_mode, settings.horizon)
 
     sg = jax.lax.stop_gradient
     tokens = sg(m.sum())
@@ -326,7 +357,7 @@ def policy_loss(
         return sg((x * m).sum()), tokens
 
     metrics = {
-        "pg_loss": tuple(sg(x) for x in aggregate(pg, m, loss_agg_mode, horizon)),
+        "pg_loss": tuple(sg(x) for x in aggregate(pg, m, settings.loss_agg_mode, settings.horizon)),
         "pg_clipfrac": tok((pg2 > pg1).astype(jnp.float32)),
         "pg_clipfrac_lower": tok(lower),
         "approx_kl": tok(ratio - 1.0 - log_ratio),

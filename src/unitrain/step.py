@@ -3,13 +3,14 @@ train step over any loss, the jitted and donated update, the run's one ahead-of-
 and the moves of rows between host and global arrays.
 
     state = init_state(params, optimizer, mesh)                       # {params, opt_state, step}
-    update = make_train_step(task.loss, cfg, optimizer, learning_rate, state_shardings, task.batch_shardings())
+    update = make_train_step(task.loss, StepConfig.from_config(cfg, learning_rate), optimizer, state_shardings, task.batch_shardings())
     state, metrics = programs("train_step", update, state, batch)     # compiled once per batch shape
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -77,7 +78,29 @@ def device_shardings(params: dict) -> dict:
 # ---------------------------------------------------------------- the step
 
 
-def train_step(loss_fn, cfg, optimizer, learning_rate, state, batch, *, opt_device_shardings=None):
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What the train step reads of the config: the keys of the same names, whether only the LoRA
+    adapters train (lora_rank > 0), and the optimizer's learning-rate schedule (logged each step)."""
+
+    gradient_accumulation_steps: int
+    max_grad_norm: float
+    optimizer_host_offload: bool
+    adapters_only: bool
+    learning_rate: optax.Schedule
+
+    @classmethod
+    def from_config(cls, cfg, learning_rate: optax.Schedule) -> StepConfig:
+        return cls(
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            max_grad_norm=cfg.max_grad_norm,
+            optimizer_host_offload=cfg.optimizer_host_offload,
+            adapters_only=cfg.lora_rank > 0,
+            learning_rate=learning_rate,
+        )
+
+
+def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *, opt_device_shardings=None):
     """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level.
 
     loss_fn(params, micro_batch) -> (loss_sum, (denominator, {metric: (sum, count)})). Gradients of
@@ -87,16 +110,15 @@ def train_step(loss_fn, cfg, optimizer, learning_rate, state, batch, *, opt_devi
     step's out_shardings send it back). `learning_rate` is the optimizer's schedule (run.learning_rate),
     read for the step's metric.
     """
-    k = cfg.gradient_accumulation_steps
+    k = settings.gradient_accumulation_steps
     # Row i*k + j goes to micro-batch j: each device's contiguous rows stay on that device.
     micro = jax.tree.map(lambda x: x.reshape(-1, k, *x.shape[1:]).swapaxes(0, 1), batch)
     # Only the trained part is differentiated and updated (with LoRA the adapters; the frozen base
     # passes through the donated state untouched).
-    adapters_only = cfg.lora_rank > 0
-    trained = lora.trainable(state["params"], adapters_only)
+    trained = lora.trainable(state["params"], settings.adapters_only)
 
     def full(t):
-        return lora.with_trainable(state["params"], t, adapters_only)
+        return lora.with_trainable(state["params"], t, settings.adapters_only)
 
     grad_fn = jax.value_and_grad(lambda t, mb: loss_fn(full(t), mb), has_aux=True)
     shapes = jax.eval_shape(grad_fn, trained, jax.tree.map(lambda x: x[0], micro))
@@ -114,27 +136,27 @@ def train_step(loss_fn, cfg, optimizer, learning_rate, state, batch, *, opt_devi
         opt_state = jax.device_put(opt_state, opt_device_shardings)
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     params = full(optax.apply_updates(trained, updates))
-    clipped = jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm
+    clipped = jnp.minimum(grad_norm, settings.max_grad_norm) if settings.max_grad_norm > 0 else grad_norm
     step_metrics = {
         "loss": loss_sum / denom,
         "grad_norm": grad_norm,
         "grad_norm_clipped": clipped,
-        "learning_rate": learning_rate(state["step"]),
+        "learning_rate": settings.learning_rate(state["step"]),
         "loss_denominator": denom,
         **{name: total / jnp.maximum(count, 1.0) for name, (total, count) in sums.items()},
     }
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
 
 
-def make_train_step(loss_fn, cfg, optimizer, learning_rate, state_shardings, batch_shardings):
+def make_train_step(loss_fn, settings: StepConfig, optimizer, state_shardings, batch_shardings):
     """train_step jitted with explicit shardings and the state donated."""
     opt_device = (
         jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
-        if cfg.optimizer_host_offload
+        if settings.optimizer_host_offload
         else None
     )
     return jax.jit(
-        functools.partial(train_step, loss_fn, cfg, optimizer, learning_rate, opt_device_shardings=opt_device),
+        functools.partial(train_step, loss_fn, settings, optimizer, opt_device_shardings=opt_device),
         in_shardings=(state_shardings, batch_shardings),
         out_shardings=(state_shardings, None),
         donate_argnums=0,

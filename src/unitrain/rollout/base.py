@@ -76,6 +76,18 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
 
+    @classmethod
+    def from_config(cls, cfg, stop_token_ids: tuple[int, ...], max_new_tokens: int | None = None) -> SamplingParams:
+        """The config's rollout sampling (rollout_temperature, rollout_top_k, rollout_top_p), for
+        max_new_tokens tokens (default rollout_max_response_len)."""
+        return cls(
+            max_new_tokens=cfg.rollout_max_response_len if max_new_tokens is None else max_new_tokens,
+            temperature=cfg.rollout_temperature,
+            top_k=cfg.rollout_top_k,
+            top_p=cfg.rollout_top_p,
+            stop_token_ids=stop_token_ids,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Completions:

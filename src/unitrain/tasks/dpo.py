@@ -93,7 +93,11 @@ class DPOTask(Task):
             out_shardings={k: self.rows1d for k in REF_KEYS},
         )
         self.update = step_lib.make_train_step(
-            self.loss, cfg, run.optimizer, run.learning_rate, run.state_shardings, self.batch_shardings()
+            self.loss,
+            step_lib.StepConfig.from_config(cfg, run.learning_rate),
+            run.optimizer,
+            run.state_shardings,
+            self.batch_shardings(),
         )
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
         if self.eval_batches:

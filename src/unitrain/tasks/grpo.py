@@ -120,13 +120,7 @@ class GRPOTask(Task):
         prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
         self.rollouts = RolloutBuffer(cfg, prompts, self.start_round, self.keep)
         self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
-        self.sampling = SamplingParams(
-            max_new_tokens=cfg.rollout_max_response_len,
-            temperature=cfg.rollout_temperature,
-            top_k=cfg.rollout_top_k,
-            top_p=cfg.rollout_top_p,
-            stop_token_ids=(tokenizer.eos_id,),
-        )
+        self.sampling = SamplingParams.from_config(cfg, stop_token_ids=(tokenizer.eos_id,))
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
         self.group_rows = shared_prompt_rows(
             cfg, run.layout.rows_per_update, run.model, batch_parallelism(run.mesh, run.rules)
@@ -152,8 +146,13 @@ class GRPOTask(Task):
         if self.separate_old or ref_device is not None:
             stats = functools.partial(self.stats, group_rows=self.group_rows["logprobs"])
             self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, stats, self.separate_old, ref_device))
+        self.policy_loss_config = losses.PolicyLossConfig.from_config(cfg)
         self.update_fn = step_lib.make_train_step(
-            self.loss, cfg, run.optimizer, run.learning_rate, run.state_shardings, self.batch_shardings()
+            self.loss,
+            step_lib.StepConfig.from_config(cfg, run.learning_rate),
+            run.optimizer,
+            run.state_shardings,
+            self.batch_shardings(),
         )
         self.evaluator = None
         if cfg.evaluates:  # recommendation: HR/NDCG of ranked SIDs
@@ -191,23 +190,14 @@ class GRPOTask(Task):
                 threshold=cfg.rollout_is_threshold,
                 threshold_lower=cfg.rollout_is_threshold_lower,
             )
-        kl_in_loss = cfg.kl_coef > 0 and not cfg.use_kl_in_reward
         loss_sum, denom, metrics = losses.policy_loss(
             stats.logprobs,
             old,
             batch["advantages"],
             mask,
-            eps_clip=cfg.eps_clip,
-            eps_clip_high=cfg.eps_clip_high,
-            eps_clip_c=cfg.eps_clip_c,
-            loss_agg_mode=cfg.loss_agg_mode,
-            horizon=cfg.rollout_max_response_len,
-            ref_logprobs=batch["ref_logprobs"] if kl_in_loss else None,
-            kl_coef=cfg.kl_coef if kl_in_loss else 0.0,
-            kl_type=cfg.kl_type,
+            self.policy_loss_config,
+            ref_logprobs=batch["ref_logprobs"] if self.policy_loss_config.kl_coef > 0 else None,
             entropy=stats.entropy,
-            entropy_coef=cfg.entropy_coef,
-            policy_loss_type=cfg.policy_loss,
             pg_weights=weights,
         )
         metrics.update(is_metrics)

@@ -33,7 +33,11 @@ class SFTTask(Task):
         )
         self.tokens_per_step = rows * cfg.max_target_length
         self.update = step_lib.make_train_step(
-            self.loss, cfg, run.optimizer, run.learning_rate, run.state_shardings, self.batch_shardings()
+            self.loss,
+            step_lib.StepConfig.from_config(cfg, run.learning_rate),
+            run.optimizer,
+            run.state_shardings,
+            self.batch_shardings(),
         )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
