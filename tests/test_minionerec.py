@@ -10,9 +10,10 @@ import pytest
 
 from conftest import REPO, make_cfg
 from unitrain import rewards
-from unitrain.data import recommendation
 from unitrain.errors import DataError
-from unitrain.rec_eval import hr_ndcg
+from unitrain.recsys import data as recommendation
+from unitrain.recsys.evaluate import hr_ndcg
+from unitrain.recsys.rewards import sid_rank_reward
 
 DATA = REPO.parent / "shared" / "data" / "minionerec"
 VALID = DATA / "valid_Industrial_and_Scientific_5_2016-10-2018-11.csv"
@@ -39,11 +40,11 @@ def test_hr_ndcg_equal_a_numpy_loop():
 def test_rank_reward_penalises_wrong_items_above_the_hit_most():
     completions = ["<a_1><b_1>", "<a_2><b_2>", "<a_3><b_3>", "<a_4><b_4>"]
     weights = [1 / math.log2(r + 2) for r in range(4)]
-    values = rewards.sid_rank_reward([""] * 4, completions, ["<a_3><b_3>"] * 4)
+    values = sid_rank_reward([""] * 4, completions, ["<a_3><b_3>"] * 4)
     assert values == pytest.approx(
         [-weights[0] / sum(weights), -weights[1] / sum(weights), 0.0, -weights[3] / sum(weights)]
     )
-    assert rewards.sid_rank_reward([""] * 4, completions, ["<a_9><b_9>"] * 4) == [0.0] * 4
+    assert sid_rank_reward([""] * 4, completions, ["<a_9><b_9>"] * 4) == [0.0] * 4
     fn = rewards.make_reward_fn(make_cfg(reward="sid_hit,sid_rank", reward_weights=[1.0, 2.0], rollout_decoding="beam"))
     total, per = fn([""] * 8, completions * 2, ["<a_3><b_3>"] * 4 + ["<a_1><b_1>"] * 4, group_size=4)
     np.testing.assert_allclose(per["sid_hit"], [0, 0, 1, 0, 1, 0, 0, 0])

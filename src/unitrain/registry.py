@@ -24,3 +24,22 @@ MODES = {
     "grpo": "unitrain.tasks.grpo:GRPOTask",
     "dpo": "unitrain.tasks.dpo:DPOTask",
 }
+
+# ---------------------------------------------------------------- data formats and rewards (the recsys plug-in registers here)
+
+# data_format: a unitrain.data.formats.DataFormat subclass: how the data files become records, and
+# what the format brings the modes (an evaluator, ranked rollouts, config checks)
+DATA_FORMATS = {
+    "records": "unitrain.data.formats:DataFormat",
+    "minionerec": "unitrain.recsys.format:MiniOneRec",
+}
+
+# reward: a factory fn(cfg) -> reward (a plugin names the reward itself: fn(prompt, completion, label) -> float)
+REWARDS = {
+    "math": "unitrain.rewards:make_math_reward",
+    "gsm8k": "unitrain.rewards:make_gsm8k_reward",
+    "exact_match": "unitrain.rewards:make_exact_match_reward",
+    "format": "unitrain.rewards:make_format_reward",
+    "sid_hit": "unitrain.recsys.rewards:make_sid_hit_reward",
+    "sid_rank": "unitrain.recsys.rewards:make_sid_rank_reward",
+}
