@@ -115,7 +115,7 @@ TOY = textwrap.dedent('''
         @staticmethod
         def pairs(path):
             with open(path) as f:
-                return [line.rstrip("\n").split("\t") for line in f if line.strip()]
+                return [line.rstrip("\\n").split("\\t") for line in f if line.strip()]
 ''')
 
 FAST = [
