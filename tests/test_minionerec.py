@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO, make_cfg
-from unitrain import rewards
-from unitrain.data import recommendation
+from unitrain import rewards, train
 from unitrain.errors import DataError
-from unitrain.rec_eval import hr_ndcg
+from unitrain.recsys import data as recommendation
+from unitrain.recsys.evaluate import hr_ndcg
+from unitrain.recsys.rewards import sid_rank_reward
 
 DATA = REPO.parent / "shared" / "data" / "minionerec"
 VALID = DATA / "valid_Industrial_and_Scientific_5_2016-10-2018-11.csv"
@@ -39,16 +40,43 @@ def test_hr_ndcg_equal_a_numpy_loop():
 def test_rank_reward_penalises_wrong_items_above_the_hit_most():
     completions = ["<a_1><b_1>", "<a_2><b_2>", "<a_3><b_3>", "<a_4><b_4>"]
     weights = [1 / math.log2(r + 2) for r in range(4)]
-    values = rewards.sid_rank_reward([""] * 4, completions, ["<a_3><b_3>"] * 4)
+    values = sid_rank_reward([""] * 4, completions, ["<a_3><b_3>"] * 4)
     assert values == pytest.approx(
         [-weights[0] / sum(weights), -weights[1] / sum(weights), 0.0, -weights[3] / sum(weights)]
     )
-    assert rewards.sid_rank_reward([""] * 4, completions, ["<a_9><b_9>"] * 4) == [0.0] * 4
+    assert sid_rank_reward([""] * 4, completions, ["<a_9><b_9>"] * 4) == [0.0] * 4
     fn = rewards.make_reward_fn(make_cfg(reward="sid_hit,sid_rank", reward_weights=[1.0, 2.0], rollout_decoding="beam"))
     total, per = fn([""] * 8, completions * 2, ["<a_3><b_3>"] * 4 + ["<a_1><b_1>"] * 4, group_size=4)
     np.testing.assert_allclose(per["sid_hit"], [0, 0, 1, 0, 1, 0, 0, 0])
     np.testing.assert_allclose(total[:4], [2 * v + h for v, h in zip(values, [0, 0, 1, 0])], rtol=1e-6)
     assert per["sid_rank"][4] == 0 and per["sid_rank"][5] < per["sid_rank"][6] < 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["beam_width=5"], "beam_width (5) must be at least the largest rec_eval_k (10)"),
+        (
+            ["rec_task_weights=[1.0,0.5,0.0]"],
+            "rec_task_weights gives the alignment tasks (title->SID, SID->title) a weight but rec_info_path is empty",
+        ),
+        (
+            ["mode=grpo", "rec_task_weights=[1.0,0.0,0.5]", "rec_info_path=info.txt"],
+            "mode=grpo cannot score SID->title records (rewards compare SIDs); set the third rec_task_weights entry to 0",
+        ),
+        (
+            ["mode=grpo", "reward=sid_hit,sid_rank", "reward_weights=[1.0,1.0]"],
+            "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)",
+        ),
+    ],
+)
+def test_the_format_checks_stop_the_run_with_one_line(tmp_path, capsys, overrides, message):
+    base = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", "per_device_batch_size=1"]
+    grpo = ["rollout_batch_size=4", "n_samples_per_prompt=2"]
+    assert train.main([*base, *grpo, "data_format=minionerec", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"unitrain: invalid config: {message}"]
+    assert not (tmp_path / "default").exists()
 
 
 @needs_data
@@ -80,7 +108,6 @@ def test_csv_rows_become_records_mixed_by_weight_and_bad_rows_name_their_line(tm
 @needs_data
 def test_sft_then_beam_grpo_on_the_slice(tmp_path):
     from make_tiny_model import make_tiny_model
-    from unitrain import train
 
     tiny = make_tiny_model(tmp_path / "tiny", "llama", vocab_size=400, extra_tokens=str(INDEX), seed=0)
     valid, test = tmp_path / "valid.csv", tmp_path / "test.csv"

@@ -99,16 +99,24 @@ def test_stage_configs(tmp_path):
     assert {s.wandb_group for s in (sft, grpo, evaluate)} == {"pipe"} and grpo.wandb_run_name == "pipe/grpo"
 
 
-def test_a_mistake_in_the_last_stage_stops_before_the_first(tmp_path, capsys):
+# A key the config refuses, and a combination only the data format's checks (plugins.check_config) refuse.
+@pytest.mark.parametrize(
+    "mistake, named",
+    [
+        ({"eval_pass_kk": 2}, "eval_pass_kk"),
+        ({"data_format": "minionerec", "beam_width": 2}, "beam_width (2) must be at least the largest rec_eval_k (10)"),
+    ],
+)
+def test_a_mistake_in_the_last_stage_stops_before_the_first(tmp_path, capsys, mistake, named):
     path = recipe(
         tmp_path,
         {"name": "sft", **SFT},
         {"name": "grpo", **GRPO},
-        {"name": "eval", "action": "eval", "eval_pass_kk": 2},
+        {"name": "eval", "action": "eval", **mistake},
     )
     assert train.main([path]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "stage 'eval' (stage 3 of 3)" in err and "eval_pass_kk" in err
+    assert err.count("\n") == 0 and "stage 'eval' (stage 3 of 3)" in err and named in err
     assert not (tmp_path / "runs" / "pipe").exists()
 
 

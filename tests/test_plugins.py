@@ -1,5 +1,5 @@
-"""The seams: a mode and a sampler from a module outside the package, named in the config alone;
-the one plugin loader's errors."""
+"""The seams: a mode, a sampler and a data format from a module outside the package, named in the
+config alone; a sampler that cannot rank refused at config time; the one plugin loader's errors."""
 
 import json
 import textwrap
@@ -21,6 +21,7 @@ TOY = textwrap.dedent('''
 
     from unitrain import sharding
     from unitrain import step as step_lib
+    from unitrain.data.formats import DataFormat
     from unitrain.rollout.base import Completions
     from unitrain.tasks.base import Task
 
@@ -101,6 +102,21 @@ TOY = textwrap.dedent('''
 
     def always_42(prompt, completion, label):
         return float(completion == "42")
+
+
+    class TabSeparated(DataFormat):
+        """Records as prompt<TAB>answer lines: the answer is the completion (SFT) or the label (GRPO)."""
+
+        def sft_records(self, cfg, tokenizer, path):
+            return [{"prompt": p, "completion": a} for p, a in self.pairs(path)]
+
+        def prompt_records(self, cfg, path):
+            return [{"prompt": p, "label": a} for p, a in self.pairs(path)]
+
+        @staticmethod
+        def pairs(path):
+            with open(path) as f:
+                return [line.rstrip("\\n").split("\\t") for line in f if line.strip()]
 ''')
 
 FAST = [
@@ -170,6 +186,53 @@ def test_a_toy_sampler_from_outside_the_package_feeds_grpo(tmp_path, toy):
     assert toy.SEEN_VERSIONS == [0, 1]  # the trainer pushed each step's policy version
 
 
+def test_a_toy_data_format_from_outside_the_package_feeds_grpo(tmp_path, toy):
+    prompts = tmp_path / "prompts.tsv"
+    prompts.write_text("".join(f"{i}+{42 - i}=\t42\n" for i in range(16)))
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "mode=grpo",
+        "data_format=toy_plugins:TabSeparated",
+        f"dataset_path={prompts}",
+        "sampler=toy_plugins:make_sampler",
+        "reward=exact_match",  # the toy sampler's "42" against the label the format read
+        "rollout_batch_size=4",
+        "n_samples_per_prompt=2",
+        "rollout_max_response_len=4",
+        "steps=2",
+    ]
+    assert train.main(argv) == 0
+    steps = [l for l in lines_of(tmp_path / "default" / "metrics.jsonl") if "loss" in l]
+    assert [l["reward_mean"] for l in steps] == [1.0, 1.0]
+
+
+def test_a_sampler_that_cannot_rank_stops_a_run_that_ranks_before_it_starts(tmp_path, capsys, toy):
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "mode=grpo",
+        "sampler=toy_plugins:make_sampler",
+        "rollout_decoding=beam",
+        "rollout_batch_size=4",
+        "n_samples_per_prompt=2",
+        "steps=1",
+    ]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and (
+            "invalid config: rollout_decoding=beam ranks with beam search, but sampler toy_plugins:make_sampler "
+            "is not declared a RankingSampler"
+        )
+        in err[0]
+    ), err
+    assert not (tmp_path / "default").exists()
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -187,6 +250,11 @@ def test_a_toy_sampler_from_outside_the_package_feeds_grpo(tmp_path, toy):
             "config key 'model_source' names 'unitrain.registry:MODEL_SOURCES' but 'MODEL_SOURCES' is a dict",
         ),
         ("dynamic_sampling_filter=nonzero", "config key 'dynamic_sampling_filter' expects"),
+        ("data_format=csv", "config key 'data_format' expects one of records | minionerec or pkg.module:symbol"),
+        (
+            "data_format=unitrain.recsys.format:NoSuch",
+            "config key 'data_format' names 'unitrain.recsys.format:NoSuch' but module 'unitrain.recsys.format' has no attribute 'NoSuch'",
+        ),
     ],
 )
 def test_plugin_mistakes_are_one_line_and_exit_2(tmp_path, capsys, override, message):
@@ -203,11 +271,16 @@ def test_plugin_mistakes_are_one_line_and_exit_2(tmp_path, capsys, override, mes
 
 
 def test_choice_lists_come_from_the_registries():
-    from unitrain.registry import FILTERS, MODEL_SOURCES, MODES, SAMPLERS
+    from unitrain.registry import DATA_FORMATS, FILTERS, MODEL_SOURCES, MODES, SAMPLERS
 
     base = str(REPO / "configs" / "base.yml")
     needs = {"mesh": ["mode=grpo", "rollout_devices=4"]}  # the keys a choice needs beside it
-    for key, table in (("mode", MODES), ("model_source", MODEL_SOURCES), ("sampler", SAMPLERS)):
+    for key, table in (
+        ("mode", MODES),
+        ("model_source", MODEL_SOURCES),
+        ("sampler", SAMPLERS),
+        ("data_format", DATA_FORMATS),
+    ):
         for name in table:
             assert load_config([base, f"{key}={name}", "per_device_batch_size=1", *needs.get(name, [])])[key] == name
     assert load_config([base, f"dynamic_sampling_filter={next(iter(FILTERS))}"])

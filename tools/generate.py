@@ -29,7 +29,7 @@ from unitrain import models, sharding, vocab
 from unitrain.config import load_config
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, UserError
-from unitrain.rec_eval import sid_beams
+from unitrain.recsys.rollout import sid_beams
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import ColocatedSampler
 from unitrain.run import device_layout

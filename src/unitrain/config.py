@@ -35,6 +35,7 @@ from unitrain.errors import ConfigError
 from unitrain.registry import (
     ADV_ESTIMATORS,
     ATTENTION,
+    DATA_FORMATS,
     FILTERS,
     KL_TYPES,
     LOSS_AGG_MODES,
@@ -220,7 +221,7 @@ RULES: dict[str, Rule] = {
     "chat_loss_on": choices("all_assistant", "last_assistant"),
     "rejected_key": NAME,
     "vocab_pad_multiple": POSITIVE_INT,
-    "data_format": choices("records", "minionerec"),
+    "data_format": builtin_or_plugin(DATA_FORMATS),
     "rec_task_weights": Rule(
         lambda v: (
             isinstance(v, list) and len(v) == 3 and all(_is_num(w) and 0 <= w < math.inf for w in v) and sum(v) > 0
@@ -308,6 +309,7 @@ def _check_rollout_devices(c: dict) -> str | None:
 
 
 # Cross-key checks: each returns None or what is wrong (impossible combinations of valid values).
+# The data format's own checks run after the load (plugins.check_config): this module imports no format.
 CHECKS: list[Callable[[dict], str | None]] = [
     lambda c: (
         None
@@ -376,28 +378,6 @@ CHECKS: list[Callable[[dict], str | None]] = [
         else f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
         "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "
         'directory or export_hf_path=""'
-    ),
-    lambda c: (
-        None
-        if c["data_format"] != "minionerec" or c["beam_width"] >= max(c["rec_eval_k"])
-        else f"beam_width ({c['beam_width']}) must be at least the largest rec_eval_k ({max(c['rec_eval_k'])})"
-    ),
-    lambda c: (
-        None
-        if c["rec_info_path"] or not any(c["rec_task_weights"][1:])
-        else "rec_task_weights gives the alignment tasks (title->SID, SID->title) a weight but rec_info_path is empty"
-    ),
-    lambda c: (
-        None
-        if c["data_format"] != "minionerec" or c["mode"] != "grpo" or c["rec_task_weights"][2] == 0
-        else "mode=grpo cannot score SID->title records (rewards compare SIDs); set the third rec_task_weights entry to 0"
-    ),
-    lambda c: (
-        None
-        if "sid_rank" not in [r.strip() for r in c["reward"].split(",")]
-        or c["rollout_decoding"] == "beam"
-        or c["sid_index_path"]
-        else "reward sid_rank scores a group by rank: it needs ranked rollouts (rollout_decoding=beam or sid_index_path)"
     ),
     lambda c: (
         None

@@ -22,7 +22,7 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
-from unitrain import run_dir
+from unitrain import plugins, run_dir
 from unitrain.config import write_config
 from unitrain.errors import ConfigError
 from unitrain.run import device_layout
@@ -56,10 +56,12 @@ def stage_configs(cfg) -> list:
         if bad := sorted(set(own) & {"stages", "run_name", "base_output_directory"}):
             raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
         try:
-            stages.append(cfg.replace(**{**changes, **own}))
-            device_layout(stages[-1])
+            stage_cfg = cfg.replace(**{**changes, **own})
+            plugins.check_config(stage_cfg)
+            device_layout(stage_cfg)
         except ConfigError as e:
             raise ConfigError(f"stage '{name}' ({where}): {e}") from None
+        stages.append(stage_cfg)
     return stages
 
 

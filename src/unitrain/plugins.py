@@ -1,5 +1,6 @@
 """One loader for everything a config may name as `pkg.module:symbol`: rewards, dynamic-sampling
-filters, model sources, samplers and modes.
+filters, model sources, samplers, modes and data formats; and the checks of the configured data
+format, which config.py (a leaf that imports no implementation) cannot run.
 
 Built-ins keep short names; registry.py keeps each seam's table of them (as "module:symbol" strings,
 imported only when chosen) and config validation reads the same tables.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import difflib
 import importlib
 
+from unitrain import registry
 from unitrain.errors import ConfigError
 from unitrain.registry import is_plugin_spec
 
@@ -51,6 +53,18 @@ def resolve(name: str, builtins: dict[str, str], key: str, expected: str = "a ca
         f"config key '{key}' names unknown '{name}'{did_you_mean(name, builtins)} "
         f"(built-ins: {', '.join(builtins)}; a plugin is written pkg.module:symbol)"
     )
+
+
+def data_format(cfg):
+    """The configured data format (data/formats.py): a built-in of registry.DATA_FORMATS or a plugin class."""
+    return resolve(cfg["data_format"], registry.DATA_FORMATS, "data_format", "a DataFormat subclass")()
+
+
+def check_config(cfg) -> None:
+    """The data format's config checks, run by the entry right after the config loads and for every
+    stage of a pipeline: what is wrong is one ConfigError line, before anything compiles."""
+    if problem := data_format(cfg).check(cfg):
+        raise ConfigError(f"invalid config: {problem}")
 
 
 def one_line(e) -> str:

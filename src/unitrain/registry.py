@@ -45,3 +45,23 @@ _PLUGIN_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 def is_plugin_spec(value) -> bool:
     """`pkg.module:symbol`, the form in which a config names code outside unitrain (plugins.py loads it)."""
     return isinstance(value, str) and bool(_PLUGIN_SPEC.match(value))
+
+
+# ---------------------------------------------------------------- data formats and rewards (the recsys plug-in registers here)
+
+# data_format: a unitrain.data.formats.DataFormat subclass: how the data files become records, and
+# what the format brings the modes (an evaluator, ranked rollouts, config checks)
+DATA_FORMATS = {
+    "records": "unitrain.data.formats:DataFormat",
+    "minionerec": "unitrain.recsys.format:MiniOneRec",
+}
+
+# reward: a factory fn(cfg) -> reward (a plugin names the reward itself: fn(prompt, completion, label) -> float)
+REWARDS = {
+    "math": "unitrain.rewards:make_math_reward",
+    "gsm8k": "unitrain.rewards:make_gsm8k_reward",
+    "exact_match": "unitrain.rewards:make_exact_match_reward",
+    "format": "unitrain.rewards:make_format_reward",
+    "sid_hit": "unitrain.recsys.rewards:make_sid_hit_reward",
+    "sid_rank": "unitrain.recsys.rewards:make_sid_rank_reward",
+}

@@ -3,7 +3,9 @@
 `make_reward_fn(cfg)` reads `reward` (a comma list of names) and `reward_weights` and returns a
 RewardFn; `reward_fn(prompts, completions, labels)` gives the weighted total per sample and each
 reward's raw values. Every reward is a plain `f(prompt, completion, label) -> float`, evaluated on
-the host, one sample at a time. Built-ins:
+the host, one sample at a time, or a GroupReward that scores a whole group. The built-in names are
+registry.REWARDS (each a factory(cfg) -> reward; the recommender's sid_hit and sid_rank are in
+recsys/rewards.py). Built-ins here:
 
   math         1.0 if math-verify finds the completion's final answer equal to the label (LaTeX,
                \\boxed{}, plain numbers and expressions); a GSM8K label "... #### 72" counts as "72"
@@ -30,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from unitrain import plugins
+from unitrain import plugins, registry
 from unitrain.errors import ConfigError, UserError
 from unitrain.plugins import did_you_mean, one_line
 
@@ -115,6 +117,10 @@ def gsm8k_reward(prompt: str, completion: str, label: str) -> float:
     return float(answer is not None and math.isclose(answer, gold, rel_tol=1e-9, abs_tol=1e-9))
 
 
+def make_gsm8k_reward(cfg) -> Reward:
+    return gsm8k_reward
+
+
 # ---------------------------------------------------------------- math (math-verify)
 
 _LATEX_ENV = ("$", "\\(", "\\[", "\\boxed", "\\begin")
@@ -165,6 +171,10 @@ def exact_match_reward(prompt: str, completion: str, label: str) -> float:
     return float(completion.strip() == label.strip())
 
 
+def make_exact_match_reward(cfg) -> Reward:
+    return exact_match_reward
+
+
 def make_format_reward(cfg) -> Reward:
     try:
         pattern = re.compile(cfg.format_reward_pattern, re.DOTALL)
@@ -177,12 +187,7 @@ def make_format_reward(cfg) -> Reward:
     return format_reward
 
 
-# ---------------------------------------------------------------- recommendation (semantic IDs)
-
-
-def sid_hit_reward(prompt: str, completion: str, label: str) -> float:
-    """1.0 if the completion is the label's SID (whitespace between its tokens ignored)."""
-    return float("".join(completion.split()) == "".join(label.split()))
+# ---------------------------------------------------------------- rewards that score a whole group
 
 
 class GroupReward:
@@ -191,17 +196,6 @@ class GroupReward:
 
     def __init__(self, fn: Callable[[list, list, list], list]):
         self.fn = fn
-
-
-def sid_rank_reward(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
-    """MiniOneRec's rank-aware reward over a group ranked best first: in a group that holds the
-    target, each wrong item at rank r (0 = best) gets -(1/log2(r+2)) / sum_j 1/log2(j+2), so a wrong
-    item ranked above the target costs most; the hit gets 0. A group without the target gets 0s."""
-    hits = [sid_hit_reward(p, c, lab) for p, c, lab in zip(prompts, completions, labels)]
-    if not any(hits):
-        return [0.0] * len(hits)
-    weights = [1.0 / math.log2(r + 2) for r in range(len(hits))]
-    return [0.0 if hit else -w / sum(weights) for hit, w in zip(hits, weights)]
 
 
 # ---------------------------------------------------------------- length (DAPO)
@@ -216,28 +210,18 @@ def overlong_penalty(lengths, max_len: int, buffer_len: int, factor: float) -> n
     return (np.minimum(0.0, -exceed / buffer_len) * factor).astype(np.float32)
 
 
-# Name -> factory(cfg) -> reward: factories let `math` import lazily and `format` compile once.
-BUILTINS: dict[str, Callable[..., Reward]] = {
-    "math": make_math_reward,
-    "gsm8k": lambda cfg: gsm8k_reward,
-    "exact_match": lambda cfg: exact_match_reward,
-    "format": make_format_reward,
-    "sid_hit": lambda cfg: sid_hit_reward,
-    "sid_rank": lambda cfg: GroupReward(sid_rank_reward),
-}
-
-
 # ---------------------------------------------------------------- resolution and the reward function
 
 
 def _resolve(name: str, cfg) -> Reward:
-    if name in BUILTINS:
-        return BUILTINS[name](cfg)
+    """A built-in by its name in registry.REWARDS (a factory(cfg) -> reward) or a plugin reward."""
+    if name in registry.REWARDS:
+        return plugins.load(registry.REWARDS[name], "reward", "a reward factory (cfg) -> reward")(cfg)
     if ":" in name:
         return plugins.load(name, "reward", "a function (prompt, completion, label) -> float")
     raise ConfigError(
-        f"config key 'reward' names unknown reward '{name}'{did_you_mean(name, BUILTINS)} "
-        f"(built-ins: {', '.join(BUILTINS)}; a plugin is written pkg.module:function)"
+        f"config key 'reward' names unknown reward '{name}'{did_you_mean(name, registry.REWARDS)} "
+        f"(built-ins: {', '.join(registry.REWARDS)}; a plugin is written pkg.module:function)"
     )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from unitrain import checkpoint, distributed, export, metrics, pipeline, run_dir, tasks
+from unitrain import checkpoint, distributed, export, metrics, pipeline, plugins, run_dir, tasks
 from unitrain.config import DEFAULT_CONFIG, describe_keys, load_config, root_config
 from unitrain.errors import ConfigError, RunEndedEarly, UserError
 from unitrain.run import RunContext, build_run, device_layout
@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         distributed.maybe_initialize(cfg)  # before anything counts devices
+        plugins.check_config(cfg)
         if jax.process_index() != 0:  # only after jax.distributed has started
             log.setLevel(logging.WARNING)
         return pipeline.run(cfg, train) if cfg.stages else train(cfg)

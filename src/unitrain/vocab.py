@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unitrain.errors import ConfigError, DataError
-from unitrain.rollout.trie import read_sid_index
+from unitrain.recsys.trie import read_sid_index
 
 log = logging.getLogger("unitrain")
 

@@ -24,7 +24,7 @@ import dataclasses
 
 import grain
 
-from unitrain.data import recommendation
+from unitrain import plugins
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
 from unitrain.data.sft import CountDropped, split_path
 from unitrain.data.sources import iter_rows, label_text
@@ -66,7 +66,7 @@ def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict
 
 
 def _records(cfg, split: str, path: str) -> grain.MapDataset:
-    """The split's {prompt, label} records."""
+    """The split's {prompt, label} records (the data format's, for files)."""
     if path == "builtin":
         digits = cfg.builtin_task_digits
 
@@ -81,9 +81,7 @@ def _records(cfg, split: str, path: str) -> grain.MapDataset:
             f"{key}=synthetic has no prompts or labels for rollouts; use builtin or "
             "data files with prompt_key and label_key"
         )
-    if cfg.data_format == "minionerec":
-        return grain.MapDataset.source(recommendation.prompt_records(cfg, path))
-    return grain.MapDataset.source(read_prompt_records(path, cfg.prompt_key, cfg.label_key))
+    return grain.MapDataset.source(plugins.data_format(cfg).prompt_records(cfg, path))
 
 
 def _prompt_fn(cfg, tokenizer):

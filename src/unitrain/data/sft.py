@@ -23,7 +23,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from unitrain.data import recommendation
+from unitrain import plugins
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import read_records
@@ -139,7 +139,7 @@ def split_path(cfg, split: str) -> str:
 
 
 def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
-    """The split's raw records: {prompt, completion}, {messages} or {ids} (synthetic)."""
+    """The split's raw records: {prompt, completion}, {messages} (the data format's) or {ids} (synthetic)."""
     if path == "builtin":
         digits, stream = cfg.builtin_task_digits, split
 
@@ -153,9 +153,7 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
         return grain.MapDataset.range(NUM_PROBLEMS).map(
             lambda i: {"ids": np.random.default_rng([*seed, int(i)]).integers(0, vocab, length).tolist()}
         )
-    if cfg.data_format == "minionerec":
-        return grain.MapDataset.source(recommendation.sft_records(cfg, path))
-    return grain.MapDataset.source(_file_records(cfg, tokenizer, path))
+    return grain.MapDataset.source(plugins.data_format(cfg).sft_records(cfg, tokenizer, path))
 
 
 def eval_prompt_records(cfg, tokenizer) -> list[dict]:
@@ -163,7 +161,7 @@ def eval_prompt_records(cfg, tokenizer) -> list[dict]:
     is the prompt text, or the conversation before its last assistant turn; the label is the record's
     label_key field when it has one, else its completion (the last assistant turn)."""
     out = []
-    for record in _file_records(cfg, tokenizer, split_path(cfg, "eval"), cfg.label_key):
+    for record in file_records(cfg, tokenizer, split_path(cfg, "eval"), cfg.label_key):
         if "messages" in record:
             prompt, completion = record["messages"][:-1], record["messages"][-1]["content"]
         else:
@@ -172,7 +170,8 @@ def eval_prompt_records(cfg, tokenizer) -> list[dict]:
     return out
 
 
-def _file_records(cfg, tokenizer, path: str, label_key: str | None = None) -> list[dict]:
+def file_records(cfg, tokenizer, path: str, label_key: str | None = None) -> list[dict]:
+    """The records of the files at `path` (data_format: records), chat records only with a chat tokenizer."""
     records = read_records(path, cfg.prompt_key, cfg.completion_key, cfg.messages_key, label_key)
     if not tokenizer.has_chat_template and (cfg.chat_template or any("messages" in r for r in records)):
         tokenizer.chat_segments([])  # raises the ConfigError naming tokenizer_path

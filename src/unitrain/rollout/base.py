@@ -44,9 +44,13 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            version's first generate for its later ones). The trainer calls it when it will not
            sample again before its next update_weights: after a GRPO step's rollouts are taken
            (rounds already submitted keep what they use) and after an evaluation.
-  options  `beam_search` is outside the protocol: ranked rollouts (rollout_decoding=beam,
-           sid_index_path) and the recommendation evals call it, so only a sampler that has it
-           serves them (the colocated one does).
+  ranking  A sampler that can rank is a RankingSampler: it also has `beam_search(prompt_ids,
+           beams, key)` (rollout/beam.py: the `beams.width` best sequences of each prompt, or W
+           samples, optionally constrained to a trie; -> beam.Ranked). Ranked rollouts and ranking
+           evaluators (a data format's, e.g. the recommender's HR/NDCG) call it. The sampler's
+           factory says so in its return annotation (`def from_run(run) -> ColocatedSampler`):
+           rollout.check_ranking reads it when the config loads, so a run that ranks with a
+           sampler that cannot stops with one line before anything compiles.
 """
 
 from __future__ import annotations
@@ -111,6 +115,13 @@ class Sampler(Protocol):
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
         """`sampling.max_new_tokens` tokens after each prompt. Every process passes the same prompts
         and key and gets the whole result."""
+
+
+@runtime_checkable
+class RankingSampler(Sampler, Protocol):
+    def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
+        """The `beams.width` best sequences of each prompt, best first, as a rollout.beam.Ranked
+        (beams: a rollout.beam.BeamParams). Every process passes the same prompts and key."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,11 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import lora, losses, rewards, rollout, sharding
+from unitrain import lora, losses, plugins, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.evals import TaskEvaluator
-from unitrain.rec_eval import RecEvaluator, sid_beams
 from unitrain.rollout.base import SamplingParams, release
 from unitrain.rollout.buffer import RolloutBuffer
 from unitrain.rollout.colocated import batch_parallelism, bucket_prompt_length
@@ -154,23 +153,13 @@ class GRPOTask(Task):
             run.state_shardings,
             self.batch_shardings(),
         )
+        data_format = plugins.data_format(cfg)
         self.evaluator = None
-        if cfg.evaluates:  # recommendation: HR/NDCG of ranked SIDs
-            self.evaluator = (
-                RecEvaluator(cfg, tokenizer, self.sampler)
-                if cfg.data_format == "minionerec"
-                else TaskEvaluator(cfg, tokenizer, self.sampler, self.reward_fn)
+        if cfg.evaluates:  # the data format's own evaluation (a recommender's HR/NDCG) or the generation eval
+            self.evaluator = data_format.evaluator(cfg, tokenizer, self.sampler) or TaskEvaluator(
+                cfg, tokenizer, self.sampler, self.reward_fn
             )
-        # Ranked rollouts (rollout/beam.py): beams, or samples constrained to the SIDs.
-        self.beams = None
-        if cfg.rollout_decoding == "beam" or cfg.sid_index_path:
-            self.beams = sid_beams(
-                cfg,
-                tokenizer,
-                cfg.n_samples_per_prompt,
-                sample=cfg.rollout_decoding == "sample",
-                temperature=cfg.rollout_temperature,
-            )
+        self.beams = data_format.ranked_rollout(cfg, tokenizer)  # None: sampled groups
         self.text = ""
 
     # -- what the loop and the step see
@@ -279,7 +268,7 @@ class GRPOTask(Task):
     # -- the pieces of a step
     def start_round(self, prompts, key):
         """One prompt batch's rollouts, started (rollout/buffer.py): -> the function that waits for
-        its groups, scored; ranked rollouts (beam.py) are computed here."""
+        its groups, scored; the data format's ranked rollouts (beam.py) are computed here."""
         if self.beams is not None:
             groups = collect_ranked_groups(self.sampler, prompts, self.beams, key, self.run.tokenizer, self.reward_fn)
             return lambda: self.with_overlong_penalty(groups)

@@ -3,7 +3,8 @@
 Evaluation: the loss on `eval_steps` fixed batches of the eval split and, as GRPO evaluates, answers
 generated for the first `eval_num_samples` eval prompts (evals.TaskEvaluator through the run's
 sampler), scored by the first reward in `reward` against the label (label_key's field, else the
-completion): greedy accuracy and pass@k; the first greedy answers go to TensorBoard as samples.
+completion): greedy accuracy and pass@k; the first greedy answers go to TensorBoard as samples. A
+data format may bring its own evaluator instead (data/formats.py; the recommender's HR/NDCG).
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unitrain import losses, rewards, rollout, sharding
+from unitrain import losses, plugins, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator, split_path
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator
-from unitrain.rec_eval import RecEvaluator
 from unitrain.tasks.base import RunContext, Task
 
 
@@ -45,13 +45,14 @@ class SFTTask(Task):
         self._seen_loss_tokens = False
         eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
         if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
-            if cfg.data_format == "minionerec":  # HR/NDCG of ranked SIDs
-                self.task_eval = RecEvaluator(cfg, run.tokenizer, rollout.make_sampler(run))
-            else:
-                records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
-                self.task_eval = TaskEvaluator(
-                    cfg, run.tokenizer, rollout.make_sampler(run), rewards.make_reward_fn(cfg), records
-                )
+            sampler = rollout.make_sampler(run)
+            self.task_eval = plugins.data_format(cfg).evaluator(cfg, run.tokenizer, sampler) or TaskEvaluator(
+                cfg,
+                run.tokenizer,
+                sampler,
+                rewards.make_reward_fn(cfg),
+                None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer),
+            )
 
     def loss(self, params, batch):
         model = nnx.merge(self.run.graphdef, params)

@@ -1,6 +1,7 @@
-"""MiniOneRec-style recommendation data (`data_format: minionerec`): CSV rows of a user's history of
-items, each named by its semantic ID (SID, e.g. <a_1><b_2><c_3>), and the next item's SID, as the
-prompt records the SFT and GRPO-prompt pipelines render (with or without the chat template).
+"""MiniOneRec-style recommendation data (the records of `data_format: minionerec`): CSV rows of a
+user's history of items, each named by its semantic ID (SID, e.g. <a_1><b_2><c_3>), and the next
+item's SID, as the prompt records the SFT and GRPO-prompt pipelines render (with or without the
+chat template).
 
 CSV columns: `history_item_sid` (a Python list literal of SIDs), `item_sid`, `user_id`, and with
 `rec_history_titles` also `history_item_title` (a list literal of titles, one per history SID).

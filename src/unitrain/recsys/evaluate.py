@@ -1,5 +1,5 @@
-"""Recommendation evaluation: HR@K and NDCG@K of the ranked SIDs that (constrained) beam search gives
-for the eval split's next-item examples (`data_format: minionerec`), and <run_dir>/predictions.jsonl.
+"""The evaluator of `data_format: minionerec` in every mode: HR@K and NDCG@K of the ranked SIDs that
+(constrained) beam search gives for the eval split's next-item examples, and <run_dir>/predictions.jsonl.
 
     evaluator = RecEvaluator(cfg, tokenizer, sampler)
     evaluator(params, step) -> {"eval_hr_at_10": ..., "eval_ndcg_at_10": ..., ...}
@@ -13,19 +13,17 @@ program per prompt-length bucket.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 import jax
 import numpy as np
 
-from unitrain.data import recommendation
 from unitrain.data.prompts import eval_prompts
 from unitrain.data.sft import split_path
+from unitrain.recsys.data import history_prompt, read_examples
+from unitrain.recsys.rollout import sid_beams
 from unitrain.rollout.base import release
-from unitrain.rollout.beam import BeamParams
-from unitrain.rollout.trie import sid_trie
 
 
 def hr_ndcg(ranked: list[list[str]], targets: list[str], ks) -> dict:
@@ -39,35 +37,15 @@ def hr_ndcg(ranked: list[list[str]], targets: list[str], ks) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _trie(index_path: str, tokenizer):
-    return sid_trie(index_path, tokenizer)[0]
-
-
-def sid_beams(cfg, tokenizer, width: int, sample: bool = False, temperature: float = 1.0) -> BeamParams:
-    """Beam (or sampling) settings over the run's SIDs: constrained to sid_index_path when set (then
-    as long as a SID plus EOS), else `rollout_max_response_len` tokens, stopping at EOS."""
-    trie = _trie(cfg.sid_index_path, tokenizer) if cfg.sid_index_path else None
-    return BeamParams(
-        width,
-        trie.depth if trie else cfg.rollout_max_response_len,
-        trie,
-        cfg.beam_length_penalty,
-        sample,
-        temperature,
-        (tokenizer.eos_id,),
-    )
-
-
 class RecEvaluator:
     """The evaluator of the rec modes; `samples` is then the markdown of the first predictions."""
 
     def __init__(self, cfg, tokenizer, sampler):
         self.cfg, self.tokenizer, self.sampler = cfg, tokenizer, sampler
-        examples = recommendation.read_examples(split_path(cfg, "eval"), cfg.rec_history_titles)
+        examples = read_examples(split_path(cfg, "eval"), cfg.rec_history_titles)
         # The label is the example's index: a prompt longer than max_prompt_length is dropped, and
         # the index still finds its user and target.
-        records = [{"prompt": recommendation.history_prompt(e), "label": str(i)} for i, e in enumerate(examples)]
+        records = [{"prompt": history_prompt(e), "label": str(i)} for i, e in enumerate(examples)]
         self.prompts = eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
         self.examples = [examples[int(p.label)] for p in self.prompts]
         self.beams = sid_beams(cfg, tokenizer, cfg.beam_width)

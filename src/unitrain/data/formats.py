@@ -1,0 +1,64 @@
+"""What `data_format` names (registry.DATA_FORMATS, or a plugin `pkg.module:Class`): how a data set's
+files become records, and what else the format brings the modes. DataFormat is the built-in
+`records` format (prompt/completion or messages records for SFT, prompt/label records for GRPO, in
+any file form of data/sources.py) and the base of every other: a format (recsys/format.py, or a
+third party's) subclasses it and overrides what it does differently.
+
+    fmt = plugins.data_format(cfg)
+    fmt.sft_records(cfg, tokenizer, path)    # SFT's records of the files at `path`
+    fmt.prompt_records(cfg, path)            # GRPO's {prompt, label} records
+    fmt.evaluator(cfg, tokenizer, sampler)   # an evaluator in place of the mode's generation eval, or None
+    fmt.ranked_rollout(cfg, tokenizer)       # GRPO's ranked rollouts (rollout/beam.py BeamParams), or None
+    fmt.check(cfg)                           # what is wrong with the config for this format, or None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from unitrain import rollout
+from unitrain.data.prompts import read_prompt_records
+from unitrain.data.sft import file_records
+from unitrain.rollout.beam import BeamParams
+
+
+class DataFormat:
+    """data_format: records."""
+
+    checks: tuple[Callable[[Mapping], str | None], ...] = ()  # cross-key checks: None or what is wrong
+
+    def sft_records(self, cfg, tokenizer, path: str) -> list[dict]:
+        return file_records(cfg, tokenizer, path)
+
+    def prompt_records(self, cfg, path: str) -> list[dict]:
+        return read_prompt_records(path, cfg.prompt_key, cfg.label_key)
+
+    def evaluator(self, cfg, tokenizer, sampler):
+        """An evaluator `(params, step) -> metrics` with its `samples` markdown, in place of the mode's
+        generation eval (evals.TaskEvaluator); None = the mode's."""
+        return None
+
+    def ranked_rollout(self, cfg, tokenizer) -> BeamParams | None:
+        """GRPO's rollouts as ranked groups: the n_samples_per_prompt beams of rollout_decoding=beam,
+        best first; None = sampled groups."""
+        if cfg.rollout_decoding != "beam":
+            return None
+        return BeamParams(
+            cfg.n_samples_per_prompt,
+            cfg.rollout_max_response_len,
+            length_penalty=cfg.beam_length_penalty,
+            temperature=cfg.rollout_temperature,
+            stop_token_ids=(tokenizer.eos_id,),
+        )
+
+    def ranking(self, cfg) -> str | None:
+        """What of the config ranks with beam search, so that the sampler must be able to; None = nothing."""
+        return "rollout_decoding=beam" if cfg["mode"] == "grpo" and cfg["rollout_decoding"] == "beam" else None
+
+    def check(self, cfg) -> str | None:
+        """The first of the format's checks that fails, then whether the sampler can rank where the config ranks."""
+        for check in self.checks:
+            if problem := check(cfg):
+                return problem
+        what = self.ranking(cfg)
+        return None if what is None else rollout.check_ranking(cfg, what)
