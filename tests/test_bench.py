@@ -187,7 +187,7 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     sampler = rollout.make_sampler(run)
     prompts, sampling = [[1] * 9] * 5, bench.rollout_sampling(cfg, 6)
     sampler.update_weights(bench.abstract_run(cfg)[1]["params"], 0)
-    sampler.program(prompts, sampling, jax.random.key(0))
+    sampler.generate_program(sampler.generate_call(prompts, sampling, jax.random.key(0)))
     assert len(run.programs) == 2  # generate and the decode weights
     sampler.update_weights(state["params"], 0)
     assert sampler.generate(prompts, sampling, jax.random.key(1)).tokens.shape == (5, 6)

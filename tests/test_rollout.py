@@ -12,7 +12,7 @@ from flax import nnx
 
 from unitrain import sharding
 from unitrain.models import decoder as model_lib
-from unitrain.rollout import colocated
+from unitrain.rollout import buckets, colocated, programs
 from unitrain.rollout.base import SamplingParams
 
 CFG = model_lib.ModelConfig(
@@ -163,8 +163,8 @@ def test_prompts_in_one_bucket_compile_once(caplog):
     compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled generate")]
     assert len(compiles) == 1 and compiles[0].startswith("compiled generate (batch=4 prompt=16 new=7 cache phases=1)")
     assert a.tokens.shape == (3, 7) and b.tokens.shape == (4, 7)
-    assert colocated.bucket_prompt_length(17) == 32 and colocated.bucket_batch_size(3, 8) == 8
-    assert colocated.bucket_batch_size(9, 8) == 16 and colocated.bucket_batch_size(3, 6) == 6
+    assert buckets.bucket_prompt_length(17) == 32 and buckets.bucket_batch_size(3, 8) == 8
+    assert buckets.bucket_batch_size(9, 8) == 16 and buckets.bucket_batch_size(3, 6) == 6
 
 
 @pytest.mark.parametrize("phases, new_tokens, compiled", [(4, 7, 4), (3, 2, 2)])
@@ -202,7 +202,7 @@ def naive_sample(model, prompts, n, temperature, key):
     """The sampler's draws recomputed the slow way, as the sampler did before its KV-cache work: at
     step i each row's next-token logits come from the full forward (no cache) of its prompt and
     tokens so far, and the bucket of rows draws one categorical with fold_in(key, i)."""
-    B = colocated.bucket_batch_size(len(prompts))
+    B = buckets.bucket_batch_size(len(prompts))
     seqs = [list(p) for p in prompts]
     tokens, logprobs = np.zeros((len(prompts), n), np.int32), np.zeros((len(prompts), n), np.float32)
     for i in range(n):
@@ -238,7 +238,8 @@ def test_a_repeated_prompt_is_prefilled_once_and_its_rows_sample_apart(caplog):
     with caplog.at_level(logging.INFO, logger="unitrain"):
         out = sampler.generate(REPEATED, sampling, key)
     assert "generate (batch=8 prefill rows=4 prompt=16 new=8" in caplog.text
-    assert sampler.program(REPEATED, sampling, key)[1][2].shape == (4, 16)  # the prefill block: 3 prompts + 1 pad
+    block = sampler.generate_call(REPEATED, sampling, key).inputs.block
+    assert block.tokens.shape == (4, 16)  # the prefill block: 3 prompts + 1 pad
     tokens, logprobs = naive_sample(model, REPEATED, 8, 1.0, key)
     np.testing.assert_array_equal(out.tokens, tokens)
     np.testing.assert_allclose(out.logprobs, logprobs, atol=1e-4)
@@ -283,23 +284,29 @@ def test_prefill_runs_the_output_head_on_the_last_column_only():
     B, P, N, V = 4, 16, 8, 96  # V unlike any other dimension of CFG
     model = model_lib.create(dataclasses.replace(CFG, vocab_size=V), 0)
     graphdef, params = nnx.split(model)
-    block = colocated._left_padded(PROMPTS, B, P, pad_id=0)
-    program = colocated._build(
-        graphdef, B, P, N, 0, greedy=False, top_k=0, use_top_p=False, cache_rules=None, cache_phases=1
+    key = colocated.GenerateKey(
+        graphdef,
+        cache_rules=None,
+        pad_id=0,
+        rows=B,
+        prefill_rows=B,
+        prompt_columns=P,
+        new_tokens=N,
+        cache_phases=1,
+        greedy=False,
+        top_k=0,
+        use_top_p=False,
     )
-    text = program.lower(
-        nnx.to_pure_dict(params),
-        model.decode_weights(),
-        block["tokens"],
-        block["positions"],
-        block["segments"],
-        block["prompt_lens"],
-        None,
-        np.zeros((0,), np.int32),
-        np.float32(1.0),
-        np.float32(1.0),
-        jax.random.key(0),
-    ).as_text()
+    inputs = colocated.GenerateInputs(
+        params=nnx.to_pure_dict(params),
+        decode=model.decode_weights(),
+        block=programs.left_padded(PROMPTS, B, P, pad_id=0),
+        stop_ids=np.zeros((0,), np.int32),
+        temperature=np.float32(1.0),
+        top_p=np.float32(1.0),
+        rng=jax.random.key(0),
+    )
+    text = colocated._build(key).lower(inputs).as_text()
     assert f"tensor<{B}x1x{V}xf32>" in text and f"tensor<{B}x{P}x{V}x" not in text
 
 
@@ -314,12 +321,12 @@ def test_few_rows_decode_with_xlas_own_dots_and_draw_the_same_tokens(monkeypatch
     """At most FEW_ROWS rows a device: the generate program's dots are XLA's own (its compile logs
     the option), and the draws are those of XLA's default program."""
     sampling, key = SamplingParams(max_new_tokens=8, temperature=1.0), jax.random.key(5)
-    runs, bound = {}, colocated.FEW_ROWS
+    runs, bound = {}, programs.FEW_ROWS
     for few_rows in (bound, 0):
-        monkeypatch.setattr(colocated, "FEW_ROWS", few_rows)
+        monkeypatch.setattr(programs, "FEW_ROWS", few_rows)
         sampler = colocated.ColocatedSampler(tiny_model(), cache_phases=2)
         with caplog.at_level(logging.INFO, logger="unitrain"):
-            program, _ = sampler.program(PROMPTS, sampling, key)
+            program = sampler.generate_program(sampler.generate_call(PROMPTS, sampling, key))
         runs[few_rows] = library_dots(program), sampler.generate(PROMPTS, sampling, key)
     assert "compiled generate (batch=4 prompt=16 new=8 cache phases=2)" in caplog.text
     assert "XLA options {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_REDUCE'}" in caplog.text
@@ -327,4 +334,4 @@ def test_few_rows_decode_with_xlas_own_dots_and_draw_the_same_tokens(monkeypatch
     assert own == 0 and library > 0
     np.testing.assert_array_equal(few.tokens, default.tokens)
     np.testing.assert_allclose(few.logprobs, default.logprobs, atol=1e-5)
-    assert colocated.compiler_options(1) is None  # FEW_ROWS is 0 now
+    assert programs.compiler_options(1) is None  # FEW_ROWS is 0 now

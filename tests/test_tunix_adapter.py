@@ -18,7 +18,8 @@ from unitrain import sharding
 from unitrain.adapters import tunix
 from unitrain.errors import ConfigError
 from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.colocated import ColocatedSampler, sharded_cache
+from unitrain.rollout.colocated import ColocatedSampler
+from unitrain.rollout.programs import sharded_cache
 
 # Tunix 0.1.7 uses APIs that jax 0.10 and flax 0.12 deprecate (Variable.value, pxla.thread_resources, ...).
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import statistics
@@ -92,7 +91,10 @@ from unitrain.errors import ConfigError, UserError
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.rollout import mesh as rollout_mesh
 from unitrain.rollout.base import SamplingParams
+from unitrain.rollout.buckets import bucket_prompt_length
+from unitrain.rollout.colocated import phase_ends
 from unitrain.run import RunContext, build_run, device_layout
+from unitrain.tasks.grpo import GRPOTask
 
 
 def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
@@ -198,7 +200,7 @@ def update_batch(cfg, rows: int, shardings: dict) -> dict:
     def width(key):
         if cfg.mode != "grpo":
             return cfg.max_target_length
-        prompt = rollout.colocated.bucket_prompt_length(cfg.max_prompt_length) if key.startswith("inputs") else 0
+        prompt = bucket_prompt_length(cfg.max_prompt_length) if key.startswith("inputs") else 0
         return prompt + cfg.rollout_max_response_len
 
     def spec(key, where):
@@ -309,9 +311,10 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
     sampler.update_weights(state["params"], 0)
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
     start = time.perf_counter()
-    compiled, _ = sampler.program(prompts, rollout_sampling(cfg, new_tokens), jax.random.key(0))
+    call = sampler.generate_call(prompts, rollout_sampling(cfg, new_tokens), jax.random.key(0))
+    compiled = sampler.generate_program(call)
     compile_seconds = time.perf_counter() - start
-    rows, columns = sampler.block_shape(batch, prompt_len)
+    rows, columns = call.key.rows, call.key.prompt_columns
     params, decode = bytes_per_device(state["params"]), bytes_per_device(sampler.decode_weights())
     memory = memory_per_device(compiled)
     # The program's arguments are the weights it reads (often the decode weights and the embedding
@@ -505,7 +508,7 @@ def decode_bytes_per_step(
     step reads a row per sequence) and the KV cache its phase attends over (rollout/colocated.py):
     `rows` x (`prompt_columns` + the phase's last token count) positions."""
     weights = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
-    ends = rollout.colocated.phase_ends(new_tokens, phases)
+    ends = phase_ends(new_tokens, phases)
     spans = [(end, end - max(start, 1)) for start, end in zip([0, *ends], ends)]  # the loop runs tokens 1..N-1
     cache = sum(steps * cache_bytes(model, rows, prompt_columns + end) for end, steps in spans)
     return weights + cache / max(1, new_tokens - 1)
@@ -543,16 +546,9 @@ def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int
         max_prompt_length=max(cfg.max_prompt_length, prompt_len),
     )
     run, state = build_run(cfg)
-    task = tasks.create(run)
-    task.sampling = dataclasses.replace(task.sampling, stop_token_ids=())
-    task.rollouts.prompts = _SamePrompts(
-        {
-            "num_dropped": 0,
-            "prompts": [
-                Prompt(tuple(ids), "", "")
-                for ids in random_prompts(prompts, prompt_len, run.model.vocab_size, cfg.seed)
-            ],
-        }
+    batch = [Prompt(tuple(ids), "", "") for ids in random_prompts(prompts, prompt_len, run.model.vocab_size, cfg.seed)]
+    task = GRPOTask(
+        run, prompts=_SamePrompts({"num_dropped": 0, "prompts": batch}), sampling=rollout_sampling(cfg, new_tokens)
     )
     times, parts = [], []
     for step in range(warmup + steps):

@@ -25,15 +25,16 @@ logprob of the sequence. The returned order is by score / length**length_penalty
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from unitrain import sharding
 from unitrain.rollout.base import Completions
-from unitrain.rollout.colocated import compiler_options, constrain_cache, sharded_cache
+from unitrain.rollout.programs import PromptBlock, compiler_options, constrain_cache, sharded_cache
 from unitrain.rollout.trie import Trie
 from unitrain.step import full_rows_to_global, to_host
 
@@ -111,95 +112,166 @@ def _beam_select(cand, score, done, B: int, W: int, pad_id: int):
     return parent, pick(ids), pick(vals), new_score.reshape(-1)
 
 
-def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, constrained: bool, cache_rules):
-    R = B * W
+@dataclasses.dataclass(frozen=True)
+class BeamKey:
+    """What one beam (or sample) search program is compiled for (its key in the compile cache,
+    beside the inputs' shapes): the model, the block's shape, the width and the static choices."""
 
-    def run(
-        params,
-        decode,
-        tokens,
-        positions,
-        segments,
-        prompt_lens,
-        trie_tokens,
-        trie_children,
-        stop_ids,
-        temperature,
-        length_penalty,
-        rng,
-    ):
-        model = nnx.merge(graphdef, params).for_decoding(decode)  # prefill and steps on the decode weights
-        axes = model.cache_axes()
-        hidden, cache = model.hidden_states(tokens, positions, segments, sharded_cache(model, B, P + N, cache_rules))
-        # Left padding: the last column holds every prompt's last token, the only one decoded from.
-        logits = model.logits(hidden[:, -1:])[:, 0]
-        # The prompt is prefilled once; its beams share copies of its cache rows.
-        constrain = lambda c: constrain_cache(model, c, cache_rules)
-        cache = constrain(_rows(cache, axes, lambda x, a: jnp.repeat(x, W, axis=a)))
-        lens = jnp.repeat(prompt_lens, W)
-        real = lens > 0  # batch-padding rows never emit
-        first = (jnp.arange(R) % W == 0) | sample  # beam mode: W copies of one prefix, only one is a beam yet
-        score = jnp.where(real & first, 0.0, -jnp.inf)
-        V = logits.shape[-1]
+    graphdef: Any
+    cache_rules: Any  # the sampler's sharding rules under a mesh; None: no mesh
+    pad_id: int
+    rows: int  # B: the prompts, bucketed
+    prompt_columns: int  # P
+    new_tokens: int  # N
+    width: int  # W
+    sample: bool
+    constrained: bool  # to a trie
 
-        def select(logits, i, node, score, done):
-            lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-            cand = jnp.where(_allowed(trie_tokens, node, V), lp, -jnp.inf) if constrained else lp
-            if sample:
-                token = jax.random.categorical(jax.random.fold_in(rng, i), cand, axis=-1).astype(jnp.int32)
-                token = jnp.where(done, pad_id, token)
-                token_lp = jnp.where(done, 0.0, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0])
-                return jnp.arange(R), token, token_lp, score + token_lp
-            return _beam_select(cand, score, done, B, W, pad_id)
-
-        def advance(carry, logits, i):
-            cache, node, score, done, out_tokens, out_lps, lengths, _, _ = carry
-            parent, token, token_lp, score = select(logits, i, node, score, done)
-            if not sample:  # beams move to their parent's row, cache included; samples never move
-                take = lambda a: jnp.take(a, parent, axis=0)
-                cache = constrain(_rows(cache, axes, lambda x, a: jnp.take(x, parent, axis=a)))
-                node, done, out_tokens, out_lps, lengths = map(take, (node, done, out_tokens, out_lps, lengths))
-            emitted = ~done & jnp.isfinite(score)  # a -inf pick (fewer valid extensions than W) is no sequence
-            token = jnp.where(emitted, token, pad_id)
-            if constrained:
-                j = jnp.argmax(trie_tokens[node] == token[:, None], axis=-1)
-                node = jnp.where(emitted, trie_children[node, j], node)
-            col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None].astype(a.dtype), i, axis=1)
-            out_tokens, out_lps = col(out_tokens, token), col(out_lps, jnp.where(emitted, token_lp, 0.0))
-            leaf = trie_tokens[node, 0] < 0 if constrained else False
-            done = done | jnp.any(token[:, None] == stop_ids[None, :], axis=-1) | leaf | ~jnp.isfinite(score)
-            return cache, node, score, done, out_tokens, out_lps, lengths + emitted, token, emitted
-
-        zeros = jnp.zeros((R,), jnp.int32)
-        carry = (
-            cache,
-            zeros,
-            score,
-            ~jnp.isfinite(score),
-            jnp.full((R, N), pad_id, jnp.int32),
-            jnp.zeros((R, N), jnp.float32),
-            zeros,
-            zeros,
-            jnp.zeros((R,), bool),
+    def name(self) -> str:
+        """The program's name in the compile log."""
+        kind = "sample" if self.sample else "beam"
+        return (
+            f"{kind} search (batch={self.rows} prompt={self.prompt_columns} new={self.new_tokens} width={self.width})"
         )
-        carry = advance(carry, jnp.repeat(logits, W, axis=0), 0)
 
-        def body(loop):
-            i, carry = loop
-            cache, last, emitted = carry[0], carry[7], carry[8]
-            logits, cache = model(last[:, None], (lens + i - 1)[:, None], emitted[:, None].astype(jnp.int32), cache)
-            return i + 1, advance((cache, *carry[1:]), logits[:, 0], i)
 
-        cond = lambda loop: (loop[0] < N) & ~jnp.all(loop[1][3])
-        _, carry = jax.lax.while_loop(cond, body, (jnp.int32(1), carry))
-        _, _, score, _, out_tokens, out_lps, lengths, _, _ = carry
+@struct.dataclass
+class BeamInputs:
+    """The search program's runtime inputs: other values of these (another trie of the same padded
+    size included) do not recompile it."""
+
+    params: Any  # the model's pure dict of parameters
+    decode: Any  # the model's decode_weights of them
+    block: PromptBlock  # one row per prompt
+    trie_tokens: Any  # Trie.tokens (a one-node stand-in when unconstrained)
+    trie_children: Any  # Trie.children
+    stop_ids: Any  # [S] int32
+    temperature: Any  # float32 scalar
+    length_penalty: Any  # float32 scalar
+    rng: Any  # the call's key (sample mode)
+
+
+@struct.dataclass
+class BeamState:
+    """The search loop's state: B*W rows, beam w of prompt b at row b*W + w."""
+
+    i: jax.Array  # the index of the token the next step picks
+    cache: Any
+    node: jax.Array  # [R] int32: each row's trie node
+    score: jax.Array  # [R] float32: total logprob; -inf: no sequence
+    done: jax.Array  # [R] bool: finished (stop token, trie leaf, or no sequence)
+    tokens: jax.Array  # [R, N] int32, pad_id where nothing was emitted
+    logprobs: jax.Array  # [R, N] float32, 0 where nothing was emitted
+    lengths: jax.Array  # [R] int32
+    last: jax.Array  # [R] int32: the token the next step reads
+    emitted: jax.Array  # [R] bool: whether the last step emitted `last`
+
+
+def _pick(key: BeamKey, inputs: BeamInputs, logits, state: BeamState):
+    """Each row's (parent row, token, token logprob, new score) at step state.i."""
+    R = key.rows * key.width
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32) / inputs.temperature, axis=-1)
+    cand = lp
+    if key.constrained:
+        cand = jnp.where(_allowed(inputs.trie_tokens, state.node, logits.shape[-1]), lp, -jnp.inf)
+    if not key.sample:
+        return _beam_select(cand, state.score, state.done, key.rows, key.width, key.pad_id)
+    token = jax.random.categorical(jax.random.fold_in(inputs.rng, state.i), cand, axis=-1).astype(jnp.int32)
+    token = jnp.where(state.done, key.pad_id, token)
+    token_lp = jnp.where(state.done, 0.0, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0])
+    return jnp.arange(R), token, token_lp, state.score + token_lp
+
+
+def _advance(model, key: BeamKey, inputs: BeamInputs, state: BeamState, logits) -> BeamState:
+    """Every row extended by the token of step state.i picked from `logits` (beam mode: the rows
+    first move to their parents', cache included)."""
+    i, trie_tokens = state.i, inputs.trie_tokens
+    parent, token, token_lp, score = _pick(key, inputs, logits, state)
+    if not key.sample:  # beams move to their parent's row, cache included; samples never move
+        take = lambda a: jnp.take(a, parent, axis=0)
+        cache = _rows(state.cache, model.cache_axes(), lambda x, a: jnp.take(x, parent, axis=a))
+        state = state.replace(
+            cache=constrain_cache(model, cache, key.cache_rules),
+            **{f: take(getattr(state, f)) for f in ("node", "done", "tokens", "logprobs", "lengths")},
+        )
+    emitted = ~state.done & jnp.isfinite(score)  # a -inf pick (fewer valid extensions than W) is no sequence
+    token = jnp.where(emitted, token, key.pad_id)
+    node = state.node
+    if key.constrained:
+        j = jnp.argmax(trie_tokens[node] == token[:, None], axis=-1)
+        node = jnp.where(emitted, inputs.trie_children[node, j], node)
+    col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None].astype(a.dtype), i, axis=1)
+    leaf = trie_tokens[node, 0] < 0 if key.constrained else False
+    stop = jnp.any(token[:, None] == inputs.stop_ids[None, :], axis=-1)
+    return state.replace(
+        i=i + 1,
+        node=node,
+        score=score,
+        done=state.done | stop | leaf | ~jnp.isfinite(score),
+        tokens=col(state.tokens, token),
+        logprobs=col(state.logprobs, jnp.where(emitted, token_lp, 0.0)),
+        lengths=state.lengths + emitted,
+        last=token,
+        emitted=emitted,
+    )
+
+
+def _prefilled(model, key: BeamKey, inputs: BeamInputs) -> tuple[BeamState, jax.Array]:
+    """The prompts prefilled once, their cache rows repeated into W beams each: (the state before
+    the first token, the last prompt column's logits per row)."""
+    block, B, W, N = inputs.block, key.rows, key.width, key.new_tokens
+    R = B * W
+    cache = sharded_cache(model, B, key.prompt_columns + N, key.cache_rules)
+    hidden, cache = model.hidden_states(block.tokens, block.positions, block.segments, cache)
+    # Left padding: the last column holds every prompt's last token, the only one decoded from.
+    logits = model.logits(hidden[:, -1:])[:, 0]
+    # The prompt is prefilled once; its beams share copies of its cache rows.
+    cache = _rows(cache, model.cache_axes(), lambda x, a: jnp.repeat(x, W, axis=a))
+    real = jnp.repeat(block.prompt_lens, W) > 0  # batch-padding rows never emit
+    first = (jnp.arange(R) % W == 0) | key.sample  # beam mode: W copies of one prefix, only one is a beam yet
+    score = jnp.where(real & first, 0.0, -jnp.inf)
+    zeros = jnp.zeros((R,), jnp.int32)
+    state = BeamState(
+        i=jnp.int32(0),
+        cache=constrain_cache(model, cache, key.cache_rules),
+        node=zeros,
+        score=score,
+        done=~jnp.isfinite(score),
+        tokens=jnp.full((R, N), key.pad_id, jnp.int32),
+        logprobs=jnp.zeros((R, N), jnp.float32),
+        lengths=zeros,
+        last=zeros,
+        emitted=jnp.zeros((R,), bool),
+    )
+    return state, jnp.repeat(logits, W, axis=0)
+
+
+def _build(key: BeamKey):
+    """The jitted search program of `key`: BeamInputs -> {tokens, logprobs, lengths, scores}, [B, W, ...]."""
+    B, W = key.rows, key.width
+
+    def run(inputs: BeamInputs) -> dict:
+        # Prefill and steps alike run on the decode weights.
+        model = nnx.merge(key.graphdef, inputs.params).for_decoding(inputs.decode)
+        lens = jnp.repeat(inputs.block.prompt_lens, W)
+        state, logits = _prefilled(model, key, inputs)
+        state = _advance(model, key, inputs, state, logits)
+
+        def step(state: BeamState) -> BeamState:
+            positions, segments = (lens + state.i - 1)[:, None], state.emitted[:, None].astype(jnp.int32)
+            logits, cache = model(state.last[:, None], positions, segments, state.cache)
+            return _advance(model, key, inputs, state.replace(cache=cache), logits[:, 0])
+
+        running = lambda s: (s.i < key.new_tokens) & ~jnp.all(s.done)
+        state = jax.lax.while_loop(running, step, state)
         # Best first by the length-normalised score; no-sequence rows (-inf) last.
-        rank = jnp.where(jnp.isfinite(score), score / jnp.maximum(lengths, 1) ** length_penalty, -jnp.inf)
+        score, lengths = state.score, state.lengths
+        rank = jnp.where(jnp.isfinite(score), score / jnp.maximum(lengths, 1) ** inputs.length_penalty, -jnp.inf)
         order = (jnp.argsort(-rank.reshape(B, W), axis=1, stable=True) + jnp.arange(B)[:, None] * W).reshape(-1)
         shape = lambda a: jnp.take(a, order, axis=0).reshape(B, W, *a.shape[1:])
         return {
-            "tokens": shape(out_tokens),
-            "logprobs": shape(out_lps),
+            "tokens": shape(state.tokens),
+            "logprobs": shape(state.logprobs),
             "lengths": shape(lengths),
             "scores": shape(score),
         }
@@ -207,49 +279,48 @@ def _build(graphdef, B: int, P: int, N: int, W: int, pad_id: int, sample: bool, 
     return jax.jit(run)
 
 
-def search(sampler, block: dict, n_real: int, beams: BeamParams, key) -> Ranked:
+def search(sampler, block: PromptBlock, n_real: int, beams: BeamParams, key) -> Ranked:
     """Runs the program for a left-padded prompt block (the sampler's own layout and buckets) and
     returns the first n_real prompts' ranked sequences. Compiled through the sampler's CompileCache."""
-    B, P = block["tokens"].shape
-    N, W = beams.max_new_tokens, beams.width
-    trie = beams.trie or _NO_TRIE
-    stop = np.asarray(beams.stop_token_ids, np.int32).reshape(-1)
-    runtime = {"trie_tokens": trie.tokens, "trie_children": trie.children, "stop": stop}
-    if sampler.mesh is not None:
-        rows2d = sharding.batch_sharding(sampler.mesh, sampler.rules)
-        block = full_rows_to_global(
-            block,
-            {
-                "tokens": rows2d,
-                "positions": rows2d,
-                "segments": rows2d,
-                "prompt_lens": sharding.batch_sharding(sampler.mesh, sampler.rules, ("batch",)),
-            },
-        )
-        runtime = full_rows_to_global(runtime, sharding.replicated(sampler.mesh))
-    static = (sampler.graphdef, B, P, N, W, sampler.pad_id, beams.sample, beams.trie is not None, sampler.rules)
-    args = (
-        sampler.params,
-        sampler.decode_weights(),
-        block["tokens"],
-        block["positions"],
-        block["segments"],
-        block["prompt_lens"],
-        runtime["trie_tokens"],
-        runtime["trie_children"],
-        runtime["stop"],
-        np.float32(beams.temperature),
-        np.float32(beams.length_penalty),
-        key,
+    B, P = block.tokens.shape
+    program_key = BeamKey(
+        graphdef=sampler.graphdef,
+        cache_rules=sampler.rules,
+        pad_id=sampler.pad_id,
+        rows=B,
+        prompt_columns=P,
+        new_tokens=beams.max_new_tokens,
+        width=beams.width,
+        sample=beams.sample,
+        constrained=beams.trie is not None,
     )
-    kind = "sample" if beams.sample else "beam"
+    trie = beams.trie or _NO_TRIE
+    inputs = BeamInputs(
+        params=sampler.params,
+        decode=sampler.decode_weights(),
+        block=block,
+        trie_tokens=trie.tokens,
+        trie_children=trie.children,
+        stop_ids=np.asarray(beams.stop_token_ids, np.int32).reshape(-1),
+        temperature=np.float32(beams.temperature),
+        length_penalty=np.float32(beams.length_penalty),
+        rng=key,
+    )
+    if sampler.mesh is not None:
+        runtime = {
+            "trie_tokens": inputs.trie_tokens,
+            "trie_children": inputs.trie_children,
+            "stop_ids": inputs.stop_ids,
+        }
+        runtime = full_rows_to_global(runtime, sharding.replicated(sampler.mesh))
+        inputs = inputs.replace(block=block.on_mesh(sampler.mesh, sampler.rules), **runtime)
     out = sampler.programs(
-        f"{kind} search (batch={B} prompt={P} new={N} width={W})",
+        program_key.name(),
         None,
-        *args,
-        static=static,
-        build=lambda: _build(*static),
-        options=compiler_options(B * W // sampler.parallelism),
+        inputs,
+        static=program_key,
+        build=lambda: _build(program_key),
+        options=compiler_options(B * program_key.width // sampler.parallelism),
     )
     out = {k: to_host(v)[:n_real] for k, v in out.items()}
     return Ranked(out["tokens"], out["logprobs"], out["lengths"], out["scores"], sampler.version)

@@ -7,7 +7,8 @@ of a left-padded prompt block, then decode in `lax.while_loop`s.
     out.tokens, out.mask, out.logprobs, out.lengths, out.version   # numpy, one row per prompt
 
 Everything from prefill to the last token runs inside one jitted function (no Python loop over
-tokens, no host sync). Shapes are bucketed so that a run compiles a bounded number of times:
+tokens, no host sync). Shapes are bucketed (rollout/buckets.py) so that a run compiles a bounded
+number of times:
 
   - prompt block P: the longest prompt rounded up to a power of two, at least `MIN_PROMPT_BUCKET`;
   - batch B: the number of prompts rounded up to a power of two, then (under a mesh) up to a
@@ -18,8 +19,9 @@ A prompt given several times (GRPO's n samples of a prompt) is prefilled once: t
 on the distinct prompts, its rows bucketed like B, and each of the B rows then decodes from a copy
 of its prompt's cache row and first-token logits (every row still draws its own noise).
 
-Programs are compiled through the run's CompileCache, keyed by the graph, B, P, N, the static
-sampling choices and the parameter shapes and shardings; every compile is logged. Temperature,
+Programs are compiled through the run's CompileCache, keyed by a GenerateKey (the graph, B, the
+prefill rows, P, N, the cache phases, the static sampling choices) and the shapes and shardings of
+the GenerateInputs (parameters, prompt block, ...); every compile is logged. Temperature,
 top-p and the stop ids are runtime values: changing them does not recompile (only greedy vs
 sampling, top-k, top-p on/off and the number of stop ids are static). The model is used only
 through the model interface (call, hidden_states with a cache, logits, decode_weights,
@@ -40,60 +42,27 @@ loop body, so compile time grows with their number.
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from unitrain import sharding
+from unitrain.rollout import beam
 from unitrain.rollout.base import Completions, SamplingParams
+from unitrain.rollout.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length
+from unitrain.rollout.programs import (
+    PromptBlock,
+    compiler_options,
+    constrain_cache,
+    left_padded,
+    sharded_cache,
+)
 from unitrain.step import CompileCache, full_rows_to_global, in_mesh, to_host
-
-log = logging.getLogger("unitrain")
-
-MIN_PROMPT_BUCKET = 16
-
-
-def bucket_prompt_length(n: int) -> int:
-    """Smallest power of two >= n, at least MIN_PROMPT_BUCKET."""
-    return max(MIN_PROMPT_BUCKET, _next_pow2(n))
-
-
-def bucket_batch_size(n: int, multiple: int = 1) -> int:
-    """Smallest power of two >= n, then rounded up to a multiple of `multiple` (data-parallel size)."""
-    b = _next_pow2(n)
-    return -(-b // multiple) * multiple
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def batch_parallelism(mesh, rules) -> int:
-    """How many devices the logical `batch` axis is split over under these rules."""
-    axes = sharding.logical_to_spec(("batch",), rules)[0]
-    if axes is None:
-        return 1
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    return int(np.prod([mesh.shape[a] for a in axes]))
-
-
-FEW_ROWS = 32
-
-
-def compiler_options(rows_per_device: int) -> dict | None:
-    """XLA options of a sampler program whose decode steps run `rows_per_device` rows (None: XLA's
-    defaults). On CPU with at most FEW_ROWS rows, the dots go to XLA's own emitter instead of
-    YNNPACK's library fusions (reductions stay with YNNPACK): the generate call's time on the Tunix
-    benchmark's checkpoint, 64 prompt tokens + 128, 2-core CPU, by rows: 8 1.28x, 16 1.19-1.22x,
-    32 1.10x faster; 64 1.00x; 128 0.87x, the reason for the bound. Same tokens in every case."""
-    if sharding.target_platform() != "cpu" or rows_per_device > FEW_ROWS:
-        return None
-    return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
-
 
 # ---------------------------------------------------------------------------------------------
 # Sampling from one step's logits
@@ -167,22 +136,6 @@ def _logprob(logits, token):
 # The jitted program
 
 
-def sharded_cache(model, batch: int, length: int, rules):
-    """The model's empty KV cache, constrained to the shardings its logical axes get under `rules`
-    (None: unconstrained). Call inside a jitted function."""
-    return constrain_cache(model, model.init_cache(batch, length), rules)
-
-
-def constrain_cache(model, cache, rules):
-    """`cache` constrained to the shardings its logical axes get under `rules` (None: as it is)."""
-    if rules is None:
-        return cache
-    specs = jax.tree.map(
-        lambda axes: sharding.logical_to_spec(axes, rules), model.cache_axes(), is_leaf=lambda x: isinstance(x, tuple)
-    )
-    return jax.lax.with_sharding_constraint(cache, specs)
-
-
 def cache_rows(model, cache, rows, rules):
     """The cache rows `rows` [B] (indices along the `batch` axis), constrained as `constrain_cache`."""
     take = lambda x, axes: jnp.take(x, rows, axis=axes.index("batch"))
@@ -202,78 +155,145 @@ def phase_ends(new_tokens: int, phases: int) -> list[int]:
     return sorted({-(-new_tokens * (j + 1) // phases) for j in range(phases)})
 
 
-def _build(
-    graphdef,
-    B: int,
-    P: int,
-    N: int,
-    pad_id: int,
-    greedy: bool,
-    top_k: int,
-    use_top_p: bool,
-    cache_rules,
-    cache_phases: int,
-):
-    ends = phase_ends(N, cache_phases)
+@dataclasses.dataclass(frozen=True)
+class GenerateKey:
+    """What one generate program is compiled for (its key in the compile cache, beside the inputs'
+    shapes): the model, the block's shape and the static sampling choices."""
 
-    def run(params, decode, tokens, positions, segments, prompt_lens, source, stop_ids, temperature, top_p, rng):
-        """decode: the model's decode_weights; tokens, positions, segments: the prefill block of the
-        distinct prompts; prompt_lens [B]; source [B]: each row's prefill row (None: the block is the
-        B rows themselves)."""
+    graphdef: Any
+    cache_rules: Any  # the sampler's sharding rules under a mesh; None: no mesh
+    pad_id: int
+    rows: int  # B: the prompts, bucketed
+    prefill_rows: int  # R: the distinct prompts, bucketed as B; R == B: every row prefills its own
+    prompt_columns: int  # P
+    new_tokens: int  # N
+    cache_phases: int  # as configured (phase_ends: the phases the program runs)
+    greedy: bool
+    top_k: int  # 0: off
+    use_top_p: bool
+
+    def phase_ends(self) -> list[int]:
+        return phase_ends(self.new_tokens, self.cache_phases)
+
+    def name(self) -> str:
+        """The program's name in the compile log."""
+        batch = f"batch={self.rows}" + (f" prefill rows={self.prefill_rows}" if self.prefill_rows < self.rows else "")
+        phases = len(self.phase_ends())
+        return f"generate ({batch} prompt={self.prompt_columns} new={self.new_tokens} cache phases={phases})"
+
+
+@struct.dataclass
+class GenerateInputs:
+    """The generate program's runtime inputs: other values of these do not recompile it."""
+
+    params: Any  # the model's pure dict of parameters
+    decode: Any  # the model's decode_weights of them
+    block: PromptBlock  # the prefill rows of the distinct prompts (source: each row's), B rows' lengths
+    stop_ids: Any  # [S] int32
+    temperature: Any  # float32 scalar (1 when greedy)
+    top_p: Any  # float32 scalar
+    rng: Any  # the call's key
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateCall:
+    """One generate call: the key of the program it runs and that program's inputs."""
+
+    key: GenerateKey
+    inputs: GenerateInputs
+
+
+@struct.dataclass
+class DecodeState:
+    """The decode loop's state: the outputs so far and what the next step starts from."""
+
+    i: jax.Array  # the index of the token the next step samples
+    cache: Any
+    tokens: jax.Array  # [B, N] int32, pad_id where nothing was emitted
+    mask: jax.Array  # [B, N] int32, 1 on the emitted tokens
+    logprobs: jax.Array  # [B, N] float32, 0 where nothing was emitted
+    done: jax.Array  # [B] bool: the row emitted a stop token, or is batch padding
+    last: jax.Array  # [B] int32: the token the next step reads (pad_id once done)
+
+
+def _draw(key: GenerateKey, inputs: GenerateInputs, logits, i):
+    """The token of step `i` of every row and its logprob, each step with noise of its own."""
+    rng = jax.random.fold_in(inputs.rng, i)
+    return _sample(
+        logits, rng, inputs.temperature, inputs.top_p, greedy=key.greedy, top_k=key.top_k, use_top_p=key.use_top_p
+    )
+
+
+def _is_stop(token, stop_ids):
+    return jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
+
+
+def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) -> DecodeState:
+    """The prefill of the block into a cache of `columns` columns past the prompt, and the first
+    token drawn from its last column."""
+    block, B, N, pad_id = inputs.block, key.rows, key.new_tokens, key.pad_id
+    cache = sharded_cache(model, block.tokens.shape[0], key.prompt_columns + columns, key.cache_rules)
+    hidden, cache = model.hidden_states(block.tokens, block.positions, block.segments, cache)
+    # Left padding: every real row's last prompt token sits in the last column, the only one
+    # sampled from, so the output head runs on it alone.
+    logits = model.logits(hidden[:, -1:])[:, 0]
+    if block.source is not None:
+        logits, cache = logits[block.source], cache_rows(model, cache, block.source, key.cache_rules)
+    token, logprob = _draw(key, inputs, logits, 0)
+    done = block.prompt_lens == 0  # batch-padding rows never emit
+    emit = ~done
+    return DecodeState(
+        i=jnp.int32(1),
+        cache=cache,
+        tokens=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(jnp.where(emit, token, pad_id)),
+        mask=jnp.zeros((B, N), jnp.int32).at[:, 0].set(emit.astype(jnp.int32)),
+        logprobs=jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(emit, logprob, 0.0)),
+        done=done | _is_stop(token, inputs.stop_ids),
+        last=jnp.where(emit, token, pad_id),
+    )
+
+
+def _next_token(model, key: GenerateKey, inputs: GenerateInputs, state: DecodeState) -> DecodeState:
+    """One decode step: every row's next token from the cache and its last token."""
+    i = state.i
+    pos = (inputs.block.prompt_lens + i - 1)[:, None]
+    logits, cache = model(state.last[:, None], pos, jnp.ones((key.rows, 1), jnp.int32), state.cache)
+    token, logprob = _draw(key, inputs, logits[:, 0], i)
+    emit = ~state.done
+    token = jnp.where(emit, token, key.pad_id)
+    col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None].astype(a.dtype), i, axis=1)
+    return DecodeState(
+        i=i + 1,
+        cache=cache,
+        tokens=col(state.tokens, token),
+        mask=col(state.mask, emit),
+        logprobs=col(state.logprobs, jnp.where(emit, logprob, 0.0)),
+        done=state.done | _is_stop(token, inputs.stop_ids),
+        last=token,
+    )
+
+
+def _build(key: GenerateKey):
+    """The jitted generate program of `key`: GenerateInputs -> {tokens, mask, logprobs, lengths}."""
+    ends = key.phase_ends()
+
+    def run(inputs: GenerateInputs) -> dict:
         # Prefill and decode steps alike run on the decode weights: no layer's slices copied.
-        model = nnx.merge(graphdef, params).for_decoding(decode)
-        cache = sharded_cache(model, tokens.shape[0], P + ends[0], cache_rules)
-        sample = lambda logits, i: _sample(
-            logits, jax.random.fold_in(rng, i), temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p
-        )
-        is_stop = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
-
-        hidden, cache = model.hidden_states(tokens, positions, segments, cache)
-        # Left padding: every real row's last prompt token sits in the last column, the only one
-        # sampled from, so the output head runs on it alone.
-        logits = model.logits(hidden[:, -1:])[:, 0]
-        if source is not None:
-            logits, cache = logits[source], cache_rows(model, cache, source, cache_rules)
-        token, logprob = sample(logits, 0)
-        done = prompt_lens == 0  # batch-padding rows never emit
-        emit = ~done
-        out_tokens = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(jnp.where(emit, token, pad_id))
-        out_mask = jnp.zeros((B, N), jnp.int32).at[:, 0].set(emit.astype(jnp.int32))
-        out_logprobs = jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(emit, logprob, 0.0))
-        done = done | is_stop(token)
-
-        def cond(carry):
-            i, _, _, _, _, done, _ = carry
-            return (i < N) & ~jnp.all(done)
-
-        def body(carry):
-            i, cache, out_tokens, out_mask, out_logprobs, done, last = carry
-            pos = (prompt_lens + i - 1)[:, None]
-            logits, cache = model(last[:, None], pos, jnp.ones((B, 1), jnp.int32), cache)
-            token, logprob = sample(logits[:, 0], i)
-            emit = ~done
-            token = jnp.where(emit, token, pad_id)
-            col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None].astype(a.dtype), i, axis=1)
-            out_tokens = col(out_tokens, token)
-            out_mask = col(out_mask, emit)
-            out_logprobs = col(out_logprobs, jnp.where(emit, logprob, 0.0))
-            done = done | is_stop(token)
-            return i + 1, cache, out_tokens, out_mask, out_logprobs, done, token
-
-        carry = (jnp.int32(1), cache, out_tokens, out_mask, out_logprobs, done, jnp.where(emit, token, pad_id))
+        model = nnx.merge(key.graphdef, inputs.params).for_decoding(inputs.decode)
+        state = _first_token(model, key, inputs, ends[0])
+        step = lambda s: _next_token(model, key, inputs, s)
         # Token i writes cache column P + i - 1, so the phase of the tokens before `end` fits in P + end
         # columns (the last spare, as in one loop's P + N) and attends over those alone.
         for start, end in zip([0, *ends], ends):
             if start:
-                i, cache, *rest = carry
-                carry = (i, grown_cache(model, cache, end - start, cache_rules), *rest)
-            carry = jax.lax.while_loop(lambda c, end=end: cond(c) & (c[0] < end), body, carry)
-        _, _, out_tokens, out_mask, out_logprobs, _, _ = carry
+                state = state.replace(cache=grown_cache(model, state.cache, end - start, key.cache_rules))
+            running = lambda s, end=end: (s.i < key.new_tokens) & ~jnp.all(s.done) & (s.i < end)
+            state = jax.lax.while_loop(running, step, state)
         return {
-            "tokens": out_tokens,
-            "mask": out_mask,
-            "logprobs": out_logprobs,
-            "lengths": out_mask.sum(axis=1, dtype=jnp.int32),
+            "tokens": state.tokens,
+            "mask": state.mask,
+            "logprobs": state.logprobs,
+            "lengths": state.mask.sum(axis=1, dtype=jnp.int32),
         }
 
     return jax.jit(run)
@@ -345,13 +365,13 @@ class ColocatedSampler:
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Pending:
         """generate, dispatched: returns at once while the devices sample; `.result()` waits for the
         Completions. Later calls (a train step on other devices) run meanwhile."""
-        program, args = self.program(prompt_ids, sampling, key)
-        return Pending(program(*args), len(prompt_ids), self.version, self.mesh)
+        call = self.generate_call(prompt_ids, sampling, key)
+        return Pending(self.generate_program(call)(call.inputs), len(prompt_ids), self.version, self.mesh)
 
-    def program(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array):
-        """(the compiled generate program, its arguments) for these prompts: compiled once per bucket
-        and static choice (module docstring). The weights may be abstract (jax.ShapeDtypeStruct with
-        their shardings): tools/bench.py sizes the program's memory that way without running it."""
+    def generate_call(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> GenerateCall:
+        """The key of the generate program these prompts run (bucketed, module docstring) and its
+        inputs, placed on the mesh. The weights may be abstract (jax.ShapeDtypeStruct with their
+        shardings): tools/bench.py sizes the program's memory that way without running it."""
         if self.params is None:
             raise RuntimeError("the sampler has no weights yet: call update_weights first")
         if not prompt_ids:
@@ -359,63 +379,75 @@ class ColocatedSampler:
         lens = np.asarray([len(p) for p in prompt_ids], np.int32)
         if lens.min() < 1:
             raise ValueError("every prompt needs at least one token")
-        N = sampling.max_new_tokens
+        block = self._prompt_block(prompt_ids, lens)
+        greedy = sampling.temperature == 0.0
+        program_key = GenerateKey(
+            graphdef=self.graphdef,
+            cache_rules=self.rules,
+            pad_id=self.pad_id,
+            rows=len(block.prompt_lens),
+            prefill_rows=len(block.tokens),
+            prompt_columns=block.tokens.shape[1],
+            new_tokens=sampling.max_new_tokens,
+            cache_phases=self.cache_phases,
+            greedy=greedy,
+            top_k=0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k,
+            use_top_p=not greedy and sampling.top_p < 1.0,
+        )
+        inputs = GenerateInputs(
+            params=self.params,
+            decode=self.decode_weights(),
+            block=block,
+            stop_ids=np.asarray(sampling.stop_token_ids, np.int32).reshape(-1),
+            temperature=np.float32(sampling.temperature if not greedy else 1.0),
+            top_p=np.float32(sampling.top_p),
+            rng=key,
+        )
+        return GenerateCall(program_key, inputs if self.mesh is None else self._on_mesh(inputs))
+
+    def _prompt_block(self, prompt_ids: list[list[int]], lens: np.ndarray) -> PromptBlock:
+        """The bucketed block of these prompts (`lens`: their lengths): where a prompt is given
+        several times, the prefill rows of the distinct prompts and each row's source among them."""
         B, P = self.block_shape(len(prompt_ids), int(lens.max()))
         distinct, source = _distinct(prompt_ids, B)
         R = self.block_shape(len(distinct), int(lens.max()))[0]
-        if R < B:
-            block = _left_padded(distinct, R, P, self.pad_id)
-            block["prompt_lens"], block["source"] = np.pad(lens, (0, B - len(lens))), source
-        else:
-            block = _left_padded(prompt_ids, B, P, self.pad_id)
-        greedy = sampling.temperature == 0.0
-        top_k = 0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k
-        use_top_p = not greedy and sampling.top_p < 1.0
-        stop_ids = np.asarray(sampling.stop_token_ids, np.int32).reshape(-1)
-        if self.mesh is not None:
-            rows2d = sharding.batch_sharding(self.mesh, self.rules)
-            rows = sharding.batch_sharding(self.mesh, self.rules, ("batch",))
-            block = full_rows_to_global(block, {k: rows2d if v.ndim == 2 else rows for k, v in block.items()})
-            stop_ids = full_rows_to_global({"stop": stop_ids}, sharding.replicated(self.mesh))["stop"]
-            # The key may come from another mesh (the trainer's) or another process's device: its bits
-            # are placed like any other input.
-            bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(key))}, sharding.replicated(self.mesh))
-            key = jax.random.wrap_key_data(bits["key"])
-        args = (
-            self.params,
-            self.decode_weights(),
-            block["tokens"],
-            block["positions"],
-            block["segments"],
-            block["prompt_lens"],
-            block.get("source"),
-            stop_ids,
-            np.float32(sampling.temperature if not greedy else 1.0),
-            np.float32(sampling.top_p),
-            key,
+        if R == B:
+            return left_padded(prompt_ids, B, P, self.pad_id)
+        return left_padded(distinct, R, P, self.pad_id).replace(
+            prompt_lens=np.pad(lens, (0, B - len(lens))), source=source
         )
-        static = (self.graphdef, B, P, N, self.pad_id, greedy, top_k, use_top_p, self.rules, self.cache_phases)
-        batch = f"batch={B} prefill rows={R}" if R < B else f"batch={B}"
-        program = self.programs.compiled(
-            f"generate ({batch} prompt={P} new={N} cache phases={len(phase_ends(N, self.cache_phases))})",
-            None,
-            *args,
-            static=static,
-            build=lambda: _build(*static),
-            options=compiler_options(B // self.parallelism),
-        )
-        return program, args
 
-    def beam_search(self, prompt_ids: list[list[int]], beams, key: jax.Array):
+    def _on_mesh(self, inputs: GenerateInputs) -> GenerateInputs:
+        """The inputs as global arrays: the block's rows split over the mesh, the rest replicated."""
+        replicated = sharding.replicated(self.mesh)
+        stop_ids = full_rows_to_global({"stop": inputs.stop_ids}, replicated)["stop"]
+        # The key may come from another mesh (the trainer's) or another process's device: its bits
+        # are placed like any other input.
+        bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(inputs.rng))}, replicated)["key"]
+        return inputs.replace(
+            block=inputs.block.on_mesh(self.mesh, self.rules), stop_ids=stop_ids, rng=jax.random.wrap_key_data(bits)
+        )
+
+    def generate_program(self, call: GenerateCall):
+        """The compiled generate program of `call.key` for inputs shaped as `call.inputs`: compiled
+        (and logged) at its first call, from the run's compile cache after."""
+        return self.programs.compiled(
+            call.key.name(),
+            None,
+            call.inputs,
+            static=call.key,
+            build=lambda: _build(call.key),
+            options=compiler_options(call.key.rows // self.parallelism),
+        )
+
+    def beam_search(self, prompt_ids: list[list[int]], beams: beam.BeamParams, key: jax.Array) -> beam.Ranked:
         """The `beams.width` best sequences of each prompt with their total logprobs (rollout/beam.py:
         beam search or W-way sampling, optionally constrained to a trie), from the same bucketed
         prompt block and compile cache as generate."""
-        from unitrain.rollout import beam  # beam.py builds on this module
-
         lens = [len(p) for p in prompt_ids]
         if not lens or min(lens) < 1:
             raise ValueError("beam_search needs prompts of at least one token")
-        block = _left_padded(prompt_ids, *self.block_shape(len(lens), max(lens)), self.pad_id)
+        block = left_padded(prompt_ids, *self.block_shape(len(lens), max(lens)), self.pad_id)
         with in_mesh(self.mesh):
             return beam.search(self, block, len(lens), beams, key)
 
@@ -440,23 +472,6 @@ def _distinct(prompt_ids: list[list[int]], B: int) -> tuple[list[list[int]], np.
     for b, p in enumerate(prompt_ids):
         source[b] = index.setdefault(tuple(p), len(index))
     return [list(p) for p in index], source
-
-
-def _left_padded(prompt_ids: list[list[int]], B: int, P: int, pad_id: int) -> dict:
-    """The prompt block: each prompt ends in the last column; rows past the prompts are all padding."""
-    block = {
-        "tokens": np.full((B, P), pad_id, np.int32),
-        "positions": np.zeros((B, P), np.int32),
-        "segments": np.zeros((B, P), np.int32),
-        "prompt_lens": np.zeros((B,), np.int32),
-    }
-    for b, p in enumerate(prompt_ids):
-        n = len(p)
-        block["tokens"][b, P - n :] = p
-        block["positions"][b, P - n :] = np.arange(n)
-        block["segments"][b, P - n :] = 1
-        block["prompt_lens"][b] = n
-    return block
 
 
 def from_run(run) -> ColocatedSampler:

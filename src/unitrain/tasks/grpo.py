@@ -44,8 +44,8 @@ from unitrain import step as step_lib
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.evals import TaskEvaluator
 from unitrain.rollout.base import SamplingParams, release
+from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
-from unitrain.rollout.colocated import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
 from unitrain.tasks.base import RunContext, Task
 
@@ -108,7 +108,10 @@ def truncated_rows(groups, stop_ids) -> np.ndarray:
 
 
 class GRPOTask(Task):
-    def __init__(self, run: RunContext):
+    def __init__(self, run: RunContext, *, prompts=None, sampling: SamplingParams | None = None):
+        """`prompts`: the prompt stream (next() -> {"prompts", "num_dropped"}, get_state, set_state;
+        None: the config's dataset); `sampling`: the rollouts' (None: the config's rollout_* keys,
+        stopping at EOS). tools/bench.py gives both: random prompts, no stop token."""
         super().__init__(run)
         cfg, tokenizer = self.cfg, run.tokenizer
         self.reward_fn = rewards.make_reward_fn(cfg)
@@ -116,10 +119,11 @@ class GRPOTask(Task):
         self.sampler = rollout.make_sampler(run)
         # Every process samples the same prompts with the same key (the sampler wants identical
         # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
-        prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+        if prompts is None:
+            prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
         self.rollouts = RolloutBuffer(cfg, prompts, self.start_round, self.keep)
         self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
-        self.sampling = SamplingParams.from_config(cfg, stop_token_ids=(tokenizer.eos_id,))
+        self.sampling = sampling or SamplingParams.from_config(cfg, stop_token_ids=(tokenizer.eos_id,))
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
         self.group_rows = shared_prompt_rows(
             cfg, run.layout.rows_per_update, run.model, batch_parallelism(run.mesh, run.rules)
