@@ -37,7 +37,7 @@ training would give them), so a model far larger than this machine's memory can 
 prints the compiler's memory analysis per device (arguments, outputs, temporaries, generated code,
 aliased = donated bytes, total_estimate = arguments + outputs + temporaries - aliased, and peak:
 the compiler's peak of bytes live at once, arguments included, which on XLA:TPU can be well below
-total_estimate, 12.3 against 13.4 GiB for Qwen2.5-1.5B's SFT step; XLA:CPU reports the arguments
+total_estimate; XLA:CPU reports the arguments
 alone), the
 parameter and optimizer-state bytes per device, the mesh, and the compiler's FLOP count if it gives
 one (XLA counts a loop body once, so with scan_layers=true or gradient accumulation that figure is

@@ -30,14 +30,13 @@ for_decoding, init_cache, cache_axes).
 The model's `decode_weights` (our decoder's layer weights sliced out of their stacks) are made by a
 program of their own at a weight version's first call and kept for its later ones, until the next
 update_weights or `release`: evaluations and rounds of rollouts sample many times per version. Made
-inside every call instead they cost the Tunix benchmark's call (16 x 64 + 128, CPU) about 7%: the
-copy, and faulting in the fresh pages XLA:CPU allocates a call's temporaries in.
+inside every call instead they would cost every call the copy, and faulting in the fresh pages
+XLA:CPU allocates a call's temporaries in.
 
 The decode runs in `cache_phases` loops over near-equal spans of the N tokens, the KV cache grown
 by empty columns at each one's start: attention reads the prompt and the tokens so far rounded up
-to the phase's end, not all P + N columns (the sampler 1.05x faster at 16 x 64 prompt tokens + 128,
-1.19x at + 512, with 4 phases on the Tunix benchmark's checkpoint, CPU). Each phase compiles its own
-loop body, so compile time grows with their number.
+to the phase's end, not all P + N columns (the more new tokens, the more it saves). Each phase
+compiles its own loop body, so compile time grows with their number. Figures: docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
 
 def _gumbel(key, shape):
     """jax.random.gumbel(key, shape) of a threefry key, bit for bit, with the hash unrolled: XLA:CPU
-    runs JAX's threefry as a loop over whole uint32 arrays, 2-3x slower than this one fused pass."""
+    runs JAX's threefry as a loop over whole uint32 arrays, slower than this one fused pass."""
     k1, k2 = jax.random.key_data(key)
     count = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape)  # < 2**32: the high word is 0
     bits = _threefry2x32(k1, k2, jnp.zeros_like(count), count)
@@ -121,7 +120,7 @@ def _threefry2x32(k1, k2, x0, x1):
 
 def _argmax(x):
     """jnp.argmax over the last axis (the first maximum) as two plain reductions: XLA:CPU runs
-    argmax's (value, index) reduction unvectorised, about 3x slower over a row of logits."""
+    argmax's (value, index) reduction unvectorised, slower over a row of logits."""
     top = jnp.max(x, axis=-1, keepdims=True)
     return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 

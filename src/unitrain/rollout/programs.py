@@ -20,9 +20,8 @@ FEW_ROWS = 32
 def compiler_options(rows_per_device: int) -> dict | None:
     """XLA options of a sampler program whose decode steps run `rows_per_device` rows (None: XLA's
     defaults). On CPU with at most FEW_ROWS rows, the dots go to XLA's own emitter instead of
-    YNNPACK's library fusions (reductions stay with YNNPACK): the generate call's time on the Tunix
-    benchmark's checkpoint, 64 prompt tokens + 128, 2-core CPU, by rows: 8 1.28x, 16 1.19-1.22x,
-    32 1.10x faster; 64 1.00x; 128 0.87x, the reason for the bound. Same tokens in every case."""
+    YNNPACK's library fusions (reductions stay with YNNPACK): faster up to FEW_ROWS rows, slower
+    above (measured by rows in docs/PERFORMANCE.md). Same tokens either way."""
     if sharding.target_platform() != "cpu" or rows_per_device > FEW_ROWS:
         return None
     return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
