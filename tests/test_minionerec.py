@@ -56,6 +56,12 @@ def test_rank_reward_penalises_wrong_items_above_the_hit_most():
     "overrides, message",
     [
         (["beam_width=5"], "beam_width (5) must be at least the largest rec_eval_k (10)"),
+        (["rec_eval_k=[]"], "config key 'rec_eval_k' expects a non-empty list of positive ints, got '[]'"),
+        (
+            ["rec_task_weights=[1.0,-0.5,0.0]"],
+            "config key 'rec_task_weights' expects a list of 3 finite numbers >= 0, not all 0 (next-SID, "
+            "title->SID, SID->title), got '[1.0, -0.5, 0.0]'",
+        ),
         (
             ["rec_task_weights=[1.0,0.5,0.0]"],
             "rec_task_weights gives the alignment tasks (title->SID, SID->title) a weight but rec_info_path is empty",

@@ -222,24 +222,9 @@ RULES: dict[str, Rule] = {
     "rejected_key": NAME,
     "vocab_pad_multiple": POSITIVE_INT,
     "data_format": builtin_or_plugin(DATA_FORMATS),
-    "rec_task_weights": Rule(
-        lambda v: (
-            isinstance(v, list) and len(v) == 3 and all(_is_num(w) and 0 <= w < math.inf for w in v) and sum(v) > 0
-        ),
-        "a list of 3 finite numbers >= 0, not all 0 (next-SID, title->SID, SID->title)",
-    ),
     "rollout_decoding": choices("sample", "beam"),
     "beam_width": POSITIVE_INT,
     "beam_length_penalty": Rule(lambda v: _is_num(v) and math.isfinite(v), "a finite number"),
-    "rec_eval_k": Rule(
-        lambda v: (
-            isinstance(v, list)
-            and len(v) > 0
-            and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in v)
-        ),
-        "a non-empty list of positive ints",
-    ),
-    "rec_eval_batch_size": POSITIVE_INT,
     "lora_rank": Rule(lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0 = no LoRA)"),
     "lora_alpha": POSITIVE,
     "lora_target": Rule(_is_regex, "a regular expression over '/'-joined parameter paths"),
