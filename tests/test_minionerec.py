@@ -85,6 +85,13 @@ def test_the_format_checks_stop_the_run_with_one_line(tmp_path, capsys, override
     assert not (tmp_path / "default").exists()
 
 
+def test_records_grpo_refuses_a_sid_index_it_would_not_use(tmp_path, capsys):
+    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", "per_device_batch_size=1"]
+    assert train.main([*argv, "mode=grpo", "rollout_batch_size=4", "sid_index_path=index.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sid_index_path constrains GRPO's rollouts to SIDs" in err[0], err
+
+
 @needs_data
 def test_csv_rows_become_records_mixed_by_weight_and_bad_rows_name_their_line(tmp_path):
     examples = recommendation.read_examples(str(VALID), with_titles=True)

@@ -22,10 +22,17 @@ from unitrain.data.sft import file_records
 from unitrain.rollout.beam import BeamParams
 
 
+def _sid_index_needs_a_format(c) -> str | None:
+    """Records have no SIDs to constrain GRPO's rollouts to: a set sid_index_path would do nothing."""
+    if c["mode"] != "grpo" or not c["sid_index_path"]:
+        return None
+    return 'sid_index_path constrains GRPO\'s rollouts to SIDs, which data_format records does not do; set data_format=minionerec or sid_index_path=""'
+
+
 class DataFormat:
     """data_format: records."""
 
-    checks: tuple[Callable[[Mapping], str | None], ...] = ()  # cross-key checks: None or what is wrong
+    checks: tuple[Callable[[Mapping], str | None], ...] = (_sid_index_needs_a_format,)  # None or what is wrong
 
     def sft_records(self, cfg, tokenizer, path: str) -> list[dict]:
         return file_records(cfg, tokenizer, path)
