@@ -36,6 +36,7 @@ from unitrain.registry import (
     ADV_ESTIMATORS,
     ATTENTION,
     DATA_FORMATS,
+    ENVS,
     FILTERS,
     KL_TYPES,
     LOSS_AGG_MODES,
@@ -45,6 +46,8 @@ from unitrain.registry import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_IS_MODES,
     SAMPLERS,
+    TOOL_CALL_FORMATS,
+    WORKFLOWS,
     is_plugin_spec,
 )
 
@@ -128,6 +131,20 @@ RULES: dict[str, Rule] = {
     "mode": builtin_or_plugin(MODES),
     "model_source": builtin_or_plugin(MODEL_SOURCES),
     "sampler": builtin_or_plugin(SAMPLERS),
+    "workflow": Rule(
+        lambda v: v == "single_turn" or builtin_or_plugin(WORKFLOWS).test(v),
+        "single_turn | " + builtin_or_plugin(WORKFLOWS).expected,
+    ),
+    "env": Rule(
+        lambda v: v == "" or builtin_or_plugin(ENVS).test(v), '"" (none) | ' + builtin_or_plugin(ENVS).expected
+    ),
+    "max_turns": POSITIVE_INT,
+    "episode_max_tokens": POSITIVE_INT,
+    "tool_call_format": choices(*TOOL_CALL_FORMATS),
+    "turn_discount": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "guess_number_low": Rule(lambda v: isinstance(v, int), "an int"),
+    "guess_number_high": Rule(lambda v: isinstance(v, int), "an int"),
+    "reasoning_gym_task": NAME,
     "dynamic_sampling_filter": Rule(
         lambda v: v == "" or builtin_or_plugin(FILTERS).test(v), '"" (keep all), ' + builtin_or_plugin(FILTERS).expected
     ),
@@ -281,6 +298,28 @@ def _check_one_fill(c: dict) -> str | None:
     return None
 
 
+def _check_episodes(c: dict) -> str | None:
+    """A workflow other than single_turn rolls out GRPO episodes; multi_turn talks to an environment;
+    an environment under sft is the source of its demonstrations."""
+    if c["workflow"] != "single_turn" and c["mode"] in ("sft", "dpo"):
+        return f"workflow {c['workflow']} rolls out RL episodes; mode={c['mode']} trains on none (use workflow single_turn)"
+    if c["workflow"] != "single_turn" and c["rollout_decoding"] != "sample":
+        return (
+            f"workflow {c['workflow']} samples its turns; rollout_decoding={c['rollout_decoding']} is single-turn only"
+        )
+    if c["workflow"] == "multi_turn" and not c["env"]:
+        return "workflow multi_turn needs an environment: set env (calculator | guess_number | reasoning_gym | pkg.module:make_env)"
+    if c["env"] and c["mode"] == "sft" and c["dataset_path"] != "builtin":
+        return f"env={c['env']} under mode=sft trains on its demonstrations of dataset_path builtin; dataset_path is {c['dataset_path']}"
+    if c["env"] and c["mode"] == "grpo" and c["workflow"] == "single_turn":
+        return f"env={c['env']} is the environment of workflow multi_turn; workflow is single_turn"
+    if c["env"] and c["mode"] == "dpo":
+        return "env names an environment for multi_turn episodes or sft demonstrations; mode=dpo uses none"
+    if c["guess_number_low"] >= c["guess_number_high"]:
+        return f"guess_number_low ({c['guess_number_low']}) must be below guess_number_high ({c['guess_number_high']})"
+    return None
+
+
 def _check_rollout_devices(c: dict) -> str | None:
     """Devices set apart for rollouts serve a sampler that uses them, come equally from every process,
     and leave the trainer some."""
@@ -319,6 +358,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
     ),
     _check_one_fill,
     _check_rollout_devices,
+    _check_episodes,
     lambda c: (
         None
         if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"]
@@ -344,7 +384,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
     ),
     lambda c: (
         None
-        if c["chat_template"] or not c["system_prompt"]
+        if c["chat_template"] or c["workflow"] != "single_turn" or not c["system_prompt"]
         else "system_prompt is set but chat_template is false; a system prompt needs the chat template (or write it into the data)"
     ),
     lambda c: (

@@ -21,6 +21,18 @@ SAMPLERS = {
 # dynamic_sampling_filter: fn(group) -> bool
 FILTERS = {"nonzero_std": "unitrain.rollout.groups:nonzero_std"}
 
+# workflow: a class made as Class(run) with episode(record) (rollout/episodes.py); single_turn is
+# rollout/groups.py's one-completion path, no class
+WORKFLOWS = {"multi_turn": "unitrain.rollout.episodes:MultiTurn"}
+
+# env: fn(cfg) -> envs.base.Environment, one per episode
+ENVS = {
+    "calculator": "unitrain.envs.calculator:make_calculator",
+    "guess_number": "unitrain.envs.guess:make_guess_number",
+    "reasoning_gym": "unitrain.envs.reasoning_gym:make_reasoning_gym",
+}
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")
+
 # mode: a tasks.base.Task subclass
 MODES = {
     "sft": "unitrain.tasks.sft:SFTTask",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from unitrain import plugins
+from unitrain import plugins, registry
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import read_records
@@ -71,7 +71,8 @@ def _example_fn(cfg, tokenizer):
                 {"role": "user", "content": record["prompt"]},
                 {"role": "assistant", "content": record["completion"]},
             ]
-            segments = [(tokenizer.encode(text), on) for text, on in tokenizer.chat_segments(messages, last_only)]
+            pieces = tokenizer.chat_segments(messages, last_only, tools=record.get("tools"))
+            segments = [(tokenizer.encode(text), on) for text, on in pieces]
         else:  # plain texts, concatenated verbatim: separators belong in the data
             segments = [
                 (bos + tokenizer.encode(record["prompt"]), False),
@@ -142,10 +143,11 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
     """The split's raw records: {prompt, completion}, {messages} (the data format's) or {ids} (synthetic)."""
     if path == "builtin":
         digits, stream = cfg.builtin_task_digits, split
+        demonstration = _demonstrations(cfg)
 
         def problem(i):
             prompt, answer = builtin_problem(int(i), stream, digits)
-            return {"prompt": prompt, "completion": answer}
+            return demonstration(prompt, answer) if demonstration else {"prompt": prompt, "completion": answer}
 
         return grain.MapDataset.range(NUM_PROBLEMS).map(problem)
     if path == "synthetic":
@@ -154,6 +156,20 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
             lambda i: {"ids": np.random.default_rng([*seed, int(i)]).integers(0, vocab, length).tolist()}
         )
     return grain.MapDataset.source(plugins.data_format(cfg).sft_records(cfg, tokenizer, path))
+
+
+def _demonstrations(cfg):
+    """With `env` set: (prompt, label) -> the environment's demonstration as a chat record with its
+    tools (envs/base.py), the built-in task's SFT warm start for episodes; else None."""
+    if not cfg.env:
+        return None
+    env = plugins.resolve(cfg.env, registry.ENVS, "env", "an environment factory (cfg) -> Environment")(cfg)
+    if not callable(getattr(env, "demonstration", None)):
+        raise ConfigError(f"env={cfg.env} has no demonstration(record) to train on with mode=sft")
+    return lambda prompt, label: {
+        "messages": env.demonstration({"prompt": prompt, "label": label}),
+        "tools": env.tools or None,
+    }
 
 
 def eval_prompt_records(cfg, tokenizer) -> list[dict]:

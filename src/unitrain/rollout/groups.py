@@ -27,6 +27,7 @@ class Group:
     texts: list[str]  # decoded completions
     rewards: np.ndarray  # [n] float32, the weighted total
     per_reward: dict[str, np.ndarray]  # each reward's raw [n] values
+    episodes: tuple = ()  # multi-turn: the n rollout.episodes.Trajectory the rows were made of
 
 
 def collect_groups(

@@ -43,6 +43,7 @@ from unitrain import lora, losses, plugins, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.evals import TaskEvaluator
+from unitrain.rollout import episodes
 from unitrain.rollout.base import SamplingParams, release
 from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
@@ -95,16 +96,29 @@ def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batc
 
 
 def truncated_rows(groups, stop_ids) -> np.ndarray:
-    """[rows] bool: the completions that end without a stop token (cut at the length limit)."""
+    """[rows] bool: the completions that end without a stop token (cut at the length limit); of
+    episodes, those that ended for length."""
     return np.concatenate(
         [
-            [
+            [t.end == "length" for t in g.episodes]
+            if g.episodes
+            else [
                 length == 0 or tokens[length - 1] not in stop_ids
                 for tokens, length in zip(g.completions.tokens, g.completions.lengths)
             ]
             for g in groups
         ]
     )
+
+
+def turn_discounts(groups, columns: int, discount: float) -> np.ndarray:
+    """[rows, columns] float32: discount ** (turns after the token's own) on each episode's sampled
+    tokens (0 elsewhere), so that with advantages [rows] the product credits later turns more."""
+    out = np.zeros((sum(len(g.episodes) for g in groups), columns), np.float32)
+    for r, t in enumerate(t for g in groups for t in g.episodes):
+        sampled = t.turn_index >= 0
+        out[r, : len(t.ids)][sampled] = discount ** (t.turns - 1 - t.turn_index[sampled])
+    return out
 
 
 class GRPOTask(Task):
@@ -117,6 +131,9 @@ class GRPOTask(Task):
         self.reward_fn = rewards.make_reward_fn(cfg)
         self.keep = make_filter(cfg.dynamic_sampling_filter)
         self.sampler = rollout.make_sampler(run)
+        self.workflow = episodes.make_workflow(run)  # None: single_turn
+        # The completion columns: one sampled answer, or a whole episode after its prompt.
+        self.max_completion = cfg.episode_max_tokens if self.workflow else cfg.rollout_max_response_len
         # Every process samples the same prompts with the same key (the sampler wants identical
         # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
         if prompts is None:
@@ -161,7 +178,7 @@ class GRPOTask(Task):
         self.evaluator = None
         if cfg.evaluates:  # the data format's own evaluation (a recommender's HR/NDCG) or the generation eval
             self.evaluator = data_format.evaluator(cfg, tokenizer, self.sampler) or TaskEvaluator(
-                cfg, tokenizer, self.sampler, self.reward_fn
+                cfg, tokenizer, self.sampler, self.reward_fn, workflow=self.workflow
             )
         self.beams = data_format.ranked_rollout(cfg, tokenizer)  # None: sampled groups
         self.text = ""
@@ -202,9 +219,10 @@ class GRPOTask(Task):
     def batch_shardings(self) -> dict:
         rows2d = sharding.batch_sharding(self.run.mesh, self.run.rules)
         keys = [*ROW_KEYS] + ["old_logprobs"] * self.separate_old + ["ref_logprobs"] * (self.ref_params is not None)
+        per_token = self.workflow is not None and self.cfg.turn_discount < 1  # advantages [rows, C]
         return {
             **{k: rows2d for k in keys},
-            "advantages": sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",)),
+            "advantages": rows2d if per_token else sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",)),
         }
 
     def evaluate(self, params, step):
@@ -247,6 +265,10 @@ class GRPOTask(Task):
                 weights=mask.sum(axis=1).astype(np.float32) if cfg.advantage_estimator == "reinforce_pp" else None,
             )
         )
+        if self.workflow and cfg.turn_discount < 1:
+            batch["advantages"] = batch["advantages"][:, None] * turn_discounts(
+                groups, batch["targets"].shape[1], cfg.turn_discount
+            )
         if cfg.overlong_filter:  # DAPO; after the advantages: cut completions still count in their group's baseline
             truncated = truncated_rows(groups, self.sampling.stop_token_ids)
             batch["loss_mask"] = batch["loss_mask"] * ~truncated[:, None]
@@ -266,19 +288,29 @@ class GRPOTask(Task):
         if not cfg.max_staleness:
             metrics["rollout_tokens_per_sec"] = float(mask.sum()) / max(t1 - t0, 1e-9)
         if step % cfg.sample_log_period == 0:
-            self.text = samples_markdown(groups)
+            self.text = (
+                episodes.episodes_markdown([t for g in groups for t in g.episodes])
+                if self.workflow
+                else samples_markdown(groups)
+            )
         return state, metrics
 
     # -- the pieces of a step
     def start_round(self, prompts, key):
         """One prompt batch's rollouts, started (rollout/buffer.py): -> the function that waits for
         its groups, scored; the data format's ranked rollouts (beam.py) are computed here."""
+        cfg, tokenizer = self.cfg, self.run.tokenizer
         if self.beams is not None:
-            groups = collect_ranked_groups(self.sampler, prompts, self.beams, key, self.run.tokenizer, self.reward_fn)
+            groups = collect_ranked_groups(self.sampler, prompts, self.beams, key, tokenizer, self.reward_fn)
             return lambda: self.with_overlong_penalty(groups)
-        finish = start_groups(
-            self.sampler, prompts, self.cfg.n_samples_per_prompt, self.sampling, key, self.run.tokenizer, self.reward_fn
-        )
+        if self.workflow is not None:
+            finish = episodes.start_episode_groups(
+                self.sampler, self.workflow, prompts, cfg.n_samples_per_prompt, self.sampling, key, tokenizer
+            )
+        else:
+            finish = start_groups(
+                self.sampler, prompts, cfg.n_samples_per_prompt, self.sampling, key, tokenizer, self.reward_fn
+            )
         return lambda: self.with_overlong_penalty(finish())
 
     def with_overlong_penalty(self, groups):
@@ -290,7 +322,7 @@ class GRPOTask(Task):
         penalties = [
             rewards.overlong_penalty(
                 g.completions.lengths,
-                cfg.rollout_max_response_len,
+                self.max_completion,
                 cfg.overlong_buffer_len,
                 cfg.overlong_penalty_factor,
             )
@@ -307,7 +339,7 @@ class GRPOTask(Task):
         P = bucket_prompt_length(max(len(g.prompt.ids) for g in groups))
         C = min(
             bucket_prompt_length(max(int(g.completions.lengths.max()) for g in groups)),
-            self.cfg.rollout_max_response_len,
+            self.max_completion,
         )
         rows, pad = len(groups) * self.cfg.n_samples_per_prompt, self.run.tokenizer.pad_id
         arrays = {k: np.zeros((rows, P + C), np.int32) for k in ("inputs", "inputs_position", "inputs_segmentation")}
@@ -321,13 +353,13 @@ class GRPOTask(Task):
         for group in groups:
             ids = list(group.prompt.ids)
             c = group.completions
-            for tokens, length, logprobs in zip(c.tokens, c.lengths, c.logprobs):
+            for tokens, length, logprobs, sampled in zip(c.tokens, c.lengths, c.logprobs, c.mask):
                 start, end = P - len(ids), P + length
                 arrays["inputs"][r, start:end] = ids + list(tokens[:length])
                 arrays["inputs_position"][r, start:end] = np.arange(end - start)
                 arrays["inputs_segmentation"][r, start:end] = 1
                 arrays["targets"][r, :length] = tokens[:length]
-                arrays["loss_mask"][r, :length] = 1
+                arrays["loss_mask"][r, :length] = sampled[:length]  # episodes: not the environment's tokens
                 arrays["sampler_logprobs"][r, :length] = logprobs[:length]
                 r += 1
         return arrays
@@ -375,10 +407,11 @@ class GRPOTask(Task):
             "reward_max": rewards_.max(),
             "response_length_mean": lengths.mean(),
             "response_length_max": lengths.max(),
-            "response_clip_ratio": float(np.mean(lengths >= self.cfg.rollout_max_response_len)),
+            "response_clip_ratio": float(np.mean(lengths >= self.max_completion)),
             "zero_std_group_fraction": float(np.mean([np.std(g.rewards) == 0 for g in groups])),
+            **episodes.episode_metrics([t for g in groups for t in g.episodes]),
         }
-        for name in self.reward_fn.names + ("overlong",) * bool(self.cfg.overlong_buffer_len):
+        for name in groups[0].per_reward:
             values = np.concatenate([g.per_reward[name] for g in groups])
             metrics.update({f"reward_{name}_{stat}": getattr(values, stat)() for stat in ("mean", "std", "min", "max")})
         return {k: float(v) for k, v in metrics.items()}

@@ -3,7 +3,8 @@
 Evaluation: the loss on `eval_steps` fixed batches of the eval split and, as GRPO evaluates, answers
 generated for the first `eval_num_samples` eval prompts (evals.TaskEvaluator through the run's
 sampler), scored by the first reward in `reward` against the label (label_key's field, else the
-completion): greedy accuracy and pass@k; the first greedy answers go to TensorBoard as samples. A
+completion): greedy accuracy and pass@k; the first greedy answers go to TensorBoard as samples. With
+`env` set (training on the environment's demonstrations) the answers are episodes with it. A
 data format may bring its own evaluator instead (data/formats.py; the recommender's HR/NDCG).
 """
 
@@ -20,6 +21,7 @@ from unitrain import step as step_lib
 from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator, split_path
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator
+from unitrain.rollout.episodes import MultiTurn
 from unitrain.tasks.base import RunContext, Task
 
 
@@ -52,6 +54,7 @@ class SFTTask(Task):
                 sampler,
                 rewards.make_reward_fn(cfg),
                 None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer),
+                workflow=MultiTurn(run) if cfg.env else None,  # the demonstrations' environment plays
             )
 
     def loss(self, params, batch):

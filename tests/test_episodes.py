@@ -1,0 +1,244 @@
+"""Multi-turn episodes (rollout/episodes.py): the batched turn driver against a scripted sampler
+(one call per turn, live rows only, in order), trajectories token in and token out (the loss mask
+is exactly the sampled tokens; the sampler's logprobs equal a full forward of the trajectory),
+every way an episode ends, and bad input as a recorded end or one line."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO, make_cfg
+from unitrain import rollout
+from unitrain.data.prompts import Prompt
+from unitrain.data.tokenizer import load_tokenizer
+from unitrain.envs.base import StepResult
+from unitrain.errors import ConfigError
+from unitrain.rollout.base import Completions, SamplingParams
+from unitrain.rollout.episodes import (
+    Generate,
+    MultiTurn,
+    Sampled,
+    Trajectory,
+    Transcript,
+    WorkflowError,
+    episode_group,
+    episode_metrics,
+    start_episodes,
+)
+
+TEMPLATE = str(REPO / "configs" / "templates" / "tiny_chat.jinja")
+TOK = load_tokenizer("", chat_template_file=TEMPLATE)
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+
+
+class ScriptEnv:
+    """Feedback "ok" to every turn; reward 1 and done on "done"; raises on "boom" (and on reset of
+    the prompt "bad"); a tool call is answered by its error count."""
+
+    tools = []
+
+    def __init__(self, cfg=None):
+        self.steps = 0
+
+    def reset(self, record):
+        if record["prompt"] == "bad":
+            raise RuntimeError("no such record")
+        return [{"role": "user", "content": record["prompt"]}]
+
+    def step(self, turn):
+        self.steps += 1
+        if "boom" in turn.content:
+            raise RuntimeError("boom")
+        if turn.tool_calls or turn.tool_call_errors:
+            return StepResult([{"role": "tool", "content": f"errors={len(turn.tool_call_errors)}"}])
+        if "done" in turn.content:
+            return StepResult([], reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "ok"}], reward=0.25)
+
+
+class ScriptedSampler:
+    """Answers each row with script[prompt][its turn] + EOS, the prompt found in the decoded context and
+    the turn counted by the EOS tokens in it; logs the rows of every call."""
+
+    def __init__(self, script: dict[str, list[str]]):
+        self.script, self.calls, self.version = script, [], 0
+
+    def update_weights(self, params, version):
+        self.version = version
+
+    def generate(self, prompt_ids, sampling, key):
+        rows = []
+        for context in prompt_ids:
+            text = TOK.decode(context, skip_special_tokens=False)
+            prompt = next(p for p in self.script if f"Q:{p}\n" in text)
+            turn = sum(1 for t in context if t == TOK.eos_id)
+            rows.append(TOK.encode(self.script[prompt][turn]) + [TOK.eos_id])
+        self.calls.append([TOK.decode(c) for c in prompt_ids])
+        n = sampling.max_new_tokens
+        tokens = np.zeros((len(rows), n), np.int32)
+        lengths = np.asarray([min(len(r), n) for r in rows], np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, : lengths[i]] = r[:n]
+        mask = (np.arange(n)[None] < lengths[:, None]).astype(np.int32)
+        logprobs = -0.5 * mask.astype(np.float32)
+        return Completions(tokens, mask, logprobs, lengths, self.version)
+
+
+def workflow(**overrides):
+    cfg = make_cfg(
+        mode="grpo",
+        workflow="multi_turn",
+        env="test_episodes:ScriptEnv",
+        chat_template_file=TEMPLATE,
+        **{"max_turns": 4, "episode_max_tokens": 256, "rollout_max_response_len": 128, **overrides},
+    )
+    return MultiTurn(types.SimpleNamespace(cfg=cfg, tokenizer=TOK))
+
+
+def play(wf, script, sampling_len=128):
+    sampler = ScriptedSampler(script)
+    records = [Prompt((), p, "") for p in script]
+    out = start_episodes(
+        sampler, wf, records, SamplingParams(sampling_len, stop_token_ids=(TOK.eos_id,)), jax.random.key(0)
+    )()
+    return out, sampler
+
+
+def test_one_sampler_call_per_turn_with_the_live_episodes_in_order():
+    script = {"a": ["done"], "b": ["x", "y", "done"], "c": ["x", "done"]}
+    episodes, sampler = play(workflow(), script)
+    # Turn 0: all three; turn 1: b and c (a finished); turn 2: b only.
+    assert [len(c) for c in sampler.calls] == [3, 2, 1]
+    assert [c[0].split("Q:")[1][0] for c in sampler.calls] == ["a", "b", "b"]
+    assert [t.turns for t in episodes] == [1, 3, 2]
+    assert [t.end for t in episodes] == ["env_done"] * 3
+    assert [t.reward for t in episodes] == [1.0, 1.5, 1.25]
+
+
+def test_the_loss_mask_is_exactly_the_sampled_tokens_and_the_context_is_the_template_delta():
+    (t,), _ = play(workflow(), {"b": ["x", "done"]})
+    sampled = [TOK.encode("x") + [TOK.eos_id], TOK.encode("done") + [TOK.eos_id]]
+    # Everything after the prompt: turn 0, the template's glue and the user's "ok", turn 1.
+    chat = workflow().chat
+    reply = chat.close(TOK.eos_id) + chat.delta([{"role": "user", "content": "ok"}])
+    assert t.ids.tolist() == sampled[0] + reply + sampled[1]
+    assert t.loss_mask.tolist() == [1] * len(sampled[0]) + [0] * len(reply) + [1] * len(sampled[1])
+    assert np.all(t.logprobs[t.loss_mask == 1] == -0.5) and np.all(t.logprobs[t.loss_mask == 0] == 0)
+    assert t.turn_index.tolist() == [0] * len(sampled[0]) + [-1] * len(reply) + [1] * len(sampled[1])
+    assert set(t.versions[t.loss_mask == 0].tolist()) == {-1}
+
+
+def test_every_way_an_episode_ends():
+    script = {
+        "never": ["x"] * 10,  # never done: max_turns
+        "boom": ["boom"],  # the environment raises: env_error, the run goes on
+        "long": ["y" * 40],  # cut at the turn's budget without EOS: length
+    }
+    episodes, _ = play(workflow(max_turns=3, rollout_max_response_len=20), script)
+    assert [t.end for t in episodes] == ["max_turns", "env_error", "length"]
+    assert episodes[0].turns == 3 and episodes[0].reward == 0.75
+    assert episodes[2].loss_mask.sum() == 20
+    # The episode budget counts every id after the prompt: the second turn does not fit.
+    (t,), _ = play(workflow(episode_max_tokens=8), {"tight": ["abcde", "done"]})
+    assert t.end == "length" and t.turns == 1 and len(t.ids) < 8
+
+
+def test_a_reset_that_raises_rejects_the_episode_and_bad_tool_calls_are_feedback():
+    episodes, sampler = play(workflow(), {"bad": ["done"], "ok": ["<tool_call>{not json</tool_call>", CALL, "done"]})
+    assert episodes[0] is None and len(sampler.calls[0]) == 1
+    t = episodes[1]
+    assert (t.tool_calls, t.invalid_tool_calls, t.end) == (2, 1, "env_done")
+    assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["errors=1", "errors=0"]
+    m = episode_metrics([t])
+    assert m["episode_tool_call_valid_rate"] == 0.5 and m["episode_success_rate"] == 1.0
+
+
+class BadWorkflow:
+    def __init__(self, how):
+        self.how = how
+
+    def episode(self, record):
+        if self.how == "yield":
+            yield "not a request"
+        if self.how == "raise":
+            raise KeyError("label")
+        turn = yield Generate([1, 2, 3], 2)
+        return {"tokens": turn.tokens}
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("yield", "it must yield Generate"),
+        ("raise", "raised KeyError: 'label'"),
+        ("return", "returned a dict; an episode returns a Trajectory or None"),
+    ],
+)
+def test_a_workflow_plugin_that_breaks_the_contract_is_one_line(how, says):
+    with pytest.raises(WorkflowError, match=says):
+        start_episodes(
+            ScriptedSampler({"q": ["a"]}), BadWorkflow(how), [Prompt((), "q", "")], SamplingParams(4), jax.random.key(0)
+        )()
+
+
+def test_episodes_of_a_record_form_a_group_over_everything_after_the_prompt():
+    def trajectory(n_sampled, reward):
+        tr = Transcript([7, 8])
+        tr.add_sampled(
+            Sampled(np.arange(n_sampled, dtype=np.int32) + 10, np.full(n_sampled, -1.0, np.float32), 3, True)
+        )
+        tr.add_context([5, 5])
+        return tr.trajectory(reward, "max_turns")
+
+    group = episode_group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), trajectory(4, 1.0)], TOK)
+    assert group.prompt.ids == (7, 8) and group.completions.lengths.tolist() == [4, 6]
+    assert group.completions.mask.tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
+    assert group.completions.version == 3 and group.rewards.tolist() == [0.0, 1.0]
+    other = Trajectory((9,), *(np.zeros(0, np.int32),) * 5, 0.0, 0, "max_turns")
+    with pytest.raises(Exception, match="start from different prompts"):
+        episode_group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), other], TOK)
+
+
+def test_multi_turn_needs_an_environment():
+    with pytest.raises(ConfigError, match="workflow multi_turn needs an environment"):
+        make_cfg(mode="grpo", workflow="multi_turn")
+
+
+def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
+    """The colocated sampler on the tiny model, four episodes of three turns: at every sampled token
+    the sampler's logprob equals log_softmax of the trajectory's plain forward."""
+    from unitrain.run import build_run
+
+    cfg = make_cfg(
+        mode="grpo",
+        model_name="tiny",
+        workflow="multi_turn",
+        env="test_episodes:ScriptEnv",
+        chat_template_file=TEMPLATE,
+        max_turns=3,
+        rollout_max_response_len=6,
+        episode_max_tokens=64,
+    )
+    run, state = build_run(cfg)
+    sampler = rollout.make_sampler(run)
+    sampler.update_weights(state["params"], 5)
+    wf = MultiTurn(run)
+    sampling = SamplingParams(6, temperature=1.0, stop_token_ids=(run.tokenizer.eos_id,))
+    records = [Prompt((), p, "") for p in ("12+3=", "7*8=", "1-1=", "40+2=")]
+    episodes = start_episodes(sampler, wf, records, sampling, jax.random.key(3))()
+    model = nnx.merge(run.graphdef, state["params"])
+    checked = 0
+    for t in episodes:
+        seq = np.asarray([*t.prompt_ids, *t.ids], np.int32)
+        n, p = len(seq), len(t.prompt_ids)
+        logits = model(seq[None], np.arange(n, dtype=np.int32)[None], np.ones((1, n), np.int32))[0][0]
+        logp = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float32), axis=-1))
+        expected = logp[np.arange(p - 1, n - 1), seq[p:]]
+        sampled = t.loss_mask == 1
+        np.testing.assert_allclose(t.logprobs[sampled], expected[sampled], atol=2e-4)
+        assert set(t.versions[sampled].tolist()) == {5}
+        checked += int(sampled.sum())
+    assert checked > 0 and any(t.turns > 1 for t in episodes)
