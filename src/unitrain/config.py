@@ -8,7 +8,7 @@
   3. `<dir of the root base.yml>/models/<model_name>.yml`: model dimensions only;
   4. command-line `key=value` overrides (the last of a repeated key wins).
 A relative yml path (the first argument, or a base_config) that does not exist is taken from the
-configs shipped in the package when they hold it, a leading `configs/` dropped (_find_yml).
+configs shipped in the package when they hold it, a leading `configs/` dropped (find_config_file).
 Then each key is checked against RULES, the cross-key CHECKS run, and derive() adds computed values.
 A user mistake raises ConfigError whose message is one sentence naming the key and where it came from.
 What depends on the devices (mesh shapes, batch sizes, the attention kernel's platform) is the run
@@ -761,7 +761,7 @@ def root_config(path: Path) -> Path:
 def _read_chain(path: Path) -> tuple[list[tuple[Path, dict, dict]], bool]:
     """The yml files from `path` along `base_config:` to the root, and whether one is a resolved config."""
     chain, resolved = [], False
-    path = _find_yml(str(path), Path())
+    path = find_config_file(str(path), Path())
     while True:
         # absolute but not resolved: messages name the path as given (configs/ is a link in the checkout)
         path = Path(os.path.abspath(path))
@@ -776,13 +776,14 @@ def _read_chain(path: Path) -> tuple[list[tuple[Path, dict, dict]], bool]:
             return chain, resolved
         if not isinstance(parent, str) or not parent:
             raise ConfigError(f"base_config in {_show_path(path)} must be a yml path, got '{_show(parent)}'")
-        path = _find_yml(parent, path.parent)  # relative to this yml's directory; an absolute path replaces it
+        path = find_config_file(parent, path.parent)  # relative to this yml's directory; an absolute path replaces it
 
 
-def _find_yml(name: str, directory: Path) -> Path:
+def find_config_file(name: str, directory: Path) -> Path:
     """`directory / name` if it exists, else the shipped config that `name` names (a leading
-    `configs/` dropped): so `configs/base.yml` and `base_config: base.yml` work from any directory
-    after a wheel install. Else `directory / name`, whose read then fails with its own message."""
+    `configs/` dropped): so `configs/base.yml`, `base_config: base.yml` and
+    `chat_template_file: templates/tiny_chat.jinja` work from any directory after a wheel install.
+    Else `directory / name`, whose read then fails with its own message."""
     path = directory / name
     parts = Path(name).parts
     if path.exists():

@@ -25,6 +25,8 @@ are the completion tokens, predicted from columns P-1 .. P+C-2, and `loss_mask` 
 sampled ones (up to and including the stop token). Only those C columns go through the output
 head: the prompt's logits are never computed. A group's n rows are consecutive and share their P
 prompt columns, which the passes compute once per group where the model can (token_stats).
+With a multi-turn workflow (rollout/episodes.py) a row's completion is its whole episode after the
+prompt (C at most episode_max_tokens): the environment's tokens are targets with loss_mask 0.
 """
 
 from __future__ import annotations
@@ -235,16 +237,22 @@ class GRPOTask(Task):
         cfg, t0 = self.cfg, time.perf_counter()
         if self.ref_params is not None and cfg.lora_rank:
             self.ref_params = lora.adapters_off(state["params"])
-        pushed = []
+        pushed = {}
 
         def push(version):
+            if version in pushed:
+                return
             start = time.perf_counter()
             self.sampler.update_weights(state["params"], version)
-            pushed.append(time.perf_counter() - start)
+            pushed[version] = time.perf_counter() - start
 
+        if self.workflow is not None and cfg.max_staleness:
+            # The later turns of the episodes sampled ahead are sampled when their round is taken, with
+            # this step's weights (the colocated sampler's earlier ones were donated to the update).
+            push(step)
         groups, stats = self.rollouts.take(step, push)
         release(self.sampler)  # no sampling before the next push: what it kept goes before the update
-        stats["time_weight_push"] = sum(pushed)
+        stats["time_weight_push"] = sum(pushed.values())
         t1 = time.perf_counter()
         batch = self.to_rows(groups)
         if self.logprob_fn is not None:
