@@ -19,7 +19,6 @@ _MAX_BITS = MAX_MAGNITUDE.bit_length()
 INVALID_CALL = "invalid_tool_call"  # the name on the tool message that answers a malformed call
 
 _UNSUPPORTED = {
-    ast.Name: "names",
     ast.Attribute: "attribute access",
     ast.Call: "function calls",
     ast.Subscript: "subscripts",
@@ -84,7 +83,8 @@ def _value(node: ast.AST) -> int | float:
             raise ValueError("division by zero") from None
         except OverflowError:
             raise ValueError(f"the result is too large (limit {MAX_MAGNITUDE:.0e})") from None
-    raise ValueError(f"unsupported: {_UNSUPPORTED.get(type(node), type(node).__name__)}; only arithmetic")
+    what = f"the name {node.id}" if isinstance(node, ast.Name) else _UNSUPPORTED.get(type(node), type(node).__name__)
+    raise ValueError(f"unsupported: {what}; only arithmetic")
 
 
 def _bounded(value: int | float) -> int | float:

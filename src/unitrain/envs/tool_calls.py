@@ -28,6 +28,7 @@ _EXPECTED = {
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
+_WHITESPACE = re.compile(r"\s*")
 _CALL_SEPARATOR = re.compile(r"\s*;?\s*")  # after a call: whitespace and at most one ";"
 
 
@@ -58,16 +59,27 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall], list[str]]:
     position = 0
     while (start := text.find(_HERMES_OPEN, position)) >= 0:
         outside.append(text[position:start])
-        body_start = start + len(_HERMES_OPEN)
-        end = text.find(_HERMES_CLOSE, body_start)
-        if end < 0:  # the rest of the turn is the unfinished call, not content
-            errors.append(f"{_HERMES_OPEN} without {_HERMES_CLOSE}; expected {_EXPECTED['hermes']}")
-            position = len(text)
-            break
-        _add_call(text[body_start:end], "hermes", calls, errors)
-        position = end + len(_HERMES_CLOSE)
+        position = _hermes_call(text, start + len(_HERMES_OPEN), calls, errors)
     outside.append(text[position:])
     return "".join(outside).strip(), calls, errors
+
+
+def _hermes_call(text: str, body_start: int, calls: list[ToolCall], errors: list[str]) -> int:
+    """Reads the call whose body starts at `body_start`; returns the position after its </tool_call>."""
+    try:  # one JSON value, then the closing tag: a string argument may itself hold "</tool_call>"
+        value, end = _DECODER.raw_decode(text, _WHITESPACE.match(text, body_start).end())
+        close = _WHITESPACE.match(text, end).end()
+        if text.startswith(_HERMES_CLOSE, close):
+            _add_parsed_call(value, "hermes", calls, errors)
+            return close + len(_HERMES_CLOSE)
+    except json.JSONDecodeError:
+        pass
+    end = text.find(_HERMES_CLOSE, body_start)
+    if end < 0:  # the rest of the turn is the unfinished call, not content
+        errors.append(f"{_HERMES_OPEN} without {_HERMES_CLOSE}; expected {_EXPECTED['hermes']}")
+        return len(text)
+    _add_call(text[body_start:end], "hermes", calls, errors)  # says what is wrong with the body
+    return end + len(_HERMES_CLOSE)
 
 
 def _parse_llama3_json(text: str) -> tuple[str, list[ToolCall], list[str]]:
