@@ -1,15 +1,21 @@
 """One small tokenizer interface over HF tokenizer dirs, SentencePiece files and a built-in one.
 
 The rest of unitrain sees only `Tokenizer`: encode/decode without implicit special tokens, the
-special ids, and the chat template: `chat_segments` splits a conversation into context and
-assistant pieces (the SFT loss), `render_prompt` renders a prompt for generation.
+special ids, and the chat template (the tokenizer's own, or a Jinja file that replaces it:
+`chat_template_file`): `render_chat` renders a conversation, `chat_segments` splits one into
+context and assistant pieces (the SFT loss), `render_prompt` renders a prompt for generation; each
+may offer the model tools (the chat templates' "function" schemas).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from unitrain.errors import ConfigError, DataError
+
+# The shipped chat templates (configs/templates/*.jinja, package data) beside the shipped configs.
+SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
 
 # Built-in character tokenizer: specials first (<pad> must be 0), then printable ASCII and newline,
 # enough for the built-in arithmetic task and for any plain-ASCII toy text.
@@ -73,7 +79,27 @@ class Tokenizer:
         prompt, completion = (text for text, _ in self.chat_segments(messages, last_assistant_only=True))
         return prompt, completion
 
-    def chat_segments(self, messages: list[dict], last_assistant_only: bool = False) -> list[tuple[str, bool]]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The chat template's text of `messages` (and of its generation prompt where asked), the tools
+        offered where given; a conversation the template refuses (its raise_exception) is a DataError."""
+        if not self.has_chat_template:
+            raise ConfigError(
+                f"tokenizer_path={self.path!r} has no chat template, so it cannot render chat messages "
+                "(a 'messages' field, chat_template=true or an episode); use a chat tokenizer, chat_template_file "
+                "or plain prompt/completion data"
+            )
+        from jinja2 import TemplateError
+
+        try:
+            return self._hf.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as e:
+            raise DataError(f"the chat template of {self.path!r} cannot render the conversation: {e}") from None
+
+    def chat_segments(
+        self, messages: list[dict], last_assistant_only: bool = False, tools: list[dict] | None = None
+    ) -> list[tuple[str, bool]]:
         """Renders a conversation as consecutive (text, is_assistant) pieces of the template's full
         rendering: an assistant piece is what the template writes for that turn after the generation
         prompt (its end-of-turn tokens included), the loss of SFT; the rest is context. With
@@ -83,16 +109,9 @@ class Tokenizer:
         a prefix is not a prefix of the whole (one that rewrites earlier turns) is refused. The template
         owns all special tokens of a chat (BOS, end-of-turn), so the SFT path adds none of its own.
         """
-        if not self.has_chat_template:
-            raise ConfigError(
-                f"tokenizer_path={self.path!r} has no chat template, so it cannot render chat messages "
-                "(a 'messages' field or chat_template=true); use a chat tokenizer or plain prompt/completion data"
-            )
         if not messages or messages[-1].get("role") != "assistant":
             raise DataError("a 'messages' conversation must end with an assistant turn to train on")
-        render = lambda upto, generation: self._hf.apply_chat_template(
-            messages[:upto], tokenize=False, add_generation_prompt=generation
-        )
+        render = lambda upto, generation: self.render_chat(messages[:upto], generation, tools)
         full = render(len(messages), False)
         turns = (
             [len(messages) - 1]
@@ -111,14 +130,10 @@ class Tokenizer:
             done = len(through)
         return pieces + [(full[done:], False)] if done < len(full) else pieces
 
-    def render_prompt(self, messages: list[dict]) -> str:
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Renders a conversation that stops before the assistant's turn, with the template's
         generation prompt, as the text a sampler continues (the GRPO prompt path)."""
-        if not self.has_chat_template:
-            raise ConfigError(
-                f"tokenizer_path={self.path!r} has no chat template, so it cannot render prompts as chat messages"
-            )
-        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.render_chat(messages, True, tools)
 
     def add_tokens(self, tokens: list[str]) -> int:
         """Adds the tokens the vocabulary lacks, each then encoded as one id after the existing ones
@@ -137,11 +152,18 @@ class Tokenizer:
         self._hf.save_pretrained(path)
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Tokenizer:
-    """`""` -> built-in character tokenizer; `*.model` -> SentencePiece; a directory -> HF tokenizer."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template_file: str = "") -> Tokenizer:
+    """`""` -> built-in character tokenizer; `*.model` -> SentencePiece; a directory -> HF tokenizer.
+    `chat_template_file`: a Jinja chat template that replaces the tokenizer's own."""
+    template = _read_chat_template(chat_template_file) if chat_template_file else None
     if path == "":
-        return Tokenizer(hf=_builtin_hf_tokenizer(), path="")
+        return Tokenizer(hf=_with_template(_builtin_hf_tokenizer(), template), path="")
     if path.endswith(".model") and os.path.isfile(path):
+        if template is not None:
+            raise ConfigError(
+                f"chat_template_file={chat_template_file!r}: tokenizer_path={path!r} is a SentencePiece file, "
+                "which has no chat templates; use an HF tokenizer directory"
+            )
         import sentencepiece
 
         return Tokenizer(spm=sentencepiece.SentencePieceProcessor(model_file=path), path=path)
@@ -150,7 +172,34 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Tokenizer:
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-    return Tokenizer(hf=hf, path=path)
+    return Tokenizer(hf=_with_template(hf, template), path=path)
+
+
+def _read_chat_template(name: str) -> str:
+    """The Jinja text of `name`: a file, else the shipped template it names (a leading `configs/`
+    dropped, as config ymls are found), so the recipes' templates work from any directory. A
+    template that does not parse is refused here rather than at the first conversation."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    parts = Path(name).parts
+    shipped = SHIPPED_CONFIGS.joinpath(*parts[1:] if parts[:1] == ("configs",) else parts)
+    found = name if os.path.isfile(name) or not shipped.is_file() else str(shipped)
+    try:
+        with open(found, encoding="utf-8") as f:
+            text = f.read()
+        _compile_jinja_template(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"chat_template_file={name!r} cannot be read: {e}") from None
+    except TemplateSyntaxError as e:
+        raise ConfigError(f"chat_template_file={name!r} is not a valid Jinja template: {e} (line {e.lineno})") from None
+    return text
+
+
+def _with_template(hf, template: str | None):
+    if template is not None:
+        hf.chat_template = template
+    return hf
 
 
 def _builtin_hf_tokenizer():
