@@ -165,7 +165,7 @@ class BadWorkflow:
             yield "not a request"
         if self.how == "raise":
             raise KeyError("label")
-        turn = yield Generate([1, 2, 3], 2)
+        turn = yield Generate(TOK.encode("Q:q\n"), 2)
         return {"tokens": turn.tokens}
 
 
@@ -221,12 +221,15 @@ def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
         max_turns=3,
         rollout_max_response_len=6,
         episode_max_tokens=64,
+        per_device_batch_size=1,
     )
     run, state = build_run(cfg)
     sampler = rollout.make_sampler(run)
     sampler.update_weights(state["params"], 5)
     wf = MultiTurn(run)
-    sampling = SamplingParams(6, temperature=1.0, stop_token_ids=(run.tokenizer.eos_id,))
+    # A random model seldom samples EOS: any letter or digit ends a turn too, so episodes go on.
+    stops = (run.tokenizer.eos_id, *run.tokenizer.encode("abcdefghijklmnopqrstuvwxyz0123456789"))
+    sampling = SamplingParams(6, temperature=1.0, stop_token_ids=stops)
     records = [Prompt((), p, "") for p in ("12+3=", "7*8=", "1-1=", "40+2=")]
     episodes = start_episodes(sampler, wf, records, sampling, jax.random.key(3))()
     model = nnx.merge(run.graphdef, state["params"])

@@ -69,7 +69,7 @@ class Sampled:
     tokens: np.ndarray  # [n] int32, the stop token included when it stopped
     logprobs: np.ndarray  # [n] float32, under the distribution each token was drawn from
     version: int  # the weights version that sampled it
-    stopped: bool  # ended by a stop token (else cut at its token budget)
+    stopped: bool  # ended by one of the call's stop tokens (else cut at its token budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,6 @@ class MultiTurn:
         self.cfg, self.make_env = cfg, make_env_factory(cfg)
         self.chat = ChatTurns(self.tokenizer, self.make_env(cfg).tools or None)
         self.system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        self.stop_ids = (self.tokenizer.eos_id,)
 
     def episode(self, record: Prompt) -> Generator[Generate, Sampled, Trajectory | None]:
         cfg, env = self.cfg, self.make_env(self.cfg)
@@ -184,10 +183,9 @@ class MultiTurn:
                 break
             turn = yield Generate(transcript.context(), budget)
             transcript.add_sampled(turn)
-            stopped = turn.stopped and int(turn.tokens[-1]) in self.stop_ids
-            text = self.tokenizer.decode(turn.tokens[:-1] if stopped else turn.tokens)
+            text = self.tokenizer.decode(turn.tokens[:-1] if turn.stopped else turn.tokens)
             messages.append({"role": "assistant", "content": text})
-            if not stopped:
+            if not turn.stopped:
                 end = "length"
                 break
             parsed = parse_turn(text, cfg.tool_call_format)
@@ -250,7 +248,7 @@ def start_episodes(
             live, handle = pending
             out = handle.result()
             for row, e in enumerate(live):
-                e.advance(_row(out, row, e.request.max_new_tokens))
+                e.advance(_row(out, row, e.request.max_new_tokens, sampling.stop_token_ids))
             turn += 1
             pending = _submit_turn(sampler, episodes, sampling, jax.random.fold_in(key, turn))
         return [e.result for e in episodes]
@@ -266,10 +264,11 @@ def _submit_turn(sampler, episodes: list, sampling: SamplingParams, key):
     return live, submit(sampler, [e.request.context for e in live], sampling, key)
 
 
-def _row(out: Completions, row: int, budget: int) -> Sampled:
+def _row(out: Completions, row: int, budget: int, stop_ids) -> Sampled:
     n = min(int(out.lengths[row]), budget)
     tokens = out.tokens[row, :n].astype(np.int32)
-    return Sampled(tokens, out.logprobs[row, :n].astype(np.float32), out.version, n == int(out.lengths[row]))
+    stopped = n > 0 and int(tokens[-1]) in stop_ids
+    return Sampled(tokens, out.logprobs[row, :n].astype(np.float32), out.version, stopped)
 
 
 class _Episode:
