@@ -7,6 +7,8 @@ Then the shipped tiny_chat template on the built-in tokenizer, and the errors.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from chat_templates import FAMILIES, make_hf_tokenizer
@@ -100,7 +102,7 @@ def reference_ids(path: str, messages: list[dict], tools: list[dict] | None = TO
 
 
 def run_episode(turns: ChatTurns, messages: list[dict], sampled_texts: list[str]) -> tuple[list[int], list[int]]:
-    """run_sampled with each turn's ids the encoding of its text (what a model samples in the main)."""
+    """run_sampled with each turn's ids the tokenizer's encoding of its text (as a model mostly samples it)."""
     return run_sampled(turns, messages, [turns.tokenizer.encode(text) for text in sampled_texts])
 
 
@@ -249,7 +251,7 @@ def test_tiny_chat_template_on_the_builtin_tokenizer(tmp_path, monkeypatch):
         + f"A:{sampled[2]}\n"
     )
     reference = _builtin_hf_tokenizer()
-    reference.chat_template = open(TINY_CHAT).read()
+    reference.chat_template = Path(TINY_CHAT).read_text()
     assert reference.apply_chat_template(messages, tokenize=False) == text
     assert episode == reference.apply_chat_template(messages, tokenize=True, return_dict=False)
     assert tok.decode(episode, skip_special_tokens=False) == text and episode.count(tok.eos_id) == 3
