@@ -1,5 +1,5 @@
 """The wheel, built once from a clean copy of the checkout: it holds every module and the shipped configs
-(base.yml, the model ymls, the recipes) as files, and installed without the checkout (into a fresh venv
+(base.yml, the model ymls, the recipes, the chat templates) as files, and installed without the checkout (into a fresh venv
 that borrows this interpreter's installed requirements) its `unitrain` command runs the built-in run,
 configs/base.yml and a recipe naming `base_config: base.yml` from a directory outside the checkout.
 The rule behind it, in process: a relative yml path that does not exist is the shipped config."""
@@ -75,10 +75,14 @@ def test_wheel_holds_every_module_and_the_configs_as_files(wheel):
     assert "unitrain/rollout/colocated.py" in modules
     assert not modules - names, f"modules missing from the wheel: {sorted(modules - names)}"
     assert not any(n.startswith("adapters/") for n in names)  # never a top-level `adapters` package
-    configs = {f"unitrain/configs/{p.relative_to(CONFIGS).as_posix()}": p for p in CONFIGS.rglob("*.yml")}
-    assert {"unitrain/configs/base.yml", "unitrain/configs/models/tiny.yml", "unitrain/configs/gsm8k_grpo.yml"} <= set(
-        configs
-    )
+    shipped = [*CONFIGS.rglob("*.yml"), *CONFIGS.rglob("*.jinja")]  # the chat templates too
+    configs = {f"unitrain/configs/{p.relative_to(CONFIGS).as_posix()}": p for p in shipped}
+    assert {
+        "unitrain/configs/base.yml",
+        "unitrain/configs/models/tiny.yml",
+        "unitrain/configs/gsm8k_grpo.yml",
+        "unitrain/configs/templates/tiny_chat.jinja",
+    } <= set(configs)
     with zipfile.ZipFile(wheel) as archive:
         for name, path in configs.items():
             assert name in names, f"config missing from the wheel: {name}"

@@ -79,15 +79,18 @@ class Tokenizer:
         prompt, completion = (text for text, _ in self.chat_segments(messages, last_assistant_only=True))
         return prompt, completion
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        """The chat template's text of `messages` (and of its generation prompt where asked), the tools
-        offered where given; a conversation the template refuses (its raise_exception) is a DataError."""
+    def _require_template(self) -> None:
         if not self.has_chat_template:
             raise ConfigError(
                 f"tokenizer_path={self.path!r} has no chat template, so it cannot render chat messages "
                 "(a 'messages' field, chat_template=true or an episode); use a chat tokenizer, chat_template_file "
                 "or plain prompt/completion data"
             )
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The chat template's text of `messages` (and of its generation prompt where asked), the tools
+        offered where given; a conversation the template refuses (its raise_exception) is a DataError."""
+        self._require_template()
         from jinja2 import TemplateError
 
         try:
@@ -109,6 +112,7 @@ class Tokenizer:
         a prefix is not a prefix of the whole (one that rewrites earlier turns) is refused. The template
         owns all special tokens of a chat (BOS, end-of-turn), so the SFT path adds none of its own.
         """
+        self._require_template()
         if not messages or messages[-1].get("role") != "assistant":
             raise DataError("a 'messages' conversation must end with an assistant turn to train on")
         render = lambda upto, generation: self.render_chat(messages[:upto], generation, tools)
