@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from chat_templates import FAMILIES, make_hf_tokenizer
-from unitrain.data.tokenizer import SHIPPED_CONFIGS, _builtin_hf_tokenizer, load_tokenizer
+from unitrain.config import SHIPPED_CONFIGS
+from unitrain.data.tokenizer import _builtin_hf_tokenizer, load_tokenizer
 from unitrain.data.turns import ChatTurns
 from unitrain.errors import ConfigError, DataError
 

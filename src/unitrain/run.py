@@ -9,7 +9,6 @@ the tools alike.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,7 +18,6 @@ from jax.sharding import Mesh
 
 from unitrain import lora, models, sharding, vocab
 from unitrain import step as step_lib
-from unitrain.config import find_config_file
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.models.attention import attention_kernel
@@ -62,8 +60,7 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     layout = device_layout(cfg)
     mesh = sharding.trainer_mesh(cfg, layout)
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
-    template = str(find_config_file(cfg.chat_template_file, Path.cwd())) if cfg.chat_template_file else ""
-    tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code, template)
+    tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code, cfg.chat_template_file)
     cfg = vocab.extend(cfg, tokenizer)  # extra_tokens: a wider vocabulary, grown by the model source
     vocab.save_tokenizer(cfg, tokenizer)
     model = models.build(cfg, mesh)

@@ -12,10 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from unitrain.config import find_config_file
 from unitrain.errors import ConfigError, DataError
-
-# The shipped chat templates (configs/templates/*.jinja, package data) beside the shipped configs.
-SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
 
 # Built-in character tokenizer: specials first (<pad> must be 0), then printable ASCII and newline,
 # enough for the built-in arithmetic task and for any plain-ASCII toy text.
@@ -186,9 +184,7 @@ def _read_chat_template(name: str) -> str:
     from jinja2 import TemplateSyntaxError
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    parts = Path(name).parts
-    shipped = SHIPPED_CONFIGS.joinpath(*parts[1:] if parts[:1] == ("configs",) else parts)
-    found = name if os.path.isfile(name) or not shipped.is_file() else str(shipped)
+    found = find_config_file(name, Path.cwd())
     try:
         with open(found, encoding="utf-8") as f:
             text = f.read()
