@@ -17,6 +17,7 @@ from unitrain.data.tokenizer import load_tokenizer
 from unitrain.envs.base import StepResult
 from unitrain.errors import ConfigError
 from unitrain.rollout.base import Completions, SamplingParams
+from unitrain.rollout.buckets import bucket_prompt_length
 from unitrain.rollout.episodes import (
     Generate,
     MultiTurn,
@@ -245,3 +246,45 @@ def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
         assert set(t.versions[sampled].tolist()) == {5}
         checked += int(sampled.sum())
     assert checked > 0 and any(t.turns > 1 for t in episodes)
+
+
+def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
+    from unitrain.tasks.grpo import GRPOTask, truncated_rows, turn_discounts
+
+    def episode(turns, end):
+        tr = Transcript([1, 7, 8])
+        for i, n in enumerate(turns):
+            tr.add_sampled(Sampled(np.full(n, 40 + i, np.int32), np.full(n, -0.1 * (i + 1), np.float32), i, True))
+            if i + 1 < len(turns):
+                tr.add_context([5, 6, 7])
+        return tr.trajectory(1.0, end)
+
+    group = episode_group(Prompt((), "p", "l"), [episode([2, 3], "env_done"), episode([4], "length")], TOK)
+    task = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(n_samples_per_prompt=2), run=types.SimpleNamespace(tokenizer=TOK), max_completion=64
+    )
+    rows = GRPOTask.to_rows(task, [group])
+    P, C = bucket_prompt_length(3), bucket_prompt_length(8)  # the prompt's and the longest episode's ids
+    assert rows["inputs"].shape == (2, P + C) and rows["targets"].shape == (2, C)
+    first, pad = [40, 40, 5, 6, 7, 41, 41, 41], [0] * (C - 8)
+    assert rows["inputs"][0, P - 3 : P + 8].tolist() == [1, 7, 8, *first] and rows["targets"][0, :8].tolist() == first
+    assert rows["loss_mask"].tolist() == [[1, 1, 0, 0, 0, 1, 1, 1, *pad], [1, 1, 1, 1, 0, 0, 0, 0, *pad]]
+    np.testing.assert_allclose(rows["sampler_logprobs"][0, :8], [-0.1, -0.1, 0, 0, 0, -0.2, -0.2, -0.2])
+    assert truncated_rows([group], (TOK.eos_id,)).tolist() == [False, True]
+    # A later turn's tokens get the episode's advantage in full, an earlier one's discounted per turn after it.
+    np.testing.assert_allclose(
+        turn_discounts([group], C, 0.5), [[0.5, 0.5, 0, 0, 0, 1, 1, 1, *pad], [1, 1, 1, 1, 0, 0, 0, 0, *pad]]
+    )
+
+
+class NoEpisode:
+    def __init__(self, run):
+        pass
+
+
+def test_a_workflow_class_without_episode_is_one_line():
+    from unitrain.rollout.episodes import make_workflow
+
+    cfg = make_cfg(mode="grpo", workflow="test_episodes:NoEpisode")
+    with pytest.raises(ConfigError, match="has no episode"):
+        make_workflow(types.SimpleNamespace(cfg=cfg, tokenizer=TOK))

@@ -134,10 +134,29 @@ def test_episodes_sampled_ahead_on_a_rollout_mesh_equal_the_colocated_run_ahead(
     monkeypatch.syspath_prepend(str(REPO / "tests"))
     ahead = ["steps=3", "max_staleness=1"]
     split = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2"]
-    assert run_in_process(grpo_args(warm_start, tmp_path, "split") + ahead + split, tmp_path / "s.log", monkeypatch) == 0
+    assert (
+        run_in_process(grpo_args(warm_start, tmp_path, "split") + ahead + split, tmp_path / "s.log", monkeypatch) == 0
+    )
     colocated_args = grpo_args(warm_start, tmp_path, "colocated") + ahead
     assert run_in_process(colocated_args, tmp_path / "c.log", monkeypatch) == 0
     a, b = metrics(tmp_path / "colocated"), metrics(tmp_path / "split")
     assert [b[s]["rollout_staleness_max"] for s in range(3)] == [0, 1, 1]
     for key in ("loss", "reward_mean", "kl", "episode_turns_mean"):
+        np.testing.assert_allclose([b[s][key] for s in b], [a[s][key] for s in b], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_two_processes_play_the_episodes_of_one(warm_start, tmp_path, monkeypatch):
+    """Every process runs the same episodes and sampler calls: 2 processes x 4 devices give the
+    losses of 1 x 8."""
+    from launch.local import launch  # tools/ is on sys.path (conftest)
+
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    assert run_in_process(grpo_args(warm_start, tmp_path, "one") + ["steps=2"], tmp_path / "one.log", monkeypatch) == 0
+    env = {"RECORD_LOG": str(tmp_path / "two.log"), "PYTHONPATH": str(REPO / "tests")}
+    args = [str(REPO / "configs" / "base.yml"), *grpo_args(warm_start, tmp_path, "two"), "steps=2"]
+    for r in launch(args, processes=2, devices_per_process=4, timeout=600, env=env, echo=False):
+        assert r.returncode == 0, r.output[-3000:]
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert sorted(b) == [0, 1]
+    for key in ("loss", "reward_mean", "episode_turns_mean", "kl"):
         np.testing.assert_allclose([b[s][key] for s in b], [a[s][key] for s in b], rtol=1e-4, atol=1e-6, err_msg=key)

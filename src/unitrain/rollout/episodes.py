@@ -359,7 +359,8 @@ def episode_group(prompt: Prompt, episodes: list[Trajectory], tokenizer) -> Grou
 
 
 def episode_metrics(episodes: list[Trajectory], prefix: str = "") -> dict:
-    """Success rate, turns, tool calls and their validity, and why episodes ended."""
+    """Success rate, turns, tool calls and their validity, sampled tokens, the sampler's live rows,
+    and why episodes ended."""
     if not episodes:
         return {}
     calls = sum(t.tool_calls for t in episodes)
@@ -370,6 +371,10 @@ def episode_metrics(episodes: list[Trajectory], prefix: str = "") -> dict:
         "episode_tool_calls_mean": calls / len(episodes),
         "episode_tool_call_valid_rate": 1.0 - sum(t.invalid_tool_calls for t in episodes) / calls if calls else 1.0,
         "episode_sampled_tokens_mean": np.mean([int(t.loss_mask.sum()) for t in episodes]),
+        # The driver's rows that were live episodes over a round's turns (1: none waited on another);
+        # exact for a step of one round, whose sampler calls are its longest episode's turns.
+        "episode_live_rows_fraction": sum(t.turns for t in episodes)
+        / (len(episodes) * max(t.turns for t in episodes) or 1),
         **{f"episode_end_{reason}": ends[reason] / len(episodes) for reason in END_REASONS},
     }
     return {prefix + k: float(v) for k, v in metrics.items()}

@@ -295,6 +295,8 @@ class GRPOTask(Task):
         }
         if not cfg.max_staleness:
             metrics["rollout_tokens_per_sec"] = float(mask.sum()) / max(t1 - t0, 1e-9)
+            if self.workflow is not None:
+                metrics["episodes_per_sec"] = len(mask) / max(t1 - t0, 1e-9)
         if step % cfg.sample_log_period == 0:
             self.text = (
                 episodes.episodes_markdown([t for g in groups for t in g.episodes])
