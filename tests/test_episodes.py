@@ -288,3 +288,32 @@ def test_a_workflow_class_without_episode_is_one_line():
     cfg = make_cfg(mode="grpo", workflow="test_episodes:NoEpisode")
     with pytest.raises(ConfigError, match="has no episode"):
         make_workflow(types.SimpleNamespace(cfg=cfg, tokenizer=TOK))
+
+
+def test_sft_on_an_environments_demonstrations_trains_on_the_assistant_turns():
+    """env under mode=sft: the built-in task's records become the calculator's demonstrations (a
+    tool call, its result, the answer), rendered by the chat template; the loss is on the assistant's
+    turns (the call and the answer, each with the template's end of turn), not on the question or the
+    tool's result."""
+    from unitrain.data.sft import make_sft_dataset
+
+    cfg = make_cfg(mode="sft", env="calculator", chat_template_file=TEMPLATE, max_target_length=128, packing=False)
+    batch = next(iter(make_sft_dataset(cfg, TOK, 4)))
+    for row in range(4):
+        ids, weights = batch["inputs"][row], batch["targets_segmentation"][row] > 0
+        targets = batch["targets"][row]
+        text = TOK.decode(ids, skip_special_tokens=False)
+        assert "<tool_call>" in text and "R:" in text
+        trained = TOK.decode(targets[weights], skip_special_tokens=False)
+        call = text.split("A:")[1].split("<eos>")[0]
+        final = text.split("A:")[2].split("<eos>")[0]
+        assert trained == f"{call}<eos>\n{final}<eos>\n"  # each turn as the template ends it
+
+
+def test_config_refuses_an_environment_nothing_uses():
+    with pytest.raises(ConfigError, match="is the environment of workflow multi_turn"):
+        make_cfg(mode="grpo", env="calculator")
+    with pytest.raises(ConfigError, match="trains on its demonstrations of dataset_path builtin"):
+        make_cfg(mode="sft", env="calculator", dataset_path="/data/x.jsonl")
+    with pytest.raises(ConfigError, match="rolls out RL episodes; mode=sft"):
+        make_cfg(mode="sft", workflow="multi_turn", env="calculator")
