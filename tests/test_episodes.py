@@ -55,6 +55,8 @@ class ScriptEnv:
             raise RuntimeError("boom")
         if turn.tool_calls or turn.tool_call_errors:
             return StepResult([{"role": "tool", "content": f"errors={len(turn.tool_call_errors)}"}])
+        if "tuple" in turn.content:
+            return [], 0.0, False
         if "done" in turn.content:
             return StepResult([], reward=1.0, done=True)
         return StepResult([{"role": "user", "content": "ok"}], reward=0.25)
@@ -145,6 +147,11 @@ def test_every_way_an_episode_ends():
     # The episode budget counts every id after the prompt: the second turn does not fit.
     (t,), _ = play(workflow(episode_max_tokens=8), {"tight": ["abcde", "done"]})
     assert t.end == "length" and t.turns == 1 and len(t.ids) < 8
+
+
+def test_an_environment_that_returns_the_wrong_type_is_one_line():
+    with pytest.raises(ConfigError, match="step returned a tuple, not an envs.base.StepResult"):
+        play(workflow(), {"t": ["tuple"]})
 
 
 def test_a_reset_that_raises_rejects_the_episode_and_bad_tool_calls_are_feedback():

@@ -40,6 +40,7 @@ import numpy as np
 from unitrain import plugins, registry
 from unitrain.data.prompts import Prompt
 from unitrain.data.turns import ChatTurns
+from unitrain.envs.base import StepResult
 from unitrain.envs.tool_calls import parse_turn
 from unitrain.errors import ConfigError, DataError, UserError
 from unitrain.rollout.base import Completions, Sampler, SamplingParams, submit
@@ -197,6 +198,10 @@ class MultiTurn:
                 log.warning("env %s: step failed, episode ended (env_error): %s", cfg.env, e)
                 end = "env_error"
                 break
+            if not isinstance(result, StepResult):
+                raise ConfigError(
+                    f"env {cfg.env}: step returned a {type(result).__name__}, not an envs.base.StepResult"
+                )
             reward += float(result.reward)
             if result.done:
                 end = "env_done"
