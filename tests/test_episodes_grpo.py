@@ -95,11 +95,19 @@ def metrics(run_dir) -> dict:
     return {line["step"]: line for line in lines if "loss" in line}
 
 
-def test_a_run_killed_mid_rollout_resumes_to_the_same_losses_and_records(warm_start, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def straight(warm_start, tmp_path_factory):
+    """A 4-step GRPO run on the game, uninterrupted: (its metrics by step, the records it started)."""
+    root = tmp_path_factory.mktemp("straight")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.syspath_prepend(str(REPO / "tests"))
+        assert run_in_process(grpo_args(warm_start, root, "straight") + ["steps=4"], root / "log", monkeypatch) == 0
+    return metrics(root / "straight"), (root / "log").read_text().splitlines()
+
+
+def test_a_run_killed_mid_rollout_resumes_to_the_same_losses_and_records(warm_start, straight, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "tests"))
-    straight_log = tmp_path / "straight.log"
-    assert run_in_process(grpo_args(warm_start, tmp_path, "straight") + ["steps=4"], straight_log, monkeypatch) == 0
-    straight = metrics(tmp_path / "straight")
+    straight, straight_records = straight
     assert sorted(straight) == [0, 1, 2, 3]
     assert max(straight[s]["episode_turns_mean"] for s in straight) > 1  # past the first turn
     assert all(0 <= straight[s]["episode_success_rate"] <= 1 for s in straight)
@@ -127,12 +135,12 @@ def test_a_run_killed_mid_rollout_resumes_to_the_same_losses_and_records(warm_st
         )
     # The resumed run starts the records of the steps after its checkpoint, the straight run's.
     resumed = resumed_log.read_text().splitlines()
-    assert 0 < len(resumed) < 32 and resumed == straight_log.read_text().splitlines()[-len(resumed) :]
+    assert 0 < len(resumed) < 32 and resumed == straight_records[-len(resumed) :]
 
 
 def test_episodes_sampled_ahead_on_a_rollout_mesh_equal_the_colocated_run_ahead(warm_start, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "tests"))
-    ahead = ["steps=3", "max_staleness=1"]
+    ahead = ["steps=3", "max_staleness=1", "turn_discount=0.5"]  # per-token advantages too
     split = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2"]
     assert (
         run_in_process(grpo_args(warm_start, tmp_path, "split") + ahead + split, tmp_path / "s.log", monkeypatch) == 0
@@ -145,18 +153,16 @@ def test_episodes_sampled_ahead_on_a_rollout_mesh_equal_the_colocated_run_ahead(
         np.testing.assert_allclose([b[s][key] for s in b], [a[s][key] for s in b], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-def test_two_processes_play_the_episodes_of_one(warm_start, tmp_path, monkeypatch):
+def test_two_processes_play_the_episodes_of_one(warm_start, straight, tmp_path):
     """Every process runs the same episodes and sampler calls: 2 processes x 4 devices give the
-    losses of 1 x 8."""
+    losses of 1 x 8 (the straight run's first steps: a constant learning rate)."""
     from launch.local import launch  # tools/ is on sys.path (conftest)
 
-    monkeypatch.syspath_prepend(str(REPO / "tests"))
-    assert run_in_process(grpo_args(warm_start, tmp_path, "one") + ["steps=2"], tmp_path / "one.log", monkeypatch) == 0
     env = {"RECORD_LOG": str(tmp_path / "two.log"), "PYTHONPATH": str(REPO / "tests")}
     args = [str(REPO / "configs" / "base.yml"), *grpo_args(warm_start, tmp_path, "two"), "steps=2"]
     for r in launch(args, processes=2, devices_per_process=4, timeout=600, env=env, echo=False):
         assert r.returncode == 0, r.output[-3000:]
-    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    a, b = straight[0], metrics(tmp_path / "two")
     assert sorted(b) == [0, 1]
     for key in ("loss", "reward_mean", "episode_turns_mean", "kl"):
         np.testing.assert_allclose([b[s][key] for s in b], [a[s][key] for s in b], rtol=1e-4, atol=1e-6, err_msg=key)
