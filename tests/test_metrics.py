@@ -445,6 +445,11 @@ def test_tensorboard_wandb_and_jsonl_have_the_same_metrics(tmp_path, offline_wan
     }
     history = wandb_history(records)
     assert sorted(history) == sorted(logged) == [0, 1]
+    # TensorBoard's text is a W&B HTML panel (its fields flattened into samples/...) at the same steps.
+    texts = {e.step for e in events for v in e.summary.value if v.tag.startswith("samples")}
+    panels = {step: {k: row.pop(k) for k in list(row) if k.startswith("samples/")} for step, row in history.items()}
+    assert texts == {step for step, panel in panels.items() if panel.get("samples/_type") == "html-file"}
+    assert texts or not grpo  # GRPO's sampled completions at step 0
     for step, row in logged.items():
         assert history[step] == pytest.approx(row), step
 

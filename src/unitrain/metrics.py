@@ -146,9 +146,11 @@ class MetricsWriter:
         return " | ".join(parts)
 
     def text(self, step: int, tag: str, text: str) -> None:
-        """A TensorBoard text summary, e.g. sampled completions."""
+        """A TensorBoard text summary (and a W&B panel), e.g. sampled completions."""
         if self.is_primary:
             self._tb.add_text(tag, text, int(step))
+        if self._wandb is not None:
+            self._wandb.text(step, tag, text)
 
     def close(self) -> None:
         if self._file is not None:

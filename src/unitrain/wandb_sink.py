@@ -2,13 +2,14 @@
 
 `wandb_project: ""` keeps W&B out of the run entirely (not even imported). Otherwise process 0
 starts one W&B run with the resolved config attached and logs every metrics line at the trainer's
-step. The W&B run id is kept in <run_dir>/wandb_id, so a resumed run continues the same W&B run;
+step, and the text TensorBoard gets (samples, episodes) as HTML panels. The W&B run id is kept in <run_dir>/wandb_id, so a resumed run continues the same W&B run;
 W&B's steps only grow, so after a resume from an older checkpoint W&B keeps its first values of
 the steps run again (resume is exact: they are the same numbers).
 """
 
 from __future__ import annotations
 
+import html
 import os
 
 from unitrain.errors import ConfigError
@@ -51,6 +52,12 @@ class WandbSink:
 
     def log(self, step: int, values: dict) -> None:
         self.run.log(values, step=step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Markdown text (sampled completions, whole episodes) as a W&B HTML panel, verbatim."""
+        import wandb
+
+        self.run.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
     def close(self) -> None:
         self.run.finish()
