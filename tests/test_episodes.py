@@ -149,6 +149,11 @@ def test_every_way_an_episode_ends():
     assert t.end == "length" and t.turns == 1 and len(t.ids) < 8
 
 
+def test_an_episode_whose_first_prompt_is_too_long_is_rejected():
+    episodes, sampler = play(workflow(max_prompt_length=12), {"short": ["done"], "a much longer question": ["done"]})
+    assert episodes[0].end == "env_done" and episodes[1] is None and len(sampler.calls[0]) == 1
+
+
 def test_an_environment_that_returns_the_wrong_type_is_one_line():
     with pytest.raises(ConfigError, match="step returned a tuple, not an envs.base.StepResult"):
         play(workflow(), {"t": ["tuple"]})

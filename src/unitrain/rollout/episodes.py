@@ -156,7 +156,8 @@ class MultiTurn:
     message delta (data/turns.py), never by re-encoding the conversation. The episode ends when the
     environment says done (env_done), after max_turns turns (max_turns), when a turn is cut without its
     stop token or the episode reaches episode_max_tokens (length), or when the environment raises
-    (env_error). Its reward is the sum of the environment's rewards.
+    (env_error). Its reward is the sum of the environment's rewards. An episode whose first prompt has
+    more than max_prompt_length ids, or whose environment's reset raises, is rejected.
     """
 
     def __init__(self, run):
@@ -175,7 +176,11 @@ class MultiTurn:
             log.warning("env %s: reset failed on prompt %r, episode rejected: %s", cfg.env, record.text[:80], e)
             return None
         messages = [*self.system, *first]
-        transcript = Transcript(self.chat.prompt(messages))
+        prompt = self.chat.prompt(messages)
+        if len(prompt) > cfg.max_prompt_length:  # as over-long prompts are dropped
+            log.warning("env %s: a first prompt of %d ids > max_prompt_length, episode rejected", cfg.env, len(prompt))
+            return None
+        transcript = Transcript(prompt)
         reward, end, calls, invalid = 0.0, "max_turns", 0, 0
         for _ in range(cfg.max_turns):
             budget = min(cfg.rollout_max_response_len, cfg.episode_max_tokens - len(transcript))
