@@ -20,7 +20,6 @@ from unitrain.rollout.base import Completions, SamplingParams
 from unitrain.rollout.buckets import bucket_prompt_length
 from unitrain.rollout.episodes import (
     Generate,
-    MultiTurn,
     Sampled,
     Trajectory,
     Transcript,
@@ -29,6 +28,7 @@ from unitrain.rollout.episodes import (
     episode_metrics,
     start_episodes,
 )
+from unitrain.rollout.multi_turn import MultiTurn
 
 TEMPLATE = str(REPO / "configs" / "templates" / "tiny_chat.jinja")
 TOK = load_tokenizer("", chat_template_file=TEMPLATE)

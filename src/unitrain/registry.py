@@ -23,7 +23,7 @@ FILTERS = {"nonzero_std": "unitrain.rollout.groups:nonzero_std"}
 
 # workflow: a class made as Class(run) with episode(record) (rollout/episodes.py); single_turn is
 # rollout/groups.py's one-completion path, no class
-WORKFLOWS = {"multi_turn": "unitrain.rollout.episodes:MultiTurn"}
+WORKFLOWS = {"multi_turn": "unitrain.rollout.multi_turn:MultiTurn"}
 
 # env: fn(cfg) -> envs.base.Environment, one per episode
 ENVS = {

@@ -23,10 +23,11 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from unitrain import plugins, registry
+from unitrain import plugins
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import read_records
+from unitrain.envs.base import env_factory
 from unitrain.errors import ConfigError, DataError
 
 BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
@@ -163,7 +164,7 @@ def _demonstrations(cfg):
     tools (envs/base.py), the built-in task's SFT warm start for episodes; else None."""
     if not cfg.env:
         return None
-    env = plugins.resolve(cfg.env, registry.ENVS, "env", "an environment factory (cfg) -> Environment")(cfg)
+    env = env_factory(cfg)(cfg)
     if not callable(getattr(env, "demonstration", None)):
         raise ConfigError(f"env={cfg.env} has no demonstration(record) to train on with mode=sft")
     return lambda prompt, label: {

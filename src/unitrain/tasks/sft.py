@@ -21,7 +21,7 @@ from unitrain import step as step_lib
 from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator, split_path
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator
-from unitrain.rollout.episodes import MultiTurn
+from unitrain.rollout.multi_turn import MultiTurn
 from unitrain.tasks.base import RunContext, Task
 
 

@@ -1,0 +1,91 @@
+"""`workflow: multi_turn`: the built-in workflow, a conversation with an environment (envs/base.py)
+in the chat template's turns, token in and token out (rollout/episodes.py runs it)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+
+from unitrain.data.prompts import Prompt
+from unitrain.data.turns import ChatTurns
+from unitrain.envs.base import StepResult, env_factory
+from unitrain.envs.tool_calls import parse_turn
+from unitrain.errors import ConfigError
+from unitrain.rollout.episodes import Generate, Sampled, Trajectory, Transcript
+
+log = logging.getLogger("unitrain")
+
+
+class MultiTurn:
+    """`workflow: multi_turn`: a conversation with the environment named by `env` (envs/base.py).
+
+    The prompt is the chat template over the system prompt, the environment's first messages and its
+    tools; each turn the model answers (up to rollout_max_response_len tokens), its tool calls are
+    parsed (tool_call_format), and the environment's reply is appended as the template's ids for that
+    message delta (data/turns.py), never by re-encoding the conversation. The episode ends when the
+    environment says done (env_done), after max_turns turns (max_turns), when a turn is cut without its
+    stop token or the episode reaches episode_max_tokens (length), or when the environment raises
+    (env_error). Its reward is the sum of the environment's rewards. An episode whose first prompt has
+    more than max_prompt_length ids, or whose environment's reset raises, is rejected.
+    """
+
+    def __init__(self, run):
+        cfg, self.tokenizer = run.cfg, run.tokenizer
+        if not cfg.env:
+            raise ConfigError("workflow multi_turn needs an environment: set env (calculator, guess_number, ...)")
+        self.cfg, self.make_env = cfg, env_factory(cfg)
+        self.chat = ChatTurns(self.tokenizer, self.make_env(cfg).tools or None)
+        self.system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+
+    def episode(self, record: Prompt) -> Generator[Generate, Sampled, Trajectory | None]:
+        cfg, env = self.cfg, self.make_env(self.cfg)
+        try:
+            first = env.reset({"prompt": record.text, "label": record.label})
+        except Exception as e:  # no episode to record: the record is skipped, and said so
+            log.warning("env %s: reset failed on prompt %r, episode rejected: %s", cfg.env, record.text[:80], e)
+            return None
+        messages = [*self.system, *first]
+        prompt = self.chat.prompt(messages)
+        if len(prompt) > cfg.max_prompt_length:  # as over-long prompts are dropped
+            log.warning("env %s: a first prompt of %d ids > max_prompt_length, episode rejected", cfg.env, len(prompt))
+            return None
+        transcript = Transcript(prompt)
+        reward, end, calls, invalid = 0.0, "max_turns", 0, 0
+        for _ in range(cfg.max_turns):
+            budget = min(cfg.rollout_max_response_len, cfg.episode_max_tokens - len(transcript))
+            if budget < 1:
+                end = "length"
+                break
+            turn = yield Generate(transcript.context(), budget)
+            transcript.add_sampled(turn)
+            text = self.tokenizer.decode(turn.tokens[:-1] if turn.stopped else turn.tokens)
+            messages.append({"role": "assistant", "content": text})
+            if not turn.stopped:
+                end = "length"
+                break
+            parsed = parse_turn(text, cfg.tool_call_format)
+            calls += len(parsed.tool_calls) + len(parsed.tool_call_errors)
+            invalid += len(parsed.tool_call_errors)
+            try:
+                result = env.step(parsed)
+            except Exception as e:
+                log.warning("env %s: step failed, episode ended (env_error): %s", cfg.env, e)
+                end = "env_error"
+                break
+            if not isinstance(result, StepResult):
+                raise ConfigError(
+                    f"env {cfg.env}: step returned a {type(result).__name__}, not an envs.base.StepResult"
+                )
+            reward += float(result.reward)
+            if result.done:
+                end = "env_done"
+                break
+            reply = self.chat.close(int(turn.tokens[-1])) + self.chat.delta(result.messages)
+            if len(transcript) + len(reply) >= cfg.episode_max_tokens:
+                end = "length"
+                break
+            transcript.add_context(reply)
+            messages += result.messages
+        return transcript.trajectory(
+            reward, end, tool_calls=calls, invalid_tool_calls=invalid, messages=tuple(messages)
+        )
