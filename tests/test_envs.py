@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import make_cfg
 from unitrain.data.builtin import builtin_problem
 from unitrain.envs.base import AssistantTurn, Environment, ToolCall
 from unitrain.envs.calculator import (
@@ -287,8 +288,7 @@ def test_tool_environment_reports_bad_calls(turn, error):
 
 
 def test_make_calculator_scores_with_the_configured_reward():
-    cfg = SimpleNamespace(reward="exact_match", reward_weights=[0.5])
-    env = make_calculator(cfg)
+    env = make_calculator(make_cfg(reward="exact_match", reward_weights="[0.5]"))
     env.reset({"prompt": "3-12=", "label": "-9"})
     assert env.step(_turn("-9")).reward == 0.5
     env.reset({"prompt": "3-12=", "label": "-9"})

@@ -7,6 +7,7 @@ the configured reward scores) and the calculator's expert demonstration of the b
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 from collections.abc import Callable
 
@@ -203,5 +204,11 @@ class CalculatorEnvironment(ToolEnvironment):
 
 def make_calculator(cfg) -> CalculatorEnvironment:
     """`env: calculator`: the calculator tool, the final answer scored by the configured reward's total."""
+    return CalculatorEnvironment(_final_answer_score(cfg))
+
+
+@functools.lru_cache(maxsize=4)
+def _final_answer_score(cfg):
+    """The configured reward's total for one answer, made once per config, not once per episode."""
     reward_fn = make_reward_fn(cfg)
-    return CalculatorEnvironment(lambda prompt, answer, label: float(reward_fn([prompt], [answer], [label])[0][0]))
+    return lambda prompt, answer, label: float(reward_fn([prompt], [answer], [label])[0][0])
