@@ -131,6 +131,12 @@ RULES: dict[str, Rule] = {
     "mode": builtin_or_plugin(MODES),
     "model_source": builtin_or_plugin(MODEL_SOURCES),
     "sampler": builtin_or_plugin(SAMPLERS),
+    "vllm_python": NAME,
+    "vllm_url": Rule(lambda v: v == "" or v.startswith(("http://", "https://")), '"" or an http:// URL'),
+    "vllm_startup_timeout": POSITIVE,
+    "vllm_request_timeout": POSITIVE,
+    "vllm_max_retries": NON_NEGATIVE_INT,
+    "vllm_restarts": NON_NEGATIVE_INT,
     "workflow": Rule(
         lambda v: v == "single_turn" or builtin_or_plugin(WORKFLOWS).test(v),
         "single_turn | " + builtin_or_plugin(WORKFLOWS).expected,
@@ -325,7 +331,7 @@ def _check_rollout_devices(c: dict) -> str | None:
     and leave the trainer some."""
     if c["sampler"] == "mesh" and not c["rollout_devices"]:
         return "sampler mesh samples on devices of its own: set rollout_devices (and the rollout_*_parallelism sizes)"
-    if c["sampler"] == "colocated" and c["rollout_devices"]:
+    if c["sampler"] in ("colocated", "vllm") and c["rollout_devices"]:
         return f"rollout_devices={c['rollout_devices']} needs a sampler that runs on them: sampler: mesh (or a plugin)"
     if c["mode"] in ("sft", "dpo") and (c["rollout_devices"] or c["max_staleness"]):
         return f"rollout_devices and max_staleness serve RL rollouts; mode={c['mode']} trains on no rollouts"

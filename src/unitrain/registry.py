@@ -16,6 +16,7 @@ MODEL_SOURCES = {
 SAMPLERS = {
     "colocated": "unitrain.rollout.colocated:from_run",
     "mesh": "unitrain.rollout.mesh:from_run",
+    "vllm": "unitrain.rollout.vllm:from_run",
 }
 
 # dynamic_sampling_filter: fn(group) -> bool

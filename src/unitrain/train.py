@@ -10,6 +10,7 @@ and evals. Nothing imports this module but the command line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -60,7 +61,13 @@ def train(cfg) -> int:
         run.mesh.size,
         jax.process_count(),
     )
-    task = tasks.create(run)
+    with contextlib.closing(tasks.create(run)) as task:
+        return _start(run, task, state, checkpointer, previous, sigterm)
+
+
+def _start(run: RunContext, task: Task, state: dict, checkpointer, previous, sigterm: _SigtermFlag) -> int:
+    """Resumes or starts the run, then evaluates, exports or trains."""
+    cfg = run.cfg
     start = run_dir.resume_step(cfg, checkpointer)
     if start:
         start, state = checkpointer.restore(start, state, task.data_iterator, cfg.checkpoint_fallback)

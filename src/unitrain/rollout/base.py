@@ -44,6 +44,10 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            version's first generate for its later ones). The trainer calls it when it will not
            sample again before its next update_weights: after a GRPO step's rollouts are taken
            (rounds already submitted keep what they use) and after an evaluation.
+  close    Optional: `close()` ends what the sampler started (an engine's server); the trainer calls it
+           when the run ends, however it ends.
+  timings  Optional: `push_timings`, {metric: seconds} of the last update_weights' parts (vLLM:
+           time_weight_export, time_weight_reload); GRPO logs them beside time_weight_push.
   ranking  A sampler that can rank is a RankingSampler: it also has `beam_search(prompt_ids,
            beams, key)` (rollout/beam.py: the `beams.width` best sequences of each prompt, or W
            samples, optionally constrained to a trie; -> beam.Ranked). Ranked rollouts and ranking
@@ -139,6 +143,12 @@ def submit(sampler: Sampler, prompt_ids: list[list[int]], sampling: SamplingPara
     if hasattr(sampler, "submit"):
         return sampler.submit(prompt_ids, sampling, key)
     return Done(sampler.generate(prompt_ids, sampling, key))
+
+
+def close(sampler: Sampler) -> None:
+    """The sampler's close where it has one (the contract above)."""
+    if hasattr(sampler, "close"):
+        sampler.close()
 
 
 def release(sampler: Sampler) -> None:

@@ -8,6 +8,7 @@ A mode is a Task subclass registered in tasks/__init__.py (or named in the confi
     task.data_iterator                       # get_state()/set_state(): checkpointed with the state
     task.evaluate(params, step) -> {name: value}   # every eval_interval steps ({} = nothing to report)
     task.samples_text(step) -> str           # extra logs (sampled text for TensorBoard), "" = none
+    task.close()                             # the run ended (however): what the mode started goes
 
 `loss(params, batch)` is the mode's loss in train_step's form (sum, (denominator, metrics)) and
 `batch_shardings()` the shardings of its batch; step.make_train_step turns the two into the jitted,
@@ -47,3 +48,7 @@ class Task(abc.ABC):
 
     def samples_text(self, step: int) -> str:
         return ""
+
+    def close(self) -> None:
+        """Ends what the mode started outside this process (an inference server); called once the run ends."""
+        return None

@@ -46,7 +46,7 @@ from unitrain import step as step_lib
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.evals import TaskEvaluator
 from unitrain.rollout import episodes
-from unitrain.rollout.base import SamplingParams, release
+from unitrain.rollout.base import SamplingParams, close, release
 from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
 from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
@@ -230,6 +230,9 @@ class GRPOTask(Task):
     def evaluate(self, params, step):
         return self.evaluator(params, step) if self.evaluator else {}
 
+    def close(self) -> None:
+        close(self.sampler)
+
     def samples_text(self, step):
         return self.text if step % self.cfg.sample_log_period == 0 else ""
 
@@ -237,7 +240,7 @@ class GRPOTask(Task):
         cfg, t0 = self.cfg, time.perf_counter()
         if self.ref_params is not None and cfg.lora_rank:
             self.ref_params = lora.adapters_off(state["params"])
-        pushed = {}
+        pushed, parts = {}, {}
 
         def push(version):
             if version in pushed:
@@ -245,6 +248,8 @@ class GRPOTask(Task):
             start = time.perf_counter()
             self.sampler.update_weights(state["params"], version)
             pushed[version] = time.perf_counter() - start
+            for name, seconds in getattr(self.sampler, "push_timings", {}).items():
+                parts[name] = parts.get(name, 0.0) + seconds
 
         if self.workflow is not None and cfg.max_staleness:
             # The later turns of the episodes sampled ahead are sampled when their round is taken, with
@@ -252,7 +257,7 @@ class GRPOTask(Task):
             push(step)
         groups, stats = self.rollouts.take(step, push)
         release(self.sampler)  # no sampling before the next push: what it kept goes before the update
-        stats["time_weight_push"] = sum(pushed.values())
+        stats.update(parts, time_weight_push=sum(pushed.values()))
         t1 = time.perf_counter()
         batch = self.to_rows(groups)
         if self.logprob_fn is not None:

@@ -21,6 +21,7 @@ from unitrain import step as step_lib
 from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator, split_path
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator
+from unitrain.rollout.base import close
 from unitrain.rollout.multi_turn import MultiTurn
 from unitrain.tasks.base import RunContext, Task
 
@@ -43,11 +44,11 @@ class SFTTask(Task):
         )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
-        self.task_eval, self.text = None, ""
+        self.task_eval, self.text, self.sampler = None, "", None
         self._seen_loss_tokens = False
         eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
         if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
-            sampler = rollout.make_sampler(run)
+            self.sampler = sampler = rollout.make_sampler(run)
             self.task_eval = plugins.data_format(cfg).evaluator(cfg, run.tokenizer, sampler) or TaskEvaluator(
                 cfg,
                 run.tokenizer,
@@ -56,6 +57,10 @@ class SFTTask(Task):
                 None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer),
                 workflow=MultiTurn(run) if cfg.env else None,  # the demonstrations' environment plays
             )
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            close(self.sampler)
 
     def loss(self, params, batch):
         model = nnx.merge(self.run.graphdef, params)
