@@ -19,9 +19,10 @@ at the mercy of a shared machine's drift than two runs), and whether both drew t
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
 its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
 updates). Both do the work of ../shared/bench/tunix_peer (see its README) with the same flags.
---mode push times `--steps` weight pushes of sampler=mesh (the trainer's parameters copied to the
-rollout mesh, update_weights) for the config's model (random weights of its shape) and reports the
-median seconds and GB/s.
+--mode push times `--steps` weight pushes (update_weights) for the config's model (random weights of
+its shape) and reports the median seconds and GB/s: sampler=mesh copies the trainer's parameters to
+the rollout mesh; sampler=vllm exports them and its server reloads them (time_weight_export and
+time_weight_reload apart).
 
 The mesh, model, optimizer state and step are built by unitrain.run.build_run and the SFT task from the config
 (default configs/base.yml; key=value are ordinary config overrides). Each step sees the configured
@@ -90,7 +91,7 @@ from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, UserError
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.rollout import mesh as rollout_mesh
-from unitrain.rollout.base import SamplingParams
+from unitrain.rollout.base import SamplingParams, close
 from unitrain.rollout.buckets import bucket_prompt_length
 from unitrain.rollout.colocated import phase_ends
 from unitrain.run import RunContext, build_run, device_layout
@@ -436,7 +437,7 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
         "device_kind": jax.devices()[0].device_kind,
         "num_devices": run.mesh.size,
     }
-    if new_tokens > 1:
+    if new_tokens > 1 and hasattr(sampler, "block_shape"):  # the JAX samplers' decode step
         first = statistics.median(timed_calls(1)[0])
         step_time = (median - first) / (new_tokens - 1)
         rows, columns = sampler.block_shape(batch, prompt_len)
@@ -452,6 +453,7 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
             "memory_bandwidth_per_device": bandwidth,
             "decode_bandwidth_fraction": step_bytes / step_time / (bandwidth * run.mesh.size),
         }
+    close(sampler)
     return result
 
 
@@ -481,6 +483,8 @@ def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: i
             series.append(seconds)
             outs.append(out.tokens)
         same &= bool((outs[0] == outs[1]).all())
+    for sampler, _ in samplers:
+        close(sampler)
     a, b = (t[warmup:] for t in times)
     tokens = batch * new_tokens
     return {
@@ -559,6 +563,7 @@ def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int
         parts.append(
             {k: float(step_metrics[k]) for k in ("time_rollout", "time_weight_push", "time_logprob", "time_update")}
         )
+    task.close()
     timed = parts[warmup:]
     return {
         "mode": "grpo",
@@ -581,34 +586,45 @@ def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int
 
 
 def bench_push(cfg, steps: int, warmup: int) -> dict:
-    """Time of update_weights of sampler=mesh: the parameters copied to the rollout mesh."""
-    if cfg.sampler != "mesh":
-        raise ConfigError("--mode push times the weight push of sampler=mesh (set sampler=mesh and rollout_devices)")
+    """Time of update_weights: sampler=mesh copies the parameters to the rollout mesh; sampler=vllm
+    exports them and has its server reload them (the first push starts the server: a warm-up)."""
+    if cfg.sampler not in ("mesh", "vllm"):
+        raise ConfigError("--mode push times the weight push of sampler=mesh or sampler=vllm")
     run, state = build_run(cfg)
     sampler = rollout.make_sampler(run)
-    times, via_hosts = [], []
+    times, parts, via_hosts = [], [], []
     for version in range(warmup + steps):
+        start = time.perf_counter()
         sampler.update_weights(state["params"], version)
-        times.append(sampler.push_seconds)
-        start = time.perf_counter()  # the multi-process path (each parameter through the hosts), in one process
-        jax.block_until_ready(jax.tree.map(rollout_mesh.through_hosts, state["params"], sampler.shardings))
-        via_hosts.append(time.perf_counter() - start)
+        times.append(sampler.push_seconds if cfg.sampler == "mesh" else time.perf_counter() - start)
+        parts.append(getattr(sampler, "push_timings", {}))
+        if cfg.sampler == "mesh":  # the multi-process path (each parameter through the hosts), in one process
+            start = time.perf_counter()
+            jax.block_until_ready(jax.tree.map(rollout_mesh.through_hosts, state["params"], sampler.shardings))
+            via_hosts.append(time.perf_counter() - start)
+    close(sampler)
     median = statistics.median(times[warmup:])
     gigabytes = sum(x.nbytes for x in jax.tree.leaves(state["params"])) / 1e9
-    return {
+    result = {
         "mode": "push",
+        "sampler": cfg.sampler,
         "parameters": sum(x.size for x in jax.tree.leaves(state["params"])),
         "weight_dtype": cfg.weight_dtype,
         "gigabytes": gigabytes,
         "push_seconds_median": median,
         "push_times": times[warmup:],
         "gigabytes_per_sec": gigabytes / median,
-        "through_hosts_seconds_median": statistics.median(via_hosts[warmup:]),
+        **{f"{k}_median": statistics.median(p[k] for p in parts[warmup:]) for k in parts[-1]},
         "trainer_mesh": dict(run.mesh.shape),
-        "rollout_mesh": dict(run.rollout_mesh.shape),
         "processes": jax.process_count(),
         "device_kind": jax.devices()[0].device_kind,
     }
+    if via_hosts:
+        result |= {
+            "through_hosts_seconds_median": statistics.median(via_hosts[warmup:]),
+            "rollout_mesh": dict(run.rollout_mesh.shape),
+        }
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

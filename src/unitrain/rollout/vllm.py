@@ -40,6 +40,8 @@ import urllib.request
 
 import jax
 import numpy as np
+import safetensors
+import safetensors.numpy
 from jax.experimental import multihost_utils
 
 from unitrain import export
@@ -134,6 +136,7 @@ class VLLMSampler:
         failure = ""
         if self.leader:
             try:
+                untie_embeddings(path)
                 self._load(path, version)
             except EngineError as e:
                 failure = str(e)
@@ -168,7 +171,14 @@ class VLLMSampler:
         if cfg.vllm_url:
             self.client = Client(cfg.vllm_url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
             try:
-                self.served_name = self.client.call("/v1/models", method="GET")["data"][0]["id"]
+                model = self.client.call("/v1/models", method="GET")["data"][0]
+                self.served_name = model["id"]
+                if tied(model["root"]):
+                    raise EngineError(
+                        f"vllm_url: the server at {cfg.vllm_url} serves {model['root']}, a model with tied "
+                        "embeddings, whose lm_head vLLM's reload leaves stale; start it from a folder this "
+                        "sampler exported (<vllm_export_dir>/version_N: untied)"
+                    )
                 self.client.call("/pause?mode=wait")
                 self.client.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
                 self.client.call("/reset_prefix_cache")
@@ -305,6 +315,39 @@ class VLLMSampler:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+def tied(path: str) -> bool:
+    """Whether the HF folder at `path` (if it is one here) ties its output projection to the embedding."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return bool(json.load(f).get("tie_word_embeddings"))
+    except (OSError, ValueError):
+        return False
+
+
+def untie_embeddings(path: str) -> None:
+    """An export with tied embeddings gets its output projection as a weight of its own (a copy of the
+    input embedding, in lm_head.safetensors) and tie_word_embeddings false: the same model, which
+    vLLM 0.32 reloads whole, where its in-place reload of a tied model leaves lm_head at the weights
+    it started with."""
+    if not tied(path):
+        return
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    index_file, name = os.path.join(path, "model.safetensors.index.json"), "model.embed_tokens.weight"
+    index = json.load(open(index_file)) if os.path.exists(index_file) else None
+    source = os.path.join(path, index["weight_map"][name] if index else "model.safetensors")
+    with safetensors.safe_open(source, "np") as f:
+        embedding = f.get_tensor(name)
+    safetensors.numpy.save_file({"lm_head.weight": embedding}, os.path.join(path, "lm_head.safetensors"))
+    if index:
+        index["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
+        with open(index_file, "w") as f:
+            json.dump(index, f)
+    with open(config_file, "w") as f:
+        json.dump({**config, "tie_word_embeddings": False}, f, indent=2)
 
 
 def server_args(cfg, model_path: str, port: int) -> list[str]:

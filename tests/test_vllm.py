@@ -1,0 +1,422 @@
+"""`sampler: vllm` against a real vLLM server (the engine's venv of ./setup.sh --vllm) on 127.0.0.1, with a
+tiny random Qwen2 whose head_dim (32) vLLM's CPU attention serves: greedy tokens and sampled logprobs
+against transformers' forward on the same weights, weight reloads and versions, per-row seeds, a
+server already running (vllm_url), failures (a server that never comes up, dies, or answers 5xx),
+and GRPO runs: on-policy with the server killed and restarted mid-run, two processes sampling a
+version ahead, and a trainer killed with SIGKILL that leaves no server behind and resumes.
+
+The tests that start servers share one xdist group (one worker, one server at a time) and the
+module's server; `--enforce-eager` (through vllm_args) spares each start torch.compile's warm-up."""
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from conftest import REPO, cpu_env, make_cfg
+from unitrain import export, train
+from unitrain.errors import ConfigError
+from unitrain.rollout import vllm
+from unitrain.rollout.base import SamplingParams
+from unitrain.rollout.vllm_server import EngineError
+from unitrain.run import build_run
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def needs_vllm(test):
+    """A test that starts or uses a server: skipped without the engine's venv; one xdist worker for all."""
+    test = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="the engine's venv: ./setup.sh --vllm")(test)
+    return pytest.mark.xdist_group("vllm")(test)
+
+
+TINY = dict(tie=True, emb_dim=64, heads=2, kv_heads=1, head_dim=32)
+ENGINE = [
+    "sampler=vllm",
+    f"vllm_python={VLLM_PYTHON}",
+    "vllm_args=--enforce-eager",
+]
+GRPO = [
+    "mode=grpo",
+    "per_device_batch_size=2",
+    "rollout_batch_size=4",
+    "n_samples_per_prompt=4",
+    "rollout_max_response_len=6",
+    "eval_interval=0",
+    "log_period=1",
+    "builtin_task_digits=1",
+    "kl_coef=0.1",
+    "learning_rate=0.01",
+    "warmup_steps=0",
+]
+
+
+@pytest.fixture(autouse=True)
+def small_kv_cache(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a share of the machine
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("qwen2", **TINY)
+
+
+def engine_cfg(root, ckpt, **keys):
+    base = dict(mode="grpo", load_parameters_path=ckpt, tokenizer_path=ckpt, per_device_batch_size=1)
+    engine = dict(sampler="vllm", vllm_python=VLLM_PYTHON, vllm_args="--enforce-eager")
+    return make_cfg(base_output_directory=root, **{**base, **engine, **keys})
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, ckpt):
+    """(run, params, sampler): the tiny model's version 0 on a server of the sampler's own."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip("the engine's venv: ./setup.sh --vllm")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    run, state = build_run(engine_cfg(tmp_path_factory.mktemp("served"), ckpt))
+    sampler = vllm.VLLMSampler(run)
+    sampler.update_weights(state["params"], 0)
+    yield run, state["params"], sampler
+    sampler.close()
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+PROMPTS = [[5, 17, 99, 3], [250, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+@needs_vllm
+def test_greedy_tokens_equal_transformers_and_stop_after_a_stop_id(served, ckpt):
+    run, params, sampler = served
+    out = sampler.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
+    model = hf_model(ckpt)
+    expected = [hf_greedy(model, p, 8) for p in PROMPTS]
+    assert out.tokens.tolist() == expected and out.version == 0
+    assert out.lengths.tolist() == [8, 8, 8] and out.mask.all()
+    # A row stops after its first stop id (kept, masked in); pad after it.
+    stop = expected[0][3]
+    cut = sampler.generate(PROMPTS[:1], SamplingParams(8, temperature=0.0, stop_token_ids=(stop,)), jax.random.key(0))
+    first = expected[0].index(stop) + 1
+    assert cut.lengths.tolist() == [first] and cut.tokens[0, :first].tolist() == expected[0][:first]
+    assert cut.mask[0].tolist() == [1] * first + [0] * (8 - first)
+    assert (cut.tokens[0, first:] == run.tokenizer.pad_id).all() and (cut.logprobs[0, first:] == 0).all()
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+@needs_vllm
+def test_sampled_logprobs_are_those_of_the_distribution_sampled(served, ckpt, temperature, top_k):
+    """Each token's logprob under the temperature-scaled (top-k renormalised) distribution, from
+    transformers' forward over the prompt and the sampled tokens: equal within 2e-4 (float32)."""
+    _, _, sampler = served
+    out = sampler.generate(PROMPTS, SamplingParams(8, temperature=temperature, top_k=top_k), jax.random.key(3))
+    model = hf_model(ckpt)
+    for prompt, tokens, logprobs in zip(PROMPTS, out.tokens, out.logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens.tolist()])).logits[0, len(prompt) - 1 : -1] / temperature
+        if top_k:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[:, None], dtype=torch.long))[:, 0]
+        np.testing.assert_allclose(logprobs, expected.numpy(), atol=2e-4)
+
+
+@needs_vllm
+def test_each_row_has_its_own_seed_drawn_from_the_key(served):
+    _, _, sampler = served
+    copies = [PROMPTS[0]] * 8
+    a = sampler.generate(copies, SamplingParams(8), jax.random.key(1))
+    assert len({tuple(row) for row in a.tokens.tolist()}) > 1  # GRPO's copies of a prompt differ
+    again = sampler.generate(copies, SamplingParams(8), jax.random.key(1))
+    other = sampler.generate(copies, SamplingParams(8), jax.random.key(2))
+    assert again.tokens.tolist() == a.tokens.tolist() and other.tokens.tolist() != a.tokens.tolist()
+
+
+def perturbed(params):
+    """Another model: every weight moved visibly (the tied embedding too)."""
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), params)
+
+
+@needs_vllm
+def test_a_new_version_serves_the_new_weights(served, tmp_path):
+    run, params, sampler = served
+    new = perturbed(params)
+    sampler.update_weights(new, 1)
+    export.export_hf(run, new, str(tmp_path / "new"))
+    expected = [hf_greedy(hf_model(tmp_path / "new"), p, 8) for p in PROMPTS]
+    out = sampler.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
+    assert out.tokens.tolist() == expected and out.version == 1
+    assert set(sampler.push_timings) == {"time_weight_export", "time_weight_reload"}
+    sampler.update_weights(new, 1)  # the same version again (an eval after the step's push): nothing to do
+    assert sampler.push_timings == {}
+    exported = os.listdir(sampler.export_root)
+    assert exported == ["version_1"]  # one copy on disk
+
+
+@needs_vllm
+def test_a_server_already_running_is_reloaded_and_left_running(served, ckpt, tmp_path):
+    run, params, sampler = served
+    cfg = engine_cfg(tmp_path, ckpt, vllm_url=sampler.server.url, vllm_python="/nonexistent")
+    guest = vllm.VLLMSampler(build_run(cfg)[0])
+    guest.update_weights(params, 5)
+    out = guest.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
+    assert out.version == 5 and out.tokens.tolist() == [hf_greedy(hf_model(ckpt), p, 8) for p in PROMPTS]
+    guest.close()
+    assert sampler.server.alive()
+    sampler.update_weights(params, 6)  # the module's sampler takes its server back
+
+
+@needs_vllm
+def test_a_dead_server_without_restarts_is_one_line_with_the_end_of_its_log(served):
+    """The last test of the module's server: it is killed."""
+    _, _, sampler = served
+    os.killpg(sampler.server.process.pid, signal.SIGKILL)
+    sampler.server.process.wait()
+    with pytest.raises(EngineError) as e:
+        sampler.generate(PROMPTS, SamplingParams(8), jax.random.key(0))
+    message = str(e.value)
+    assert "\n" not in message and "died while sampling" in message and "vllm_restarts=0" in message
+    assert "vllm_server.log" in message
+
+
+# ---------------------------------------------------------------- start-up failures
+
+
+@needs_vllm
+def test_a_server_that_exits_at_start_is_one_line_quoting_its_log(tmp_path, ckpt):
+    run, state = build_run(engine_cfg(tmp_path, ckpt, vllm_args="--no-such-flag"))
+    sampler = vllm.VLLMSampler(run)
+    with pytest.raises(EngineError, match="exited while starting.*no-such-flag") as e:
+        sampler.update_weights(state["params"], 0)
+    assert "\n" not in str(e.value)
+    sampler.close()
+
+
+@needs_vllm
+def test_a_server_that_does_not_come_up_in_time_is_stopped(tmp_path, ckpt):
+    run, state = build_run(engine_cfg(tmp_path, ckpt, vllm_startup_timeout=3))
+    sampler = vllm.VLLMSampler(run)
+    with pytest.raises(EngineError, match="did not come up within vllm_startup_timeout=3 s"):
+        sampler.update_weights(state["params"], 0)
+    assert sampler.server.process.poll() is not None and not group_members(sampler.server.process.pid)
+
+
+def test_an_engine_interpreter_that_is_not_there_is_a_config_error(tmp_path, tiny_checkpoint):
+    run, _ = build_run(engine_cfg(tmp_path, tiny_checkpoint("qwen2", **TINY), vllm_python=tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="vllm_python: .*nope is not an executable.*setup.sh --vllm"):
+        vllm.VLLMSampler(run)
+
+
+def test_server_args_put_vllm_args_last_and_let_them_override():
+    cfg = make_cfg(vllm_args="--dtype bfloat16 --max-num-seqs 64", max_prompt_length=100)
+    args = vllm.server_args(cfg, "/w/version_3", 8000)
+    assert args.count("--dtype") == 1 and args[args.index("--dtype") + 1] == "bfloat16"
+    assert args[-4:] == ["--dtype", "bfloat16", "--max-num-seqs", "64"] and "--skip-tokenizer-init" in args
+    assert args[args.index("--model") + 1] == "/w/version_3" and args[args.index("--port") + 1] == "8000"
+    length = 100 + cfg.episode_max_tokens + cfg.rollout_max_response_len
+    assert args[args.index("--max-model-len") + 1] == str(length)
+
+
+# ---------------------------------------------------------------- requests: retries and errors (no engine)
+
+
+class Flaky(http.server.BaseHTTPRequestHandler):
+    """Answers POST with the next status of the server's `script` (then 200 {"ok": n})."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        status, delay = self.server.script.pop(0) if self.server.script else (200, 0)
+        threading.Event().wait(delay)  # not time.sleep: the test turns the client's back-off off
+        self.server.calls += 1
+        body = json.dumps({"ok": self.server.calls} if status == 200 else {"error": "boom"}).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    server.script, server.calls = [], 0
+    server.handle_error = lambda request, address: None  # the client that timed out hung up: expected
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def test_5xx_and_timeouts_are_retried_then_one_line(flaky, monkeypatch):
+    monkeypatch.setattr(vllm.time, "sleep", lambda s: None)  # no back-off waits here
+    url = f"http://127.0.0.1:{flaky.server_address[1]}"
+    flaky.script = [(500, 0), (503, 0)]
+    assert vllm.Client(url, timeout=5, retries=2).call("/v1/completions", {}) == {"ok": 3}
+    flaky.script = [(500, 0), (502, 0)]
+    with pytest.raises(EngineError, match=r"answered 502.*after 1 retries, vllm_max_retries"):
+        vllm.Client(url, timeout=5, retries=1).call("/v1/completions", {})
+    flaky.script = [(200, 1.0)]
+    with pytest.raises(EngineError, match=r"timed out after vllm_request_timeout=0.2 s \(after 0 retries"):
+        vllm.Client(url, timeout=0.2, retries=0).call("/v1/completions", {})
+    flaky.script = [(400, 0)]
+    calls = flaky.calls
+    with pytest.raises(EngineError, match="answered 400"):
+        vllm.Client(url, timeout=5, retries=3).call("/v1/completions", {})
+    assert flaky.calls == calls + 1  # a 4xx is not retried
+    flaky.shutdown()
+    flaky.server_close()
+    with pytest.raises(vllm.ServerGone, match="no vLLM server answers"):
+        vllm.Client(url, timeout=5, retries=3).call("/v1/completions", {})
+
+
+# ---------------------------------------------------------------- GRPO with the engine
+
+
+def grpo_args(root, ckpt, *extra):
+    return [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={root}",
+        f"load_parameters_path={ckpt}",
+        f"tokenizer_path={ckpt}",
+        *GRPO,
+        *ENGINE,
+        *extra,
+    ]
+
+
+def metrics(run_dir):
+    return {l["step"]: l for l in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in l}
+
+
+def assert_trained(steps: dict, count: int, on_policy: tuple[int, ...]):
+    assert sorted(steps) == list(range(count))
+    assert all(np.isfinite(s["reward_mean"]) for s in steps.values())
+    assert steps[count - 1]["kl"] > steps[0]["kl"] >= 0  # the policy moved away from the reference
+    # The steps `on_policy` sampled with the weights the trainer had: the server's processed logprobs
+    # are the trainer's old-policy logprobs of the same tokens.
+    gaps = [steps[s]["sampler_trainer_logprob_gap"] for s in range(count)]
+    assert all(gaps[s] < 1e-3 for s in on_policy), gaps
+    pushed = [s for s in steps.values() if s["time_weight_push"] > 0]  # the last step ahead pushes nothing
+    assert pushed and all(s["time_weight_export"] > 0 and s["time_weight_reload"] > 0 for s in pushed)
+
+
+@needs_vllm
+def test_grpo_trains_on_policy_through_a_server_killed_and_restarted_mid_run(tmp_path, ckpt, monkeypatch):
+    made = []
+    original_init = vllm.VLLMSampler.__init__
+    monkeypatch.setattr(
+        vllm.VLLMSampler, "__init__", lambda self, run: (made.append(self), original_init(self, run))[1]
+    )
+    from unitrain import metrics as metrics_lib
+
+    write = metrics_lib.MetricsWriter.write
+
+    def write_then_kill(self, step, scalars):
+        write(self, step, scalars)
+        if step == 0 and "loss" in scalars:
+            os.killpg(made[0].server.process.pid, signal.SIGKILL)
+
+    monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_then_kill)
+    assert train.main(grpo_args(tmp_path, ckpt, "steps=3", "vllm_restarts=1")) == 0
+    assert_trained(metrics(tmp_path / "default"), 3, on_policy=(0, 1, 2))
+    log = (tmp_path / "default" / "vllm_server.log").read_text()
+    assert log.count("==== unitrain:") == 2  # started, then restarted once
+    assert made[0].server is None  # closed with the run
+
+
+@needs_vllm
+def test_two_processes_sample_a_version_ahead_through_process_0(tmp_path, ckpt):
+    from launch.local import launch  # tools/ is on sys.path (conftest)
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = grpo_args(tmp_path, ckpt, "steps=3", "max_staleness=1")
+    for r in launch(args, processes=2, devices_per_process=4, timeout=900, env=env, echo=False):
+        assert r.returncode == 0, r.output[-3000:]
+    steps = metrics(tmp_path / "default")
+    assert_trained(steps, 3, on_policy=(0,))
+    assert [steps[s]["rollout_staleness_max"] for s in range(3)] == [0, 1, 1]
+    if steps[1]["grad_norm"] > 0:  # step 2 trained on samples of the weights before step 1's update
+        assert steps[2]["sampler_trainer_logprob_gap"] > 1e-2
+    assert (tmp_path / "default" / "vllm_server.log").read_text().count("==== unitrain:") == 1
+
+
+def saved_steps(run_dir) -> list[int]:
+    """The steps of the run's finished checkpoints (orbax renames a step's folder to its number last)."""
+    folder = run_dir / "checkpoints"
+    return [int(d) for d in os.listdir(folder) if d.isdigit()] if folder.exists() else []
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    members = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(pid))
+    return members
+
+
+def children_running(parent: int, name: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            cmdline = open(f"/proc/{pid}/cmdline").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and name in cmdline:
+            out.append(int(pid))
+    return out
+
+
+@needs_vllm
+def test_a_trainer_killed_with_sigkill_leaves_no_server_and_resumes_with_its_weights(tmp_path, ckpt, monkeypatch):
+    args = grpo_args(tmp_path, ckpt, "steps=3", "checkpoint_period=1", "async_checkpointing=false")
+    env = {**cpu_env(8), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    trainer = subprocess.Popen([sys.executable, "-m", "unitrain.train", *args], env=env, stdout=subprocess.DEVNULL)
+    run_dir = tmp_path / "default"
+    deadline = time.monotonic() + 600
+    while not saved_steps(run_dir):  # killed once a step is saved
+        assert trainer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    [supervisor] = children_running(trainer.pid, "vllm_server.py")
+    assert len(group_members(supervisor)) >= 3  # the supervisor, the API server, its engine core
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 30
+    while group_members(supervisor) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not group_members(supervisor)
+
+    resumed_at = max(saved_steps(run_dir))
+    assert train.main(args) == 0
+    assert_trained(metrics(run_dir), 3, on_policy=(0, 1, 2))
+    starts = [l for l in (run_dir / "vllm_server.log").read_text().splitlines() if l.startswith("==== unitrain:")]
+    assert len(starts) == 2
+    # The resumed run's server started with the checkpoint's weights: the version of its step.
+    assert f"--model {run_dir / 'vllm_weights' / f'version_{resumed_at}'} " in starts[1]

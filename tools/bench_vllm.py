@@ -1,0 +1,101 @@
+"""`sampler: vllm` against the colocated JAX sampler, side by side in one process, and prints one JSON line.
+
+    python tools/bench_vllm.py CKPT [key=value ...] [--batches 16 64] [--reps 5] [--grpo-rounds 2]
+        [--push-model qwen2.5-0.5b] [--push-dirs "" /dev/shm/unitrain_bench]
+
+CKPT is an HF checkpoint both load (../shared/bench/tunix_peer/make_ckpt.py makes the Tunix bench's
+16M Qwen2; head_dim 64, which vLLM's CPU attention serves). Three measurements, each with
+tools/bench.py's own functions:
+
+  sampler  for each --batches size: prompts of 64 random ids, 128 new tokens each, temperature 1,
+           no stop token, colocated (A) and vllm (B) called in turn, A B A B (bench.py --against):
+           both medians and B's speed-up as the median of the pairs' A/B ratios.
+  grpo     whole GRPO steps (bench.py --mode grpo: 4 prompts x 4 samples, 64 new tokens, KL 0.04)
+           with each sampler, alternating --grpo-rounds times; medians of the step and its parts
+           (vllm: every step exports the policy and the server reloads it).
+  push     update_weights of sampler=vllm for a random model of --push-model's shape, the export
+           folder on disk (<run_dir>) and in memory (/dev/shm): export and reload apart.
+
+The server runs with the environment given (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 lets its worker use
+every core; by default vLLM keeps one core for its API server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import bench_grpo, bench_push, bench_sampler_against  # noqa: E402
+
+from unitrain.config import load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(ckpt: str, overrides: list[str], **keys):
+    base = [str(REPO / "configs" / "base.yml"), f"load_parameters_path={ckpt}", "dtype=float32", *overrides]
+    return load_config([*base, *(f"{k}={v}" for k, v in keys.items())])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ckpt")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides for both samplers")
+    p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--grpo-rounds", type=int, default=2)
+    p.add_argument("--grpo-steps", type=int, default=4)
+    p.add_argument("--push-model", default="qwen2.5-0.5b", help="model_name of the push's model; '' = skip")
+    p.add_argument("--push-dirs", nargs="+", default=["", "/dev/shm/unitrain_bench_push"])
+    opts = p.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="bench_vllm_")
+    engine = dict(sampler="vllm", vllm_python=REPO / ".venv-vllm" / "bin" / "python")
+    result = {"ckpt": opts.ckpt, "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+
+    for batch in opts.batches:
+        colocated = config(opts.ckpt, opts.overrides, base_output_directory=f"{root}/a{batch}")
+        vllm = config(opts.ckpt, opts.overrides, base_output_directory=f"{root}/b{batch}", **engine)
+        result[f"sampler_{batch}x64+128"] = bench_sampler_against(colocated, vllm, batch, 64, 128, opts.reps, 2)
+
+    grpo = {"colocated": [], "vllm": []}
+    for i in range(opts.grpo_rounds):
+        for name, keys in (("colocated", {}), ("vllm", engine)):
+            cfg = config(opts.ckpt, opts.overrides, base_output_directory=f"{root}/g{i}{name}", kl_coef=0.04, **keys)
+            grpo[name].append(bench_grpo(cfg, 4, 4, 64, 64, opts.grpo_steps, 1))
+    result["grpo"] = {
+        name: {
+            key: statistics.median(r[key] for r in runs)
+            for key in ("step_time_median", "time_rollout", "time_weight_push", "time_logprob", "time_update")
+        }
+        for name, runs in grpo.items()
+    }
+
+    if opts.push_model:
+        for where in opts.push_dirs:
+            cfg = load_config(
+                [
+                    str(REPO / "configs" / "base.yml"),
+                    f"model_name={opts.push_model}",
+                    "mode=grpo",
+                    f"base_output_directory={root}/push",
+                    f"vllm_export_dir={where}",
+                    *(f"{k}={v}" for k, v in engine.items()),
+                    "vllm_args=--max-num-seqs 8",
+                ]
+            )
+            result[f"push_{opts.push_model}_{'shm' if where.startswith('/dev/shm') else 'disk'}"] = bench_push(
+                cfg, 3, 1
+            )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
