@@ -33,7 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import bench_grpo, bench_push, bench_sampler_against  # noqa: E402
-
 from unitrain.config import load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
