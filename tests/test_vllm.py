@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -25,10 +26,13 @@ import transformers
 
 from conftest import REPO, cpu_env, make_cfg
 from unitrain import export, train
+from unitrain.data.prompts import Prompt
 from unitrain.errors import ConfigError
-from unitrain.rollout import vllm
+from unitrain.rollout import vllm, vllm_server
 from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.vllm_server import EngineError
+from unitrain.rollout.episodes import start_episodes
+from unitrain.rollout.multi_turn import MultiTurn
+from unitrain.rollout.vllm_server import EngineError, group_members
 from unitrain.run import build_run
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -151,6 +155,36 @@ def test_each_row_has_its_own_seed_drawn_from_the_key(served):
     assert again.tokens.tolist() == a.tokens.tolist() and other.tokens.tolist() != a.tokens.tolist()
 
 
+@needs_vllm
+def test_multi_turn_episodes_sample_through_the_same_calls(served, ckpt):
+    """Episodes of three turns on the server (test_episodes' scripted environment): the sampled
+    tokens' logprobs equal transformers' forward over the whole trajectory, tool and user turns between."""
+    run, _, sampler = served
+    cfg = make_cfg(
+        mode="grpo",
+        workflow="multi_turn",
+        env="test_episodes:ScriptEnv",
+        tokenizer_path=ckpt,
+        max_turns=3,
+        rollout_max_response_len=6,
+        episode_max_tokens=64,
+    )
+    wf = MultiTurn(types.SimpleNamespace(cfg=cfg, tokenizer=run.tokenizer))
+    stops = tuple(range(3, 200))  # a random model seldom samples the end of a turn: most ids end one here
+    records = [Prompt((), p, "") for p in ("12+3=", "7*8=", "1-1=")]
+    episodes = start_episodes(sampler, wf, records, SamplingParams(6, stop_token_ids=stops), jax.random.key(3))()
+    model = hf_model(ckpt)
+    for t in episodes:
+        seq = [*t.prompt_ids, *t.ids.tolist()]
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, len(t.prompt_ids) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(t.ids)[:, None].long())[:, 0].numpy()
+        sampled = t.loss_mask == 1
+        np.testing.assert_allclose(t.logprobs[sampled], expected[sampled], atol=2e-4)
+        assert set(t.versions[sampled].tolist()) == {sampler.version}
+    assert any(t.turns > 1 for t in episodes)
+
+
 def perturbed(params):
     """Another model: every weight moved visibly (the tied embedding too)."""
     rng = np.random.default_rng(0)
@@ -238,6 +272,23 @@ def test_server_args_put_vllm_args_last_and_let_them_override():
 
 
 # ---------------------------------------------------------------- requests: retries and errors (no engine)
+
+
+def test_the_log_tail_names_the_last_starts_root_cause(tmp_path):
+    log = tmp_path / "vllm_server.log"
+    log.write_text(
+        "==== unitrain: python -m vllm ...\nValueError: an old start's failure\n"
+        "==== unitrain: python -m vllm ...\nINFO starting\n"
+        "(Worker pid=1) ERROR ValueError: Available memory on node 0 is less than desired\n"
+        + "".join(f"  File x.py, line {i}\n" for i in range(6))
+        + "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert vllm_server.log_tail(str(log)) == (
+        "(Worker pid=1) ERROR ValueError: Available memory on node 0 is less than desired | ... | "
+        "File x.py, line 3 | File x.py, line 4 | File x.py, line 5 | "
+        "RuntimeError: Engine core initialization failed. See root cause above."
+    )
+    assert vllm_server.log_tail(str(tmp_path / "none")).startswith("(its log ")
 
 
 class Flaky(http.server.BaseHTTPRequestHandler):
@@ -346,19 +397,30 @@ def test_grpo_trains_on_policy_through_a_server_killed_and_restarted_mid_run(tmp
 
 
 @needs_vllm
-def test_two_processes_sample_a_version_ahead_through_process_0(tmp_path, ckpt):
+def test_two_processes_sample_a_version_ahead_through_process_0_and_a_restart(tmp_path, ckpt):
+    """Process 0 talks to the server; the server is killed once step 0's line is written, while a round
+    samples ahead: the restarted server samples what was lost, and the version tags stay true."""
     from launch.local import launch  # tools/ is on sys.path (conftest)
 
+    run_dir = tmp_path / "default"
+
+    def kill_the_server_after_step_0():
+        while not (run_dir / "metrics.jsonl").exists() or not metrics(run_dir):
+            time.sleep(0.2)
+        [supervisor] = processes_with(str(run_dir / "vllm_weights"), "vllm_server.py")
+        os.killpg(supervisor, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_server_after_step_0, daemon=True)
+    killer.start()
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    args = grpo_args(tmp_path, ckpt, "steps=3", "max_staleness=1")
+    args = grpo_args(tmp_path, ckpt, "steps=4", "max_staleness=1", "vllm_restarts=1")
     for r in launch(args, processes=2, devices_per_process=4, timeout=900, env=env, echo=False):
         assert r.returncode == 0, r.output[-3000:]
-    steps = metrics(tmp_path / "default")
-    assert_trained(steps, 3, on_policy=(0,))
-    assert [steps[s]["rollout_staleness_max"] for s in range(3)] == [0, 1, 1]
-    if steps[1]["grad_norm"] > 0:  # step 2 trained on samples of the weights before step 1's update
-        assert steps[2]["sampler_trainer_logprob_gap"] > 1e-2
-    assert (tmp_path / "default" / "vllm_server.log").read_text().count("==== unitrain:") == 1
+    killer.join(timeout=1)
+    steps = metrics(run_dir)
+    assert_trained(steps, 4, on_policy=(0,))
+    assert steps[0]["rollout_staleness_max"] == 0 and max(steps[s]["rollout_staleness_max"] for s in steps) == 1
+    assert (run_dir / "vllm_server.log").read_text().count("==== unitrain:") == 2
 
 
 def saved_steps(run_dir) -> list[int]:
@@ -367,18 +429,17 @@ def saved_steps(run_dir) -> list[int]:
     return [int(d) for d in os.listdir(folder) if d.isdigit()] if folder.exists() else []
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`."""
-    members = []
+def processes_with(*words: str) -> list[int]:
+    """The processes whose command line has every one of `words`."""
+    out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = open(f"/proc/{pid}/stat").read()
+            cmdline = open(f"/proc/{pid}/cmdline").read()
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(pid))
-    return members
+        if all(w in cmdline for w in words):
+            out.append(int(pid))
+    return out
 
 
 def children_running(parent: int, name: str) -> list[int]:

@@ -1,7 +1,7 @@
-"""`sampler: vllm` against the colocated JAX sampler, side by side in one process, and prints one JSON line.
+"""`sampler: vllm` against the colocated JAX sampler, side by side in one process; one JSON line per measurement.
 
     python tools/bench_vllm.py CKPT [key=value ...] [--batches 16 64] [--reps 5] [--grpo-rounds 2]
-        [--push-model qwen2.5-0.5b] [--push-dirs "" /dev/shm/unitrain_bench]
+        [--push-model qwen2.5-0.5b] [--push-dirs "" /dev/shm/unitrain_bench] [--skip sampler grpo push]
 
 CKPT is an HF checkpoint both load (../shared/bench/tunix_peer/make_ckpt.py makes the Tunix bench's
 16M Qwen2; head_dim 64, which vLLM's CPU attention serves). Three measurements, each with
@@ -10,9 +10,10 @@ tools/bench.py's own functions:
   sampler  for each --batches size: prompts of 64 random ids, 128 new tokens each, temperature 1,
            no stop token, colocated (A) and vllm (B) called in turn, A B A B (bench.py --against):
            both medians and B's speed-up as the median of the pairs' A/B ratios.
-  grpo     whole GRPO steps (bench.py --mode grpo: 4 prompts x 4 samples, 64 new tokens, KL 0.04)
-           with each sampler, alternating --grpo-rounds times; medians of the step and its parts
-           (vllm: every step exports the policy and the server reloads it).
+  grpo     whole GRPO steps (bench.py --mode grpo with tools/peer_ab.sh's settings: 4 prompts x 4
+           samples, 64 new tokens, KL 0.04) with each sampler, alternating --grpo-rounds times;
+           medians of the step and its parts (vllm: every step exports the policy and the server
+           reloads it).
   push     update_weights of sampler=vllm for a random model of --push-model's shape, the export
            folder on disk (<run_dir>) and in memory (/dev/shm): export and reload apart.
 
@@ -51,48 +52,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--grpo-rounds", type=int, default=2)
     p.add_argument("--grpo-steps", type=int, default=4)
-    p.add_argument("--push-model", default="qwen2.5-0.5b", help="model_name of the push's model; '' = skip")
+    p.add_argument("--push-model", default="qwen2.5-0.5b", help="model_name of the push's model")
     p.add_argument("--push-dirs", nargs="+", default=["", "/dev/shm/unitrain_bench_push"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["sampler", "grpo", "push"])
     opts = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="bench_vllm_")
     engine = dict(sampler="vllm", vllm_python=REPO / ".venv-vllm" / "bin" / "python")
-    result = {"ckpt": opts.ckpt, "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+    print(json.dumps({"ckpt": opts.ckpt, "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}))
 
-    for batch in opts.batches:
+    def report(name, result):
+        print(json.dumps({"measurement": name, **result}), flush=True)
+
+    for batch in opts.batches if "sampler" not in opts.skip else []:
         colocated = config(opts.ckpt, opts.overrides, base_output_directory=f"{root}/a{batch}")
         vllm = config(opts.ckpt, opts.overrides, base_output_directory=f"{root}/b{batch}", **engine)
-        result[f"sampler_{batch}x64+128"] = bench_sampler_against(colocated, vllm, batch, 64, 128, opts.reps, 2)
+        report(f"sampler_{batch}x64+128", bench_sampler_against(colocated, vllm, batch, 64, 128, opts.reps, 2))
 
-    grpo = {"colocated": [], "vllm": []}
-    for i in range(opts.grpo_rounds):
-        for name, keys in (("colocated", {}), ("vllm", engine)):
-            cfg = config(opts.ckpt, opts.overrides, base_output_directory=f"{root}/g{i}{name}", kl_coef=0.04, **keys)
-            grpo[name].append(bench_grpo(cfg, 4, 4, 64, 64, opts.grpo_steps, 1))
-    result["grpo"] = {
-        name: {
-            key: statistics.median(r[key] for r in runs)
-            for key in ("step_time_median", "time_rollout", "time_weight_push", "time_logprob", "time_update")
-        }
-        for name, runs in grpo.items()
-    }
+    if "grpo" not in opts.skip:
+        peer = dict(kl_coef=0.04, learning_rate=1e-6, per_device_batch_size=16, reward="format")
+        peer["format_reward_pattern"] = "[02468]"  # peer_ab's reward: even token ids
+        grpo = {"colocated": [], "vllm": []}
+        for i in range(opts.grpo_rounds):
+            for name, keys in (("colocated", {}), ("vllm", engine)):
+                cfg = config(opts.ckpt, opts.overrides, base_output_directory=f"{root}/g{i}{name}", **peer, **keys)
+                grpo[name].append(bench_grpo(cfg, 4, 4, 64, 64, opts.grpo_steps, 1))
+        parts = ("step_time_median", "time_rollout", "time_weight_push", "time_logprob", "time_update")
+        for name, runs in grpo.items():
+            report(f"grpo_{name}", {k: statistics.median(r[k] for r in runs) for k in parts} | {"runs": runs})
 
-    if opts.push_model:
-        for where in opts.push_dirs:
-            cfg = load_config(
-                [
-                    str(REPO / "configs" / "base.yml"),
-                    f"model_name={opts.push_model}",
-                    "mode=grpo",
-                    f"base_output_directory={root}/push",
-                    f"vllm_export_dir={where}",
-                    *(f"{k}={v}" for k, v in engine.items()),
-                    "vllm_args=--max-num-seqs 8",
-                ]
-            )
-            result[f"push_{opts.push_model}_{'shm' if where.startswith('/dev/shm') else 'disk'}"] = bench_push(
-                cfg, 3, 1
-            )
-    print(json.dumps(result))
+    for where in opts.push_dirs if "push" not in opts.skip else []:
+        keys = [f"model_name={opts.push_model}", "mode=grpo", f"base_output_directory={root}/push"]
+        keys += [f"vllm_export_dir={where}", *(f"{k}={v}" for k, v in engine.items()), "vllm_args=--max-num-seqs 8"]
+        cfg = load_config([str(REPO / "configs" / "base.yml"), *keys])
+        report(f"push_{opts.push_model}_{'memory' if where.startswith('/dev/shm') else 'disk'}", bench_push(cfg, 3, 1))
     return 0
 
 

@@ -101,6 +101,7 @@ class _Round:
     seeds: list
     futures: list | None  # None on the other processes
     version: int | None
+    server_start: int = 0  # the server's starts when the round was sent (a restart since sends it again)
 
     def result(self) -> Completions:
         return self.sampler._collect(self)
@@ -115,6 +116,7 @@ class VLLMSampler:
         self.leader = jax.process_index() == 0
         self.server, self.client, self.model_path = None, None, None
         self.version = None  # the version the server has loaded
+        self.server_starts = 0
         self.restarts_left = cfg.vllm_restarts
         self.push_timings: dict[str, float] = {}  # the last update_weights' parts, for the step's metrics
         self.in_flight, self.idle = 0, threading.Condition()
@@ -190,11 +192,12 @@ class VLLMSampler:
     def _start(self, path: str) -> None:
         """A server of our own, serving `path`."""
         cfg, started = self.cfg, time.perf_counter()
-        env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_SERVER_DEV_MODE": "1"}
+        # On a CPU, vLLM otherwise asks for 92% of the machine's memory, which the trainer holds part of.
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_SERVER_DEV_MODE": "1"}
         self.server = Server(cfg.vllm_python, server_args(cfg, path, free_port()), self.log_path, env)
         self.server.wait_ready(cfg.vllm_startup_timeout)
         self.client = Client(self.server.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
-        self.served_name = SERVED_NAME
+        self.served_name, self.server_starts = SERVED_NAME, self.server_starts + 1
         log.info(
             "vLLM server up at %s in %.1f s (log: %s)", self.server.url, time.perf_counter() - started, self.log_path
         )
@@ -224,7 +227,7 @@ class VLLMSampler:
         with self.idle:
             self.in_flight += len(prompt_ids)
         futures = [self.pool.submit(self._row, ids, sampling, seed) for ids, seed in zip(prompt_ids, seeds)]
-        return _Round(self, prompt_ids, sampling, seeds, futures, self.version)
+        return _Round(self, prompt_ids, sampling, seeds, futures, self.version, self.server_starts)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key) -> Completions:
         return self.submit(prompt_ids, sampling, key).result()
@@ -268,7 +271,7 @@ class VLLMSampler:
         failure = ""
         if self.leader:
             try:
-                self._gather(round_, out)
+                out = dataclasses.replace(out, version=self._gather(round_, out))
             except EngineError as e:
                 failure = str(e)
         self._agree(failure, "sampling")
@@ -279,8 +282,12 @@ class VLLMSampler:
             out = Completions(*(np.asarray(a) for a in arrays[:4]), int(arrays[4]))
         return out
 
-    def _gather(self, round_: _Round, out: Completions) -> None:
-        futures = dict(enumerate(round_.futures))
+    def _gather(self, round_: _Round, out: Completions) -> int:
+        """Fills `out` with the round's rows; -> the version they were sampled with. Rows lost with a
+        dead server go again, with their seeds, to the server restarted (by this round or an earlier
+        one) with the newest version: all of the round's rows if that is not the round's own version,
+        so that one version tag stays true of every row."""
+        futures, version, start = dict(enumerate(round_.futures)), round_.version, round_.server_start
         while futures:
             lost = []
             for r, future in futures.items():
@@ -294,11 +301,19 @@ class VLLMSampler:
                 out.mask[r, :length], out.lengths[r] = 1, length
             futures = {}
             if lost:
-                self._restart(self.model_path, f"while sampling ({len(lost)} rows lost)")
+                if start == self.server_starts:  # no round has restarted it yet
+                    self._restart(self.model_path, f"while sampling ({len(lost)} rows lost)")
+                if version != self.version:
+                    lost, version = list(range(len(round_.prompt_ids))), self.version
+                    out.tokens.fill(self.run.tokenizer.pad_id)
+                    out.mask.fill(0)
+                    out.logprobs.fill(0)
+                start = self.server_starts
                 with self.idle:
                     self.in_flight += len(lost)
-                for r in lost:  # the same seeds, the same version: the rows as they would have been
+                for r in lost:
                     futures[r] = self.pool.submit(self._row, round_.prompt_ids[r], round_.sampling, round_.seeds[r])
+        return version
 
     def _agree(self, failure: str, what: str) -> None:
         """Every process raises if process 0 failed (its message there; a pointer to it elsewhere)."""
@@ -364,7 +379,9 @@ def server_args(cfg, model_path: str, port: int) -> list[str]:
         "--dtype": cfg.dtype,
     }
     args = [a for flag, value in ours.items() if flag not in extra for a in (flag, value)]
-    return [*args, "--skip-tokenizer-init", *extra]  # token ids in and out: vLLM needs no tokenizer
+    # Token ids in and out: vLLM needs no tokenizer. No chunked prefill: vLLM 0.32 on a CPU fails a
+    # seeded request whose prompt it splits across steps ("CPU Generator does not use offset").
+    return [*args, "--skip-tokenizer-init", "--no-enable-chunked-prefill", *extra]
 
 
 def free_port() -> int:

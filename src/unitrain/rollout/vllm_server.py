@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,9 @@ import urllib.request
 from unitrain.errors import UserError
 
 STOP_GRACE_SECONDS = 15  # SIGTERM to the group, then SIGKILL
+START_HEADER = "==== unitrain:"  # the log line before each start's output
+# A line that raises: "ValueError: ...", or vLLM's "(Worker pid=1) ERROR 11-26 05:34:01 [file.py:1] ValueError: ..."
+ERROR_LINE = re.compile(r"^(\([^)]*\) ERROR [^\]]*\] )?[A-Z]\w*(Error|Exception): ")
 
 
 class EngineError(UserError):
@@ -41,7 +45,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         command = [python, "-m", "vllm.entrypoints.openai.api_server", *server_args]
         with open(log_path, "a") as log:
-            log.write(f"\n==== unitrain: {' '.join(command)}\n")
+            log.write(f"\n{START_HEADER} {' '.join(command)}\n")
             log.flush()
             self.process = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), str(os.getpid()), *command],
@@ -55,14 +59,8 @@ class Server:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def tail(self, lines: int = 6) -> str:
-        """The last lines of the server's log, joined with ' | ' (for a one-line error)."""
-        try:
-            with open(self.log_path, errors="replace") as f:
-                last = collections.deque((line.strip() for line in f if line.strip()), maxlen=lines)
-        except OSError as e:
-            return f"(its log {self.log_path} is unreadable: {e.strerror})"
-        return " | ".join(last)
+    def tail(self) -> str:
+        return log_tail(self.log_path)
 
     def wait_ready(self, timeout: float) -> None:
         """Returns once /health answers; EngineError if the server exits or `timeout` s pass first."""
@@ -101,6 +99,24 @@ class Server:
         self.process.wait()
 
 
+def log_tail(path: str, lines: int = 4) -> str:
+    """The first error line of the server's last start in the log at `path` (a traceback's root
+    cause) and the log's last lines, joined with ' | ' (for a one-line error)."""
+    first_error, last = None, collections.deque(maxlen=lines)
+    try:
+        with open(path, errors="replace") as f:
+            for line in filter(None, map(str.strip, f)):
+                if line.startswith(START_HEADER):
+                    first_error = None
+                elif first_error is None and ERROR_LINE.search(line):
+                    first_error = line[:500]
+                last.append(line[:300])
+    except OSError as e:
+        return f"(its log {path} is unreadable: {e.strerror})"
+    head = [first_error, "..."] if first_error and first_error[:300] not in last else []
+    return " | ".join([*head, *last])
+
+
 def supervise(trainer_pid: int, command: list[str]) -> int:
     """The supervisor: runs `command`, and ends the process group when asked to (SIGTERM, SIGINT), when
     the command exits, or when the trainer `trainer_pid` is no longer its parent."""
@@ -117,10 +133,27 @@ def supervise(trainer_pid: int, command: list[str]) -> int:
             child.wait(STOP_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
             pass
-    code = child.wait() if child.poll() is not None else -signal.SIGKILL
-    sys.stdout.flush()
-    os.killpg(0, signal.SIGKILL)  # whatever is left, this supervisor last
-    return code
+    for pid in group_members(os.getpgid(0)):  # whatever is left, so that the status is the server's
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return child.wait() if child.poll() is not None else -signal.SIGKILL
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (Linux: from /proc)."""
+    members = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(pid))
+    return members
 
 
 if __name__ == "__main__":
