@@ -8,6 +8,7 @@ version ahead, and a trainer killed with SIGKILL that leaves no server behind an
 The tests that start servers share one xdist group (one worker, one server at a time) and the
 module's server; `--enforce-eager` (through vllm_args) spares each start torch.compile's warm-up."""
 
+import dataclasses
 import http.server
 import json
 import os
@@ -279,12 +280,13 @@ def test_the_log_tail_names_the_last_starts_root_cause(tmp_path):
     log.write_text(
         "==== unitrain: python -m vllm ...\nValueError: an old start's failure\n"
         "==== unitrain: python -m vllm ...\nINFO starting\n"
-        "(Worker pid=1) ERROR ValueError: Available memory on node 0 is less than desired\n"
+        "(APIServer pid=1) WARNING [system_utils.py:255] fd limit errors like `OSError: [Errno 24] Too many open files`\n"
+        "(Worker pid=1) ERROR 11-26 05:34:01 [executor.py:953] ValueError: Available memory on node 0 is short\n"
         + "".join(f"  File x.py, line {i}\n" for i in range(6))
         + "RuntimeError: Engine core initialization failed. See root cause above.\n"
     )
     assert vllm_server.log_tail(str(log)) == (
-        "(Worker pid=1) ERROR ValueError: Available memory on node 0 is less than desired | ... | "
+        "(Worker pid=1) ERROR 11-26 05:34:01 [executor.py:953] ValueError: Available memory on node 0 is short | ... | "
         "File x.py, line 3 | File x.py, line 4 | File x.py, line 5 | "
         "RuntimeError: Engine core initialization failed. See root cause above."
     )
@@ -339,6 +341,57 @@ def test_5xx_and_timeouts_are_retried_then_one_line(flaky, monkeypatch):
     flaky.server_close()
     with pytest.raises(vllm.ServerGone, match="no vLLM server answers"):
         vllm.Client(url, timeout=5, retries=3).call("/v1/completions", {})
+
+
+class FakeEngine(http.server.BaseHTTPRequestHandler):
+    """The weight endpoints of a vLLM server: a reload fails while `server.fail_reload`; /weight_info
+    says `server.reports` (None: the version last set)."""
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            return self.answer(200, {"data": [{"id": "fake", "root": "/nowhere"}]})
+        self.answer(200, {"weight_version": self.server.reports or self.server.version})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"null")
+        if self.path == "/collective_rpc" and self.server.fail_reload:
+            return self.answer(500, {"error": "reload failed"})
+        if self.path == "/update_weight_version":
+            self.server.version = body["new_version"]
+        self.answer(200, {})
+
+    def answer(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("fault", ["reload fails", "another version reported"])
+def test_a_failed_reload_stops_before_any_sample_is_tagged(tmp_path, monkeypatch, fault):
+    monkeypatch.setattr(vllm.time, "sleep", lambda s: None)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
+    server.fail_reload, server.reports, server.version = False, None, "default"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    run, _ = build_run(make_cfg(mode="grpo", base_output_directory=tmp_path, per_device_batch_size=1))
+    sampler = vllm.VLLMSampler(dataclasses.replace(run, cfg=run.cfg.replace(sampler="vllm", vllm_url=url)))
+    sampler.update_weights(run.init_params, 1)
+    assert sampler.version == 1
+    if fault == "reload fails":
+        server.fail_reload = True
+    else:
+        server.reports = "1"
+    with pytest.raises(
+        EngineError, match="collective_rpc answered 500|reports weights version '1' after loading version 2"
+    ):
+        sampler.update_weights(run.init_params, 2)
+    assert sampler.version == 1  # what it samples next is still tagged with the version the server has
+    server.shutdown()
 
 
 # ---------------------------------------------------------------- GRPO with the engine

@@ -114,7 +114,7 @@ class VLLMSampler:
         self.export_root = cfg.vllm_export_dir or os.path.join(cfg.run_dir, "vllm_weights")
         self.log_path = os.path.join(cfg.run_dir, "vllm_server.log")
         self.leader = jax.process_index() == 0
-        self.server, self.client, self.model_path = None, None, None
+        self.server, self.client, self.model_path, self.served_name = None, None, None, SERVED_NAME
         self.version = None  # the version the server has loaded
         self.server_starts = 0
         self.restarts_left = cfg.vllm_restarts
@@ -153,9 +153,11 @@ class VLLMSampler:
         """The server serves `path` as `version`: started with it, or paused, reloaded and resumed."""
         with self.idle:  # no row of ours straddles the two versions
             self.idle.wait_for(lambda: self.in_flight == 0)
-        if self.client is None:
-            self._connect(path)
+        if self.client is None and not self.cfg.vllm_url:
+            self._start(path)
         else:
+            if self.client is None:
+                self._connect()
             try:
                 self.client.call("/pause?mode=wait")
                 self.client.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
@@ -168,26 +170,21 @@ class VLLMSampler:
         if served != str(version):
             raise EngineError(f"the vLLM server reports weights version {served!r} after loading version {version}")
 
-    def _connect(self, path: str) -> None:
+    def _connect(self) -> None:
+        """The server at vllm_url, if it serves a model this sampler can reload."""
         cfg = self.cfg
-        if cfg.vllm_url:
-            self.client = Client(cfg.vllm_url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
-            try:
-                model = self.client.call("/v1/models", method="GET")["data"][0]
-                self.served_name = model["id"]
-                if tied(model["root"]):
-                    raise EngineError(
-                        f"vllm_url: the server at {cfg.vllm_url} serves {model['root']}, a model with tied "
-                        "embeddings, whose lm_head vLLM's reload leaves stale; start it from a folder this "
-                        "sampler exported (<vllm_export_dir>/version_N: untied)"
-                    )
-                self.client.call("/pause?mode=wait")
-                self.client.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
-                self.client.call("/reset_prefix_cache")
-            except ServerGone as e:
-                raise EngineError(f"vllm_url: {e}") from None
-            return
-        self._start(path)
+        self.client = Client(cfg.vllm_url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
+        try:
+            model = self.client.call("/v1/models", method="GET")["data"][0]
+        except ServerGone as e:
+            raise EngineError(f"vllm_url: {e}") from None
+        if tied(model["root"]):
+            raise EngineError(
+                f"vllm_url: the server at {cfg.vllm_url} serves {model['root']}, a model with tied "
+                "embeddings, whose lm_head vLLM's reload leaves stale; start it from a folder this "
+                "sampler exported (<vllm_export_dir>/version_N: untied)"
+            )
+        self.served_name = model["id"]
 
     def _start(self, path: str) -> None:
         """A server of our own, serving `path`."""
@@ -197,7 +194,7 @@ class VLLMSampler:
         self.server = Server(cfg.vllm_python, server_args(cfg, path, free_port()), self.log_path, env)
         self.server.wait_ready(cfg.vllm_startup_timeout)
         self.client = Client(self.server.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
-        self.served_name, self.server_starts = SERVED_NAME, self.server_starts + 1
+        self.server_starts += 1
         log.info(
             "vLLM server up at %s in %.1f s (log: %s)", self.server.url, time.perf_counter() - started, self.log_path
         )
