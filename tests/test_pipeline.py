@@ -117,6 +117,9 @@ def test_a_mistake_in_the_last_stage_stops_before_the_first(tmp_path, capsys, mi
     assert train.main([path]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "stage 'eval' (stage 3 of 3)" in err and named in err
+    assert "replace()" not in err
+    if "eval_pass_kk" in mistake:  # where the key was written: the recipe's stages
+        assert f"unknown config key 'eval_pass_kk' (from the stages of {path} line " in err
     assert not (tmp_path / "runs" / "pipe").exists()
 
 

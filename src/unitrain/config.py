@@ -487,13 +487,17 @@ def _thaw(v):
     )
 
 
+SET_BY_UNITRAIN = "set by unitrain"  # the origin of a value a tool or the trainer chose (Config.replace)
+
+
 class Config(Mapping):
     """The frozen, validated config: cfg.emb_dim, cfg["emb_dim"], cfg.to_dict(), cfg.replace(emb_dim=128)."""
 
-    def __init__(self, values: dict, inputs: dict, schema: dict):
+    def __init__(self, values: dict, inputs: dict, schema: dict, origin: dict):
         object.__setattr__(self, "_values", {k: _freeze(v) for k, v in values.items()})
         object.__setattr__(self, "_inputs", inputs)  # validated, before derive(): replace() restarts here
         object.__setattr__(self, "_schema", schema)  # the root yml: keys and default types
+        object.__setattr__(self, "_origin", origin)  # key -> where its value was set, for messages
 
     def __getitem__(self, key):
         return self._values[key]
@@ -523,18 +527,23 @@ class Config(Mapping):
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
 
     def __reduce__(self):
-        return (Config, (self.to_dict(), self._inputs, self._schema))
+        return (Config, (self.to_dict(), self._inputs, self._schema, self._origin))
 
     def to_dict(self) -> dict:
         """A plain, yaml-serialisable copy (lists and dicts) of every value, derived ones included."""
         return {k: _thaw(v) for k, v in self._values.items()}
 
-    def replace(self, **changes) -> Config:
-        """A new Config with some inputs changed; typed, validated and derived again like a load."""
-        inputs, origin = dict(self._inputs), {}
+    def replace(self, where: str = SET_BY_UNITRAIN, /, **changes) -> Config:
+        """A new Config with some inputs changed; typed, validated and derived again like a load. A
+        message about a change says it came `where` (e.g. "from stage 'grpo' of recipe.yml line 9")."""
+        inputs, origin = dict(self._inputs), dict(self._origin)
         for key, value in changes.items():
-            _set(inputs, origin, self._schema, key, value, "from replace()")
+            _set(inputs, origin, self._schema, key, value, where)
         return _build(inputs, self._schema, origin, set(changes))
+
+    def origin(self, key: str) -> str:
+        """Where the value of `key` was set, as messages say it ("from configs/base.yml line 12")."""
+        return self._origin.get(key, SET_BY_UNITRAIN)
 
 
 _RESERVED = {name for name in dir(Config) if not name.startswith("_")}  # keys that attributes would hide
@@ -545,12 +554,12 @@ def _build(inputs: dict, schema: dict, origin: dict, explicit: set) -> Config:
     for key, rule in RULES.items():
         if key in inputs and not rule.test(inputs[key]):
             raise ConfigError(
-                f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, 'from replace()')})"
+                f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, SET_BY_UNITRAIN)})"
             )
     for check in CHECKS:
         if problem := check(inputs):
             raise ConfigError(f"invalid config: {problem}")
-    return Config(derive(inputs), inputs, schema)
+    return Config(derive(inputs), inputs, schema, origin)
 
 
 def load_config(argv: list[str]) -> Config:
@@ -608,7 +617,7 @@ def _take_checkpoint_architecture(inputs: dict, origin: dict, explicit: set) -> 
     arch, where = found
     if not arch and (chosen := sorted(explicit & set(MODEL_KEYS))):
         raise ConfigError(
-            f"config key '{chosen[0]}' is set ({origin.get(chosen[0], 'from replace()')}) but model_source "
+            f"config key '{chosen[0]}' is set ({origin.get(chosen[0], SET_BY_UNITRAIN)}) but model_source "
             f"{inputs['model_source']} takes the architecture from {where}; drop the architecture keys"
         )
     for key, value in arch.items():
@@ -617,7 +626,7 @@ def _take_checkpoint_architecture(inputs: dict, origin: dict, explicit: set) -> 
             continue  # extra_tokens: the model source grows the checkpoint's vocabulary (unitrain.vocab)
         if key in explicit and ours is not None and ours != value:
             raise ConfigError(
-                f"config key '{key}' is {_show(ours)} ({origin.get(key, 'from replace()')}) but the "
+                f"config key '{key}' is {_show(ours)} ({origin.get(key, SET_BY_UNITRAIN)}) but the "
                 f"checkpoint at load_parameters_path has {key}={_show(value)} ({where}); drop the key to "
                 "take the checkpoint's value"
             )

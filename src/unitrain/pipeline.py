@@ -34,6 +34,7 @@ def stage_configs(cfg) -> list:
     """The config of every stage, in order, each checked on the devices (run.device_layout); a mistake
     in any is one line naming the stage."""
     stages, names = [], set()
+    recipe = cfg.origin("stages").removeprefix("from ")  # "configs/x.yml line 3"
     for i, stage in enumerate(cfg.stages):
         where = f"stage {i + 1} of {len(cfg.stages)}"
         if not isinstance(stage, dict) or not isinstance(stage.get("name"), str) or not stage["name"].strip():
@@ -56,7 +57,7 @@ def stage_configs(cfg) -> list:
         if bad := sorted(set(own) & {"stages", "run_name", "base_output_directory"}):
             raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
         try:
-            stage_cfg = cfg.replace(**{**changes, **own})
+            stage_cfg = cfg.replace(**changes).replace(f"from the stages of {recipe}", **own)
             plugins.check_config(stage_cfg)
             device_layout(stage_cfg)
         except ConfigError as e:
