@@ -226,6 +226,30 @@ def test_a_resumed_run_reports_changed_keys_and_keeps_the_earlier_config(tmp_pat
     assert not (tmp_path / "default" / "config.2.yml").exists()
 
 
+@pytest.mark.parametrize(
+    "other, says",
+    [
+        (["mode=grpo", "steps=2001"], "mode=sft (its config.yml) and this command sets mode=grpo"),
+        (["mode=dpo"], "mode=sft (its config.yml) and this command sets mode=dpo"),
+        (["num_decoder_layers=3"], "num_decoder_layers=2 (its config.yml) and this command sets num_decoder_layers=3"),
+    ],
+)
+def test_a_command_that_cannot_resume_the_run_directory_says_so_in_one_line(tmp_path, capsys, other, says):
+    """Another mode, data pipeline or model on a run directory with checkpoints stops before anything is
+    built (it was grain's KeyError 'next_index' from the restore), naming the two ways on."""
+    assert train.main(argv(tmp_path, "steps=1")) == 0
+    capsys.readouterr()
+    config_before = (tmp_path / "default" / "config.yml").read_text()
+    assert train.main(argv(tmp_path, *other)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and says in err and "another run_name" in err
+    weights = f"load_parameters_path={tmp_path / 'default' / 'checkpoints'}"
+    assert (weights in err) == ("num_decoder_layers=3" not in other)  # another model cannot start from them
+    assert (tmp_path / "default" / "config.yml").read_text() == config_before
+    if weights in err:  # the way on it names trains
+        assert train.main(argv(tmp_path, *other[:1], weights, "run_name=next", "steps=1")) == 0
+
+
 def test_a_resume_on_another_device_count_keeps_the_global_batch(tmp_path):
     cfg = load_config(argv(tmp_path, "per_device_batch_size=1"))
     now = sharding.layout_for(cfg).global_batch_size  # 8 devices here: 8 rows

@@ -42,6 +42,37 @@ _RUN_CONTROL = (
 )
 
 
+# Keys whose change makes another run: its checkpoints hold another state (another mode's data
+# iterator and loss, another data pipeline's position, another model's parameters).
+_RUN_IDENTITY = (
+    "mode",
+    "data_format",
+    "dataset_path",
+    "model_source",
+    "model_family",
+    "emb_dim",
+    "mlp_dim",
+    "num_decoder_layers",
+    "num_query_heads",
+    "num_kv_heads",
+    "lora_rank",
+)
+
+
+def check_resumable(cfg, previous: dict, has_checkpoint: bool) -> None:
+    """A command that cannot resume the run directory's checkpoints (another mode, data pipeline or
+    model than its config.yml records) stops here, before anything is built, in one line."""
+    differ = [k for k in _RUN_IDENTITY if k in previous and previous[k] != cfg[k]]
+    if has_checkpoint and differ:
+        key = differ[0]
+        same_model = key in ("mode", "data_format", "dataset_path", "lora_rank")
+        start_there = f" (with load_parameters_path={cfg.checkpoint_dir} to start from its weights)" * same_model
+        raise ConfigError(
+            f"{cfg.run_dir} holds a run with {key}={_show(previous[key])} (its config.yml) and this command "
+            f"sets {key}={_show(cfg[key])}, so it cannot resume it: give it another run_name{start_there}"
+        )
+
+
 def previous_config(run_dir: str) -> dict | None:
     """The config.yml of an earlier invocation of this run, inputs and derived values, or None."""
     path = os.path.join(run_dir, "config.yml")

@@ -49,9 +49,9 @@ def train(cfg) -> int:
         adapters_only=cfg.lora_rank > 0,
     )
     if previous is not None:
-        cfg = run_dir.keep_global_batch(
-            cfg, layout.global_batch_size, previous, has_checkpoint=bool(checkpointer.all_steps())
-        )
+        has_checkpoint = bool(checkpointer.all_steps())
+        run_dir.check_resumable(cfg, previous, has_checkpoint)
+        cfg = run_dir.keep_global_batch(cfg, layout.global_batch_size, previous, has_checkpoint)
     run, state = build_run(cfg)
     log.info(
         "mode %s; model %s; mesh %s over %d devices (%d processes)",
