@@ -4,6 +4,8 @@ batch the data stream was cut into, and which saved step a resumed run starts fr
 A command that fails validation or start-up never touches `config.yml`: `save_config` runs only
 once the run is built and restored. A resumed run whose config changed keeps the earlier file as
 `config.<n>.yml` and logs every changed key; a resume on another device count keeps the global batch.
+A command that cannot resume the directory's checkpoints (another mode, data pipeline or model than
+its config.yml records) stops before anything is built (check_resumable).
 """
 
 from __future__ import annotations
