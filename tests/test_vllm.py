@@ -496,16 +496,16 @@ def processes_with(*words: str) -> list[int]:
 
 
 def children_running(parent: int, name: str) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-            cmdline = open(f"/proc/{pid}/cmdline").read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and name in cmdline:
-            out.append(int(pid))
-    return out
+    """The children of `parent` whose command line has `name`."""
+    return [pid for pid in processes_with(name) if parent_of(pid) == parent]
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
 
 
 @needs_vllm
