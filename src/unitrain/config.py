@@ -104,7 +104,7 @@ RULES: dict[str, Rule] = {
     "run_name": NAME,
     "base_output_directory": NAME,
     "seed": NON_NEGATIVE,
-    "model_name": NAME,
+    "model_name": Rule(lambda v: isinstance(v, str), '"" (no model yml) or the name of a configs/models yml'),
     "model_family": choices("llama", "qwen2", "qwen3", "mistral"),
     "vocab_size": POSITIVE_INT,
     "emb_dim": POSITIVE_INT,
@@ -487,7 +487,12 @@ def _thaw(v):
     )
 
 
+class _Default(str):
+    """The origin of a value the root base.yml gave and no layer above changed (Config.is_default)."""
+
+
 SET_BY_UNITRAIN = "set by unitrain"  # the origin of a value a tool or the trainer chose (Config.replace)
+FROM_COMMAND_LINE = "from command line"  # the origin of a command-line key=value (the recipe's stages yield to it)
 
 
 class Config(Mapping):
@@ -545,6 +550,11 @@ class Config(Mapping):
         """Where the value of `key` was set, as messages say it ("from configs/base.yml line 12")."""
         return self._origin.get(key, SET_BY_UNITRAIN)
 
+    def is_default(self, key: str) -> bool:
+        """Whether `key` keeps the root base.yml's value: no recipe, model yml, checkpoint, command
+        line or replace() set it."""
+        return isinstance(self._origin.get(key), _Default)
+
 
 _RESERVED = {name for name in dir(Config) if not name.startswith("_")}  # keys that attributes would hide
 
@@ -578,7 +588,7 @@ def load_config(argv: list[str]) -> Config:
             f"config key '{sorted(clash)[0]}' in {_show_path(root)} is reserved (a Config method); rename it"
         )
     inputs = dict(schema)
-    origin = {k: f"from {_show_path(root)} line {root_lines.get(k)}" for k in schema}
+    origin = {k: _Default(f"from {_show_path(root)} line {root_lines.get(k)}") for k in schema}
     explicit = set()  # keys a user chose (not base.yml's defaults): a checkpoint may not contradict them
     for path, data, lines in reversed(chain[:-1]):
         explicit |= set(data)
@@ -591,18 +601,18 @@ def load_config(argv: list[str]) -> Config:
             raise ConfigError(f"command-line argument '{arg}' is not of the form key=value")
         cli[key] = raw
     if "model_name" in cli:  # picks the model yml, so it is typed before the others
-        _set(inputs, origin, schema, "model_name", None, "from command line", raw=cli["model_name"])
+        _set(inputs, origin, schema, "model_name", None, FROM_COMMAND_LINE, raw=cli["model_name"])
     if resolved:  # a written config already holds its model's dimensions (and maybe overrides of them)
         if inputs["model_name"] != schema["model_name"]:
             raise ConfigError(
                 f"model_name cannot change when loading the resolved config {_show_path(chain[0][0])}; start from configs/base.yml instead"
             )
-    else:
+    elif inputs["model_name"]:  # "" layers no model yml: the architecture is the checkpoint's or as set
         _apply_model(inputs, origin, schema, root.parent / "models")
         if "model_name" in explicit or "model_name" in cli:
             explicit |= set(MODEL_KEYS)
     for key, raw in cli.items():
-        _set(inputs, origin, schema, key, None, "from command line", raw=raw)
+        _set(inputs, origin, schema, key, None, FROM_COMMAND_LINE, raw=raw)
     return _build(inputs, schema, origin, explicit | set(cli))
 
 
@@ -618,17 +628,23 @@ def _take_checkpoint_architecture(inputs: dict, origin: dict, explicit: set) -> 
     if not arch and (chosen := sorted(explicit & set(MODEL_KEYS))):
         raise ConfigError(
             f"config key '{chosen[0]}' is set ({origin.get(chosen[0], SET_BY_UNITRAIN)}) but model_source "
-            f"{inputs['model_source']} takes the architecture from {where}; drop the architecture keys"
+            f"{inputs['model_source']} takes the architecture from {where}; drop the architecture keys "
+            "(`model_name=` on the command line drops a model yml's)"
         )
     for key, value in arch.items():
         ours = inputs[key]
         if key == "vocab_size" and key in explicit and inputs["extra_tokens"] and ours is not None and ours > value:
             continue  # extra_tokens: the model source grows the checkpoint's vocabulary (unitrain.vocab)
         if key in explicit and ours is not None and ours != value:
+            set_at = origin.get(key, SET_BY_UNITRAIN)
+            way = (
+                "add `model_name=` (empty) to the command line to take the checkpoint's architecture"
+                if set_at.endswith(_BY_MODEL_NAME.format(inputs["model_name"]))
+                else f"drop the key (or set {key}={_show(value)}) to take the checkpoint's value"
+            )
             raise ConfigError(
-                f"config key '{key}' is {_show(ours)} ({origin.get(key, SET_BY_UNITRAIN)}) but the "
-                f"checkpoint at load_parameters_path has {key}={_show(value)} ({where}); drop the key to "
-                "take the checkpoint's value"
+                f"config key '{key}' is {_show(ours)} ({set_at}) but the checkpoint at load_parameters_path "
+                f"has {key}={_show(value)} ({where}); {way}"
             )
         inputs[key], origin[key] = value, f"from {where}"
 
@@ -657,6 +673,9 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
     return None
 
 
+_BY_MODEL_NAME = ", by model_name={}"  # ends the origin of a key a model yml set
+
+
 def _apply_model(inputs: dict, origin: dict, schema: dict, models: Path) -> None:
     name = inputs["model_name"]
     path = models / f"{name}.yml"
@@ -665,7 +684,7 @@ def _apply_model(inputs: dict, origin: dict, schema: dict, models: Path) -> None
         raise ConfigError(f"model_name '{name}' has no file {_show_path(path)}; available: {available}")
     data, lines = _read_yml(path)
     for key, value in data.items():
-        where = f"from {_show_path(path)} line {lines.get(key)}"
+        where = f"from {_show_path(path)} line {lines.get(key)}" + _BY_MODEL_NAME.format(name)
         if key in schema and key not in MODEL_KEYS:
             raise ConfigError(f"config key '{key}' is not a model dimension and cannot be set in a model yml ({where})")
         _set(inputs, origin, schema, key, value, where)

@@ -1,5 +1,8 @@
 """Run logs: metrics.jsonl + TensorBoard scalars/text (+ W&B, wandb_sink.py), the progress line, MFU (the model counts its own FLOPs), profiling.
 
+The text TensorBoard gets (sampled completions, eval answers) also goes to samples.txt beside
+metrics.jsonl, each under a `==== step N: tag` line, so it can be read without TensorBoard.
+
 Only the primary process (jax.process_index() == 0) writes anything; the others accept the same calls
 and do nothing, so the training loop needs no `if primary:` branches.
 
@@ -60,12 +63,16 @@ class MetricsWriter:
         self._file = self._tb = None
         self._wandb = wandb  # a wandb_sink.WandbSink, or None
         self._timed = None  # (seconds, steps) of step_time since the previous progress line: the ETA's
+        self._flat = (0, 0)  # (GRPO steps, those whose groups all had zero reward spread) since that line
         if not self.is_primary:
             return
         path = Path(metrics_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and path.exists():
             _keep_steps_before(path, resume_step)
+        self._samples = path.with_name("samples.txt")
+        if resume_step is not None and self._samples.exists():
+            _keep_samples_before(self._samples, resume_step)
         broken = _ends_mid_line(path)
         self._file = open(path, "a")
         if broken:
@@ -102,6 +109,8 @@ class MetricsWriter:
         values = {metric_name(k): np.asarray(v).item() for k, v in scalars.items()}
         if "step_time" in values and self._timed is not None:
             self._timed = (self._timed[0] + values["step_time"], self._timed[1] + 1)
+        if "zero_std_group_fraction" in values:  # GRPO: 1.0 = every advantage 0, nothing learnt
+            self._flat = (self._flat[0] + 1, self._flat[1] + (values["zero_std_group_fraction"] == 1.0))
         try:
             self._file.write(json.dumps({"step": step, **values}) + "\n")
             self._file.flush()  # a killed run keeps every line written so far
@@ -130,14 +139,13 @@ class MetricsWriter:
             parts.append(f"MFU {100 * v['mfu']:.1f}%")  # mfu is logged as a fraction
         if "step_time" in v:
             parts.append(f"{v['step_time']:.2f} s/step")
-        if "eval_loss" in v:
-            parts.append(f"eval loss {v['eval_loss']:.4f}")
-        if "eval_accuracy" in v:
-            parts.append(f"eval accuracy {100 * v['eval_accuracy']:.1f}%")
+        if evals := _eval_parts(v):
+            return " | ".join([*parts, "eval " + ", ".join(evals)])
+        if self._flat[1]:
+            parts.append(f"{self._flat[1]} of {self._flat[0]} steps trained on nothing (no reward spread in any group)")
+        self._flat = (0, 0)
         # ETA from the step times since the previous progress line: data loading is in them, evals,
         # checkpoints and the first line's step (compilation) are not.
-        if "eval_loss" in v or "eval_accuracy" in v:
-            return " | ".join(parts)
         if self._timed is not None and self._timed[1]:
             per_step = self._timed[0] / self._timed[1]
             remaining = max(0, self.total_steps - 1 - step)
@@ -146,9 +154,11 @@ class MetricsWriter:
         return " | ".join(parts)
 
     def text(self, step: int, tag: str, text: str) -> None:
-        """A TensorBoard text summary (and a W&B panel), e.g. sampled completions."""
+        """A TensorBoard text summary (and a W&B panel, and a block of samples.txt), e.g. sampled completions."""
         if self.is_primary:
             self._tb.add_text(tag, text, int(step))
+            with open(self._samples, "a") as f:
+                f.write(f"==== step {int(step)}: {tag}\n{text.rstrip()}\n\n")
         if self._wandb is not None:
             self._wandb.text(step, tag, text)
 
@@ -166,6 +176,18 @@ class MetricsWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _eval_parts(v: dict) -> list[str]:
+    """Every eval_* metric, compactly and in the order given: "loss 1.2346", "accuracy 45.3%",
+    "pass@4 60.0%", "hr@10 0.087", "rewards/margin 0.1234" (rates and accuracies as percentages)."""
+    parts = []
+    for key, value in v.items():
+        if key.startswith("eval_"):
+            name = key.removeprefix("eval_").replace("_at_", "@")
+            percent = name.startswith("pass@") or name.endswith(("accuracy", "rate"))
+            parts.append(f"{name} {100 * value:.1f}%" if percent else f"{name} {value:.4g}")
+    return parts
 
 
 def _si(x: float) -> str:
@@ -194,6 +216,18 @@ def _keep_steps_before(path: Path, resume_step: int) -> None:
             pass  # half a line from a killed run
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+_SAMPLES_HEADER = re.compile(r"^==== step (\d+): ", re.M)
+
+
+def _keep_samples_before(path: Path, resume_step: int) -> None:
+    """Rewrites samples.txt without the blocks of steps >= resume_step (atomic, as _keep_steps_before)."""
+    text = path.read_text()
+    later = next((m.start() for m in _SAMPLES_HEADER.finditer(text) if int(m.group(1)) >= resume_step), len(text))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text[:later])
     os.replace(tmp, path)
 
 

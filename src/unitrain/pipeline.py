@@ -11,7 +11,8 @@ config.yml, checkpoints, metrics), starting from the previous stage's final para
 (`load_parameters_path` = that stage's checkpoints; the optimizer starts fresh unless the stage
 sets `load_optimizer_state: true`) unless the stage names its own. Every stage's config is built, and so validated, before the first one runs. A stage
 that finished leaves `<run_dir>/<name>/stage_done`; re-running the command skips those and resumes
-the stage in progress from its latest checkpoint.
+the stage in progress from its latest checkpoint. A key given on the command line wins over every
+stage's own value of it (`steps=10` shortens every stage), as it wins over the recipe's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from unitrain import plugins, run_dir
-from unitrain.config import write_config
+from unitrain.config import FROM_COMMAND_LINE, write_config
 from unitrain.errors import ConfigError
 from unitrain.run import device_layout
 
@@ -56,6 +57,7 @@ def stage_configs(cfg) -> list:
         own = {k: v for k, v in stage.items() if k != "name"}
         if bad := sorted(set(own) & {"stages", "run_name", "base_output_directory"}):
             raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
+        own = _without_command_line_keys(cfg, name, own)
         try:
             stage_cfg = cfg.replace(**changes).replace(f"from the stages of {recipe}", **own)
             plugins.check_config(stage_cfg)
@@ -66,19 +68,38 @@ def stage_configs(cfg) -> list:
     return stages
 
 
+def _without_command_line_keys(cfg, name: str, own: dict) -> dict:
+    """The stage's keys less those the command line sets: the command line wins last, over a stage's
+    values too (steps=10 shortens every stage); a line says which stage values it replaced."""
+    given = {k: v for k, v in cfg.to_dict().items() if cfg.origin(k) == FROM_COMMAND_LINE}
+    if overridden := {k: v for k, v in own.items() if k in given and v != given[k]}:
+        log.info(
+            "stage %s: the command line's %s over the stage's %s",
+            name,
+            ", ".join(f"{k}={run_dir.show(given[k])}" for k in overridden),
+            ", ".join(f"{k}: {run_dir.show(v)}" for k, v in overridden.items()),
+        )
+    return {k: v for k, v in own.items() if k not in given}
+
+
 def run(cfg, train) -> int:
     """Runs the stages of `cfg` with `train(stage_cfg) -> exit status`; stops at the first failure."""
     stages = stage_configs(cfg)
     _check_finished_stages_unchanged(stages)
-    if jax.process_index() == 0:
-        write_config(cfg, os.path.join(cfg.run_dir, "pipeline.yml"))
     for stage in stages:
         done = os.path.join(stage.run_dir, "stage_done")
         if os.path.exists(done):
             log.info("stage %s: finished before, skipped", stage.run_name)
             continue
         log.info("stage %s: %s %s in %s", stage.run_name, stage.action, stage.mode, stage.run_dir)
-        status = train(stage)
+        status = None
+        try:
+            status = train(stage)
+        finally:  # once a stage ran or started: a command that failed before leaves no file behind
+            if jax.process_index() == 0 and (
+                status is not None or os.path.exists(os.path.join(stage.run_dir, "config.yml"))
+            ):
+                write_config(cfg, os.path.join(cfg.run_dir, "pipeline.yml"))
         if status != 0:
             log.warning("stage %s stopped with status %d; re-run the command to resume it", stage.run_name, status)
             return status

@@ -5,11 +5,14 @@ A command that fails validation or start-up never touches `config.yml`: `save_co
 once the run is built and restored. A resumed run whose config changed keeps the earlier file as
 `config.<n>.yml` and logs every changed key; a resume on another device count keeps the global batch.
 A command that cannot resume the directory's checkpoints (another mode, data pipeline or model than
-its config.yml records) stops before anything is built (check_resumable).
+its config.yml records) stops before anything is built (check_resumable); one for a run that already
+trained all its steps says so (finished_step); one that failed before its run started leaves no
+empty directory behind (no_empty_dirs_left).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -70,8 +73,8 @@ def check_resumable(cfg, previous: dict, has_checkpoint: bool) -> None:
         same_model = key in ("mode", "data_format", "dataset_path", "lora_rank")
         start_there = f" (with load_parameters_path={cfg.checkpoint_dir} to start from its weights)" * same_model
         raise ConfigError(
-            f"{cfg.run_dir} holds a run with {key}={_show(previous[key])} (its config.yml) and this command "
-            f"sets {key}={_show(cfg[key])}, so it cannot resume it: give it another run_name{start_there}"
+            f"{cfg.run_dir} holds a run with {key}={show(previous[key])} (its config.yml) and this command "
+            f"sets {key}={show(cfg[key])}, so it cannot resume it: give it another run_name{start_there}"
         )
 
 
@@ -142,14 +145,48 @@ def save_config(cfg, layout, previous: dict | None) -> None:
         shutil.copyfile(path, kept)
         log.warning(
             "the config changed since the last invocation of this run (%s); the earlier one is kept as %s",
-            ", ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in changes.items()),
+            ", ".join(f"{k}: {show(a)} -> {show(b)}" for k, (a, b) in changes.items()),
             kept,
         )
     write_config(cfg, path, dataclasses.asdict(layout))
 
 
-def _show(value) -> str:
+def show(value) -> str:
+    """A config value as the run's config.yml writes it (a list inline): for messages."""
     return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def finished_step(cfg, checkpointer) -> int | None:
+    """The saved step of a run that trained all its `steps` (a train command has nothing left to do),
+    else None; with resume_step the run goes back to a chosen step instead."""
+    latest = max(checkpointer.all_steps(), default=0)
+    if cfg.action != "train" or cfg.resume_step is not None or not latest or latest < cfg.steps:
+        return None
+    return latest
+
+
+@contextlib.contextmanager
+def no_empty_dirs_left(run_dir: str):
+    """Runs the command's body, then removes the directories it created on the way to `run_dir`
+    (the run directory, its checkpoints/, a new base_output_directory) that are still empty: a
+    command that failed before its run started leaves nothing behind. A directory holding any file
+    stays, so no record of a run is ever removed."""
+    created = None if "://" in run_dir else _first_missing(os.path.abspath(run_dir))
+    try:
+        yield
+    finally:
+        if created is not None and os.path.isdir(created):
+            for path, _, _ in os.walk(created, topdown=False):
+                with contextlib.suppress(OSError):  # not empty: it stays
+                    os.rmdir(path)
+
+
+def _first_missing(path: str) -> str | None:
+    """The outermost directory of `path` that does not exist yet (`path` itself or a parent), or None."""
+    missing = None
+    while not os.path.exists(path):
+        missing, path = path, os.path.dirname(path)
+    return missing
 
 
 def resume_step(cfg, checkpointer) -> int:

@@ -52,6 +52,17 @@ def train(cfg) -> int:
         has_checkpoint = bool(checkpointer.all_steps())
         run_dir.check_resumable(cfg, previous, has_checkpoint)
         cfg = run_dir.keep_global_batch(cfg, layout.global_batch_size, previous, has_checkpoint)
+    if (done := run_dir.finished_step(cfg, checkpointer)) is not None:  # before minutes of building
+        checkpointer.close()
+        log.info(
+            "%s is finished: its checkpoint is at step %d and steps=%d, so there is nothing to train; "
+            "raise steps (e.g. steps=%d) to train on from it, or give another run_name to start afresh",
+            cfg.run_dir,
+            done,
+            cfg.steps,
+            max(done, cfg.steps) * 2,
+        )
+        return 0
     run, state = build_run(cfg)
     log.info(
         "mode %s; model %s; mesh %s over %d devices (%d processes)",
@@ -313,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         plugins.check_config(cfg)
         if jax.process_index() != 0:  # only after jax.distributed has started
             log.setLevel(logging.WARNING)
-        return pipeline.run(cfg, train) if cfg.stages else train(cfg)
+        with run_dir.no_empty_dirs_left(cfg.run_dir):  # a command that failed early leaves no run directory
+            return pipeline.run(cfg, train) if cfg.stages else train(cfg)
     except UserError as e:
         print(f"unitrain: {e}", file=sys.stderr)
         return _exit(EXIT_USER_ERROR)
@@ -330,12 +342,15 @@ def _help(argv: list[str]) -> int:
     at = argv.index("--help") if "--help" in argv else argv.index("-h")
     keyword = argv[at + 1] if at + 1 < len(argv) else ""
     first = Path(argv[0]) if at > 0 and argv[0].endswith((".yml", ".yaml")) else DEFAULT_CONFIG
-    print(__doc__.split("\n\n")[1].strip() + "\n")
     try:
-        print(describe_keys(root_config(first), keyword))
+        keys = describe_keys(root_config(first), keyword)
     except UserError as e:
         print(f"unitrain: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    try:
+        print(__doc__.split("\n\n")[1].strip() + "\n\n" + keys, flush=True)
+    except BrokenPipeError:  # a reader that stopped early (`--help | head`) has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush finds no pipe
     return 0
 
 

@@ -174,16 +174,16 @@ def _demonstrations(cfg):
 
 
 def eval_prompt_records(cfg, tokenizer) -> list[dict]:
-    """The eval files as {prompt, label} records for generation evals (data.eval_prompts): the prompt
-    is the prompt text, or the conversation before its last assistant turn; the label is the record's
-    label_key field when it has one, else its completion (the last assistant turn)."""
+    """The eval files as {prompt, label, completion} records for generation evals (data.eval_prompts):
+    the prompt is the prompt text, or the conversation before its last assistant turn; the label is the
+    record's label_key field when it has one, else its completion (the last assistant turn)."""
     out = []
     for record in file_records(cfg, tokenizer, split_path(cfg, "eval"), cfg.label_key):
         if "messages" in record:
             prompt, completion = record["messages"][:-1], record["messages"][-1]["content"]
         else:
             prompt, completion = record["prompt"], record["completion"]
-        out.append({"prompt": prompt, "label": record.get("label", completion)})
+        out.append({"prompt": prompt, "label": record.get("label", completion), "completion": completion})
     return out
 
 

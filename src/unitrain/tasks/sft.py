@@ -3,7 +3,8 @@
 Evaluation: the loss on `eval_steps` fixed batches of the eval split and, as GRPO evaluates, answers
 generated for the first `eval_num_samples` eval prompts (evals.TaskEvaluator through the run's
 sampler), scored by the first reward in `reward` against the label (label_key's field, else the
-completion): greedy accuracy and pass@k; the first greedy answers go to TensorBoard as samples. With
+completion; GSM8K's '#### <answer>' labels by the math reward unless `reward` is set, evals.sft_reward_fn):
+greedy accuracy and pass@k; the first greedy answers go to TensorBoard as samples. With
 `env` set (training on the environment's demonstrations) the answers are episodes with it. A
 data format may bring its own evaluator instead (data/formats.py; the recommender's HR/NDCG).
 """
@@ -16,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unitrain import losses, plugins, rewards, rollout, sharding
+from unitrain import losses, plugins, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator, split_path
 from unitrain.errors import ConfigError
-from unitrain.evals import TaskEvaluator
+from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
 from unitrain.rollout.base import close
 from unitrain.rollout.multi_turn import MultiTurn
 from unitrain.tasks.base import RunContext, Task
@@ -49,14 +50,18 @@ class SFTTask(Task):
         eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
         if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
             self.sampler = sampler = rollout.make_sampler(run)
-            self.task_eval = plugins.data_format(cfg).evaluator(cfg, run.tokenizer, sampler) or TaskEvaluator(
-                cfg,
-                run.tokenizer,
-                sampler,
-                rewards.make_reward_fn(cfg),
-                None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer),
-                workflow=MultiTurn(run) if cfg.env else None,  # the demonstrations' environment plays
-            )
+            self.task_eval = plugins.data_format(cfg).evaluator(cfg, run.tokenizer, sampler)
+            if self.task_eval is None:
+                records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
+                warn_if_answers_cut(cfg, run.tokenizer, records)
+                self.task_eval = TaskEvaluator(
+                    cfg,
+                    run.tokenizer,
+                    sampler,
+                    sft_reward_fn(cfg, records),
+                    records,
+                    workflow=MultiTurn(run) if cfg.env else None,  # the demonstrations' environment plays
+                )
 
     def close(self) -> None:
         if self.sampler is not None:
