@@ -6,6 +6,7 @@ recipe lives. conftest.py gives 8 simulated CPU devices.
 """
 
 import dataclasses
+import json
 import os
 import pickle
 import re
@@ -419,3 +420,34 @@ def test_recipes_load():
     sft, grpo = pipeline.stage_configs(load_config([str(CONFIGS / "sft_then_grpo.yml")]))
     assert (sft.mode, grpo.mode, sharding.layout_for(grpo).updates_per_step) == ("sft", "grpo", 1)
     assert grpo.load_parameters_path == sft.checkpoint_dir == "runs/sft_then_grpo/sft/checkpoints"
+
+
+def test_model_name_empty_on_the_command_line_takes_the_checkpoints_architecture(tiny_checkpoint):
+    """gsm8k_grpo.yml sets model_name: qwen2.5-0.5b; another checkpoint's message names the way on,
+    `model_name=`, and that way loads the checkpoint's architecture (its config.json)."""
+    ckpt = tiny_checkpoint("qwen2")
+    hf = json.loads((ckpt / "config.json").read_text())
+    grpo = str(CONFIGS / "gsm8k_grpo.yml")
+    message = error([grpo, f"load_parameters_path={ckpt}"])
+    assert "\n" not in message and "by model_name=qwen2.5-0.5b" in message
+    assert "add `model_name=` (empty) to the command line to take the checkpoint's architecture" in message
+    cfg = load_config([grpo, f"load_parameters_path={ckpt}", "model_name="])
+    assert (cfg.model_name, cfg.emb_dim, cfg.num_decoder_layers, cfg.mlp_dim) == (
+        "",
+        hf["hidden_size"],
+        hf["num_hidden_layers"],
+        hf["intermediate_size"],
+    )
+    # a key set by hand names its own ways: drop it, or give the checkpoint's value
+    message = error([grpo, f"load_parameters_path={ckpt}", "model_name=", "emb_dim=999"])
+    assert f"drop the key (or set emb_dim={hf['hidden_size']})" in message
+    assert load_config([grpo, f"load_parameters_path={ckpt}", "model_name=", f"emb_dim={hf['hidden_size']}"])
+    # without a checkpoint, no model yml: the root base.yml's model keys
+    assert load_config([grpo, "model_name="]).emb_dim == yaml.safe_load(open(BASE))["emb_dim"]
+
+
+def test_is_default_says_whether_a_layer_set_the_key(tmp_path):
+    path = recipe(tmp_path, f"base_config: {BASE}\nseed: 5\n")
+    cfg = load_config([path, "learning_rate=0.1"])
+    assert cfg.is_default("reward") and not cfg.is_default("seed") and not cfg.is_default("learning_rate")
+    assert not cfg.replace(reward="math").is_default("reward") and pickle.loads(pickle.dumps(cfg)).is_default("reward")

@@ -110,6 +110,50 @@ def test_progress_line_every_log_period_with_eta(tmp_path, capsys):
     ]  # the last step always prints
 
 
+def test_the_progress_line_shows_every_eval_metric_and_steps_without_reward_spread(tmp_path, capsys):
+    evals = {
+        "eval_loss": 1.23456,
+        "eval_accuracy": 0.453,
+        "eval_pass_at_4": 0.6,
+        "eval_rewards/accuracy": 0.75,
+        "eval_rewards/margin": 0.012345,
+        "eval_hr_at_10": 0.087,
+        "eval_ndcg_at_10": 0.05123,
+        "eval_episode_tool_call_valid_rate": 1.0,
+        "eval_rewards/chosen": -2.5e-5,
+    }
+    with metrics.MetricsWriter(tmp_path / "m.jsonl", tmp_path / "tb", 8, 4, is_primary=True) as w:
+        for step, fraction in enumerate([1.0, 0.5, 1.0, 0.0, 1.0, 0.25]):
+            w.write(step, {"loss": 0.5, "reward_mean": 0.25, "zero_std_group_fraction": fraction})
+        w.write(5, evals)
+        w.write(6, {"eval_hr_at_10": 0.1})  # a recommender GRPO eval: nothing but HR/NDCG
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "step 0/8 | loss 0.5000 | reward 0.250 | 1 of 1 steps trained on nothing (no reward spread in any group)",
+        "step 4/8 | loss 0.5000 | reward 0.250 | 2 of 4 steps trained on nothing (no reward spread in any group)",
+        "step 5/8 | eval loss 1.2346, accuracy 45.3%, pass@4 60.0%, rewards/accuracy 75.0%, rewards/margin 0.0123, "
+        "hr@10 0.0870, ndcg@10 0.0512, episode_tool_call_valid_rate 100.0%, rewards/chosen -2.5e-05",
+        "step 6/8 | eval hr@10 0.1000",
+    ]
+
+
+def test_samples_go_to_a_text_file_by_step_and_a_resume_drops_the_later_ones(tmp_path):
+    file, tb = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "tb"
+    with metrics.MetricsWriter(file, tb, 10, 1, is_primary=True) as w:
+        for step in (0, 4, 8):
+            w.text(step, "samples", f"**prompt** {step}+1=\n\n**completion** {step + 1}\n")
+    samples = tmp_path / "run" / "samples.txt"
+    blocks = samples.read_text().split("\n\n==== ")
+    assert blocks[0] == "==== step 0: samples\n**prompt** 0+1=\n\n**completion** 1"
+    assert blocks[1:] == [
+        "step 4: samples\n**prompt** 4+1=\n\n**completion** 5",
+        "step 8: samples\n**prompt** 8+1=\n\n**completion** 9\n\n",
+    ]
+    with metrics.MetricsWriter(file, tb, 10, 1, is_primary=True, resume_step=5) as w:
+        w.text(6, "samples", "again")
+    assert samples.read_text() == "\n\n==== ".join(blocks[:2]) + "\n\n==== step 6: samples\nagain\n\n"
+
+
 def test_flops_match_parameter_count():
     for tie in (False, True):
         cfg = model.ModelConfig(

@@ -127,3 +127,31 @@ def test_a_finished_stage_whose_definition_changed_is_reported_before_anything_r
     assert train.main([recipe(tmp_path, {"name": "sft", **SFT})]) == 0
     assert train.main([recipe(tmp_path, {"name": "sft", **SFT, "learning_rate": 1e-3})]) == 2
     assert "stage 'sft' is finished but its definition changed (learning_rate" in capsys.readouterr().err
+
+
+def test_the_command_line_wins_over_every_stages_values(tmp_path, caplog):
+    """steps=, eval_num_samples= and any other key given on the command line replace the stages' own
+    values (the README: the command line wins last), with one line per stage naming what it replaced."""
+    caplog.set_level("INFO", logger="unitrain")
+    path = recipe(
+        tmp_path,
+        {"name": "sft", **SFT, "eval_num_samples": 16},
+        {"name": "grpo", **GRPO, "eval_num_samples": 32},
+    )
+    sft, grpo = pipeline.stage_configs(load_config([path, "steps=7", "eval_num_samples=3", "learning_rate=0.5"]))
+    assert (sft.steps, sft.eval_num_samples, sft.learning_rate) == (7, 3, 0.5)
+    assert (grpo.steps, grpo.eval_num_samples, grpo.learning_rate) == (7, 3, 0.5)
+    assert (grpo.mode, grpo.reward) == ("grpo", "format")  # the keys the command line leaves are the stage's
+    said = [r.getMessage() for r in caplog.records if "the command line's" in r.getMessage()]
+    assert said == [
+        "stage sft: the command line's steps=7, eval_num_samples=3 over the stage's steps: 1, eval_num_samples: 16",
+        "stage grpo: the command line's steps=7, learning_rate=0.5, eval_num_samples=3 over the stage's steps: 4, "
+        "learning_rate: 0.0001, eval_num_samples: 32",
+    ]
+
+
+def test_a_stage_that_fails_before_it_starts_leaves_no_run_directory(tmp_path, capsys):
+    path = recipe(tmp_path, {"name": "sft", **SFT, "dataset_path": str(tmp_path / "absent.jsonl")})
+    assert train.main([path]) == 2
+    assert "absent.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # no pipeline.yml, no empty stage directory

@@ -4,6 +4,8 @@ guards, --help, eval-only and export-only runs, resume from a chosen step, the c
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +116,7 @@ def test_an_explicit_key_that_contradicts_the_checkpoint_is_one_line(tmp_path, t
         make_cfg(load_parameters_path=str(ckpt), rope_theta=1234.0)
     assert train.main(argv(tmp_path, f"load_parameters_path={ckpt}", "model_name=qwen2.5-0.5b")) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "model_name" not in err and "config.json" in err
+    assert err.count("\n") == 0 and "config.json" in err and "add `model_name=` (empty)" in err
     # the same value, stated explicitly, is fine
     assert make_cfg(load_parameters_path=str(ckpt), qkv_bias=True).qkv_bias
 
@@ -174,6 +176,45 @@ def test_help_lists_every_key_of_base_yml_with_its_default(capsys):
     assert train.main(["--help", "rope"]) == 0
     some = capsys.readouterr().out
     assert "rope_theta: 10000.0" in some and "RoPE base frequency" in some and "learning_rate" not in some
+
+
+def test_help_into_a_pipe_closed_early_is_no_error():
+    """`unitrain --help | head`: the reader leaves before the text is written; no BrokenPipeError."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unitrain.train", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # gone before the first line: the child is still importing
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and err == ""
+
+
+def test_rerunning_a_finished_run_says_so_and_how_to_go_on(tmp_path, capsys):
+    evals = ("eval_interval=2", "eval_num_samples=2", "eval_n_samples=0")
+    assert train.main(argv(tmp_path, "steps=2", *evals)) == 0
+    run_path = tmp_path / "default"
+    record = {name: (run_path / name).read_text() for name in ("metrics.jsonl", "config.yml", "samples.txt")}
+    assert record["samples.txt"].startswith("==== step 1: samples\n**prompt** ")  # the eval's answers
+    capsys.readouterr()
+    assert train.main(argv(tmp_path, "steps=2", *evals)) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and out.endswith(
+        f"unitrain: {run_path} is finished: its checkpoint is at step 2 and steps=2, so there is nothing to "
+        "train; raise steps (e.g. steps=4) to train on from it, or give another run_name to start afresh"
+    )
+    assert {name: (run_path / name).read_text() for name in record} == record
+    assert train.main(argv(tmp_path, "steps=3", *evals)) == 0  # the way on it names
+    assert [line["step"] for line in lines_of(run_path / "metrics.jsonl") if "loss" in line] == [0, 1, 2]
+    assert (run_path / "samples.txt").read_text().startswith(record["samples.txt"] + "==== step 2: samples\n")
+
+
+def test_a_command_that_fails_before_its_run_starts_leaves_no_directory(tmp_path, capsys):
+    out = tmp_path / "out"
+    failing = [BASE, f"base_output_directory={out}", *FAST, f"dataset_path={tmp_path / 'absent.jsonl'}"]
+    assert train.main(failing) == 2
+    assert "absent.jsonl" in capsys.readouterr().err and not out.exists()
+    (out / "other").mkdir(parents=True)  # what was there before stays
+    assert train.main(failing) == 2
+    assert os.listdir(out) == ["other"]
 
 
 def test_eval_only_and_export_only_runs_from_a_checkpoint(tmp_path):

@@ -4,6 +4,7 @@ eval files (greedy accuracy and pass@k with the run's reward, answers in TensorB
 generated independently from the run's checkpoint."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from unitrain.data.prompts import eval_prompts, make_prompt_iterator
 from unitrain.data.sft import eval_prompt_records, make_sft_iterator
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
+from unitrain.evals import sft_reward_fn, warn_if_answers_cut
 
 # ChatML as tools/make_tiny_model.py writes it, with the assistant turns marked for transformers'
 # return_assistant_tokens_mask: the independent reference of the loss mask.
@@ -210,3 +212,87 @@ def test_an_eval_file_smaller_than_one_batch_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("unitrain: eval_dataset_path") and "does not fill one eval batch of 8 rows" in err
     assert err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- GSM8K: the data's answer
+
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+GSM8K_KEYS = {"prompt_key": "question", "completion_key": "answer", "label_key": "answer"}
+needs_gsm8k = pytest.mark.skipif(not GSM8K.exists(), reason="needs ../shared/data/gsm8k")
+
+
+def gsm8k_cfg(**overrides):
+    return make_cfg(
+        dataset_path=GSM8K / "train.jsonl", eval_dataset_path=GSM8K / "test.jsonl", **GSM8K_KEYS, **overrides
+    )
+
+
+@needs_gsm8k
+def test_gsm8k_labels_are_scored_on_their_final_answer_unless_reward_is_set():
+    """A GSM8K label is a worked solution ending in '#### <number>': with reward left at its default,
+    an answer is right when it states that number, however it works its way there."""
+    cfg = gsm8k_cfg(eval_num_samples=8)
+    records = eval_prompt_records(cfg, load_tokenizer(""))[:8]
+    golds = [r["label"].rsplit("####", 1)[1].strip() for r in records]  # by hand: the text after '####'
+    reward_fn = sft_reward_fn(cfg, records)
+    labels = [r["label"] for r in records]
+    right = [f"Some other working.\n#### {gold}" for gold in golds]
+    wrong = [f"{records[0]['label'].rsplit('####', 1)[0]}#### {gold}1" for gold in golds]
+    assert reward_fn.names == ("math",)
+    assert reward_fn([""] * 8, right, labels)[0].tolist() == [1.0] * 8
+    assert reward_fn([""] * 8, wrong, labels)[0].tolist() == [0.0] * 8
+    # reward set by the user is theirs: exact match of the whole solution
+    assert sft_reward_fn(gsm8k_cfg(eval_num_samples=8, reward="exact_match"), records).names == ("exact_match",)
+    # labels without a '#### <answer>' line keep the default reward
+    plain = [{**r, "label": gold} for r, gold in zip(records, golds)]
+    assert sft_reward_fn(cfg, plain).names == ("exact_match",)
+
+
+@needs_gsm8k
+def test_answers_longer_than_the_eval_can_generate_are_one_warning(caplog):
+    tokenizer = load_tokenizer("")
+    rows = [json.loads(line) for line in open(GSM8K / "test.jsonl")][:6]
+    lengths = [len(tokenizer.encode(row["answer"])) + 1 for row in rows]  # + EOS
+    caplog.set_level("INFO", logger="unitrain")
+    cfg = gsm8k_cfg(eval_num_samples=6, rollout_max_response_len=16)
+    warn_if_answers_cut(cfg, tokenizer, eval_prompt_records(cfg, tokenizer))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        f"eval: 6 of 6 eval completions are longer than rollout_max_response_len=16 tokens (the longest "
+        f"{max(lengths)}): answers like them are cut before they end and score 0; raise rollout_max_response_len"
+    )
+    caplog.clear()
+    enough = gsm8k_cfg(eval_num_samples=6, rollout_max_response_len=max(lengths))
+    warn_if_answers_cut(enough, tokenizer, eval_prompt_records(enough, tokenizer))
+    assert not caplog.records
+
+
+@needs_gsm8k
+def test_sft_on_gsm8k_says_how_it_scores_and_that_16_tokens_cannot_hold_an_answer(tmp_path, tiny_checkpoint, capsys):
+    ckpt = tiny_checkpoint("qwen2")
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        f"load_parameters_path={ckpt}",
+        f"tokenizer_path={ckpt}",
+        f"dataset_path={GSM8K / 'train.jsonl'}",
+        f"eval_dataset_path={GSM8K / 'test.jsonl'}",
+        *(f"{k}={v}" for k, v in GSM8K_KEYS.items()),
+        "steps=1",
+        "max_target_length=256",
+        "per_device_batch_size=1",
+        "max_prompt_length=512",
+        "eval_interval=1",
+        "eval_steps=1",
+        "eval_num_samples=2",
+        "eval_n_samples=0",
+        "peak_flops_per_device=1e12",
+    ]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "answers are scored by the math reward on that answer" in out
+    assert "eval: 2 of 2 eval completions are longer than rollout_max_response_len=16 tokens" in out
+    (evaluated,) = [
+        json.loads(line) for line in open(tmp_path / "default" / "metrics.jsonl") if "eval_accuracy" in line
+    ]
+    assert math.isfinite(evaluated["eval_loss"]) and f"eval loss {evaluated['eval_loss']:.4f}, accuracy " in out

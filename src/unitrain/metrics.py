@@ -180,14 +180,19 @@ class MetricsWriter:
 
 def _eval_parts(v: dict) -> list[str]:
     """Every eval_* metric, compactly and in the order given: "loss 1.2346", "accuracy 45.3%",
-    "pass@4 60.0%", "hr@10 0.087", "rewards/margin 0.1234" (rates and accuracies as percentages)."""
+    "pass@4 60.0%", "hr@10 0.0870", "rewards/margin 0.1234" (rates and accuracies as percentages)."""
     parts = []
     for key, value in v.items():
         if key.startswith("eval_"):
             name = key.removeprefix("eval_").replace("_at_", "@")
             percent = name.startswith("pass@") or name.endswith(("accuracy", "rate"))
-            parts.append(f"{name} {100 * value:.1f}%" if percent else f"{name} {value:.4g}")
+            parts.append(f"{name} {100 * value:.1f}%" if percent else f"{name} {_number(value)}")
     return parts
+
+
+def _number(x: float) -> str:
+    """4 decimals as the loss shows them; 3 significant digits where those would hide the value."""
+    return f"{x:.4f}" if x == 0 or 1e-3 <= abs(x) < 1e5 else f"{x:.3g}"
 
 
 def _si(x: float) -> str:
