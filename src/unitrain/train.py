@@ -60,7 +60,7 @@ def train(cfg) -> int:
             cfg.run_dir,
             done,
             cfg.steps,
-            max(done, cfg.steps) * 2,
+            2 * done,
         )
         return 0
     run, state = build_run(cfg)
