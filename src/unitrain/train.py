@@ -85,6 +85,10 @@ def _train(cfg, stop: _StopRequest) -> int:
 def _start(run: RunContext, task: Task, state: dict, checkpointer, previous, stop: _StopRequest) -> int:
     """Resumes or starts the run, then evaluates, exports or trains."""
     cfg = run.cfg
+    if stop.raised:  # during start-up: nothing is restored, written or trained
+        log.warning("%s during start-up: stopping before the first step; nothing was trained", stop.name)
+        checkpointer.close()
+        return stop.exit_code
     start = run_dir.resume_step(cfg, checkpointer)
     if start:
         start, state = checkpointer.restore(start, state, task.data_iterator, cfg.checkpoint_fallback)
@@ -314,9 +318,6 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
         _KnownGood(checkpointer, start),
     )
     try:
-        if stop.raised:
-            log.warning("%s during start-up: stopping before the first step; nothing was trained", stop.name)
-            return stop.exit_code
         for step in range(start, cfg.steps):
             profiler.maybe_start(step)
             state, step_metrics = task.step(state, step)
