@@ -65,7 +65,7 @@ def test_ctrl_c_mid_run_saves_the_step_reached_exits_130_and_resumes_exactly(tmp
     err.seek(0)
     stderr = err.read()
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    assert "unitrain: SIGINT: stopping after the step in flight" in stderr
+    assert "unitrain: SIGINT: stopping after the step in flight" in stderr and "Ctrl-C again" in stderr
     reached = sorted(losses_of(cfg))
     assert reached == list(range(len(reached))) and saved_steps(cfg) == [len(reached)]
 

@@ -191,11 +191,12 @@ class _StopRequest:
             return
         self.signal = signum
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        again = " again" if signum == signal.SIGINT else ""
         # os.write, not print or log: the handler may run in the middle of either's own write
         os.write(
             sys.stderr.fileno(),
-            f"unitrain: {self.name}: stopping after the step in flight, with a checkpoint; "
-            "Ctrl-C again stops at once without one\n".encode(),
+            f"unitrain: {self.name}: stopping after the step in flight (or start-up) with a checkpoint of it; "
+            f"Ctrl-C{again} stops at once without one\n".encode(),
         )
 
 
