@@ -7,7 +7,13 @@ Only the primary process (jax.process_index() == 0) writes anything; the others 
 and do nothing, so the training loop needs no `if primary:` branches.
 
 MFU (the project's rule) = achieved model FLOP/s per device / the FLOP/s that `jnp.dot` reaches on the
-same machine in the same run (`measure_matmul_peak`), unless `peak_flops_per_device` gives a number.
+same machine at the run's start (`measure_matmul_peak`), unless `peak_flops_per_device` gives a number.
+The measured peak moves with the machine's load (12x on a shared CPU), so each invocation records the
+one it used (`peak_flops_per_device` in metrics.jsonl, with its first step) and the progress line names it.
+
+A progress line reports the interval since the previous line: s/step is the steps' mean time, tokens/s
+the steps' tokens over their summed time, MFU that rate's; evals and checkpoints are no step's time
+(train.py times the steps), the first line's interval includes compilation.
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ class MetricsWriter:
         self.is_primary = _primary(is_primary)
         self._file = self._tb = None
         self._wandb = wandb  # a wandb_sink.WandbSink, or None
-        self._timed = None  # (seconds, steps) of step_time since the previous progress line: the ETA's
+        self._interval, self._first_line = _Interval(), True
+        self._peak = None  # the MFU denominator, from the metric peak_flops_per_device
         self._flat = (0, 0)  # (GRPO steps, those whose groups all had zero reward spread) since that line
         if not self.is_primary:
             return
@@ -107,8 +114,8 @@ class MetricsWriter:
         step = int(step)
         # int stays int, jax scalars -> python
         values = {metric_name(k): np.asarray(v).item() for k, v in scalars.items()}
-        if "step_time" in values and self._timed is not None:
-            self._timed = (self._timed[0] + values["step_time"], self._timed[1] + 1)
+        self._interval.add(values)
+        self._peak = values.get("peak_flops_per_device", self._peak)
         if "zero_std_group_fraction" in values:  # GRPO: 1.0 = every advantage 0, nothing learnt
             self._flat = (self._flat[0] + 1, self._flat[1] + (values["zero_std_group_fraction"] == 1.0))
         try:
@@ -126,6 +133,8 @@ class MetricsWriter:
             self._tb.flush()
 
     def _progress_line(self, step: int, v: dict) -> str:
+        if "step_time" in v:  # a training step's line: its interval's figures, not the step's alone
+            v = {**v, **self._interval.figures()}
         parts = [f"step {step}/{self.total_steps}"]
         if "loss" in v:
             parts.append(f"loss {v['loss']:.4f}")
@@ -136,7 +145,8 @@ class MetricsWriter:
         if "tokens_per_sec" in v:
             parts.append(f"{_si(v['tokens_per_sec'])} tok/s")
         if "mfu" in v:
-            parts.append(f"MFU {100 * v['mfu']:.1f}%")  # mfu is logged as a fraction
+            of = f" of {_si(self._peak)}FLOP/s" if self._peak else ""  # per device
+            parts.append(f"MFU {100 * v['mfu']:.1f}%{of}")  # mfu is logged as a fraction
         if "step_time" in v:
             parts.append(f"{v['step_time']:.2f} s/step")
         if evals := _eval_parts(v):
@@ -145,12 +155,11 @@ class MetricsWriter:
             parts.append(f"{self._flat[1]} of {self._flat[0]} steps trained on nothing (no reward spread in any group)")
         self._flat = (0, 0)
         # ETA from the step times since the previous progress line: data loading is in them, evals,
-        # checkpoints and the first line's step (compilation) are not.
-        if self._timed is not None and self._timed[1]:
-            per_step = self._timed[0] / self._timed[1]
-            remaining = max(0, self.total_steps - 1 - step)
+        # checkpoints and the first line's interval (compilation) are not.
+        if self._interval.steps and not self._first_line:
+            per_step, remaining = self._interval.seconds / self._interval.steps, max(0, self.total_steps - 1 - step)
             parts.append(f"ETA {datetime.timedelta(seconds=round(per_step * remaining))}")
-        self._timed = (0.0, 0)
+        self._interval, self._first_line = _Interval(), False
         return " | ".join(parts)
 
     def text(self, step: int, tag: str, text: str) -> None:
@@ -195,8 +204,33 @@ def _number(x: float) -> str:
     return f"{x:.4f}" if x == 0 or 1e-3 <= abs(x) < 1e5 else f"{x:.3g}"
 
 
+class _Interval:
+    """The training steps since the previous progress line: their number, their summed step_time and
+    each rate's amount (rate x step_time: tokens for tokens/s), so the line's rate is amount / time."""
+
+    RATES = ("tokens_per_sec", "mfu")
+
+    def __init__(self):
+        self.steps, self.seconds, self.amounts = 0, 0.0, {}
+
+    def add(self, values: dict) -> None:
+        if "step_time" not in values:
+            return
+        self.steps += 1
+        self.seconds += values["step_time"]
+        for key in self.RATES:
+            if key in values:
+                self.amounts[key] = self.amounts.get(key, 0.0) + values[key] * values["step_time"]
+
+    def figures(self) -> dict:
+        """s/step, tokens/s and MFU of the interval (nothing before its first step)."""
+        if not self.steps:
+            return {}
+        return {"step_time": self.seconds / self.steps, **{k: a / self.seconds for k, a in self.amounts.items()}}
+
+
 def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(x) >= scale:
             return f"{x / scale:.1f}{unit}"
     return f"{x:.1f}"
@@ -299,6 +333,17 @@ def peak_flops_per_device(cfg) -> float:
     if cfg.peak_flops_per_device is not None:
         return float(cfg.peak_flops_per_device)
     return measure_matmul_peak(cfg.dtype, cfg.matmul_peak_size)
+
+
+def describe_peak(cfg) -> str:
+    """What peak_flops_per_device(cfg) is, for the run's log."""
+    if cfg.peak_flops_per_device is not None:
+        return "peak_flops_per_device, as set"
+    n = cfg.matmul_peak_size
+    return (
+        f"what a {n}x{n} {cfg.dtype} jnp.dot reached on one device just now; it moves with the machine's "
+        "load, so set peak_flops_per_device (e.g. the datasheet peak) to compare runs"
+    )
 
 
 # ---------------------------------------------------------------- profiler

@@ -6,6 +6,13 @@ Read top to bottom: `main` turns user mistakes into one line and exit status 2; 
 builds everything a mode needs once; `tasks.create` looks the mode up; `loop` runs it, fetching the
 metrics of step s while step s+1 runs, so the host never waits on the device except at checkpoints
 and evals. Nothing imports this module but the command line.
+
+Timing: a thread waits for each step's outputs in turn and notes when they were ready, so the loop
+itself never waits to date a step. A step's `step_time` runs from the completion of the step before
+(or the end of start-up, an eval or a checkpoint) to its own: the device's time for it when the
+device is the bottleneck, more when the host is; never less, so its MFU is never above the device's.
+Stopping: SIGTERM and the first SIGINT (Ctrl-C) are a request the loop honours after the step in
+flight (a checkpoint, exit 143 or 130); a second SIGINT ends the process at once.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -30,7 +38,7 @@ from unitrain.tasks.base import Task
 
 log = logging.getLogger("unitrain")
 
-EXIT_USER_ERROR, EXIT_NAN, EXIT_SIGTERM = 2, 3, 143
+EXIT_USER_ERROR, EXIT_NAN, EXIT_SIGINT, EXIT_SIGTERM = 2, 3, 130, 143
 
 
 class NonFiniteLoss(RuntimeError):
@@ -38,7 +46,16 @@ class NonFiniteLoss(RuntimeError):
 
 
 def train(cfg) -> int:
-    sigterm = _SigtermFlag()  # first: a SIGTERM during start-up stops the run before its first step
+    """One run (or one stage of a pipeline); the exit status. SIGINT/SIGTERM from its start on are a
+    stop request (_StopRequest): the status is 130/143 whenever one came, so a pipeline stops."""
+    with _StopRequest.installed() as stop:
+        if stop.raised:  # between the stages of a pipeline: the next one does not start
+            return stop.exit_code
+        status = _train(cfg, stop)
+        return stop.exit_code if stop.raised and status == 0 else status
+
+
+def _train(cfg, stop: _StopRequest) -> int:
     layout = device_layout(cfg)  # a config these devices cannot run stops before the run directory is read
     previous = run_dir.previous_config(cfg.run_dir)
     checkpointer = checkpoint.Checkpointer(
@@ -73,12 +90,16 @@ def train(cfg) -> int:
         jax.process_count(),
     )
     with contextlib.closing(tasks.create(run)) as task:
-        return _start(run, task, state, checkpointer, previous, sigterm)
+        return _start(run, task, state, checkpointer, previous, stop)
 
 
-def _start(run: RunContext, task: Task, state: dict, checkpointer, previous, sigterm: _SigtermFlag) -> int:
+def _start(run: RunContext, task: Task, state: dict, checkpointer, previous, stop: _StopRequest) -> int:
     """Resumes or starts the run, then evaluates, exports or trains."""
     cfg = run.cfg
+    if stop.raised:  # during start-up: nothing is restored, written or trained
+        log.warning("%s during start-up: stopping before the first step; nothing was trained", stop.name)
+        checkpointer.close()
+        return stop.exit_code
     start = run_dir.resume_step(cfg, checkpointer)
     if start:
         start, state = checkpointer.restore(start, state, task.data_iterator, cfg.checkpoint_fallback)
@@ -93,7 +114,7 @@ def _start(run: RunContext, task: Task, state: dict, checkpointer, previous, sig
         run_dir.save_config(cfg, run.layout, previous)
     writer = metrics.MetricsWriter.from_config(cfg, cfg.steps, resume_step=start)
     with jax.set_mesh(run.mesh):
-        return loop(run, task, state, start, checkpointer, writer, sigterm)
+        return loop(run, task, state, start, checkpointer, writer, stop)
 
 
 def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> int:
@@ -132,80 +153,138 @@ def _fetch(step: int, step_metrics: dict) -> dict:
     return values
 
 
-class _SigtermFlag:
-    """Turns SIGTERM (preemption, `kill`) into a flag the loop checks after each step; installed
-    before start-up, so a SIGTERM then stops the run before its first step."""
+class _StopRequest:
+    """SIGTERM (preemption, `kill`) and SIGINT (Ctrl-C) as a request the loop checks after each step:
+    it saves a checkpoint and returns 128 + the signal (143, 130). Installed before start-up (a request
+    then stops the run before its first step) and once per process (`installed`: a pipeline's stages
+    share the pipeline's, so no later stage starts); the handlers before it come back when it ends.
+
+    After the first signal, SIGINT has its default action again: a second Ctrl-C ends the process at
+    once, even inside a compile, without a traceback (a shell shows 130); a save it cuts short is
+    never a checkpoint (orbax commits a step by renaming it at the end)."""
+
+    _active: _StopRequest | None = None
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.raised = False
-        signal.signal(signal.SIGTERM, self._set)
+        self.signal: int | None = None
 
-    def _set(self, *_):
-        self.raised = True
+    @property
+    def raised(self) -> bool:
+        return self.signal is not None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_SIGINT if self.signal == signal.SIGINT else EXIT_SIGTERM
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls):
+        if cls._active is not None:
+            yield cls._active
+            return
+        request = cls()
+        previous = {sig: signal.signal(sig, request._received) for sig in cls._SIGNALS}
+        cls._active = request
+        try:
+            yield request
+        finally:
+            cls._active = None
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _received(self, signum, _frame) -> None:
+        if self.raised:
+            return
+        self.signal = signum
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        again = " again" if signum == signal.SIGINT else ""
+        # os.write, not print or log: the handler may run in the middle of either's own write
+        os.write(
+            sys.stderr.fileno(),
+            f"unitrain: {self.name}: stopping after the step in flight (or start-up) with a checkpoint of it; "
+            f"Ctrl-C{again} stops at once without one\n".encode(),
+        )
 
 
 class _Throughput:
-    """tokens/s and MFU of a step from its wall time (SFT: every position of the batch counts)."""
+    """A step's figures from its time: tokens/s and MFU (SFT: every position of the batch counts),
+    and with an invocation's first step the MFU denominator it used, so runs can be compared."""
 
     def __init__(self, cfg, model, num_devices: int, tokens_per_step: int | None):
         self.tokens_per_step, self.num_devices = tokens_per_step, num_devices
+        self.first = {}
         if tokens_per_step:
             self.flops_per_token = model.flops_per_token(cfg.max_target_length)
             self.peak = metrics.peak_flops_per_device(cfg)
+            self.first = {"peak_flops_per_device": self.peak}
             log.info(
-                "MFU denominator: %.3g FLOP/s per device (jnp.dot); model: %.3g FLOP per token",
-                self.peak,
+                "MFU = model FLOP/s per device (%.3g FLOP per token) / %.3g FLOP/s: %s",
                 self.flops_per_token,
+                self.peak,
+                metrics.describe_peak(cfg),
             )
 
     def __call__(self, step_time: float) -> dict:
-        if not self.tokens_per_step:
-            return {"step_time": step_time}
-        tokens_per_sec = self.tokens_per_step / step_time
-        return {
-            "step_time": step_time,
-            "tokens_per_sec": tokens_per_sec,
-            "mfu": metrics.mfu(tokens_per_sec, self.flops_per_token, self.peak, self.num_devices),
-        }
+        figures, self.first = {"step_time": step_time, **self.first}, {}
+        if self.tokens_per_step:
+            figures["tokens_per_sec"] = self.tokens_per_step / step_time
+            figures["mfu"] = metrics.mfu(figures["tokens_per_sec"], self.flops_per_token, self.peak, self.num_devices)
+        return figures
+
+
+def _ready_at(outputs: dict) -> float:
+    """When a step's outputs were ready, noted on the step clock's thread. A failed step fails where
+    the loop fetches its outputs, not here."""
+    with contextlib.suppress(Exception):
+        jax.block_until_ready([x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)])
+    return time.perf_counter()
 
 
 class _Pending:
     """The metrics of the step in flight: written one step late, so the host never waits for the
     device in the loop, or flushed before an eval or a checkpoint, so that a checkpoint never covers a
-    step whose line is not on disk and that work is no step's time.
+    step whose line is not on disk.
 
-    A step's time runs from when it could start (its dispatch, the end of the step before or of an
-    eval/checkpoint, whichever is last) to when its outputs were ready; outputs already ready when
-    the next step is dispatched (a mode whose step waits for the one before) count as ready then.
+    A step's time runs from when the device could start it (the step before completed, or an eval or
+    checkpoint ended, whichever is last) to its own completion, which a thread (the step clock) notes
+    as it happens; the loop waits for a step only to fetch its metrics, a step later. The times of a
+    run's steps add up to its wall time less start-up, evals and checkpoints.
     """
 
     def __init__(self, writer, throughput):
         self.writer, self.throughput = writer, throughput
-        self.entry = None  # (step, metrics, start time)
+        self.entry: tuple[int, dict, Future] | None = None
         self.free_at = time.perf_counter()
+        self.clock = ThreadPoolExecutor(1, thread_name_prefix="unitrain-step-clock")  # one: in step order
 
-    def push(self, step: int, step_metrics: dict, dispatched: float) -> int | None:
-        """Writes the step before (returns its number, or None) and holds this one."""
-        written = None
-        if self.entry is not None:
-            ready = all(x.is_ready() for x in jax.tree.leaves(self.entry[1]) if isinstance(x, jax.Array))
-            written = self._write(dispatched if ready else None)
-        self.entry = (step, step_metrics, max(dispatched, self.free_at))
+    def push(self, step: int, step_metrics: dict) -> int | None:
+        """Holds this step and writes the one before (returns its number, or None)."""
+        held = (step, step_metrics, self.clock.submit(_ready_at, step_metrics))
+        written = self.flush()
+        self.entry = held
         return written
 
     def flush(self) -> int | None:
-        return self._write(None) if self.entry is not None else None
+        if self.entry is None:
+            return None
+        (step, step_metrics, ready), self.entry = self.entry, None
+        values = _fetch(step, step_metrics)
+        completed = ready.result()
+        step_time, self.free_at = completed - self.free_at, max(self.free_at, completed)
+        self.writer.write(step, {**values, **self.throughput(max(step_time, 1e-9))})
+        return step
 
     def idle(self) -> None:
         """Work that is no step's (eval, checkpoint) ended now."""
         self.free_at = time.perf_counter()
 
-    def _write(self, ready_at: float | None) -> int:
-        (step, step_metrics, started), self.entry = self.entry, None
-        values = _fetch(step, step_metrics)
-        self.free_at = max(self.free_at, ready_at or time.perf_counter())
-        self.writer.write(step, {**values, **self.throughput(max(self.free_at - started, 1e-9))})
-        return step
+    def close(self) -> None:
+        self.clock.shutdown(wait=False, cancel_futures=True)
 
 
 class _KnownGood:
@@ -241,7 +320,7 @@ class _KnownGood:
         )
 
 
-def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, writer, sigterm: _SigtermFlag) -> int:
+def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, writer, stop: _StopRequest) -> int:
     """The shared loop. Metrics of step s are written while step s+1 runs (no host sync for them)."""
     cfg = run.cfg
     throughput = _Throughput(cfg, run.model, run.mesh.size, task.tokens_per_step)
@@ -251,35 +330,30 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
         _KnownGood(checkpointer, start),
     )
     try:
-        if sigterm.raised:
-            log.warning("SIGTERM during start-up: stopping before the first step; nothing was trained")
-            return EXIT_SIGTERM
         for step in range(start, cfg.steps):
             profiler.maybe_start(step)
-            dispatched = time.perf_counter()
             state, step_metrics = task.step(state, step)
             profiler.maybe_stop(step, block_on=step_metrics)
-            good.finite(pending.push(step, step_metrics, dispatched))
+            good.finite(pending.push(step, step_metrics))
             done = step + 1
             evaluate = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
-            save = done % cfg.checkpoint_period == 0 or done == cfg.steps or sigterm.raised
-            if evaluate or save:  # the checkpoint covers this step: its line goes first
+            if evaluate:  # its result follows the step's line, and a non-finite loss stops it
                 good.finite(pending.flush())
             if evaluate and (eval_metrics := task.evaluate(state["params"], done)):
                 writer.write(step, eval_metrics)
             if text := task.samples_text(step):  # after the eval: a mode may show its answers
                 writer.text(step, "samples", text)
-            if save:
+            # after the eval: a stop requested during it saves this step too
+            if save := done % cfg.checkpoint_period == 0 or done == cfg.steps or stop.raised:
+                good.finite(pending.flush())  # the checkpoint covers this step: its line goes first
                 checkpointer.save(done, state, task.data_iterator, force=True)
                 good.saved(done)
             if evaluate or save:
                 pending.idle()
-            if sigterm.raised:
-                break
+            if stop.raised:
+                log.warning("%s: saved a checkpoint at step %d; stopping", stop.name, done)
+                return stop.exit_code
         good.finite(pending.flush())
-        if sigterm.raised:
-            log.warning("SIGTERM: saved a checkpoint at step %d; stopping", done)
-            return EXIT_SIGTERM
         if cfg.export_hf_path:
             export.export_hf(run, state["params"], cfg.export_hf_path)
             log.info("exported the model to %s", cfg.export_hf_path)
@@ -291,6 +365,7 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
         good.finite(pending.flush())
         raise
     finally:
+        pending.close()
         profiler.close()
         checkpointer.wait()
         checkpointer.close()
@@ -318,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or "=" in argv[0]:  # no yml named: the built-in run, the shipped base.yml
         argv = [str(DEFAULT_CONFIG), *argv]
     _setup_logging()
+    with _StopRequest.installed():  # first: a Ctrl-C from here on is a stop request, never a traceback
+        return _run_command(argv)
+
+
+def _run_command(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         distributed.maybe_initialize(cfg)  # before anything counts devices
