@@ -115,6 +115,7 @@ def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedC
         hidden_act="silu",
         max_position_embeddings=max(cfg.rope_original_max_position, 4096),
         dtype=str(np.dtype(cfg.weight_dtype)),
+        architectures=hf_config.causal_lm_architectures(cfg.model_family),
         **extra,
     )
 

@@ -29,6 +29,16 @@ def read_hf_config(path: str | Path, trust_remote_code: bool = False):
         raise ConfigError(f"{config_file}: cannot be read as an HF config ({str(e).splitlines()[0]})") from None
 
 
+def causal_lm_architectures(model_type: str) -> list[str]:
+    """config.json's `architectures` for a causal LM of `model_type` as transformers' save_pretrained
+    writes it, the class an inference engine builds (vLLM guesses one without it): e.g.
+    ["Qwen2ForCausalLM"]; [] for a type transformers has no causal LM class for."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return [name] if name else []
+
+
 def _field(hf, name, config_file):
     value = getattr(hf, name, None)
     if value is None:

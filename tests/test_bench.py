@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,61 @@ def test_topology_compiles_for_a_tpu_slice_that_is_not_here():
     assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
     memory = result["memory_per_device"]
     assert memory["temp"] > 0 and memory["peak"] > memory["argument"]
+
+
+def _one_line_too_big(proc, name):
+    """(needed, available) bytes of the one `bench:` line a program that does not fit ends in."""
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("bench:")]
+    assert len(ours) == 1 and ours[0] == proc.stderr.strip().splitlines()[-1], proc.stderr
+    found = re.fullmatch(
+        rf"bench: {name} does not fit the device: it needs ([\d,]+) bytes \(.*\) of HBM and the device has ([\d,]+) "
+        r"bytes .*; lower per_device_batch_size or max_target_length, set remat_policy, or shard over more devices",
+        ours[0],
+    )
+    assert found, ours[0]
+    return tuple(int(n.replace(",", "")) for n in found.groups())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install libtpu)")
+def test_topology_compile_that_does_not_fit_is_one_line_and_exit_2():
+    """Llama 3.1 8B's update on one v5e chip (16 GB of HBM): XLA:TPU's RESOURCE_EXHAUSTED becomes
+    one line with what the program needs and what the chip has."""
+    proc = run_bench("configs/base.yml", "model_name=llama3.1-8b", "--compile-only", "--topology", "v5e:1x1")
+    need, have = _one_line_too_big(proc, "sft update")
+    assert 15 * 2**30 < have <= 16 * 2**30 < need
+
+
+@pytest.mark.parametrize(
+    "message, need, have, memory",
+    [
+        (
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (476.00G) "
+            "exceeds available HBM (15.75G).",
+            476 * 2**30,
+            15.75 * 2**30,
+            "HBM",
+        ),
+        (
+            "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 22.54G "
+            "of 15.48G hbm. Exceeded hbm capacity by 7.06G.\n\nTotal hbm usage >= 23.06G:\n    reserved 530.00M",
+            22.54 * 2**30,
+            15.48 * 2**30,
+            "hbm",
+        ),
+    ],
+)
+def test_xla_compile_oom_messages_become_one_line(message, need, have, memory):
+    """XLA's two compile-time out-of-memory sentences (sizes in binary units) -> needed and available
+    bytes; another RESOURCE_EXHAUSTED keeps XLA's first line; any other error is not ours."""
+    from unitrain.step import program_too_big
+
+    error = str(program_too_big("train_step", message))
+    assert "\n" not in error and error.startswith("train_step does not fit the device: it needs ")
+    assert f"{round(need):,} bytes" in error and f"of {memory} and the device has {round(have):,} bytes" in error
+    other = str(program_too_big("train_step", "RESOURCE_EXHAUSTED: a new sentence\nand more"))
+    assert other.startswith("train_step does not fit the device (XLA: a new sentence);") and "\n" not in other
+    assert program_too_big("train_step", "INTERNAL: something else") is None
 
 
 def test_compile_only_compiles_the_grpo_and_dpo_updates():

@@ -131,7 +131,7 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
     batch.pop("num_truncated")
     global_batch = step_lib.local_rows_to_global(batch, tasks[0].rows2d)
     refs = [
-        jax.device_get(run.programs(f"reference_logps{i}", t.ref_fn, t.ref_params, global_batch))
+        jax.device_get(t.pair_logps_of_both(f"pair_logps{i}", t.logps_fn, state["params"], global_batch))
         for i, t in enumerate(tasks)
     ]
     for k in refs[0]:  # the micro-batched reference gives every pair its own log-probs back in place
@@ -139,8 +139,8 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
     noise = np.random.default_rng(3).normal(0, 2, 16).astype(np.float32)  # so that the loss is not log 2
     batch = {
         **batch,
+        **refs[0],
         "ref_chosen_logps": refs[0]["ref_chosen_logps"] + noise,
-        "ref_rejected_logps": refs[0]["ref_rejected_logps"],
     }
 
     forward = jax.jit(lambda p, *rows: nnx.merge(run.graphdef, p)(*rows)[0])
@@ -171,6 +171,30 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
     start = jax.device_get(tasks[0].ref_params)
     for x, y, p in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(start)):
         np.testing.assert_allclose(x - p, y - p, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"ref_params_host_offload": "true"},
+        # an unrolled stack and bfloat16: the update's forward fuses with its backward and rounds
+        # differently from a forward alone
+        {"scan_layers": "false", "dtype": "bfloat16", "gradient_accumulation_steps": 2},
+        {"lora_rank": 4},  # the reference is the base with the adapters off (B = 0 at the start)
+    ],
+)
+def test_identical_weights_tie_exactly_at_step_0(overrides):
+    """Policy = reference (step 0): every reward is exactly 0.0 and, as TRL counts ties
+    (chosen_rewards > rejected_rewards), no pair is accurate: in the step and in eval."""
+    cfg = make_cfg(mode="dpo", max_target_length=32, eval_interval=1, eval_steps=1, **overrides)
+    run, state = build_run(cfg)
+    task = DPOTask(run)
+    evaluated = task.evaluate(state["params"], 0)
+    _, metrics = task.step(state, 0)
+    for prefix, m in (("", jax.device_get(metrics)), ("eval_", evaluated)):
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"):
+            assert m[prefix + name] == 0.0, (prefix + name, m[prefix + name])
+        assert m[prefix + "loss"] == pytest.approx(np.log(2), rel=1e-6)  # -log sigmoid(0)
 
 
 # ---------------------------------------------------------------- (c) data

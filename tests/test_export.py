@@ -105,3 +105,62 @@ def test_export_with_a_sentencepiece_tokenizer_is_refused_before_the_run(tmp_pat
     (tmp_path / "sp.model").write_bytes(b"")
     with pytest.raises(ConfigError, match="export_hf_path writes the run's tokenizer beside the model"):
         make_cfg(tokenizer_path=tmp_path / "sp.model", export_hf_path=tmp_path / "export")
+
+
+# ---------------------------------------------------------------- architectures, for engines
+
+# What transformers' save_pretrained writes for each family's causal LM (and what HF checkpoints say).
+CAUSAL_LM = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+FAMILY_KEYS = {"qwen2": dict(qkv_bias="true"), "qwen3": dict(qk_norm="true"), "mistral": dict(sliding_window=8)}
+
+
+def _assert_names_its_class(path, family):
+    """An engine reads `architectures` to pick the model class: AutoConfig names it and
+    AutoModelForCausalLM builds it."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    assert config.architectures == [CAUSAL_LM[family]]
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(path)).__name__ == CAUSAL_LM[family]
+
+
+@pytest.mark.parametrize("family", sorted(CAUSAL_LM))
+def test_export_names_the_causal_lm_architecture(tmp_path, family):
+    """export_hf of every family, and the two other ways out: the policy folder an engine sampler
+    loads (export_policy) and a LoRA model's merged export."""
+    from unitrain import export
+    from unitrain.run import build_run
+
+    cfg = make_cfg(model_family=family, **FAMILY_KEYS.get(family, {}))
+    run, state = build_run(cfg)
+    export.export_hf(run, state["params"], str(tmp_path / "hf"))
+    _assert_names_its_class(tmp_path / "hf", family)
+    if family == "qwen2":
+        _assert_names_its_class(export.export_policy(run, state["params"], 3, str(tmp_path / "policy")), family)
+    if family == "llama":
+        run, state = build_run(cfg.replace(lora_rank=4))
+        export.export_hf(run, state["params"], str(tmp_path / "merged"))
+        _assert_names_its_class(tmp_path / "merged", family)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Tunix 0.1.7 on jax 0.10 and flax 0.12
+def test_tunix_export_of_a_source_without_architectures_names_it(tmp_path, tiny_checkpoint):
+    """model_source=tunix writes its source's config.json back; one that lacks `architectures` gets it."""
+    import shutil
+
+    pytest.importorskip("tunix")  # the tunix extra
+
+    from unitrain import export
+    from unitrain.run import build_run
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoint("qwen2"), source)
+    config = json.loads((source / "config.json").read_text())
+    del config["architectures"]
+    (source / "config.json").write_text(json.dumps(config))
+    run, state = build_run(make_cfg(model_source="tunix", load_parameters_path=source, tokenizer_path=source))
+    export.export_hf(run, state["params"], str(tmp_path / "hf"))
+    _assert_names_its_class(tmp_path / "hf", "qwen2")

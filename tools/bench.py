@@ -65,7 +65,9 @@ config's mesh spans its devices, the models take the TPU's kernels and layouts
 (sharding.compile_for), and the figures are XLA:TPU's own. It needs libtpu beside jax (`pip install
 libtpu`, or ./setup.sh --tpu), not a TPU.
 
-Exit 2 with `bench: <message>` for a config mistake.
+Exit 2 with `bench: <message>` for a config mistake, and for a program the compiler finds too big
+for the device's memory (XLA:TPU, --topology included): one line with the bytes it needs and the
+bytes the device has. XLA:CPU sets no such limit, so a CPU compile sizes any config.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Export of a run's model as an HF checkpoint folder that transformers loads as is: the weights and
-config.json (the model's save_hf), the run's tokenizer with its chat template, the tokenizer's
-special ids in config.json, and generation_config.json, so that `AutoTokenizer.from_pretrained` and
-`model.generate` need nothing else and stop where unitrain's sampler stops (at EOS). With
-lora_export_adapters, the adapters alone in PEFT's format as well (<path>/lora_adapter).
+config.json (the model's save_hf, its `architectures` named as transformers names them, so that an
+inference engine builds the causal LM class), the run's tokenizer with its chat template, the
+tokenizer's special ids in config.json, and generation_config.json, so that
+`AutoTokenizer.from_pretrained` and `model.generate` need nothing else and stop where unitrain's
+sampler stops (at EOS). With lora_export_adapters, the adapters alone in PEFT's format as well
+(<path>/lora_adapter).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import shutil
 
 import jax
 from flax import nnx
+
+from unitrain.adapters import hf_config
 
 POLICY_VERSION_FILE = "unitrain_version.json"  # beside an export_policy folder's weights: {"version": v}
 
@@ -38,6 +42,8 @@ def export_hf(run, params, path: str) -> None:
     config_file = os.path.join(path, "config.json")
     with open(config_file) as f:
         config = json.load(f)
+    if not config.get("architectures"):  # a source's config.json without it (Tunix, a plugin model)
+        config["architectures"] = hf_config.causal_lm_architectures(config.get("model_type", ""))
     with open(config_file, "w") as f:
         json.dump({**config, **ids}, f, indent=2, sort_keys=True)
     transformers.GenerationConfig(**ids).save_pretrained(path)

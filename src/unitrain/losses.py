@@ -457,8 +457,10 @@ def sequence_logprobs(logprobs, weights):
 def dpo_loss(
     policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0, weights=None
 ):
-    """Direct Preference Optimization, sigmoid loss (Rafailov et al. 2023; TRL DPOTrainer
-    loss_type="sigmoid", with label smoothing = conservative DPO), in train_step's loss_fn form.
+    """Direct Preference Optimization, sigmoid loss (Rafailov et al. 2023) with label smoothing
+    (conservative DPO), in train_step's loss_fn form: TRL DPOTrainer's loss_type="sigmoid" of TRL
+    0.7.5 to 0.28 (TRL 0.29 and later ignore label_smoothing there; with label_smoothing = 0 the
+    two agree).
 
     Inputs [P] (one entry per pair): summed log-probs of the chosen / rejected completion under the
     policy and under the frozen reference; `weights` [P] {0,1} marks real pairs (None = all real;
@@ -469,7 +471,7 @@ def dpo_loss(
     returns (sum of loss over pairs, (number of pairs, metrics)), metrics name -> (sum, count) with
     stop_gradient, so that micro-batches and devices add up exactly (sum(sums) / sum(counts)):
       rewards/chosen, rewards/rejected   the implicit rewards
-      rewards/accuracy                   rewards_c > rewards_r (strict: a tie counts as wrong)
+      rewards/accuracy                   rewards_c > rewards_r (strict, as TRL: a tie counts as wrong)
       rewards/margin                     rewards_c - rewards_r
       logps/chosen, logps/rejected       pi_c, pi_r
     """

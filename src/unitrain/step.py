@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 import optax
 
 from unitrain import lora, sharding
+from unitrain.errors import ConfigError
 
 log = logging.getLogger("unitrain")
 
@@ -177,7 +179,8 @@ class CompileCache:
     """The run's one ahead-of-time compile cache: every jitted program (train step, eval, logprobs,
     the sampler) is lowered and compiled once per (name, static choices, argument shapes, dtypes
     and shardings), inside the run's mesh, and every compilation is logged with its time and
-    memory. Rows are bucketed upstream, so a run compiles a bounded number of times.
+    memory. Rows are bucketed upstream, so a run compiles a bounded number of times. A program the
+    compiler finds too big for the device is a one-line ConfigError (program_too_big).
     """
 
     def __init__(self, mesh=None):
@@ -220,7 +223,14 @@ class CompileCache:
     def _compile(self, name, jitted, args, options):
         start = time.perf_counter()
         with in_mesh(self.mesh):
-            compiled = jitted.lower(*args).compile(compiler_options=options)
+            lowered = jitted.lower(*args)
+            try:
+                compiled = lowered.compile(compiler_options=options)
+            except jax.errors.JaxRuntimeError as e:
+                too_big = program_too_big(name, str(e))
+                if too_big is None:
+                    raise
+                raise too_big from None
         log.info(
             "compiled %s in %.1f s%s", name, time.perf_counter() - start, f" (XLA options {options})" if options else ""
         )
@@ -234,6 +244,46 @@ class CompileCache:
                 memory.temp_size_in_bytes / 2**20,
             )
         return compiled
+
+
+# XLA's words when a program does not fit the device's memory at compile time (XLA:TPU):
+# "... required for HLO temporaries (476.00G) exceeds available HBM (15.75G)" and
+# "... Used 22.54G of 15.48G hbm. Exceeded hbm capacity by 7.06G."; sizes in XLA's binary units.
+_SIZE = r"[\d.]+[KMGT]?i?B?"
+_XLA_TOO_BIG = (
+    re.compile(
+        rf"required for (?P<what>[\w ]+?) \((?P<need>{_SIZE})\) exceeds available (?P<mem>\w+) \((?P<have>{_SIZE})\)"
+    ),
+    re.compile(rf"Used (?P<need>{_SIZE}) of (?P<have>{_SIZE}) (?P<mem>\w+)\b"),
+)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _xla_bytes(size: str) -> int:
+    """XLA's human-readable size ("15.75G", "258.0M", "0B") in bytes."""
+    number = re.match(r"[\d.]+", size).group()
+    return round(float(number) * _UNITS[size[len(number) :].rstrip("iB")[:1]])
+
+
+def program_too_big(name: str, message: str) -> ConfigError | None:
+    """The one-line error for XLA's compile-time RESOURCE_EXHAUSTED of program `name` (None for any
+    other error): the bytes the program needs and the bytes the device has, and what shrinks it."""
+    if "RESOURCE_EXHAUSTED" not in message:
+        return None
+    found = next(filter(None, (pattern.search(message) for pattern in _XLA_TOO_BIG)), None)
+    if found is None:
+        detail = " (XLA: " + message.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0] + ")"
+    else:
+        need, have = (_xla_bytes(found[k]) for k in ("need", "have"))
+        what = found.groupdict().get("what") or "the whole program"
+        detail = (
+            f": it needs {need:,} bytes ({need / 2**30:.2f} GiB, {what}) of {found['mem']} and the device has "
+            f"{have:,} bytes ({have / 2**30:.2f} GiB)"
+        )
+    return ConfigError(
+        f"{name} does not fit the device{detail}; lower per_device_batch_size or max_target_length, "
+        "set remat_policy, or shard over more devices"
+    )
 
 
 def in_mesh(mesh):

@@ -1,13 +1,20 @@
 """mode=dpo: Direct Preference Optimization (Rafailov et al. 2023) as TRL's DPOTrainer does it with
-the sigmoid loss (and label smoothing, cDPO), on chosen/rejected pairs (data/preference.py).
+the sigmoid loss (and label smoothing, cDPO, as TRL 0.7.5 to 0.28 do), on chosen/rejected pairs
+(data/preference.py).
 
 One step:
   1. the next global batch of pairs (one pair per row; `num_truncated` popped, as in SFT);
   2. the summed log-probs of each chosen and rejected completion under the reference model (the
-     start model, frozen: a copy taken before any update, optionally kept in pinned host memory),
-     one jitted forward over the batch in the same micro-batches as the update;
-  3. the update: train_step over losses.dpo_loss, which adds the policy's log-probs. Its metrics:
-     loss, rewards/{chosen,rejected,accuracy,margin}, logps/{chosen,rejected} (means over pairs).
+     start model, frozen: a copy taken before any update, optionally kept in pinned host memory)
+     and under the policy, by one compiled forward program run once on each, in the same
+     micro-batches as the update: identical weights give identical numbers (the update's own
+     forward is compiled with its backward and rounds differently), so at step 0 every reward is
+     exactly 0 and no pair counts as accurate;
+  3. the update: train_step over losses.dpo_loss, with the policy's log-probs of step 2 as values
+     and its own forward's gradient. Its metrics: loss, rewards/{chosen,rejected,accuracy,margin},
+     logps/{chosen,rejected} (means over pairs).
+
+The policy's second forward costs about a quarter of a step; it is what makes a tie a tie.
 
 A row of the batch is a pair, so per_device_batch_size counts pairs and a device runs twice as many
 sequences through the model. Eval (eval_interval > 0): the same loss and metrics, prefixed eval_, on
@@ -30,6 +37,7 @@ from unitrain.run import RunContext
 from unitrain.tasks.base import Task
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+POLICY_KEYS = ("policy_chosen_logps", "policy_rejected_logps")
 
 
 def pair_logps(graphdef, chunk_size: int, params, batch):
@@ -57,16 +65,21 @@ def real_pairs(batch):
     )
 
 
-def reference_logps(logps, num_micro: int, device, ref_params, batch) -> dict:
-    """{ref_chosen_logps, ref_rejected_logps} [P] of the reference, computed micro-batch by micro-batch
-    in train_step's split (row i*k + j in micro-batch j), so it never holds more activations than
-    one micro-batch of the update does. `logps`: pair_logps with its static arguments bound;
-    `device`: the reference's shardings in device memory (it may be kept in host memory)."""
-    ref_params = jax.device_put(ref_params, device)
+def micro_batched_logps(logps, num_micro: int, params, batch):
+    """(chosen [P], rejected [P]) log-probs under `params`, computed micro-batch by micro-batch in
+    train_step's split (row i*k + j in micro-batch j), so it never holds more activations than one
+    micro-batch of the update does. `logps`: pair_logps with its static arguments bound."""
     micro = jax.tree.map(lambda x: x.reshape(-1, num_micro, *x.shape[1:]).swapaxes(0, 1), batch)
-    chosen, rejected = jax.lax.map(lambda mb: logps(ref_params, mb), micro)
+    chosen, rejected = jax.lax.map(lambda mb: logps(params, mb), micro)
     unsplit = lambda x: x.swapaxes(0, 1).reshape(-1)  # noqa: E731
-    return {"ref_chosen_logps": unsplit(chosen), "ref_rejected_logps": unsplit(rejected)}
+    return unsplit(chosen), unsplit(rejected)
+
+
+def forward_values(values, traced):
+    """`values` as the value, `traced`'s gradient: the policy's log-probs from the forward program
+    that scored the reference, differentiated through the update's own forward. x - x is exactly
+    0 for finite x, so the value is `values` to the bit."""
+    return values + (traced - jax.lax.stop_gradient(traced))
 
 
 class DPOTask(Task):
@@ -83,15 +96,9 @@ class DPOTask(Task):
         self.tokens_per_step = 2 * rows * cfg.max_target_length  # both sequences of every pair
         self.rows2d = sharding.batch_sharding(run.mesh, run.rules)
         self.rows1d = sharding.batch_sharding(run.mesh, run.rules, ("batch",))
-        pair_shardings = {k: self.rows2d for k in PAIR_FIELDS}
-        ref_in = jax.tree.map(lambda x: x.sharding, self.reference(run.init_params))
-        self.ref_device = step_lib.device_shardings(self.reference(run.init_params))
+        self.param_shardings = run.state_shardings["params"]
         self.pair_logps = functools.partial(pair_logps, run.graphdef, cfg.logits_chunk_size)
-        self.ref_fn = jax.jit(
-            functools.partial(reference_logps, self.pair_logps, cfg.gradient_accumulation_steps, self.ref_device),
-            in_shardings=(ref_in, pair_shardings),
-            out_shardings={k: self.rows1d for k in REF_KEYS},
-        )
+        self.logps_fn = self._logps_program(cfg.gradient_accumulation_steps)
         self.update = step_lib.make_train_step(
             self.loss,
             step_lib.StepConfig.from_config(cfg, run.learning_rate),
@@ -101,16 +108,22 @@ class DPOTask(Task):
         )
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
         if self.eval_batches:
-            self.eval_fn = jax.jit(
-                self._eval_sums, in_shardings=(run.state_shardings["params"], ref_in, pair_shardings)
-            )
+            self.eval_logps_fn = self._logps_program(1)
+            self.eval_fn = jax.jit(self._eval_sums)
+
+    def _logps_program(self, num_micro: int):
+        return jax.jit(
+            functools.partial(micro_batched_logps, self.pair_logps, num_micro),
+            in_shardings=(self.param_shardings, {k: self.rows2d for k in PAIR_FIELDS}),
+            out_shardings=(self.rows1d, self.rows1d),
+        )
 
     # -- the loss and its batch
     def loss(self, params, batch):
         chosen, rejected = self.pair_logps(params, batch)
         return losses.dpo_loss(
-            chosen,
-            rejected,
+            forward_values(batch["policy_chosen_logps"], chosen),
+            forward_values(batch["policy_rejected_logps"], rejected),
             batch["ref_chosen_logps"],
             batch["ref_rejected_logps"],
             beta=self.cfg.dpo_beta,
@@ -119,18 +132,28 @@ class DPOTask(Task):
         )
 
     def batch_shardings(self) -> dict:
-        return {**{k: self.rows2d for k in PAIR_FIELDS}, **{k: self.rows1d for k in REF_KEYS}}
+        return {**{k: self.rows2d for k in PAIR_FIELDS}, **{k: self.rows1d for k in REF_KEYS + POLICY_KEYS}}
 
     def reference(self, params):
         """The reference policy's parameters: the frozen start, or with LoRA the base of `params`."""
         return lora.adapters_off(params) if self.ref_params is None else self.ref_params
+
+    def pair_logps_of_both(self, name: str, program, params, batch) -> dict:
+        """{ref_*, policy_*} log-probs of `batch`: the reference and the policy through the one
+        compiled `program` (the same input shardings, so the same executable), the reference
+        brought to device memory first when it is kept in host memory (and dropped after)."""
+        ref = jax.device_put(self.reference(params), self.param_shardings)
+        ref_c, ref_r = self.run.programs(name, program, ref, batch)
+        del ref
+        pol_c, pol_r = self.run.programs(name, program, params, batch)
+        return dict(zip(REF_KEYS + POLICY_KEYS, (ref_c, ref_r, pol_c, pol_r)))
 
     # -- one step
     def step(self, state, step):
         batch = next(self.data_iterator)
         truncated = int(batch.pop("num_truncated"))
         batch = step_lib.local_rows_to_global(batch, self.rows2d)
-        batch = {**batch, **self.run.programs("reference_logps", self.ref_fn, self.reference(state["params"]), batch)}
+        batch = {**batch, **self.pair_logps_of_both("pair_logps", self.logps_fn, state["params"], batch)}
         state, metrics = self.run.programs("train_step", self.update, state, batch)
         return state, {**metrics, "num_truncated": truncated}
 
@@ -142,17 +165,22 @@ class DPOTask(Task):
         batches = eval_pair_batches(cfg, self.run.tokenizer, self.run.layout.global_batch_size, cfg.eval_steps)
         return [step_lib.full_rows_to_global(b, self.rows2d) for b in batches]
 
-    def _eval_sums(self, params, ref_params, batch):
-        ref = reference_logps(self.pair_logps, 1, self.ref_device, ref_params, batch)
-        loss_sum, (pairs, metrics) = self.loss(params, {**batch, **ref})
+    def _eval_sums(self, logps, weights):
+        loss_sum, (pairs, metrics) = losses.dpo_loss(
+            *(logps[k] for k in ("policy_chosen_logps", "policy_rejected_logps", *REF_KEYS)),
+            beta=self.cfg.dpo_beta,
+            label_smoothing=self.cfg.dpo_label_smoothing,
+            weights=weights,
+        )
         return {"loss": (loss_sum, pairs), **metrics}
 
     def evaluate(self, params, step) -> dict:
         if not self.eval_batches:
             return {}
-        outs = [
-            self.run.programs("dpo_eval", self.eval_fn, params, self.reference(params), b) for b in self.eval_batches
-        ]
+        outs = []
+        for b in self.eval_batches:
+            logps = self.pair_logps_of_both("dpo_eval_logps", self.eval_logps_fn, params, b)
+            outs.append(self.run.programs("dpo_eval", self.eval_fn, logps, real_pairs(b)))
         totals: dict = {}
         for sums in jax.device_get(outs):  # one fetch after every batch is dispatched
             for name, (total, count) in sums.items():
