@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up: makes .venv and installs unitrain (editable) with its test, tunix and wandb extras.
-# Idempotent: re-running only installs what is missing.
+# Idempotent: re-running only installs what is missing. .venv gets Python 3.12 where the machine has it (on PATH
+# or in pyenv), and with it the current JAX; else python3 (on 3.11, PyPI's newest JAX is 0.10).
 #   ./setup.sh          CPU jax (default; nothing CUDA-sized is pulled in)
 #   ./setup.sh --gpu    jax with CUDA 12 plugins
 #   ./setup.sh --tpu    jax with libtpu
@@ -19,16 +20,33 @@ for arg in "$@"; do
     *) echo "setup.sh: unknown option '$arg' (expected --cpu, --gpu, --tpu or --vllm)" >&2; exit 2 ;;
   esac
 done
-python3 -m venv .venv
+# A pyenv shim stands on PATH for versions that are not selected and fails when run: so each candidate must run.
+python=""
+if command -v python3.12 >/dev/null && python3.12 -c "" 2>/dev/null; then
+  python=$(command -v python3.12)
+elif command -v pyenv >/dev/null && prefix=$(pyenv prefix 3.12 2>/dev/null) && [ -x "$prefix/bin/python3.12" ]; then
+  python="$prefix/bin/python3.12"
+else
+  python=python3
+  echo "setup.sh: no Python 3.12 on PATH or in pyenv: .venv uses $(python3 --version) (JAX 0.10 on 3.11)" >&2
+fi
+# A .venv of another Python (an older set-up) is made anew: venv cannot move one to another version.
+wanted=$("$python" -c 'import sys; print(sys.version_info[:2])')
+if [ -x .venv/bin/python ] && [ "$(.venv/bin/python -c 'import sys; print(sys.version_info[:2])')" != "$wanted" ]; then
+  echo "setup.sh: .venv is $(.venv/bin/python --version); making it anew with $("$python" --version)"
+  rm -rf .venv
+fi
+"$python" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 case "$accel" in
   cpu) jax_spec="jax[cpu]" ;;
   gpu) jax_spec="jax[cuda12]" ;;
   tpu) jax_spec="jax[tpu]" ;;
 esac
-# torch (test extra) is pinned to a CPU build; install it first so nothing pulls a CUDA torch.
+# torch (test extra) first, so that a CPU build pip can find (Python 3.11 here) is what stays. For Python 3.12 PyPI
+# has only the Linux CUDA build: about 1.35 GB of wheels, run on the CPU all the same (see pyproject.toml).
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q "$jax_spec>=0.10,<0.12" -e ".[test,tunix,wandb]"
+.venv/bin/python -m pip install -q "$jax_spec>=0.10,<0.13" -e ".[test,tunix,wandb]"
 # Tunix's model library (model_source=tunix): its requirements came with the tunix extra; the
 # package itself without its safetensors<0.8 pin (see pyproject.toml).
 .venv/bin/python -m pip install -q --no-deps "google-tunix==0.1.7"

@@ -49,7 +49,7 @@ PY
 
 if [[ $install == always ]] || { [[ $install == auto ]] && ! ready; }; then
   echo "train_job.sh: installing $jax_spec and unitrain into $python" >&2
-  "$python" -m pip install -q --no-cache-dir "$jax_spec>=0.10,<0.11" -e .
+  "$python" -m pip install -q --no-cache-dir "$jax_spec>=0.10,<0.13" -e .
 fi
 
 export PYTHONUNBUFFERED=1   # log lines reach `kubectl logs` / the SLURM log as they are printed
