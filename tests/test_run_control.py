@@ -254,6 +254,14 @@ def test_resume_from_a_chosen_step(tmp_path):
     assert sorted(os.listdir(tmp_path / "again" / "checkpoints.set_aside")) == ["3", "4"]
 
 
+def test_a_resume_step_that_was_not_saved_is_one_line_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    common = ("steps=2", "checkpoint_period=1", "async_checkpointing=false")
+    assert train.main(argv(tmp_path, *common)) == 0
+    monkeypatch.setattr(train, "build_run", lambda cfg: pytest.fail("the run was built"))
+    assert train.main(argv(tmp_path, *common, "steps=4", "resume_step=3")) == 2
+    assert "resume_step=3 is not a saved step" in capsys.readouterr().err
+
+
 def test_a_resumed_run_reports_changed_keys_and_keeps_the_earlier_config(tmp_path, caplog):
     assert train.main(argv(tmp_path, "steps=1")) == 0
     first = (tmp_path / "default" / "config.yml").read_text()

@@ -189,16 +189,22 @@ def _first_missing(path: str) -> str | None:
     return missing
 
 
+def check_resume_step(cfg, saved) -> None:
+    """A `resume_step` that is not one of the `saved` steps is a ConfigError: train() asks before
+    building the run, so the mistake costs no start-up."""
+    if cfg.resume_step is not None and cfg.resume_step not in saved:
+        raise ConfigError(
+            f"resume_step={cfg.resume_step} is not a saved step of {cfg.checkpoint_dir}; "
+            f"saved: {', '.join(map(str, saved)) or 'none'}"
+        )
+
+
 def resume_step(cfg, checkpointer) -> int:
     """The saved step the run starts from: `resume_step` if set (later steps are moved aside so the
     next resume does not jump back to them), else the latest, else 0."""
     saved = checkpointer.all_steps()
     if cfg.resume_step is None:
         return max(saved, default=0)
-    if cfg.resume_step not in saved:
-        raise ConfigError(
-            f"resume_step={cfg.resume_step} is not a saved step of {cfg.checkpoint_dir}; "
-            f"saved: {', '.join(map(str, saved)) or 'none'}"
-        )
+    check_resume_step(cfg, saved)
     checkpointer.set_aside(s for s in saved if s > cfg.resume_step)
     return cfg.resume_step

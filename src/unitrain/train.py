@@ -80,6 +80,7 @@ def _train(cfg, stop: _StopRequest) -> int:
             2 * done,
         )
         return 0
+    run_dir.check_resume_step(cfg, checkpointer.all_steps())
     run, state = build_run(cfg)
     log.info(
         "mode %s; model %s; mesh %s over %d devices (%d processes)",
