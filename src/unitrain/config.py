@@ -196,7 +196,7 @@ RULES: dict[str, Rule] = {
     "max_prompt_length": POSITIVE_INT,
     "reward": Rule(
         lambda v: isinstance(v, str) and all(e.strip() for e in v.split(",")),
-        "a comma list of reward names (math, gsm8k, exact_match, format or pkg.module:function)",
+        "a comma list of reward names (math, gsm8k, exact_match, format, rm or pkg.module:function)",
     ),
     "reward_weights": optional(
         Rule(
@@ -205,6 +205,8 @@ RULES: dict[str, Rule] = {
         )
     ),
     "format_reward_pattern": NAME,
+    "reward_model_max_length": Rule(lambda v: isinstance(v, int) and v >= 2, "an int >= 2"),
+    "reward_model_batch_size": POSITIVE_INT,
     "math_reward_timeout": NON_NEGATIVE,
     "n_samples_per_prompt": POSITIVE_INT,
     "rollout_batch_size": POSITIVE_INT,
@@ -326,6 +328,24 @@ def _check_episodes(c: dict) -> str | None:
     return None
 
 
+def _check_reward_model(c: dict) -> str | None:
+    """reward rm needs a reward model directory; its normalisation needs whole rounds to score."""
+    if "rm" not in [e.strip() for e in c["reward"].split(",")]:
+        return None
+    if not c["reward_model_path"]:
+        return "reward names rm but reward_model_path is empty: set it to an HF *ForSequenceClassification folder or a mode=rm checkpoint"
+    if not os.path.isdir(c["reward_model_path"]):
+        return f"reward_model_path ({c['reward_model_path']}) is not a directory"
+    if c["reward_model_tokenizer_path"] and not os.path.exists(c["reward_model_tokenizer_path"]):
+        return f"reward_model_tokenizer_path ({c['reward_model_tokenizer_path']}) does not exist"
+    if c["reward_model_normalize"] and c["workflow"] != "single_turn":
+        return (
+            f"reward_model_normalize standardises the scores of a round, but workflow {c['workflow']} has its "
+            "environment score each final answer alone; set reward_model_normalize=false"
+        )
+    return None
+
+
 def _check_rollout_devices(c: dict) -> str | None:
     """Devices set apart for rollouts serve a sampler that uses them, come equally from every process,
     and leave the trainer some."""
@@ -365,6 +385,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
     _check_one_fill,
     _check_rollout_devices,
     _check_episodes,
+    _check_reward_model,
     lambda c: (
         None
         if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"]

@@ -75,6 +75,7 @@ REWARDS = {
     "gsm8k": "unitrain.rewards:make_gsm8k_reward",
     "exact_match": "unitrain.rewards:make_exact_match_reward",
     "format": "unitrain.rewards:make_format_reward",
+    "rm": "unitrain.reward_model:make_rm_reward",
     "sid_hit": "unitrain.recsys.rewards:make_sid_hit_reward",
     "sid_rank": "unitrain.recsys.rewards:make_sid_rank_reward",
 }

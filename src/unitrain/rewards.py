@@ -3,8 +3,9 @@
 `make_reward_fn(cfg)` reads `reward` (a comma list of names) and `reward_weights` and returns a
 RewardFn; `reward_fn(prompts, completions, labels)` gives the weighted total per sample and each
 reward's raw values. Every reward is a plain `f(prompt, completion, label) -> float`, evaluated on
-the host, one sample at a time, or a GroupReward that scores a whole group. The built-in names are
-registry.REWARDS (each a factory(cfg) -> reward; the recommender's sid_hit and sid_rank are in
+the host, one sample at a time, a GroupReward that scores a whole group, or a BatchReward that
+scores every sample of a call at once (the reward model, reward_model.py: `rm`). The built-in names
+are registry.REWARDS (each a factory(cfg) -> reward; the recommender's sid_hit and sid_rank are in
 recsys/rewards.py). Built-ins here:
 
   math         1.0 if math-verify finds the completion's final answer equal to the label (LaTeX,
@@ -198,6 +199,16 @@ class GroupReward:
         self.fn = fn
 
 
+class BatchReward(GroupReward):
+    """A reward that scores all samples of a call at once, whatever their groups (a reward model:
+    one forward per length bucket over the whole round). `metrics()` gives what it measured since
+    it was last asked (RewardFn.metrics: the mode logs it)."""
+
+    def __init__(self, fn: Callable[[list, list, list], list], metrics: Callable[[], dict]):
+        super().__init__(fn)
+        self.metrics = metrics
+
+
 # ---------------------------------------------------------------- length (DAPO)
 
 
@@ -252,11 +263,23 @@ class RewardFn:
             total += np.float32(weight) * per_reward[name]
         return total, per_reward
 
+    def metrics(self) -> dict:
+        """What the batch rewards measured since the last call (a reward model's raw score mean and
+        std, its scoring time), for the step's metrics; {} when none did."""
+        return {k: v for fn in self.fns if isinstance(fn, BatchReward) for k, v in fn.metrics().items()}
+
     @staticmethod
     def _evaluate(name, fn, prompts, completions, labels, group_size: int) -> np.ndarray:
-        """Each sample's value; a GroupReward is called once per `group_size` consecutive samples."""
+        """Each sample's value; a GroupReward is called once per `group_size` consecutive samples, a
+        BatchReward once on them all."""
         values = np.empty(len(completions), np.float32)
-        size = group_size if isinstance(fn, GroupReward) else 1
+        size = (
+            max(len(completions), 1)
+            if isinstance(fn, BatchReward)
+            else group_size
+            if isinstance(fn, GroupReward)
+            else 1
+        )
         for start in range(0, len(completions), size):
             part = slice(start, start + size)
             try:

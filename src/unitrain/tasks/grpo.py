@@ -255,7 +255,9 @@ class GRPOTask(Task):
             # The later turns of the episodes sampled ahead are sampled when their round is taken, with
             # this step's weights (the colocated sampler's earlier ones were donated to the update).
             push(step)
+        self.reward_fn.metrics()  # drop what an evaluation's scoring measured: the rm/* metrics are the step's rounds'
         groups, stats = self.rollouts.take(step, push)
+        stats.update(self.reward_fn.metrics())
         release(self.sampler)  # no sampling before the next push: what it kept goes before the update
         stats.update(parts, time_weight_push=sum(pushed.values()))
         t1 = time.perf_counter()
