@@ -162,6 +162,47 @@ def test_host_offload_gives_the_same_scores(tiny_checkpoint):
     np.testing.assert_array_equal(offloaded.score(PROMPTS, COMPLETIONS), on_device)
 
 
+def test_a_unitrain_checkpoint_of_a_reward_model_with_its_runs_tokenizer(tiny_checkpoint, tmp_path):
+    """A mode=rm run's step directory: the parameters from orbax, the architecture and the
+    tokenizer from the run's config.yml (two levels up)."""
+    import orbax.checkpoint as ocp
+    import yaml
+    from flax import nnx
+
+    from unitrain.adapters import hf_config
+    from unitrain.models.scalar_head import build_scalar_model
+
+    path = rm_path(tiny_checkpoint)
+    model = build_scalar_model(make_cfg(), run_mesh(), str(path), require_classifier=True)
+    step_dir = tmp_path / "rm_run" / "checkpoints" / "3"
+    with ocp.StandardCheckpointer() as saver:
+        saver.save(step_dir / "params", nnx.to_pure_dict(nnx.state(model)))
+    keys = {**hf_config.model_keys(path), "tokenizer_path": str(path)}
+    (tmp_path / "rm_run" / "config.yml").write_text(yaml.safe_dump(keys))
+    _, per_reward = rewards.make_reward_fn(rm_cfg(step_dir))(PROMPTS, COMPLETIONS, LABELS)
+    np.testing.assert_allclose(per_reward["rm"], transformers_scores(path, PROMPTS, COMPLETIONS), atol=TOL, rtol=0)
+
+
+def test_an_environments_final_answer_is_scored_by_the_same_loaded_model(tiny_checkpoint):
+    """env: calculator scores each episode's final answer with the configured reward, one at a time."""
+    from unitrain.envs import calculator
+
+    path = rm_path(tiny_checkpoint)
+    cfg = make_cfg(
+        mode="grpo",
+        per_device_batch_size=2,
+        workflow="multi_turn",
+        env="calculator",
+        reward="rm",
+        reward_model_path=str(path),
+    )
+    rewards.make_reward_fn(cfg)  # the mode's
+    score = calculator._final_answer_score(cfg)  # the environment's
+    assert reward_model._scorer.cache_info().misses == 1  # loaded once
+    got = [score(p, c, l) for p, c, l in zip(PROMPTS, COMPLETIONS, LABELS)]
+    np.testing.assert_allclose(got, transformers_scores(path, PROMPTS, COMPLETIONS), atol=TOL, rtol=0)
+
+
 # ---------------------------------------------------------------- in a GRPO run
 
 GRPO = [
@@ -289,7 +330,6 @@ def rules():
     ("overrides", "message"),
     [
         ({"reward": "math,rm"}, "reward names rm but reward_model_path is empty"),
-        ({"reward": "rm", "reward_model_path": "/nonexistent"}, "reward_model_path (/nonexistent) is not a directory"),
         ({"reward_model_batch_size": "0"}, "reward_model_batch_size"),
         ({"reward_model_max_length": "1"}, "reward_model_max_length"),
     ],
@@ -297,6 +337,17 @@ def rules():
 def test_config_mistakes_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_cfg(**overrides)
+
+
+def test_a_missing_reward_model_is_one_line_when_the_run_starts(tmp_path, capsys):
+    """Not when the config loads: a pipeline's reward-model stage writes it before the RL stage runs."""
+    cfg = make_cfg(reward="rm", reward_model_path=str(tmp_path / "rm"))
+    with pytest.raises(ConfigError, match=f"reward_model_path='{tmp_path / 'rm'}' is not a directory"):
+        rewards.make_reward_fn(cfg)
+    err = main_error(
+        tmp_path, capsys, "reward=rm", f"reward_model_path={tmp_path}", "reward_model_tokenizer_path=/no/tok"
+    )
+    assert "reward_model_tokenizer_path='/no/tok' does not exist" in err
 
 
 def test_normalising_single_answers_of_an_environment_is_refused(tiny_checkpoint):

@@ -329,15 +329,12 @@ def _check_episodes(c: dict) -> str | None:
 
 
 def _check_reward_model(c: dict) -> str | None:
-    """reward rm needs a reward model directory; its normalisation needs whole rounds to score."""
+    """reward rm needs a reward model; its normalisation needs whole rounds to score. (Whether the
+    path exists is the loader's check: a pipeline's earlier stage may be what writes it.)"""
     if "rm" not in [e.strip() for e in c["reward"].split(",")]:
         return None
     if not c["reward_model_path"]:
         return "reward names rm but reward_model_path is empty: set it to an HF *ForSequenceClassification folder or a mode=rm checkpoint"
-    if not os.path.isdir(c["reward_model_path"]):
-        return f"reward_model_path ({c['reward_model_path']}) is not a directory"
-    if c["reward_model_tokenizer_path"] and not os.path.exists(c["reward_model_tokenizer_path"]):
-        return f"reward_model_tokenizer_path ({c['reward_model_tokenizer_path']}) does not exist"
     if c["reward_model_normalize"] and c["workflow"] != "single_turn":
         return (
             f"reward_model_normalize standardises the scores of a round, but workflow {c['workflow']} has its "

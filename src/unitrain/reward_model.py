@@ -229,9 +229,15 @@ def score_batches(lengths: list[int], max_length: int, batch_size: int, multiple
 def _tokenizer_source(cfg) -> tuple[str, str]:
     """(tokenizer path, chat template file) of the reward model: reward_model_tokenizer_path, else
     the HF folder's own, else the tokenizer the unitrain run that saved the checkpoint recorded."""
-    path = cfg.reward_model_path
-    if cfg.reward_model_tokenizer_path:
-        return cfg.reward_model_tokenizer_path, ""
+    path, own = cfg.reward_model_path, cfg.reward_model_tokenizer_path
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"reward_model_path={path!r} is not a directory (an HF classifier folder or a unitrain checkpoint)"
+        )
+    if own:
+        if not os.path.exists(own):
+            raise ConfigError(f"reward_model_tokenizer_path={own!r} does not exist")
+        return own, ""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path, ""
     for run_config in (os.path.join(path, *[os.pardir] * up, "config.yml") for up in range(3)):
