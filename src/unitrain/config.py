@@ -245,6 +245,8 @@ RULES: dict[str, Rule] = {
     "chosen_key": NAME,
     "chat_loss_on": choices("all_assistant", "last_assistant"),
     "rejected_key": NAME,
+    "rm_margin_key": Rule(lambda v: isinstance(v, str), '"" (no margin) or a record field name'),
+    "rm_center_coef": NON_NEGATIVE,
     "vocab_pad_multiple": POSITIVE_INT,
     "data_format": builtin_or_plugin(DATA_FORMATS),
     "rollout_decoding": choices("sample", "beam"),
@@ -309,7 +311,7 @@ def _check_one_fill(c: dict) -> str | None:
 def _check_episodes(c: dict) -> str | None:
     """A workflow other than single_turn rolls out GRPO episodes; multi_turn talks to an environment;
     an environment under sft is the source of its demonstrations."""
-    if c["workflow"] != "single_turn" and c["mode"] in ("sft", "dpo"):
+    if c["workflow"] != "single_turn" and c["mode"] in ("sft", "dpo", "rm"):
         return f"workflow {c['workflow']} rolls out RL episodes; mode={c['mode']} trains on none (use workflow single_turn)"
     if c["workflow"] != "single_turn" and c["rollout_decoding"] != "sample":
         return (
@@ -321,8 +323,8 @@ def _check_episodes(c: dict) -> str | None:
         return f"env={c['env']} under mode=sft trains on its demonstrations of dataset_path builtin; dataset_path is {c['dataset_path']}"
     if c["env"] and c["mode"] == "grpo" and c["workflow"] == "single_turn":
         return f"env={c['env']} is the environment of workflow multi_turn; workflow is single_turn"
-    if c["env"] and c["mode"] == "dpo":
-        return "env names an environment for multi_turn episodes or sft demonstrations; mode=dpo uses none"
+    if c["env"] and c["mode"] in ("dpo", "rm"):
+        return f"env names an environment for multi_turn episodes or sft demonstrations; mode={c['mode']} uses none"
     if c["guess_number_low"] >= c["guess_number_high"]:
         return f"guess_number_low ({c['guess_number_low']}) must be below guess_number_high ({c['guess_number_high']})"
     return None
@@ -350,8 +352,20 @@ def _check_rollout_devices(c: dict) -> str | None:
         return "sampler mesh samples on devices of its own: set rollout_devices (and the rollout_*_parallelism sizes)"
     if c["sampler"] in ("colocated", "vllm") and c["rollout_devices"]:
         return f"rollout_devices={c['rollout_devices']} needs a sampler that runs on them: sampler: mesh (or a plugin)"
-    if c["mode"] in ("sft", "dpo") and (c["rollout_devices"] or c["max_staleness"]):
+    if c["mode"] in ("sft", "dpo", "rm") and (c["rollout_devices"] or c["max_staleness"]):
         return f"rollout_devices and max_staleness serve RL rollouts; mode={c['mode']} trains on no rollouts"
+    return None
+
+
+def _check_reward_model(c: dict) -> str | None:
+    """mode=rm's keys belong to it; its margins are a field of data files; its head trains whole
+    beside the adapters, which a PEFT adapter folder of a causal LM cannot hold."""
+    if c["mode"] != "rm" and (c["rm_margin_key"] or c["rm_center_coef"]):
+        return f"rm_margin_key and rm_center_coef shape mode=rm's loss; mode is {c['mode']}"
+    if c["rm_margin_key"] and "builtin" in (c["dataset_path"], c["eval_dataset_path"]):
+        return "rm_margin_key reads a field of preference data files; the built-in task's pairs have no margin"
+    if c["mode"] == "rm" and c["lora_export_adapters"]:
+        return "lora_export_adapters writes a causal LM's PEFT adapters; mode=rm also trains its score head whole: export the merged model (export_hf_path)"
     return None
 
 

@@ -84,12 +84,17 @@ def adapters_off(params: dict) -> dict:
 # ---------------------------------------------------------------- building
 
 
-def apply(model, cfg, mesh):
-    """The built model wrapped with adapters on the weights matching cfg.lora_target, every array
-    placed in the sharding its logical axes give (param_axes) over `mesh`. Built inside one jit
-    with the model's arrays donated: the base is never held twice, and quantised arrays get the
-    layout compiled programs expect."""
-    targets = find_targets(model.param_axes(), nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg.lora_target)
+def apply(model, cfg, mesh, root: tuple[str, ...] = (), train_whole: tuple[tuple[str, ...], ...] = ()):
+    """The built model wrapped with adapters on the weights matching cfg.lora_target below `root`
+    (a scalar head's backbone), and the parameters at `train_whole` (a scalar head's score) trained
+    whole beside them, every array placed in the sharding its logical axes give (param_axes) over
+    `mesh`. Built inside one jit with the model's arrays donated: the base is never held twice, and
+    quantised arrays get the layout compiled programs expect."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    targets = tuple(
+        dataclasses.replace(t, path=root + t.path)
+        for t in find_targets(_get(model.param_axes(), root), _get(params, root), cfg.lora_target)
+    )
     base_graphdef, base_state = nnx.split(model)
 
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
@@ -103,6 +108,7 @@ def apply(model, cfg, mesh):
             cfg.lora_base_dtype,
             cfg.seed,
             rules,
+            train_whole,
         )
 
     graphdef, abstract = nnx.split(nnx.eval_shape(build, base_state))
@@ -182,9 +188,20 @@ class LoraModel(nnx.Module):
     """A model with low-rank adapters on its `targets`; the model interface of models/base.py."""
 
     def __init__(
-        self, base, targets: tuple[Target, ...], rank: int, alpha: float, base_dtype: str, seed: int, rules: tuple = ()
+        self,
+        base,
+        targets: tuple[Target, ...],
+        rank: int,
+        alpha: float,
+        base_dtype: str,
+        seed: int,
+        rules: tuple = (),
+        train_whole: tuple[tuple[str, ...], ...] = (),
     ):
         self.targets, self.rank, self.alpha, self.rules = targets, rank, alpha, rules
+        # Trained whole with the adapters (PEFT's modules_to_save): the trained copy lives among the
+        # adapters and replaces the base's in merged(); meant for small heads (the base keeps its copy).
+        self.train_whole = train_whole
         graphdef, state = nnx.split(base)
         params, adapters = nnx.to_pure_dict(state), {}
         for t, key in zip(targets, jax.random.split(jax.random.key(seed), len(targets))):
@@ -200,6 +217,8 @@ class LoraModel(nnx.Module):
                 params = _set(params, t.path, quantise(w, t, base_dtype))
             elif base_dtype:
                 params = _set(params, t.path, w.astype(base_dtype))
+        for path in train_whole:
+            adapters = _set(adapters, path, nnx.LoRAParam(jnp.copy(_get(params, path))))
         nnx.replace_by_pure_dict(state, params)
         self.base = nnx.merge(graphdef, state)
         self.lora = nnx.data(adapters)
@@ -217,6 +236,8 @@ class LoraModel(nnx.Module):
             update = delta(adapter["a"][...], adapter["b"][...], w.shape, t)
             merged = (w.astype(jnp.float32) + self.alpha / self.rank * update).astype(t.dtype)
             params = _set(params, t.path, self._constrain(merged, t.axes))
+        for path in self.train_whole:
+            params = _set(params, path, _get(self.lora, path)[...])
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
 
@@ -279,6 +300,8 @@ class LoraModel(nnx.Module):
             if isinstance(w, qwix.QArray):
                 scale = tuple(n if s == q else None for n, s, q in zip(names, w.scale.shape, w.qvalue.shape))
                 base_axes = _set(base_axes, t.path, w.replace(qvalue=names, scale=scale))
+        for path in self.train_whole:
+            lora_axes = _set(lora_axes, path, _get(base_axes, path))
         return {"base": base_axes, ADAPTERS: lora_axes}
 
     def decay_mask(self) -> dict:

@@ -498,3 +498,33 @@ def dpo_loss(
         "logps/rejected": mean_of(pi_r),
     }
     return jnp.where(w > 0, per_pair, 0.0).sum(), (pairs, metrics)
+
+
+def reward_model_loss(chosen, rejected, *, margin=None, center_coef: float = 0.0, weights=None):
+    """The Bradley-Terry loss of a reward model on preference pairs, as TRL's RewardTrainer: per pair
+        -log sigmoid(r_c - r_r - margin) + center_coef * (r_c + r_r)^2
+    (its mean over pairs is TRL's loss with center_rewards_coefficient; the second term keeps the
+    rewards centred on 0), in train_step's loss_fn form. Inputs [P]: the pooled rewards of the
+    chosen and rejected sequences, `margin` [P] (None = 0), `weights` [P] {0,1} marking real pairs.
+    Returns (sum over pairs, (number of pairs, metrics)), metrics name -> (sum, count):
+      accuracy                            r_c > r_r (strict: a tie counts as wrong, as TRL)
+      margin                              r_c - r_r
+      rewards/chosen, rewards/rejected    r_c, r_r
+    """
+    r_c, r_r = jnp.asarray(chosen, jnp.float32), jnp.asarray(rejected, jnp.float32)
+    w = jnp.ones_like(r_c) if weights is None else jnp.asarray(weights, jnp.float32)
+    gap = r_c - r_r - (0.0 if margin is None else jnp.asarray(margin, jnp.float32))
+    per_pair = -jax.nn.log_sigmoid(gap) + center_coef * jnp.square(r_c + r_r)
+    pairs = w.sum()
+    sg = jax.lax.stop_gradient
+
+    def mean_of(x):
+        return sg(jnp.where(w > 0, x, 0.0).sum()), sg(pairs)
+
+    metrics = {
+        "accuracy": mean_of((r_c > r_r).astype(jnp.float32)),
+        "margin": mean_of(r_c - r_r),
+        "rewards/chosen": mean_of(r_c),
+        "rewards/rejected": mean_of(r_r),
+    }
+    return jnp.where(w > 0, per_pair, 0.0).sum(), (pairs, metrics)

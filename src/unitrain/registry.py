@@ -39,6 +39,7 @@ MODES = {
     "sft": "unitrain.tasks.sft:SFTTask",
     "grpo": "unitrain.tasks.grpo:GRPOTask",
     "dpo": "unitrain.tasks.dpo:DPOTask",
+    "rm": "unitrain.tasks.rm:RMTask",
 }
 
 # attention: the reference einsums (xla), a platform's fused kernel, or auto (the decoder's kernels)

@@ -16,10 +16,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from unitrain import lora, models, sharding, vocab
+from unitrain import lora, models, sharding, tasks, vocab
 from unitrain import step as step_lib
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
+from unitrain.models import scalar_head
 from unitrain.models.attention import attention_kernel
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 
@@ -54,6 +55,21 @@ def device_layout(cfg) -> sharding.Layout:
     return sharding.layout_for(cfg)
 
 
+def build_model(cfg, mesh):
+    """The mode's model on `mesh`: a scalar-head model where the mode's Task says it trains one
+    (scalar_head), else the model source's causal LM."""
+    if tasks.task_class(cfg.mode).scalar_head:
+        return scalar_head.build_scalar_model(cfg, mesh, cfg.load_parameters_path)
+    return models.build(cfg, mesh)
+
+
+def _lora_parts(model) -> dict:
+    """Where LoRA's adapters go on `model`: a scalar-head model's backbone, its score trained whole."""
+    if isinstance(model, scalar_head.ScalarHeadModel):
+        return {"root": ("backbone",), "train_whole": ((scalar_head.SCORE,),)}
+    return {}
+
+
 def build_run(cfg) -> tuple[RunContext, dict]:
     """The layout, mesh, tokenizer, model, optimizer and train state of a run; the state is {params,
     opt_state, step} with every array in its sharding."""
@@ -63,9 +79,9 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code, cfg.chat_template_file)
     cfg = vocab.extend(cfg, tokenizer)  # extra_tokens: a wider vocabulary, grown by the model source
     vocab.save_tokenizer(cfg, tokenizer)
-    model = models.build(cfg, mesh)
+    model = build_model(cfg, mesh)
     if cfg.lora_rank:
-        model = lora.apply(model, cfg, mesh)
+        model = lora.apply(model, cfg, mesh, **_lora_parts(model))
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(f"tokenizer_path has {tokenizer.vocab_size} tokens but the model has {model.vocab_size}")
     graphdef, params = nnx.split(model)

@@ -9,7 +9,8 @@ laid out like an unpacked SFT row (data/sft.py: segment 1 on the sequence, 0 on 
 are the next token; targets_segmentation is 1 only where the target is a completion token, the EOS
 included, so the prompt and the padding carry no loss), plus `num_truncated`, an int32 scalar
 counted like the SFT pipeline's: pairs truncated or dropped while the batch was assembled, a pair
-counted once whichever of its sequences was over-long. The records are split into `data_shards`
+counted once whichever of its sequences was over-long; with rm_margin_key (mode=rm), `margin`, float32
+[pairs], the record's margin. The records are split into `data_shards`
 virtual shards (unitrain.data.shards), so the global batches do not depend on the process count.
 
 Records (any format of data/sources.py; errors name file:line), TRL's formats:
@@ -40,15 +41,22 @@ from unitrain.errors import ConfigError, DataError
 
 SIDES = ("chosen", "rejected")
 PAIR_FIELDS = tuple(f"{side}_{field}" for side in SIDES for field in BATCH_FIELDS)
+MARGIN = "margin"  # float32 [pairs], with rm_margin_key: the pair's margin in mode=rm's loss
 
 
 # ---------------------------------------------------------------- records
 
 
-def read_preference_records(spec: str, prompt_key: str, chosen_key: str, rejected_key: str) -> list[dict]:
+def read_preference_records(
+    spec: str, prompt_key: str, chosen_key: str, rejected_key: str, margin_key: str = ""
+) -> list[dict]:
     """All records of the files named by `spec`, checked eagerly (file:line on error), each reduced to
-    {prompt, chosen, rejected} texts or {prompt_messages, chosen_message, rejected_message}."""
-    records = [_normalize(row, where, prompt_key, chosen_key, rejected_key) for where, row in iter_rows(spec)]
+    {prompt, chosen, rejected} texts or {prompt_messages, chosen_message, rejected_message}, with
+    `margin` (a number) where `margin_key` names the field holding it."""
+    records = [
+        _with_margin(_normalize(row, where, prompt_key, chosen_key, rejected_key), row, where, margin_key)
+        for where, row in iter_rows(spec)
+    ]
     if not records:
         raise DataError(f"dataset path {spec!r} holds no records")
     return records
@@ -103,6 +111,16 @@ def _normalize(row, where: str, prompt_key: str, chosen_key: str, rejected_key: 
     return {"prompt_messages": prompt, "chosen_message": chosen[0], "rejected_message": rejected[0]}
 
 
+def _with_margin(record: dict, row: dict, where: str, margin_key: str) -> dict:
+    """The record with the pair's margin (mode=rm's rm_margin_key, TRL's `margin` field)."""
+    if not margin_key:
+        return record
+    value = row.get(margin_key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise DataError(f"{where}: field {margin_key!r} (rm_margin_key) must be a finite number, got {value!r}")
+    return {**record, "margin": float(value)}
+
+
 def _message(m: dict) -> dict:
     return {"role": m["role"], "content": m["content"]}
 
@@ -130,7 +148,7 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
             f"{key}=synthetic has no preference pairs; use builtin or data files with "
             "prompt_key, chosen_key and rejected_key"
         )
-    records = read_preference_records(path, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+    records = read_preference_records(path, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, cfg.rm_margin_key)
     if not tokenizer.has_chat_template and any("prompt_messages" in r for r in records):
         tokenizer.apply_chat_template([])  # raises the ConfigError naming tokenizer_path
     return grain.MapDataset.source(records)
@@ -180,6 +198,8 @@ def pair_fn(tokenizer, max_len: int, truncation: str):
         rows = {
             f"{side}_{k}": v for side, e in zip(SIDES, examples) for k, v in _row(e, max_len, tokenizer.pad_id).items()
         }
+        if "margin" in record:
+            rows[MARGIN] = np.float32(record["margin"])
         return {**rows, "num_truncated": truncated}
 
     return to_pair
@@ -249,13 +269,14 @@ def eval_pair_batches(cfg, tokenizer, rows: int, max_batches: int) -> list[dict]
     path = split_path(cfg, "eval")
     records = _records(cfg, tokenizer, "eval", path)
     to_pair = pair_fn(tokenizer, cfg.max_target_length, cfg.truncation)
+    fields = PAIR_FIELDS + ((MARGIN,) if cfg.rm_margin_key else ())
     pairs = []
     for i in range(len(records)):
         if len(pairs) == rows * max_batches:
             break
         element = to_pair(records[i])
         if _kept(element):
-            pairs.append({k: element[k] for k in PAIR_FIELDS})
+            pairs.append({k: element[k] for k in fields})
     if not pairs:
         raise DataError(
             f"no eval preference pair of {path!r} fits in max_target_length={cfg.max_target_length}; "
@@ -263,4 +284,4 @@ def eval_pair_batches(cfg, tokenizer, rows: int, max_batches: int) -> list[dict]
         )
     padding = {k: np.zeros_like(v) for k, v in pairs[0].items()}
     pairs += [padding] * (-len(pairs) % rows)
-    return [{k: np.stack([p[k] for p in pairs[b : b + rows]]) for k in PAIR_FIELDS} for b in range(0, len(pairs), rows)]
+    return [{k: np.stack([p[k] for p in pairs[b : b + rows]]) for k in fields} for b in range(0, len(pairs), rows)]

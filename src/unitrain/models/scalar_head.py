@@ -138,7 +138,7 @@ def build_scalar_model(
     model = sharding.init_sharded(
         lambda: _with_head(decoder.create(model_cfg, cfg.seed, hf.save), model_cfg, num_labels, cfg.seed), mesh, rules
     )
-    return _with_unitrain_params(model, path, require_classifier) if path else model
+    return _with_unitrain_params(model, path, require_classifier, model_cfg, mesh, rules) if path else model
 
 
 def _backbone_config(cfg, path: str) -> decoder.ModelConfig:
@@ -202,9 +202,11 @@ def _with_hf_score(model: ScalarHeadModel, path: str, mesh, rules) -> ScalarHead
     return model
 
 
-def _with_unitrain_params(model: ScalarHeadModel, path: str, require_classifier: bool) -> ScalarHeadModel:
+def _with_unitrain_params(
+    model: ScalarHeadModel, path: str, require_classifier: bool, model_cfg, mesh, rules
+) -> ScalarHeadModel:
     """The parameters of the unitrain checkpoint at `path`: a scalar-head model's all, or a causal
-    LM's backbone (its output head left behind) under the fresh head."""
+    LM's backbone under the fresh head (the LM read as it was saved, its output head then dropped)."""
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     if SCORE in checkpoint.stored_params(path):
@@ -212,7 +214,14 @@ def _with_unitrain_params(model: ScalarHeadModel, path: str, require_classifier:
     elif require_classifier:
         raise CheckpointError(f"{path}: the checkpoint has no '{SCORE}' parameter; it is not a reward model")
     else:
-        params = {**params, "backbone": checkpoint.load_params(path, params["backbone"])}
+        causal = nnx.state(nnx.eval_shape(lambda: decoder.create(dataclasses.replace(model_cfg, output_head=True))))
+        like = jax.tree.map(
+            lambda var, s: jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=s),
+            nnx.to_pure_dict(causal),
+            nnx.to_pure_dict(sharding.state_shardings(causal, mesh, rules)),
+        )
+        lm = checkpoint.load_params(path, like)
+        params = {**params, "backbone": {k: v for k, v in lm.items() if k in params["backbone"]}}
         log.info("%s holds a causal LM: its backbone under a freshly initialised score head", path)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

@@ -3,6 +3,7 @@
 sft    supervised fine-tuning on packed prompt/completion examples (sft.py)
 grpo   RL with verifiable rewards: GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++ (grpo.py)
 dpo    direct preference optimisation on chosen/rejected pairs (dpo.py)
+rm     a reward model (a scalar head) trained on the same pairs, Bradley-Terry (rm.py)
 pkg.module:Class   any Task subclass
 """
 
@@ -11,6 +12,11 @@ from __future__ import annotations
 from unitrain import plugins, registry
 
 
+def task_class(mode: str):
+    """The Task class of `mode` (imported when first named)."""
+    return plugins.resolve(mode, registry.MODES, "mode", "a Task class")
+
+
 def create(run):
     """The configured mode's Task for this run."""
-    return plugins.resolve(run.cfg.mode, registry.MODES, "mode", "a Task class")(run)
+    return task_class(run.cfg.mode)(run)

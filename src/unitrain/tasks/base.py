@@ -26,6 +26,9 @@ from unitrain.run import RunContext
 class Task(abc.ABC):
     data_iterator: Any
     tokens_per_step: int | None = None  # positions trained per step, for tokens/s and MFU; None = not reported
+    # True: the run builder builds the model as a scalar-head model (models/scalar_head.py: values per
+    # position, no LM head) from load_parameters_path or the model keys, not as a causal LM
+    scalar_head: bool = False
 
     def __init__(self, run: RunContext):
         self.run, self.cfg = run, run.cfg

@@ -40,17 +40,16 @@ REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 POLICY_KEYS = ("policy_chosen_logps", "policy_rejected_logps")
 
 
+def both_sides(batch, key: str):
+    """The chosen and rejected rows of field `key` interleaved, [P, T] x 2 -> [2P, T] (chosen at even
+    rows): one forward for both sides that keeps every pair on the device that holds its row."""
+    return jnp.stack([batch[f"{side}_{key}"] for side in SIDES], axis=1).reshape(-1, batch[f"chosen_{key}"].shape[-1])
+
+
 def pair_logps(graphdef, chunk_size: int, params, batch):
-    """Summed completion log-probs of every pair under `params`: (chosen [P], rejected [P]) float32.
-
-    One forward for both sides: the rows are interleaved ([P, 2, T] -> [2P, T]), which keeps every
-    pair on the device that holds its row."""
-
-    def both(key):
-        return jnp.stack([batch[f"{side}_{key}"] for side in SIDES], axis=1).reshape(
-            -1, batch[f"chosen_{key}"].shape[-1]
-        )
-
+    """Summed completion log-probs of every pair under `params`: (chosen [P], rejected [P]) float32,
+    by one forward of both sides (both_sides)."""
+    both = functools.partial(both_sides, batch)
     model = nnx.merge(graphdef, params)
     hidden = model.hidden_states(both("inputs"), both("inputs_position"), both("inputs_segmentation"))
     stats = losses.token_stats(model.logits, hidden, both("targets"), chunk_size)
@@ -181,9 +180,15 @@ class DPOTask(Task):
         for b in self.eval_batches:
             logps = self.pair_logps_of_both("dpo_eval_logps", self.eval_logps_fn, params, b)
             outs.append(self.run.programs("dpo_eval", self.eval_fn, logps, real_pairs(b)))
-        totals: dict = {}
-        for sums in jax.device_get(outs):  # one fetch after every batch is dispatched
-            for name, (total, count) in sums.items():
-                t, c = totals.get(name, (0.0, 0.0))
-                totals[name] = (t + float(total), c + float(count))
-        return {f"eval_{name}": total / max(count, 1.0) for name, (total, count) in totals.items()}
+        return eval_means(outs)
+
+
+def eval_means(outs: list[dict]) -> dict:
+    """{eval_<metric>: total sum / total count} over the eval batches' {metric: (sum, count)},
+    fetched once after every batch is dispatched."""
+    totals: dict = {}
+    for sums in jax.device_get(outs):
+        for name, (total, count) in sums.items():
+            t, c = totals.get(name, (0.0, 0.0))
+            totals[name] = (t + float(total), c + float(count))
+    return {f"eval_{name}": total / max(count, 1.0) for name, (total, count) in totals.items()}
