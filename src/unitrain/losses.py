@@ -519,7 +519,6 @@ def value_loss(
         loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2)
     aggregated by `aggregate(loss_t, mask, loss_agg_mode, horizon)`. Returns (loss_sum, denominator,
     metrics), metrics name -> (sum, count) with stop_gradient:
-      value_loss    the loss, aggregated like it
       vf_clipfrac   tokens whose clipped error is the larger (the clip is active) / tokens
       vpred_mean    the critic's values / tokens
     """
@@ -533,7 +532,6 @@ def value_loss(
     sg = jax.lax.stop_gradient
     tokens = sg(m.sum())
     metrics = {
-        "value_loss": (sg(loss_sum), sg(denom)),
         "vf_clipfrac": (sg(((clipped > unclipped) * m).sum()), tokens),
         "vpred_mean": (sg((v * m).sum()), tokens),
     }

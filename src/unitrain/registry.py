@@ -39,7 +39,12 @@ MODES = {
     "sft": "unitrain.tasks.sft:SFTTask",
     "grpo": "unitrain.tasks.grpo:GRPOTask",
     "dpo": "unitrain.tasks.dpo:DPOTask",
+    "ppo": "unitrain.tasks.ppo:PPOTask",
 }
+RL_MODES = (
+    "grpo",
+    "ppo",
+)  # the modes that train on rollouts (rollout_batch_size prompts x n_samples_per_prompt a step)
 
 # attention: the reference einsums (xla), a platform's fused kernel, or auto (the decoder's kernels)
 ATTENTION = ("auto", "xla", "cudnn", "splash")
