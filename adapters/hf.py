@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from unitrain import sharding
 from unitrain.adapters import hf_config
-from unitrain.errors import ConfigError
+from unitrain.errors import CheckpointError, ConfigError
 from unitrain.models import decoder as model_lib
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -68,7 +68,7 @@ def _mappings(cfg: model_lib.ModelConfig) -> dict[str, _Mapping]:
     if cfg.qk_norm:
         m["layers.q_norm"] = _Mapping(attn + "q_norm.weight", (0,))
         m["layers.k_norm"] = _Mapping(attn + "k_norm.weight", (0,))
-    if not cfg.tie_word_embeddings:
+    if cfg.output_head and not cfg.tie_word_embeddings:
         m["lm_head"] = _Mapping("lm_head.weight", (1, 0))
     return m
 
@@ -127,7 +127,7 @@ class _TensorIndex:
     """Tensor name -> safetensors file, for single-file and sharded (index.json) checkpoints."""
 
     def __init__(self, path: Path):
-        index_file = path / "model.safetensors.index.json"
+        index_file = path / INDEX
         if index_file.is_file():
             weight_map = json.loads(index_file.read_text())["weight_map"]
             self.files = {name: path / f for name, f in weight_map.items()}
@@ -223,6 +223,7 @@ def load(
     rules=sharding.DEFAULT_RULES,
     trust_remote_code: bool = False,
     model_cfg: model_lib.ModelConfig | None = None,
+    other_tensors: tuple[str, ...] = (),
     **execution,
 ) -> model_lib.Decoder:
     """An HF checkpoint dir as a unitrain Decoder whose parameters are placed in their shardings.
@@ -230,6 +231,8 @@ def load(
     The architecture is `model_cfg` (a run's, already reconciled with config.json by the config
     loader) or else read from config.json with `dtype`, `rules` and the ModelConfig execution fields
     in `execution` (weight_dtype, remat_policy, scan_layers; platform: the one programs are built for).
+    `other_tensors`: tensors of the checkpoint the decoder does not hold and that are not an error
+    (a classifier's score.weight, which its caller reads; a causal LM's lm_head under a scalar head).
     """
     path = Path(path)
     if model_cfg is None:
@@ -243,14 +246,14 @@ def load(
     if rows < cfg.vocab_size:  # extra_tokens: the checkpoint's vocabulary, then grown (unitrain.vocab)
         from unitrain import vocab
 
-        narrow = load(path, mesh=mesh, model_cfg=dataclasses.replace(cfg, vocab_size=rows))
+        narrow = load(path, mesh=mesh, model_cfg=dataclasses.replace(cfg, vocab_size=rows), other_tensors=other_tensors)
         return vocab.grown(
             narrow, *vocab.wider(nnx.eval_shape(lambda: model_lib.create(cfg, hf_writer=save)), mesh, rules)
         )
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg, hf_writer=save)))
     shardings = sharding.state_shardings(abstract, mesh, rules)
     mappings = _mappings(cfg)
-    _check_no_unknown_tensors(path, index, cfg, mappings)
+    _check_no_unknown_tensors(path, index, cfg, mappings, other_tensors)
     flat_vars = dict(nnx.to_flat_state(abstract))
     flat_shardings = dict(nnx.to_flat_state(shardings))
     loaded = {}
@@ -263,9 +266,9 @@ def load(
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings) -> None:
+def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings, other_tensors=()) -> None:
     """A tensor the model does not use means the config and weights disagree: say so, never drop it."""
-    known = set()
+    known = set(other_tensors)
     for m in mappings.values():
         known |= {m.hf_key.format(i=i) for i in range(cfg.num_decoder_layers)}
     if cfg.tie_word_embeddings:
@@ -275,6 +278,17 @@ def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings) -> None:
         raise ConfigError(
             f"{path}: checkpoint has tensors this config does not use, e.g. '{unknown[0]}' ({len(unknown)} in all)"
         )
+
+
+def read_tensor(path: str | Path, name: str, shape: tuple, dtype, sharding_) -> jax.Array:
+    """The 2-D HF tensor `name` [out, in] of the checkpoint at `path`, transposed to unitrain's
+    [in, out] `shape`'s transpose, placed in `sharding_` (each device reads its slice). A missing
+    one is a CheckpointError naming it."""
+    index = _TensorIndex(Path(path))
+    if name not in index.files:
+        raise CheckpointError(f"{path}: the checkpoint has no tensor '{name}', which its config.json's class needs")
+    var = jax.ShapeDtypeStruct(tuple(reversed(shape)), dtype)
+    return _load_param(index, _Mapping(name, (1, 0)), False, var, sharding_)
 
 
 # ---------------------------------------------------------------- save
@@ -314,6 +328,27 @@ def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 
         hf_config_from_model(cfg).save_pretrained(str(path))
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def add_tensors(path: str | Path, tensors: dict[str, np.ndarray], file_name: str) -> None:
+    """Adds `tensors` to the HF checkpoint at `path` as one more safetensors file joined by the
+    index: what a head adds to a backbone's save, whichever library wrote that. A single
+    model.safetensors becomes model-00001.safetensors under a new index (transformers reads a
+    model.safetensors alone, ignoring an index beside it)."""
+    path = Path(path)
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+    else:
+        with open_safetensors(path / "model.safetensors") as f:
+            weight_map = {name: "model-00001.safetensors" for name in f.keys()}
+        (path / "model.safetensors").rename(path / "model-00001.safetensors")
+    save_file(tensors, str(path / file_name), metadata={"format": "pt"})
+    weight_map.update({name: file_name for name in tensors})
+    total = sum((path / f).stat().st_size for f in set(weight_map.values()))
+    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
 class _ShardWriter:
     """Writes tensors to numbered safetensors files of at most `max_bytes`, then the index."""
 
@@ -349,6 +384,6 @@ class _ShardWriter:
         for old, new in renames.items():
             (self.path / old).rename(self.path / new)
         weight_map = {name: renames[f] for name, f in self.weight_map.items()}
-        (self.path / "model.safetensors.index.json").write_text(
+        (self.path / INDEX).write_text(
             json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2)
         )

@@ -39,6 +39,19 @@ def causal_lm_architectures(model_type: str) -> list[str]:
     return [name] if name else []
 
 
+def write_classifier_config(path: str | Path, num_labels: int, pad_token_id: int | None) -> None:
+    """Makes the causal LM config.json at `path` a `<Family>ForSequenceClassification` one of
+    `num_labels` labels (transformers' own label maps) and pad_token_id, by which transformers
+    finds each row's last token."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    config = read_hf_config(path)
+    config.architectures = [MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[config.model_type]]
+    config.num_labels = num_labels
+    config.pad_token_id = pad_token_id
+    config.save_pretrained(str(path))
+
+
 def _field(hf, name, config_file):
     value = getattr(hf, name, None)
     if value is None:

@@ -544,13 +544,16 @@ def load(
     weight_dtype: str | None = None,
     remat_policy: str = "none",
     vocab_size: int = 0,
+    output_head: bool = True,
 ) -> TunixModel:
     """An HF checkpoint dir as a Tunix model whose parameters are placed in their shardings.
 
     `dtype` is the compute dtype, `weight_dtype` (default: dtype) the parameters'. Dimensions that
     do not divide their mesh axes, and (with max_replicated_param_mib) a large parameter left fully
     replicated on several devices, are ConfigErrors before anything is read. A `vocab_size` above the
-    checkpoint's grows its embedding and LM head (extra_tokens, unitrain.vocab).
+    checkpoint's grows its embedding and LM head (extra_tokens, unitrain.vocab). Without
+    `output_head` the model is a scalar head's backbone (models/scalar_head.py): an untied LM head
+    is dropped (a classifier checkpoint has none), and only hidden_states is called.
     """
     path = Path(path)
     if remat_policy not in REMAT:
@@ -573,6 +576,8 @@ def load(
         sharding.check_not_replicated(logical, mesh, rules, max_replicated_param_mib)
     hf_tensors = _tensor_shapes(path)
     net = family.loader.create_model_from_safe_tensors(str(path), config, mesh=mesh, dtype=jnp.dtype(weight_dtype))
+    if not output_head and "lm_head" in vars(net):
+        net.lm_head = _PassThrough()
     model = TunixModel(
         _with_logical_axes(net, logical, shardings),
         hf.model_type,
@@ -622,9 +627,10 @@ def _with_logical_axes(net: nnx.Module, logical, shardings) -> nnx.Module:
     but for Gemma3's hard-coded single-kv-head axis under rules other than the default."""
     graphdef, loaded = nnx.split(net)
     loaded, placement = dict(nnx.to_flat_state(loaded)), dict(nnx.to_flat_state(shardings))
-    placed = {
+    placed = {  # a headless net (output_head off) lacks the logical state's lm_head
         p: var.replace(jax.device_put(loaded[p].get_value(), placement[p].get_value()))
         for p, var in nnx.to_flat_state(logical)
+        if p in loaded
     }
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
 

@@ -135,9 +135,12 @@ def make_tiny_model(
     seed: int = 0,
     rope_theta: float | None = None,
     extra_tokens: str | None = None,
+    num_labels: int = 0,
 ) -> Path:
     """Saves the checkpoint and tokenizer to `out_dir` and returns it. `extra_tokens` (a SID index .json
-    or a token list, as the config key) are added to the tokenizer and the vocabulary holds them."""
+    or a token list, as the config key) are added to the tokenizer and the vocabulary holds them.
+    `num_labels` > 0 makes a *ForSequenceClassification of that many labels (a reward model's form)
+    instead of the causal LM."""
     import torch
     import transformers
 
@@ -169,7 +172,11 @@ def make_tiny_model(
     config.bos_token_id = None
     config.initializer_range = init_std
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if num_labels:
+        config.num_labels = num_labels
+        model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF zero-initialises biases and ones norms; randomise them so tests see them
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--tie", action="store_true", help="tie lm_head to the token embedding")
+    p.add_argument("--num-labels", type=int, default=0, help="> 0: a *ForSequenceClassification (reward model)")
     p.add_argument("--rope-scaling", default="none", choices=("none", "linear", "llama3"))
     p.add_argument("--sliding-window", type=int, default=None, help="mistral and gemma3 (its sliding layers)")
     p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (gemma3: of its global layers)")
@@ -223,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         rope_theta=a.rope_theta,
         extra_tokens=a.extra_tokens,
+        num_labels=a.num_labels,
     )
     print(f"wrote {out}")
     return 0

@@ -242,6 +242,16 @@ def load_params(path: str, params):
     return _read(os.path.join(_step_dir(path), "params"), params, check=check_shapes)
 
 
+def stored_params(path: str) -> dict:
+    """The parameter tree (shapes and dtypes, no data) of the checkpoint at `path` (as in load_params)."""
+    item_dir = os.path.join(_step_dir(path), "params")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            return dict(checkpointer.metadata(item_dir).item_metadata or {})
+    except Exception as e:
+        raise CheckpointError(f"load_parameters_path: cannot read {item_dir} ({reason(e)})") from None
+
+
 def load_opt_state(path: str, state: dict):
     """The optimizer state saved at `path` (as in load_params), in the shardings of state["opt_state"]:
     a run that continues another's training (load_optimizer_state) rather than starting it afresh."""

@@ -74,13 +74,18 @@ class ModelConfig:
     attention: str = "xla"
     attention_chunk_size: int = 256  # as base.yml: models built outside a run config (HF adapter, tools) chunk alike
     logical_axis_rules: tuple = ()
+    # False: no LM head, the backbone of a scalar-head model (models/scalar_head.py), which reads only
+    # hidden_states; an unused head would hold memory, be decayed and find no tensor in an HF
+    # *ForSequenceClassification checkpoint. Not a config key: the scalar-head builder sets it.
+    output_head: bool = True
 
     @classmethod
-    def from_config(cls, cfg: Any, platform: str) -> ModelConfig:
+    def from_config(cls, cfg: Any, platform: str, output_head: bool = True) -> ModelConfig:
         """Takes the model fields out of a unitrain Config (or any mapping with those keys)."""
-        values = {f.name: cfg[f.name] for f in dataclasses.fields(cls) if f.name != "platform"}
+        own = ("platform", "output_head")
+        values = {f.name: cfg[f.name] for f in dataclasses.fields(cls) if f.name not in own}
         values["logical_axis_rules"] = sharding.rules_from_config(cfg["logical_axis_rules"])
-        return cls(**values, platform=platform)
+        return cls(**values, platform=platform, output_head=output_head)
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
@@ -138,7 +143,7 @@ class Decoder(nnx.Module):
         self.embed = _param(rngs, _normal, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), cfg.weight_dtype)
         self.layers = DecoderLayers(cfg, rngs=rngs)
         self.final_norm = _param(rngs, _ones, (cfg.emb_dim,), ("norm",), cfg.weight_dtype)
-        if not cfg.tie_word_embeddings:
+        if cfg.output_head and not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, _normal, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), cfg.weight_dtype)
 
     # -- the model interface beside the call (models/base.py)
@@ -166,7 +171,8 @@ class Decoder(nnx.Module):
         Matmuls: a [tokens, n] x [n, m] product costs 2*n*m FLOPs per token forward and twice that
         backward (input and weight gradients), so 6 * (matmul parameters) per token. Per layer those
         parameters are q: E*H*D, k and v: E*K*D each, o: H*D*E, SwiGLU gate, up and down: 3*E*M,
-        plus the lm_head E*V once, tied or not: the logits matmul runs either way. The embedding
+        plus the lm_head E*V once, tied or not: the logits matmul runs either way (not without an
+        output head: a scalar-head model counts its own head). The embedding
         lookup is a gather and norms, RoPE, biases and softmax are elementwise: none are counted.
         Attention: QK^T and PV each cost 2*H*D*T FLOPs per query token forward, times 3 for
         fwd+bwd = 12*L*H*D*T; T is the full sequence length (no halving for the causal mask, no
@@ -175,7 +181,7 @@ class Decoder(nnx.Module):
         c = self.cfg
         E, M, H, K, D = c.emb_dim, c.mlp_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
         per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * M
-        matmul_params = c.num_decoder_layers * per_layer + E * c.vocab_size
+        matmul_params = c.num_decoder_layers * per_layer + (E * c.vocab_size if c.output_head else 0)
         return float(6 * matmul_params + 12 * c.num_decoder_layers * H * D * seq_len)
 
     def save_hf(self, path: str) -> None:
@@ -215,6 +221,8 @@ class Decoder(nnx.Module):
     def _head(self):
         """The output head [E, V] in the compute dtype (a tied embedding transposed)."""
         cfg = self.cfg
+        if not cfg.output_head:
+            raise ValueError("this decoder has no output head (a scalar-head model's backbone): use hidden_states")
         return (self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]).astype(cfg.dtype)
 
     def _apply_head(self, hidden, head):
