@@ -1,9 +1,17 @@
 """mode=ppo: GAE over the sampled tokens, the clipped value loss, and PPO runs with a critic."""
 
-import numpy as np
-import pytest
+import json
+import os
 
-from unitrain import losses
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from conftest import REPO, sigterm_after_step
+from unitrain import losses, run, tasks, train
+from unitrain.config import load_config
 
 GAMMA, LAM = 0.97, 0.9
 
@@ -171,3 +179,115 @@ def test_explained_variance_as_verl():
     on = mask > 0
     want = 1 - np.var(returns[on] - values[on], ddof=1) / (np.var(returns[on], ddof=1) + 1e-5)
     np.testing.assert_allclose(float(losses.explained_variance(returns, values, mask)), want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the PPO task
+
+FAST = [
+    "mode=ppo",
+    "per_device_batch_size=2",
+    "rollout_batch_size=4",
+    "n_samples_per_prompt=4",
+    "rollout_max_response_len=6",
+    "eval_interval=0",
+    "log_period=1",
+    "builtin_task_digits=1",
+    "max_prompt_length=16",
+    "learning_rate=1e-3",
+    "warmup_steps=0",
+]
+
+
+def config(tmp_path, *overrides):
+    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
+
+
+def make_task(cfg):
+    built, state = run.build_run(cfg)
+    task = tasks.create(built)
+    return task, task.train_state(state)
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def test_the_critic_starts_as_the_policys_backbone_and_values_the_state_before_each_token(tmp_path):
+    task, state = make_task(config(tmp_path))
+    policy, critic = host(state["params"]), host(state["critic"]["params"])
+    assert set(critic["backbone"]) == set(policy) - {"lm_head"}
+    for a, b in zip(jax.tree.leaves(critic["backbone"]), jax.tree.leaves({k: policy[k] for k in critic["backbone"]})):
+        np.testing.assert_array_equal(a, b)
+    task.sampler.update_weights(state["params"], 0)
+    groups, _ = task.rollouts.take(0, lambda version: None)
+    rows = task.to_rows(groups)
+    values = task.rollout_passes(state, rows)["values"]
+    # The value of token t's state is the critic's output at the last position of prompt + completion[:t].
+    model = nnx.merge(task.critic_graphdef, state["critic"]["params"])
+    g = groups[1]
+    prompt, tokens, length = list(g.prompt.ids), g.completions.tokens[0], int(g.completions.lengths[0])
+    for t in range(length):
+        ids = np.asarray([prompt + list(tokens[:t])], np.int32)
+        direct = model(ids, np.arange(ids.shape[1])[None], np.ones_like(ids))[0, -1, 0]
+        np.testing.assert_allclose(values[4, t], float(direct), rtol=1e-4, atol=1e-5)
+
+
+def test_critic_warmup_trains_the_critic_alone(tmp_path):
+    task, state = make_task(config(tmp_path, "critic_warmup_steps=1", "steps=2"))
+    policy0, critic0 = host(state["params"]), host(state["critic"]["params"])
+    state, m = task.step(state, 0)
+    assert "loss" not in m and "pg_clipfrac" not in m and np.isfinite(m["critic/value_loss"])
+    for a, b in zip(jax.tree.leaves(host(state["params"])), jax.tree.leaves(policy0)):
+        np.testing.assert_array_equal(a, b)
+    assert int(state["step"]) == 0 and int(state["critic"]["step"]) == 1  # 16 rows: one mini-batch
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(host(state["critic"]["params"])), jax.tree.leaves(critic0))
+    )
+    state, m = task.step(state, 1)
+    assert np.isfinite(m["loss"]) and int(state["step"]) == 1 and int(state["critic"]["step"]) == 2
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host(state["params"])), jax.tree.leaves(policy0))
+    )
+
+
+def test_resume_in_the_middle_of_ppo_continues_identically(tmp_path, monkeypatch):
+    overrides = ("steps=3", "kl_coef=0.05", "use_kl_in_reward=true", "critic_warmup_steps=1", "num_iterations=2")
+    straight = config(tmp_path, "run_name=straight", *overrides)
+    assert train.train(straight) == 0
+    interrupted = config(tmp_path, "run_name=interrupted", *overrides)
+    with sigterm_after_step(monkeypatch, 1):
+        assert train.train(interrupted) == train.EXIT_SIGTERM
+    assert train.train(interrupted) == 0
+
+    def saved(cfg, item):
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(os.path.join(cfg.checkpoint_dir, "3", item))
+
+    for item in ("params", "critic", "train"):
+        a, b = saved(straight, item), saved(interrupted, item)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    lines = [json.loads(l) for l in open(interrupted.metrics_file)]
+    assert [l["step"] for l in lines if "critic/value_loss" in l] == [0, 1, 2]
+    assert {"critic/vf_clipfrac", "critic/values_mean", "critic/explained_var", "critic/lr"} <= set(lines[-1])
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["gae_gamma=1.5"], "gae_gamma"),
+        (["gae_lambda=-0.1"], "gae_lambda"),
+        (["value_clip=0"], "value_clip"),
+        (["critic_warmup_steps=-1"], "critic_warmup_steps"),
+        (["mode=grpo", "critic_path=/tmp/x"], "critic_path"),
+        (["rollout_decoding=beam"], "rollout_decoding=beam"),
+        (["workflow=multi_turn", "env=calculator", "turn_discount=0.5"], "turn_discount"),
+    ],
+)
+def test_bad_ppo_keys_stop_with_one_line(tmp_path, capsys, overrides, named):
+    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and len(err.splitlines()) == 1

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -36,6 +37,26 @@ from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.tasks.base import RunContext
 from unitrain.tasks.grpo import GRPOTask
+
+
+def build_critic(run: RunContext):
+    """The critic: critic_path's scalar-head model, else the policy's starting backbone (a copy of
+    its parameters, the LoRA base's with adapters) under a fresh head. Where those parameters are not
+    the backbone's own arrays (model_source tunix, a quantised QLoRA base) the backbone is read again
+    from load_parameters_path."""
+    cfg = run.cfg
+    if cfg.critic_path or cfg.model_source != "unitrain" or cfg.lora_base_dtype in ("int8", "nf4"):
+        return build_scalar_model(cfg, run.mesh, cfg.critic_path or cfg.load_parameters_path)
+    critic = build_scalar_model(cfg, run.mesh, "")  # the head's draws; the backbone's are replaced
+    graphdef, state = nnx.split(critic)
+    params = nnx.to_pure_dict(state)
+    policy = run.init_params["base"] if cfg.lora_rank else run.init_params
+    # A copy: the policy's starting arrays are donated to its first update.
+    backbone = {k: policy[k] for k in params["backbone"]}
+    params["backbone"] = jax.tree.map(lambda c, p: jnp.copy(p).astype(c.dtype), params["backbone"], backbone)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
 
 CRITIC_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "loss_mask", "values", "returns")
 
@@ -80,7 +101,7 @@ class PPOTask(GRPOTask):
     def __init__(self, run: RunContext, **kwargs):
         super().__init__(run, **kwargs)
         cfg = self.cfg
-        critic = build_scalar_model(cfg, run.mesh, cfg.critic_path or cfg.load_parameters_path)
+        critic = build_critic(run)
         self.critic_graphdef, params = nnx.split(critic)
         params = nnx.to_pure_dict(params)
         peak = cfg.learning_rate if cfg.critic_learning_rate is None else cfg.critic_learning_rate
