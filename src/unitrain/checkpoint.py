@@ -6,6 +6,10 @@ item, which lets `load_params` start another run from them without the optimizer
 takes the target shardings from an abstract state, so a checkpoint written on one topology restores
 on another.
 
+A mode that trains a second model (PPO's critic) holds it in the state under a key of its own, a
+{params, opt_state, step} of its own (tasks/base.py: Task.train_state); every such key is one more
+item of the same name, saved and restored (its shapes checked) with the rest.
+
 The data iterator's position is one JSON item (`data/metadata`), the same for every process count:
 each process's get_state() is gathered on every process and merged (unitrain.data.shards.merge_states:
 the union of the SFT data shards, or the one state of an iterator that is the same everywhere, like
@@ -103,6 +107,7 @@ class Checkpointer:
             params=ocp.args.StandardSave(lora.trainable(state["params"], self.adapters_only)),
             train=ocp.args.StandardSave({"opt_state": state["opt_state"], "step": state["step"]}),
             data=ocp.args.JsonSave(iterator_state(data_iterator)),
+            **{name: ocp.args.StandardSave(state[name]) for name in other_models(state)},
         )
         with self._failures():  # also the previous save's, which orbax re-raises here
             started = self.manager.save(step, args=args, force=force)
@@ -122,12 +127,15 @@ class Checkpointer:
             step_dir = os.path.join(self.manager.directory, str(candidate))
             try:
                 check_shapes(os.path.join(step_dir, "params"), target["params"])
+                for name in other_models(state):
+                    check_shapes(os.path.join(step_dir, name), target[name])
                 restored = self.manager.restore(
                     candidate,
                     args=ocp.args.Composite(
                         params=ocp.args.StandardRestore(target["params"]),
                         train=ocp.args.StandardRestore({"opt_state": target["opt_state"], "step": target["step"]}),
                         data=ocp.args.JsonRestore(),
+                        **{name: ocp.args.StandardRestore(target[name]) for name in other_models(state)},
                     ),
                 )
             except UserError:
@@ -143,7 +151,7 @@ class Checkpointer:
                 continue
             data_iterator.set_state(restored.data)
             params = lora.with_trainable(state["params"], restored.params, self.adapters_only)
-            return candidate, {"params": params, **restored.train}
+            return candidate, {"params": params, **restored.train, **{k: restored[k] for k in other_models(state)}}
         raise CheckpointError(
             f"no intact checkpoint left in {self.manager.directory} up to step {step} (the damaged "
             f"ones are in {self.manager.directory}.set_aside); remove the directory to start over"
@@ -169,6 +177,14 @@ class Checkpointer:
                 f"saving {what} in {self.manager.directory} failed: {reason(e)}; the checkpoints "
                 "saved before it are intact"
             ) from None
+
+
+_POLICY_KEYS = ("params", "opt_state", "step")
+
+
+def other_models(state: dict) -> list[str]:
+    """The keys of the state beyond the policy's: other models the mode trains, an item each."""
+    return sorted(k for k in state if k not in _POLICY_KEYS)
 
 
 def reason(e: BaseException) -> str:

@@ -43,6 +43,7 @@ from unitrain.registry import (
     MODEL_SOURCES,
     MODES,
     POLICY_LOSSES,
+    RL_MODES,
     ROLLOUT_IS_LEVELS,
     ROLLOUT_IS_MODES,
     SAMPLERS,
@@ -233,6 +234,12 @@ RULES: dict[str, Rule] = {
     "kl_type": choices(*KL_TYPES),
     "entropy_coef": NON_NEGATIVE,
     "num_iterations": POSITIVE_INT,
+    "gae_gamma": Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "gae_lambda": Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "value_clip": optional(POSITIVE),
+    "critic_learning_rate": optional(NON_NEGATIVE),
+    "critic_warmup_steps": NON_NEGATIVE_INT,
+    "critic_path": Rule(lambda v: isinstance(v, str), 'a path or ""'),
     "eval_pass_k": POSITIVE_INT,
     "eval_n_samples": NON_NEGATIVE,
     "sample_log_period": POSITIVE_INT,
@@ -321,7 +328,7 @@ def _check_episodes(c: dict) -> str | None:
         return "workflow multi_turn needs an environment: set env (calculator | guess_number | reasoning_gym | pkg.module:make_env)"
     if c["env"] and c["mode"] == "sft" and c["dataset_path"] != "builtin":
         return f"env={c['env']} under mode=sft trains on its demonstrations of dataset_path builtin; dataset_path is {c['dataset_path']}"
-    if c["env"] and c["mode"] == "grpo" and c["workflow"] == "single_turn":
+    if c["env"] and c["mode"] in RL_MODES and c["workflow"] == "single_turn":
         return f"env={c['env']} is the environment of workflow multi_turn; workflow is single_turn"
     if c["env"] and c["mode"] in ("dpo", "rm"):
         return f"env names an environment for multi_turn episodes or sft demonstrations; mode={c['mode']} uses none"
@@ -330,7 +337,7 @@ def _check_episodes(c: dict) -> str | None:
     return None
 
 
-def _check_reward_model(c: dict) -> str | None:
+def _check_reward_scoring(c: dict) -> str | None:
     """reward rm needs a reward model; its normalisation needs whole rounds to score. (Whether the
     path exists is the loader's check: a pipeline's earlier stage may be what writes it.)"""
     if "rm" not in [e.strip() for e in c["reward"].split(",")]:
@@ -342,6 +349,17 @@ def _check_reward_model(c: dict) -> str | None:
             f"reward_model_normalize standardises the scores of a round, but workflow {c['workflow']} has its "
             "environment score each final answer alone; set reward_model_normalize=false"
         )
+    return None
+
+
+def _check_ppo(c: dict) -> str | None:
+    """PPO learns from sampled tokens, discounts by gae_gamma; its critic keys serve it alone."""
+    if c["mode"] != "ppo":
+        return None if not c["critic_path"] else f"critic_path is mode=ppo's critic; mode={c['mode']} trains none"
+    if c["rollout_decoding"] != "sample":
+        return "mode=ppo learns from sampled rollouts; rollout_decoding=beam is grpo's (ranked groups)"
+    if c["turn_discount"] < 1:
+        return "mode=ppo discounts later tokens by gae_gamma; turn_discount is grpo's (set it to 1.0)"
     return None
 
 
@@ -357,7 +375,7 @@ def _check_rollout_devices(c: dict) -> str | None:
     return None
 
 
-def _check_reward_model(c: dict) -> str | None:
+def _check_reward_model_mode(c: dict) -> str | None:
     """mode=rm's keys belong to it; its margins are a field of data files; its head trains whole
     beside the adapters, which a PEFT adapter folder of a causal LM cannot hold."""
     if c["mode"] != "rm" and (c["rm_margin_key"] or c["rm_center_coef"]):
@@ -396,7 +414,8 @@ CHECKS: list[Callable[[dict], str | None]] = [
     _check_one_fill,
     _check_rollout_devices,
     _check_episodes,
-    _check_reward_model,
+    _check_reward_scoring,
+    _check_reward_model_mode,
     lambda c: (
         None
         if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"]
@@ -462,6 +481,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
         if not c["rollout_is"] or c["rollout_decoding"] == "sample"
         else "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for"
     ),
+    _check_ppo,
     lambda c: (
         None
         if c["overlong_buffer_len"] < c["rollout_max_response_len"]

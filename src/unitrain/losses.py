@@ -144,12 +144,20 @@ def compute_advantages(
     if estimator == "rloo":
         return jnp.where(single, 0.0, n / jnp.maximum(n - 1.0, 1.0) * centered)
     # reinforce_pp
-    w = jnp.ones_like(r) if weights is None else jnp.asarray(weights, jnp.float32)
+    return masked_whiten(centered, jnp.ones_like(r) if weights is None else weights)
+
+
+def masked_whiten(values, weights):
+    """(x - mean) * rsqrt(var + 1e-8) under `weights` (verl's masked_whiten, shift_mean on): the mean
+    and the unbiased variance (x W / (W - 1), W = the total weight) are weighted; entries of weight 0
+    take no part in them but are whitened alike. float32, the shape of `values`."""
+    x = jnp.asarray(values, jnp.float32)
+    w = jnp.asarray(weights, jnp.float32)
     w_sum = w.sum()
-    b_mean = (w * centered).sum() / jnp.maximum(w_sum, 1e-12)
-    var = (w * jnp.square(centered - b_mean)).sum() / jnp.maximum(w_sum, 1e-12)
+    mean = (w * x).sum() / jnp.maximum(w_sum, 1e-12)
+    var = (w * jnp.square(x - mean)).sum() / jnp.maximum(w_sum, 1e-12)
     var = jnp.where(w_sum > 1.0, var * w_sum / jnp.maximum(w_sum - 1.0, 1e-12), var)
-    return (centered - b_mean) * jax.lax.rsqrt(var + _WHITEN_EPS)
+    return (x - mean) * jax.lax.rsqrt(var + _WHITEN_EPS)
 
 
 def kl_penalty(logprobs, ref_logprobs, kl_type: str = "low_var_kl"):
@@ -441,6 +449,108 @@ def rollout_correction(
     else:
         raise ValueError(f"unknown rollout_is_mode {mode!r}; expected one of {ROLLOUT_IS_MODES}")
     return sg(weights), sg(kept), jax.tree.map(sg, metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# PPO with a critic: per-token rewards, GAE over the sampled tokens, the clipped value loss.
+# ----------------------------------------------------------------------------------------------
+
+
+def token_rewards(rewards, mask, kl=None, kl_coef: float = 0.0):
+    """Per-token rewards [B,T] float32 from sequence rewards [B] and the sampled-token mask [B,T]: each
+    row's reward on its last sampled token, minus kl_coef * kl on every sampled token when `kl` [B,T]
+    is given (verl's apply_kl_penalty: the KL to the reference as a per-token reward). 0 off the mask;
+    a row with no sampled token gets nothing. The reward sits on the last SAMPLED token even where an
+    episode ends with environment tokens, so the recursion of `gae` (which skips those) sees it."""
+    m = jnp.asarray(mask) > 0
+    T = m.shape[-1]
+    last = T - 1 - jnp.argmax(m[:, ::-1], axis=-1)
+    at_last = (jnp.arange(T) == last[:, None]) & m.any(axis=-1, keepdims=True)
+    out = jnp.where(at_last, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)
+    if kl is not None:
+        out = out - kl_coef * jnp.where(m, jnp.asarray(kl, jnp.float32), 0.0)
+    return out
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalized advantage estimation (Schulman et al. 2016) over the sampled tokens of each row.
+
+    rewards (token_rewards), values (the old critic's), mask [B,T]. The reverse recursion runs over
+    the sampled tokens only: with t' the next SAMPLED token after t (none: V(t') = A(t') = 0),
+        delta_t = r_t + gamma * V(t') - V(t),   A_t = delta_t + gamma * lam * A(t'),
+    so an episode's environment tokens (mask 0 inside a row) are skipped: no TD step across them, the
+    next sampled token's value bootstraps the one before them. Returns (advantages, returns) [B,T]
+    float32, returns = advantages + values, both 0 off the mask; the advantages are not whitened
+    (masked_whiten, over the whole batch).
+
+    verl's compute_gae_advantage_return: its earlier form steps over every column (V(t+1), the next
+    column's value, whatever it holds), which equals this on rows whose sampled tokens are contiguous
+    from column 0 with the critic's values 0 after them; its later form carries V and A through
+    columns of mask 0 ("skip values and TD-error on observation tokens"), which equals this on the
+    sampled tokens where the rewards of unsampled tokens are 0 (here: always, token_rewards puts the
+    reward on the last sampled token; verl puts it on the last token of the response, an observation
+    token when an episode ends with one, whose reward its carry then drops).
+    """
+    r = jnp.asarray(rewards, jnp.float32)
+    v = jnp.asarray(values, jnp.float32)
+    m = jnp.asarray(mask) > 0
+
+    def back(carry, column):
+        next_value, next_adv = carry
+        r_t, v_t, m_t = column
+        adv = r_t + gamma * next_value - v_t + gamma * lam * next_adv
+        carry = (jnp.where(m_t, v_t, next_value), jnp.where(m_t, adv, next_adv))
+        return carry, jnp.where(m_t, adv, 0.0)
+
+    zeros = jnp.zeros(r.shape[:1], jnp.float32)
+    _, adv = jax.lax.scan(back, (zeros, zeros), (r.T, v.T, m.T), reverse=True)
+    adv = adv.T
+    return adv, jnp.where(m, adv + v, 0.0)
+
+
+def value_loss(
+    values, old_values, returns, mask, value_clip: float | None, loss_agg_mode: str = "token-mean", horizon=None
+):
+    """The critic's clipped value loss (verl's compute_value_loss), in train_step's form.
+
+    values (the critic's now), old_values (the critic's at rollout time), returns (gae's), mask
+    [B,T]. Per token, with v_clip = old + clip(v - old, -value_clip, value_clip) (value_clip None:
+    v_clip = v, no clipping):
+        loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2)
+    aggregated by `aggregate(loss_t, mask, loss_agg_mode, horizon)`. Returns (loss_sum, denominator,
+    metrics), metrics name -> (sum, count) with stop_gradient:
+      vf_clipfrac   tokens whose clipped error is the larger (the clip is active) / tokens
+      vpred_mean    the critic's values / tokens
+    """
+    v = jnp.asarray(values, jnp.float32)
+    old = jnp.asarray(old_values, jnp.float32)
+    ret = jnp.asarray(returns, jnp.float32)
+    m = jnp.asarray(mask, jnp.float32)
+    v_clip = v if value_clip is None else old + jnp.clip(v - old, -value_clip, value_clip)
+    unclipped, clipped = jnp.square(v - ret), jnp.square(v_clip - ret)
+    loss_sum, denom = aggregate(0.5 * jnp.maximum(unclipped, clipped), m, loss_agg_mode, horizon)
+    sg = jax.lax.stop_gradient
+    tokens = sg(m.sum())
+    metrics = {
+        "vf_clipfrac": (sg(((clipped > unclipped) * m).sum()), tokens),
+        "vpred_mean": (sg((v * m).sum()), tokens),
+    }
+    return loss_sum, denom, metrics
+
+
+def explained_variance(returns, values, mask) -> jax.Array:
+    """1 - Var(returns - values) / (Var(returns) + 1e-5) over the masked tokens, unbiased variances
+    (verl's critic/vf_explained_var): 1 = the critic predicts the returns, 0 = no better than their mean."""
+    m = jnp.asarray(mask, jnp.float32)
+    ret = jnp.asarray(returns, jnp.float32)
+    v = jnp.asarray(values, jnp.float32)
+
+    def var(x):
+        n = m.sum()
+        mean = (x * m).sum() / jnp.maximum(n, 1.0)
+        return (jnp.square(x - mean) * m).sum() / jnp.maximum(n - 1.0, 1.0)
+
+    return 1.0 - var(ret - v) / (var(ret) + 1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

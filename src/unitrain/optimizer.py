@@ -6,11 +6,12 @@ from __future__ import annotations
 import optax
 
 
-def learning_rate_schedule(cfg, optimizer_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to learning_rate over warmup_steps, then the lr_schedule decay to
-    learning_rate * lr_final_fraction at the last of `optimizer_steps` (sharding.Layout's: GRPO
-    makes several per step)."""
-    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.lr_final_fraction
+def learning_rate_schedule(cfg, optimizer_steps: int, peak: float | None = None) -> optax.Schedule:
+    """Linear warmup from 0 to `peak` (None: learning_rate) over warmup_steps, then the lr_schedule
+    decay to peak * lr_final_fraction at the last of `optimizer_steps` (sharding.Layout's: GRPO
+    makes several per step). PPO's critic takes the same shape to critic_learning_rate."""
+    peak = cfg.learning_rate if peak is None else peak
+    end = peak * cfg.lr_final_fraction
     decay_steps = max(optimizer_steps - cfg.warmup_steps, 1)
     decay = {
         "cosine": optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.lr_final_fraction),

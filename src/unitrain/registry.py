@@ -40,7 +40,12 @@ MODES = {
     "grpo": "unitrain.tasks.grpo:GRPOTask",
     "dpo": "unitrain.tasks.dpo:DPOTask",
     "rm": "unitrain.tasks.rm:RMTask",
+    "ppo": "unitrain.tasks.ppo:PPOTask",
 }
+RL_MODES = (
+    "grpo",
+    "ppo",
+)  # the modes that train on rollouts (rollout_batch_size prompts x n_samples_per_prompt a step)
 
 # attention: the reference einsums (xla), a platform's fused kernel, or auto (the decoder's kernels)
 ATTENTION = ("auto", "xla", "cudnn", "splash")

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from unitrain.config import MESH_AXES, ROLLOUT_MESH_KEYS, TRAINER_MESH_KEYS
 from unitrain.errors import ConfigError
+from unitrain.registry import RL_MODES
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -138,7 +139,7 @@ def layout_for(cfg) -> Layout:
     global_batch_size = cfg.per_device_batch_size * math.prod(ici.values()) * math.prod(dcn.values())
     rows_per_update = global_batch_size * cfg.gradient_accumulation_steps
     updates_per_step = 1
-    if cfg.mode == "grpo":
+    if cfg.mode in RL_MODES:
         rollout_rows = cfg.rollout_batch_size * cfg.n_samples_per_prompt
         if rollout_rows % rows_per_update:
             raise ConfigError(

@@ -91,7 +91,7 @@ def _train(cfg, stop: _StopRequest) -> int:
         jax.process_count(),
     )
     with contextlib.closing(tasks.create(run)) as task:
-        return _start(run, task, state, checkpointer, previous, stop)
+        return _start(run, task, task.train_state(state), checkpointer, previous, stop)
 
 
 def _start(run: RunContext, task: Task, state: dict, checkpointer, previous, stop: _StopRequest) -> int:
@@ -146,9 +146,10 @@ def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> 
 
 
 def _fetch(step: int, step_metrics: dict) -> dict:
-    """Host copy of a step's metrics; a non-finite loss or gradient means the state after it is bad."""
+    """Host copy of a step's metrics; a non-finite loss or gradient (of any model the step trained:
+    `loss`, `critic/loss`, ...) means the state after it is bad."""
     values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}  # numbers pass through
-    for key in ("loss", "grad_norm"):
+    for key in (k for k in values if k.rsplit("/", 1)[-1] in ("loss", "grad_norm")):
         if not math.isfinite(values[key]):
             raise NonFiniteLoss(f"{key} is {values[key]} at step {step}")
     return values

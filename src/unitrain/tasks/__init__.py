@@ -2,6 +2,7 @@
 
 sft    supervised fine-tuning on packed prompt/completion examples (sft.py)
 grpo   RL with verifiable rewards: GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++ (grpo.py)
+ppo    RL with a critic: GRPO's rollouts, GAE advantages, the critic trained alongside (ppo.py)
 dpo    direct preference optimisation on chosen/rejected pairs (dpo.py)
 rm     a reward model (a scalar head) trained on the same pairs, Bradley-Terry (rm.py)
 pkg.module:Class   any Task subclass

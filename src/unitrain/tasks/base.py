@@ -4,6 +4,7 @@ A mode is a Task subclass registered in tasks/__init__.py (or named in the confi
 `mode: pkg.module:Class`). The loop knows nothing else of it:
 
     task = Mode(run)                         # run: the RunContext of run.build_run
+    state = task.train_state(state)          # build_run's state, plus what else the mode trains
     state, metrics = task.step(state, step)  # one optimizer step (or several, for RL): data -> update
     task.data_iterator                       # get_state()/set_state(): checkpointed with the state
     task.evaluate(params, step) -> {name: value}   # every eval_interval steps ({} = nothing to report)
@@ -44,6 +45,12 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def step(self, state: dict, step: int) -> tuple[dict, dict]:
         """One training step: (state, step index) -> (new state, metrics as arrays or numbers)."""
+
+    def train_state(self, state: dict) -> dict:
+        """The state the loop carries and checkpoints, from build_run's {params, opt_state, step}: a
+        mode that trains another model besides the policy (PPO's critic) adds it under a key of its
+        own, a {params, opt_state, step} of its own (checkpoint.py saves each such key as an item)."""
+        return state
 
     def evaluate(self, params, step: int) -> dict:
         """Eval metrics of these parameters (after `step` steps); {} = this mode has nothing to evaluate."""

@@ -221,11 +221,16 @@ class GRPOTask(Task):
     def batch_shardings(self) -> dict:
         rows2d = sharding.batch_sharding(self.run.mesh, self.run.rules)
         keys = [*ROW_KEYS] + ["old_logprobs"] * self.separate_old + ["ref_logprobs"] * (self.ref_params is not None)
-        per_token = self.workflow is not None and self.cfg.turn_discount < 1  # advantages [rows, C]
         return {
             **{k: rows2d for k in keys},
-            "advantages": rows2d if per_token else sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",)),
+            "advantages": rows2d
+            if self.per_token_advantages()
+            else sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",)),
         }
+
+    def per_token_advantages(self) -> bool:
+        """Whether the advantages are [rows, C] (else [rows], one per completion)."""
+        return self.workflow is not None and self.cfg.turn_discount < 1
 
     def evaluate(self, params, step):
         return self.evaluator(params, step) if self.evaluator else {}
@@ -262,28 +267,11 @@ class GRPOTask(Task):
         stats.update(parts, time_weight_push=sum(pushed.values()))
         t1 = time.perf_counter()
         batch = self.to_rows(groups)
-        if self.logprob_fn is not None:
-            batch.update(self.logprobs(state["params"], batch))
+        batch.update(self.rollout_passes(state, batch))
         mask = batch["loss_mask"].astype(bool)
-        rewards_ = np.concatenate([g.rewards for g in groups]).astype(np.float32)
-        if cfg.use_kl_in_reward and self.ref_params is not None:
-            kl = np.asarray(losses.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_type)) * mask
-            rewards_ = rewards_ - cfg.kl_coef * kl.sum(axis=1)
-        group_ids = np.repeat(np.arange(len(groups)), cfg.n_samples_per_prompt)
-        batch["advantages"] = np.asarray(
-            losses.compute_advantages(
-                rewards_,
-                group_ids,
-                len(groups),
-                cfg.advantage_estimator,
-                cfg.advantage_norm_by_std,
-                weights=mask.sum(axis=1).astype(np.float32) if cfg.advantage_estimator == "reinforce_pp" else None,
-            )
-        )
-        if self.workflow and cfg.turn_discount < 1:
-            batch["advantages"] = batch["advantages"][:, None] * turn_discounts(
-                groups, batch["targets"].shape[1], cfg.turn_discount
-            )
+        advantages, advantage_metrics = self.advantages(batch, groups)
+        batch.update(advantages)
+        stats.update(advantage_metrics)
         if cfg.overlong_filter:  # DAPO; after the advantages: cut completions still count in their group's baseline
             truncated = truncated_rows(groups, self.sampling.stop_token_ids)
             batch["loss_mask"] = batch["loss_mask"] * ~truncated[:, None]
@@ -381,17 +369,51 @@ class GRPOTask(Task):
                 r += 1
         return arrays
 
+    def rollout_passes(self, state, batch) -> dict:
+        """What the update reads of the models before it changes them, [rows, C] each: the old and
+        the reference logprobs (rollout_logprobs), where the config needs them."""
+        return self.logprobs(state["params"], batch) if self.logprob_fn is not None else {}
+
+    def advantages(self, batch, groups) -> tuple[dict, dict]:
+        """({"advantages": ...}, metrics): the groups' rewards, less kl_coef times the sequence KL to
+        the reference with use_kl_in_reward, as advantages per group (losses.compute_advantages);
+        with a turn_discount below 1, per token."""
+        cfg, mask = self.cfg, batch["loss_mask"].astype(bool)
+        rewards_ = np.concatenate([g.rewards for g in groups]).astype(np.float32)
+        if cfg.use_kl_in_reward and self.ref_params is not None:
+            kl = np.asarray(losses.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_type)) * mask
+            rewards_ = rewards_ - cfg.kl_coef * kl.sum(axis=1)
+        group_ids = np.repeat(np.arange(len(groups)), cfg.n_samples_per_prompt)
+        advantages = np.asarray(
+            losses.compute_advantages(
+                rewards_,
+                group_ids,
+                len(groups),
+                cfg.advantage_estimator,
+                cfg.advantage_norm_by_std,
+                weights=mask.sum(axis=1).astype(np.float32) if cfg.advantage_estimator == "reinforce_pp" else None,
+            )
+        )
+        if self.per_token_advantages():
+            advantages = advantages[:, None] * turn_discounts(groups, batch["targets"].shape[1], cfg.turn_discount)
+        return {"advantages": advantages}, {}
+
     def logprobs(self, params, batch) -> dict:
         """rollout_logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
+        return self.row_pass("logprobs", self.logprob_fn, params, self.ref_params, batch)
+
+    def row_pass(self, name: str, fn, *args_and_batch) -> dict:
+        """fn(*args, rows) -> {name: [rows, C]} over the batch's rows in update-sized chunks (one
+        compiled shape), gathered on the host; `args_and_batch` ends with the batch."""
+        *args, batch = args_and_batch
         chunk = self.run.layout.rows_per_update
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets")
         shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
         outs = [
             self.run.programs(
-                f"logprobs (rows of {batch['inputs'].shape[1]})",
-                self.logprob_fn,
-                params,
-                self.ref_params,
+                f"{name} (rows of {batch['inputs'].shape[1]})",
+                fn,
+                *args,
                 step_lib.full_rows_to_global({k: batch[k][start : start + chunk] for k in keys}, shardings),
             )
             for start in range(0, len(batch["inputs"]), chunk)
@@ -401,14 +423,17 @@ class GRPOTask(Task):
 
     def update(self, state, batch):
         """num_iterations passes over the rows in mini-batches; metrics are averaged over updates."""
-        chunk, rows, shardings = self.run.layout.rows_per_update, len(batch["inputs"]), self.batch_shardings()
+        return self.updates("grpo_update", self.update_fn, state, batch, self.batch_shardings())
+
+    def updates(self, name: str, update_fn, state, batch, shardings):
+        """num_iterations passes of update_fn over the rows in mini-batches of the keys of `shardings`,
+        one optimizer update each: (state, metrics averaged over the updates)."""
+        chunk, rows = self.run.layout.rows_per_update, len(batch["inputs"])
         collected = []
         for _ in range(self.cfg.num_iterations):
             for start in range(0, rows, chunk):
-                mb = step_lib.full_rows_to_global({k: v[start : start + chunk] for k, v in batch.items()}, shardings)
-                state, m = self.run.programs(
-                    f"grpo_update (rows of {mb['inputs'].shape[1]})", self.update_fn, state, mb
-                )
+                mb = step_lib.full_rows_to_global({k: batch[k][start : start + chunk] for k in shardings}, shardings)
+                state, m = self.run.programs(f"{name} (rows of {mb['inputs'].shape[1]})", update_fn, state, mb)
                 collected.append(m)
         # One device->host copy for all updates of the step.
         stacked = jax.device_get(collected)

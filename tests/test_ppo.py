@@ -1,0 +1,293 @@
+"""mode=ppo: GAE over the sampled tokens, the clipped value loss, and PPO runs with a critic."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from conftest import REPO, sigterm_after_step
+from unitrain import losses, run, tasks, train
+from unitrain.config import load_config
+
+GAMMA, LAM = 0.97, 0.9
+
+
+def random_batch(seed, rows=6, columns=12, interior_gaps=True):
+    """Rewards [rows], values [rows, columns] (junk off the mask) and a mask of sampled tokens: each row's
+    tokens from column 0 up to a random length, with (interior_gaps) spans of environment tokens inside."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((rows, columns), np.int32)
+    for r in range(rows):
+        length = rng.integers(1, columns + 1) if r else columns  # row 0 fills every column
+        mask[r, :length] = 1
+        if interior_gaps and length > 4:
+            start = rng.integers(1, length - 2)
+            mask[r, start : start + rng.integers(1, length - start - 1)] = 0
+    mask[-1] = 0  # a row with no sampled token (padding)
+    values = rng.normal(size=(rows, columns)).astype(np.float32)
+    rewards = rng.normal(size=rows).astype(np.float32)
+    kl = np.abs(rng.normal(size=(rows, columns))).astype(np.float32)
+    return rewards, values, mask, kl
+
+
+def np_token_rewards(rewards, mask, kl=None, kl_coef=0.0):
+    out = np.zeros(mask.shape, np.float64)
+    for r in range(len(mask)):
+        sampled = np.flatnonzero(mask[r])
+        if len(sampled):
+            out[r, sampled[-1]] = rewards[r]
+        if kl is not None:
+            out[r, sampled] -= kl_coef * kl[r, sampled]
+    return out
+
+
+def np_gae(token_rewards, values, mask, gamma, lam):
+    """The recursion written out: over each row's sampled tokens only, last to first."""
+    adv = np.zeros(mask.shape, np.float64)
+    for r in range(len(mask)):
+        next_value = next_adv = 0.0
+        for t in reversed(np.flatnonzero(mask[r])):
+            delta = token_rewards[r, t] + gamma * next_value - values[r, t]
+            next_adv = delta + gamma * lam * next_adv
+            next_value = values[r, t]
+            adv[r, t] = next_adv
+    return adv, (adv + values) * mask
+
+
+def verl_gae_carry(token_rewards, values, mask, gamma, lam):
+    """verl's compute_gae_advantage_return as of its multi-turn support (values and TD error carried
+    through columns of mask 0), in NumPy; its advantages before masked_whiten."""
+    rows, columns = mask.shape
+    next_values, last = np.zeros(rows), np.zeros(rows)
+    reversed_adv = []
+    for t in reversed(range(columns)):
+        delta = token_rewards[:, t] + gamma * next_values - values[:, t]
+        last_ = delta + gamma * lam * last
+        next_values = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_values
+        last = last_ * mask[:, t] + (1 - mask[:, t]) * last
+        reversed_adv.append(last)
+    adv = np.stack(reversed_adv[::-1], axis=1)
+    return adv, adv + values
+
+
+def verl_gae_columns(token_rewards, values, gamma, lam):
+    """verl's earlier compute_gae_advantage_return: every column a step, V(t+1) the next column's."""
+    columns = values.shape[1]
+    last, reversed_adv = 0.0, []
+    for t in reversed(range(columns)):
+        next_values = values[:, t + 1] if t < columns - 1 else 0.0
+        delta = token_rewards[:, t] + gamma * next_values - values[:, t]
+        last = delta + gamma * lam * last
+        reversed_adv.append(last)
+    adv = np.stack(reversed_adv[::-1], axis=1)
+    return adv, adv + values
+
+
+def np_whiten(x, mask):
+    """verl's masked_whiten: unbiased masked variance, the mean not added back."""
+    sel = x[mask > 0]
+    return (x - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_rewards_put_the_reward_on_the_last_sampled_token(seed):
+    rewards, _, mask, kl = random_batch(seed)
+    got = np.asarray(losses.token_rewards(rewards, mask, kl, kl_coef=0.05))
+    np.testing.assert_allclose(got, np_token_rewards(rewards, mask, kl, 0.05), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(losses.token_rewards(rewards, mask)), np_token_rewards(rewards, mask))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gae_skips_unsampled_tokens_as_the_plain_loop(seed):
+    rewards, values, mask, kl = random_batch(seed)
+    per_token = np_token_rewards(rewards, mask, kl, 0.1)
+    adv, ret = (np.asarray(x) for x in losses.gae(per_token, values, mask, GAMMA, LAM))
+    want_adv, want_ret = np_gae(per_token, values, mask, GAMMA, LAM)
+    np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret, want_ret, rtol=1e-5, atol=1e-5)
+    assert not adv[mask == 0].any() and not ret[mask == 0].any()
+    # verl's carry through mask-0 columns agrees on the sampled tokens (the rewards are 0 off them).
+    verl_adv, verl_ret = verl_gae_carry(per_token, values, mask, GAMMA, LAM)
+    on = mask > 0
+    np.testing.assert_allclose(adv[on], verl_adv[on], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret[on], verl_ret[on], rtol=1e-5, atol=1e-5)
+    whitened = np.asarray(losses.masked_whiten(adv, mask))
+    np.testing.assert_allclose(whitened[on], np_whiten(verl_adv, mask)[on], rtol=1e-4, atol=1e-5)
+
+
+def test_gae_equals_verls_column_recursion_on_rows_without_gaps():
+    rewards, values, mask, _ = random_batch(7, rows=8, interior_gaps=False)
+    values = values * mask  # verl's critic values are masked after the response
+    per_token = np_token_rewards(rewards, mask)
+    adv, ret = (np.asarray(x) for x in losses.gae(per_token, values, mask, 1.0, 0.95))
+    verl_adv, verl_ret = verl_gae_columns(per_token, values, 1.0, 0.95)
+    on = mask > 0
+    np.testing.assert_allclose(adv[on], verl_adv[on], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret[on], verl_ret[on], rtol=1e-5, atol=1e-5)
+    # gamma = lambda = 1 and values 0: every sampled token's advantage is the row's reward (Monte Carlo).
+    mc, _ = losses.gae(per_token, np.zeros_like(values), mask, 1.0, 1.0)
+    np.testing.assert_allclose(np.asarray(mc), rewards[:, None] * mask, rtol=1e-6)
+
+
+def np_value_loss(values, old, returns, mask, clip, mode, horizon):
+    rows = []
+    for r in range(len(mask)):
+        per_token = []
+        for t in np.flatnonzero(mask[r]):
+            v = values[r, t]
+            v_clip = v if clip is None else old[r, t] + min(max(v - old[r, t], -clip), clip)
+            per_token.append((0.5 * max((v - returns[r, t]) ** 2, (v_clip - returns[r, t]) ** 2), v_clip))
+        rows.append(per_token)
+    tokens = [loss for row in rows for loss, _ in row]
+    if mode == "token-mean":
+        loss = np.mean(tokens)
+    elif mode == "seq-mean-token-mean":
+        loss = np.mean([np.mean([x for x, _ in row]) for row in rows if row])
+    elif mode == "seq-mean-token-sum":
+        loss = np.mean([np.sum([x for x, _ in row]) for row in rows if row])
+    else:
+        loss = np.mean([np.sum([x for x, _ in row]) / horizon for row in rows if row])
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("clip", [0.2, None])
+def test_value_loss_equals_the_plain_loop(mode, clip):
+    _, old, mask, _ = random_batch(3)
+    rng = np.random.default_rng(11)
+    values = (old + rng.normal(scale=0.4, size=old.shape)).astype(np.float32)
+    returns = rng.normal(size=old.shape).astype(np.float32)
+    loss_sum, denom, metrics = losses.value_loss(values, old, returns, mask, clip, mode, horizon=12)
+    want = np_value_loss(values, old, returns, mask, clip, mode, 12)
+    np.testing.assert_allclose(float(loss_sum / denom), want, rtol=1e-5)
+    on = mask > 0
+    clipped = old + np.clip(values - old, -clip, clip) if clip is not None else values
+    frac = np.mean(((clipped - returns) ** 2 > (values - returns) ** 2)[on])
+    np.testing.assert_allclose(float(metrics["vf_clipfrac"][0] / metrics["vf_clipfrac"][1]), frac, rtol=1e-6)
+    if clip is not None:
+        assert 0 < frac < 1  # the clip is active on some tokens, not all
+    np.testing.assert_allclose(float(metrics["vpred_mean"][0] / metrics["vpred_mean"][1]), values[on].mean(), rtol=1e-5)
+
+
+def test_explained_variance_as_verl():
+    _, values, mask, _ = random_batch(5)
+    returns = values + np.random.default_rng(2).normal(scale=0.5, size=values.shape).astype(np.float32)
+    on = mask > 0
+    want = 1 - np.var(returns[on] - values[on], ddof=1) / (np.var(returns[on], ddof=1) + 1e-5)
+    np.testing.assert_allclose(float(losses.explained_variance(returns, values, mask)), want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the PPO task
+
+FAST = [
+    "mode=ppo",
+    "per_device_batch_size=2",
+    "rollout_batch_size=4",
+    "n_samples_per_prompt=4",
+    "rollout_max_response_len=6",
+    "eval_interval=0",
+    "log_period=1",
+    "builtin_task_digits=1",
+    "max_prompt_length=16",
+    "learning_rate=1e-3",
+    "warmup_steps=0",
+]
+
+
+def config(tmp_path, *overrides):
+    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
+
+
+def make_task(cfg):
+    built, state = run.build_run(cfg)
+    task = tasks.create(built)
+    return task, task.train_state(state)
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def test_the_critic_starts_as_the_policys_backbone_and_values_the_state_before_each_token(tmp_path):
+    task, state = make_task(config(tmp_path))
+    policy, critic = host(state["params"]), host(state["critic"]["params"])
+    assert set(critic["backbone"]) == set(policy) - {"lm_head"}
+    for a, b in zip(jax.tree.leaves(critic["backbone"]), jax.tree.leaves({k: policy[k] for k in critic["backbone"]})):
+        np.testing.assert_array_equal(a, b)
+    task.sampler.update_weights(state["params"], 0)
+    groups, _ = task.rollouts.take(0, lambda version: None)
+    rows = task.to_rows(groups)
+    values = task.rollout_passes(state, rows)["values"]
+    # The value of token t's state is the critic's output at the last position of prompt + completion[:t].
+    model = nnx.merge(task.critic_graphdef, state["critic"]["params"])
+    g = groups[1]
+    prompt, tokens, length = list(g.prompt.ids), g.completions.tokens[0], int(g.completions.lengths[0])
+    for t in range(length):
+        ids = np.asarray([prompt + list(tokens[:t])], np.int32)
+        direct = model(ids, np.arange(ids.shape[1])[None], np.ones_like(ids))[0, -1, 0]
+        np.testing.assert_allclose(values[4, t], float(direct), rtol=1e-4, atol=1e-5)
+
+
+def test_critic_warmup_trains_the_critic_alone(tmp_path):
+    task, state = make_task(config(tmp_path, "critic_warmup_steps=1", "steps=2"))
+    policy0, critic0 = host(state["params"]), host(state["critic"]["params"])
+    state, m = task.step(state, 0)
+    assert "loss" not in m and "pg_clipfrac" not in m and np.isfinite(m["critic/value_loss"])
+    for a, b in zip(jax.tree.leaves(host(state["params"])), jax.tree.leaves(policy0)):
+        np.testing.assert_array_equal(a, b)
+    assert int(state["step"]) == 0 and int(state["critic"]["step"]) == 1  # 16 rows: one mini-batch
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(host(state["critic"]["params"])), jax.tree.leaves(critic0))
+    )
+    state, m = task.step(state, 1)
+    assert np.isfinite(m["loss"]) and int(state["step"]) == 1 and int(state["critic"]["step"]) == 2
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host(state["params"])), jax.tree.leaves(policy0))
+    )
+
+
+def test_resume_in_the_middle_of_ppo_continues_identically(tmp_path, monkeypatch):
+    overrides = ("steps=3", "kl_coef=0.05", "use_kl_in_reward=true", "critic_warmup_steps=1", "num_iterations=2")
+    straight = config(tmp_path, "run_name=straight", *overrides)
+    assert train.train(straight) == 0
+    interrupted = config(tmp_path, "run_name=interrupted", *overrides)
+    with sigterm_after_step(monkeypatch, 1):
+        assert train.train(interrupted) == train.EXIT_SIGTERM
+    assert train.train(interrupted) == 0
+
+    def saved(cfg, item):
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(os.path.join(cfg.checkpoint_dir, "3", item))
+
+    for item in ("params", "critic", "train"):
+        a, b = saved(straight, item), saved(interrupted, item)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    lines = [json.loads(l) for l in open(interrupted.metrics_file)]
+    assert [l["step"] for l in lines if "critic/value_loss" in l] == [0, 1, 2]
+    assert {"critic/vf_clipfrac", "critic/values_mean", "critic/explained_var", "critic/lr"} <= set(lines[-1])
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["gae_gamma=1.5"], "gae_gamma"),
+        (["gae_lambda=-0.1"], "gae_lambda"),
+        (["value_clip=0"], "value_clip"),
+        (["critic_warmup_steps=-1"], "critic_warmup_steps"),
+        (["mode=grpo", "critic_path=/tmp/x"], "critic_path"),
+        (["rollout_decoding=beam"], "rollout_decoding=beam"),
+        (["workflow=multi_turn", "env=calculator", "turn_discount=0.5"], "turn_discount"),
+    ],
+)
+def test_bad_ppo_keys_stop_with_one_line(tmp_path, capsys, overrides, named):
+    argv = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and len(err.splitlines()) == 1
