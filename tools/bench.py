@@ -1,7 +1,7 @@
 """Times unitrain's jitted SFT train step, its sampler or whole GRPO steps and prints one JSON line.
 
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
-    python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler] [--out mem.json]
+    python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler|rm_score] [--out mem.json]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --against rollout_cache_phases=1
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
@@ -32,7 +32,8 @@ timed. Each timed step is waited for through its metrics. The MFU denominator is
 measured in this run (metrics.peak_flops_per_device), unless peak_flops_per_device is set.
 
 --compile-only lowers and compiles one optimizer update of the config's mode (the SFT step; with
-mode=dpo the DPO update; with --mode grpo the GRPO update of rows of the longest prompt and
+mode=dpo the DPO update; with mode=rm the reward model's update of max_target_length pairs on the
+scalar-head model; with --mode grpo the GRPO update of rows of the longest prompt and
 completion) for the config's mesh without allocating anything: parameters, optimizer state and batch are abstract arrays (jax.ShapeDtypeStruct with the shardings
 training would give them), so a model far larger than this machine's memory can be sized here. It
 prints the compiler's memory analysis per device (arguments, outputs, temporaries, generated code,
@@ -49,6 +50,14 @@ same program, through the same compile cache, that generate runs on real weights
 shardings; it also prints the KV cache's bytes (all rows), the bucketed block (rows, columns), the
 decode weights' bytes (the sampler's copy per weight version) and sampling_bytes_per_device, what a
 device holds while it samples: parameters, decode weights, the program's temporaries and outputs.
+With --mode rm_score it compiles instead the forward `reward: rm` scores with (reward_model.scoring_forward,
+through the same compile cache) for one full bucket: reward_model_batch_size texts of
+reward_model_max_length tokens, padded to the rows the scorer pads them to (a power of two, a multiple
+of the devices the batch splits over), a scalar-head model of the config's model keys on the trainer's
+mesh (with reward_model_host_offload its parameters in host memory, which XLA:CPU does not tell apart
+from the devices'); it prints the rows and length, the parameters' and the batch's bytes per device
+(the program's arguments) and the compiler's memory. reward_model_path is not read: give the reward
+model's architecture as the model keys (model_name=llama3.1-8b).
 load_parameters_path is not read (the shapes come from the model keys, which default to its architecture). To size
 an N-device mesh on a CPU machine, make the process see N devices, e.g. for fsdp over 8:
 
