@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import metrics, rollout, sharding
+from unitrain import metrics, reward_model, rollout, sharding
 from unitrain.config import load_config
 from unitrain.errors import ConfigError
 from unitrain.models import decoder
+from unitrain.models.scalar_head import build_scalar_model
 from unitrain.run import build_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -444,3 +446,76 @@ def test_peer_ab_alternates_the_peer_and_unitrain_and_reports_their_ratios(tiny_
         [script, "grpo", "1"], env={**env, "TUNIX_VENV": str(tmp_path / "none")}, capture_output=True, text=True
     )
     assert missing.returncode == 2 and "no Tunix venv at" in missing.stderr
+
+
+def test_compile_only_rm_score_sizes_the_scoring_forward():
+    """--mode rm_score on fsdp=8: one bucket of 3 texts of 40 tokens, padded as the scorer pads it
+    (8 rows: a power of two, a multiple of the 8 devices); its arguments are one device's share of
+    the scalar-head model's parameters and of the three [rows, length] int32 columns."""
+    args = ["model_name=tiny", "ici_fsdp_parallelism=8", "reward_model_batch_size=3", "reward_model_max_length=40"]
+    proc = run_bench("configs/base.yml", *args, "--compile-only", "--mode", "rm_score")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0])
+    assert {"rows", "length", "param_bytes_per_device", "batch_bytes_per_device", "memory_per_device"} <= set(result)
+    assert (result["mode"], result["rows"], result["length"]) == ("rm_score", 8, 40)
+    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    cfg = load_config(["configs/base.yml", *args])
+    mesh = sharding.trainer_mesh(cfg, sharding.layout_for(cfg))
+    model = build_scalar_model(cfg, mesh, "")
+    leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
+    params = sum(x.addressable_shards[0].data.nbytes for x in leaves)
+    batch = 3 * (8 // 8) * 40 * 4
+    assert result["num_params"] == sum(x.size for x in leaves)
+    assert (result["param_bytes_per_device"], result["batch_bytes_per_device"]) == (params, batch)
+    memory = result["memory_per_device"]
+    assert memory["argument"] == params + batch and memory["temp"] > 0
+    proc = run_bench("configs/base.yml", *args, "--mode", "rm_score")
+    assert proc.returncode == 2 and proc.stderr.startswith("bench: --mode rm_score sizes the reward model's scoring")
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_rm_score_lowers_the_program_the_reward_model_scores_with(tiny_checkpoint, offload):
+    """The abstract program bench compiles is, to its HLO text, the one the reward of a loaded
+    classifier lowers for a bucket of the same shape (its parameters in host memory with offload)."""
+    import bench
+
+    path = tiny_checkpoint("qwen2", num_labels=1, tie=True)
+    cfg = load_config(
+        [
+            "configs/base.yml",
+            "model_name=",
+            f"load_parameters_path={path}",
+            "reward=rm",
+            f"reward_model_path={path}",
+            "reward_model_batch_size=3",
+            "reward_model_max_length=40",
+            f"reward_model_host_offload={str(offload).lower()}",
+        ]
+    )
+    forward, params, batch, mesh = bench.rm_score_program(cfg)
+    scorer = reward_model.RewardModelScorer(cfg, mesh, sharding.rules_from_config(cfg.logical_axis_rules))
+    kind = "pinned_host" if offload else "device"
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((params, scorer.params))} == {kind}
+    rows = jax.device_put(np.ones(batch[0].shape, np.int32), scorer.rows_sharding)
+    real = scorer.forward.lower(scorer.params, rows, rows, rows).as_text()
+    assert forward.lower(params, *batch).as_text() == real
+
+
+def test_compile_only_compiles_the_rm_update_on_the_scalar_head_model():
+    """mode=rm: the update of pairs on the scalar-head model (the causal LM's parameters less its
+    output head, plus the [E, 1] score), each pair two rows of max_target_length."""
+    import bench
+
+    cfg = load_config(["configs/base.yml", *OVERRIDES, "mode=rm"])
+    result = bench.compile_only(cfg)
+    causal = decoder.create(decoder.ModelConfig.from_config(cfg, sharding.target_platform()))
+    causal_params = sum(x.size for x in jax.tree.leaves(nnx.state(causal, nnx.Param)))
+    assert result["config"]["mode"] == "rm"
+    assert result["num_params"] == causal_params - cfg.vocab_size * cfg.emb_dim + cfg.emb_dim
+    assert (
+        result["memory_per_device"]["argument"]
+        >= result["param_bytes_per_device"] + result["opt_state_bytes_per_device"]
+    )
+    assert result["model_flops_per_device"] > 0 and result["memory_per_device"]["temp"] > 0

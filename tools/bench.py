@@ -1,7 +1,7 @@
 """Times unitrain's jitted SFT train step, its sampler or whole GRPO steps and prints one JSON line.
 
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
-    python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler] [--out mem.json]
+    python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler|rm_score] [--out mem.json]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --against rollout_cache_phases=1
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
@@ -32,7 +32,8 @@ timed. Each timed step is waited for through its metrics. The MFU denominator is
 measured in this run (metrics.peak_flops_per_device), unless peak_flops_per_device is set.
 
 --compile-only lowers and compiles one optimizer update of the config's mode (the SFT step; with
-mode=dpo the DPO update; with --mode grpo the GRPO update of rows of the longest prompt and
+mode=dpo the DPO update; with mode=rm the reward model's update of max_target_length pairs on the
+scalar-head model; with --mode grpo the GRPO update of rows of the longest prompt and
 completion) for the config's mesh without allocating anything: parameters, optimizer state and batch are abstract arrays (jax.ShapeDtypeStruct with the shardings
 training would give them), so a model far larger than this machine's memory can be sized here. It
 prints the compiler's memory analysis per device (arguments, outputs, temporaries, generated code,
@@ -49,6 +50,14 @@ same program, through the same compile cache, that generate runs on real weights
 shardings; it also prints the KV cache's bytes (all rows), the bucketed block (rows, columns), the
 decode weights' bytes (the sampler's copy per weight version) and sampling_bytes_per_device, what a
 device holds while it samples: parameters, decode weights, the program's temporaries and outputs.
+With --mode rm_score it compiles instead the forward `reward: rm` scores with (reward_model.scoring_forward,
+through the same compile cache) for one full bucket: reward_model_batch_size texts of
+reward_model_max_length tokens, padded to the rows the scorer pads them to (a power of two, a multiple
+of the devices the batch splits over), a scalar-head model of the config's model keys on the trainer's
+mesh (with reward_model_host_offload its parameters in host memory, which XLA:CPU does not tell apart
+from the devices'); it prints the rows and length, the parameters' and the batch's bytes per device
+(the program's arguments) and the compiler's memory. reward_model_path is not read: give the reward
+model's architecture as the model keys (model_name=llama3.1-8b).
 load_parameters_path is not read (the shapes come from the model keys, which default to its architecture). To size
 an N-device mesh on a CPU machine, make the process see N devices, e.g. for fsdp over 8:
 
@@ -85,18 +94,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import lora, metrics, models, rollout, sharding, tasks
+from unitrain import lora, metrics, reward_model, rollout, sharding, tasks
 from unitrain import step as step_lib
 from unitrain.config import load_config
+from unitrain.data.preference import MARGIN
 from unitrain.data.prompts import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, UserError
+from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.rollout import mesh as rollout_mesh
 from unitrain.rollout.base import SamplingParams, close
-from unitrain.rollout.buckets import bucket_prompt_length
+from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.colocated import phase_ends
-from unitrain.run import RunContext, build_run, device_layout
+from unitrain.run import RunContext, build_model, build_run, device_layout
 from unitrain.tasks.grpo import GRPOTask
 
 
@@ -129,6 +140,13 @@ MODEL_KEYS = (
     "dtype",
     "weight_dtype",
 )
+RM_SCORE_KEYS = (
+    "remat_policy",
+    "scan_layers",
+    "reward_model_batch_size",
+    "reward_model_max_length",
+    "reward_model_host_offload",
+)
 CONFIG_KEYS = MODEL_KEYS + (
     "remat_policy",
     "scan_layers",
@@ -142,9 +160,16 @@ def _abstract(shapes, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
-def _with_lora(cfg, model, mesh):
-    """lora_rank > 0: the model with adapters (and its base stored as lora_base_dtype), as build_run has it."""
-    return lora.apply(model, cfg, mesh) if cfg.lora_rank else model
+def abstract_model(make_model, mesh, rules) -> tuple:
+    """(model, graphdef, params, their shardings) of the model `make_model` builds, built abstractly:
+    the parameters are ShapeDtypeStructs in the shardings their logical axes give on `mesh`."""
+    model = nnx.eval_shape(make_model)
+    graphdef, shapes = nnx.split(model)
+    try:
+        param_shardings = sharding.logical_shardings(model.param_axes(), mesh, rules)
+    except ValueError as e:  # a dimension that does not divide over its mesh axes: a config mistake
+        raise ConfigError(str(e)) from None
+    return model, graphdef, _abstract(nnx.to_pure_dict(shapes), param_shardings), param_shardings
 
 
 def abstract_run(cfg) -> tuple[RunContext, dict]:
@@ -153,13 +178,9 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
     layout = device_layout(cfg)
     mesh = sharding.trainer_mesh(cfg, layout)
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
-    model = nnx.eval_shape(lambda: _with_lora(cfg, models.build(cfg.replace(load_parameters_path=""), mesh), mesh))
-    graphdef, shapes = nnx.split(model)
-    try:
-        param_shardings = sharding.logical_shardings(model.param_axes(), mesh, rules)
-    except ValueError as e:  # a dimension that does not divide over its mesh axes: a config mistake
-        raise ConfigError(str(e)) from None
-    params = _abstract(nnx.to_pure_dict(shapes), param_shardings)
+    model, graphdef, params, param_shardings = abstract_model(
+        lambda: build_model(cfg.replace(load_parameters_path=""), mesh), mesh, rules
+    )
     adapters_only = cfg.lora_rank > 0  # LoRA: the optimizer holds the adapters alone
     learning_rate = learning_rate_schedule(cfg, layout.optimizer_steps)
     optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only), learning_rate)
@@ -207,7 +228,7 @@ def update_batch(cfg, rows: int, shardings: dict) -> dict:
         return prompt + cfg.rollout_max_response_len
 
     def spec(key, where):
-        floating = key == "advantages" or key.endswith(("logprobs", "logps"))
+        floating = key in ("advantages", MARGIN) or key.endswith(("logprobs", "logps"))
         shape = (rows,) if len(where.spec) == 1 else (rows, width(key))
         return jax.ShapeDtypeStruct(shape, jnp.float32 if floating else jnp.int32, sharding=where)
 
@@ -253,20 +274,13 @@ def compile_only(cfg) -> dict:
     start = time.perf_counter()
     compiled = run.programs.compiled(f"{cfg.mode} update", update, state, batch)
     compile_seconds = time.perf_counter() - start
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # not every backend implements it
-        cost = None
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-        cost = cost[0] if cost else None
-    flops = cost.get("flops") if cost else None
     return {
         "compile_only": True,
         "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
         "param_bytes_per_device": bytes_per_device(state["params"]),
         "opt_state_bytes_per_device": bytes_per_device(state["opt_state"]),
         "memory_per_device": memory_per_device(compiled),
-        "cost_analysis_flops": float(flops) if flops is not None else None,
+        "cost_analysis_flops": compiler_flops(compiled),
         "model_flops_per_device": sum(
             run.model.flops_per_token(x.shape[1]) * x.size for key, x in batch.items() if key.endswith("inputs")
         )
@@ -276,6 +290,67 @@ def compile_only(cfg) -> dict:
         | {
             "mode": cfg.mode,
             "global_batch_rows": run.layout.rows_per_update,
+            "mesh_shape": dict(mesh.shape),
+            "device_kind": mesh.devices.flat[0].device_kind,
+            "num_devices": mesh.size,
+            "platform": mesh.devices.flat[0].platform,
+        },
+    }
+
+
+def compiler_flops(compiled) -> float | None:
+    """The compiler's FLOP count of the program (None where the backend gives none)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # not every backend implements it
+        cost = None
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else None
+    flops = cost.get("flops") if cost else None
+    return float(flops) if flops is not None else None
+
+
+def rm_score_program(cfg) -> tuple:
+    """(jitted forward, abstract parameters, abstract (tokens, positions, segment ids), mesh)
+    of one full reward-model bucket: reward_model_batch_size texts of reward_model_max_length tokens,
+    padded to the rows the scorer pads them to (reward_model.score_batches), on the scorer's mesh and
+    shardings. The reward model is a scalar-head model of the config's model keys (no weights read),
+    its parameters in host memory with reward_model_host_offload, as RewardModelScorer keeps them."""
+    mesh = sharding.trainer_mesh(cfg, device_layout(cfg))
+    rules = sharding.rules_from_config(cfg.logical_axis_rules)
+    _, graphdef, params, param_shardings = abstract_model(
+        lambda: build_scalar_model(cfg.replace(load_parameters_path=""), mesh, ""), mesh, rules
+    )
+    forward = reward_model.scoring_forward(graphdef, params, cfg.reward_model_host_offload)
+    if cfg.reward_model_host_offload:
+        params = _abstract(params, jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), param_shardings))
+    texts, length = cfg.reward_model_batch_size, cfg.reward_model_max_length
+    ((_, length, rows),) = reward_model.score_batches([length] * texts, length, texts, batch_parallelism(mesh, rules))
+    column = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding.batch_sharding(mesh, rules))
+    return forward, params, (column,) * 3, mesh
+
+
+def compile_rm_score(cfg) -> dict:
+    """Compiles reward_model.py's scoring forward for one full bucket (rm_score_program) on
+    abstract weights; returns the compiler's per-device memory, the parameters' and the batch's bytes."""
+    forward, params, batch, mesh = rm_score_program(cfg)
+    start = time.perf_counter()
+    rows, length = batch[0].shape
+    compiled = step_lib.CompileCache(mesh).compiled(f"reward model (rows {rows} x {length})", forward, params, *batch)
+    compile_seconds = time.perf_counter() - start
+    return {
+        "compile_only": True,
+        "mode": "rm_score",
+        "rows": rows,
+        "length": length,
+        "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+        "param_bytes_per_device": bytes_per_device(params),
+        "batch_bytes_per_device": bytes_per_device(batch),
+        "memory_per_device": memory_per_device(compiled),
+        "cost_analysis_flops": compiler_flops(compiled),
+        "compile_seconds": compile_seconds,
+        "config": {k: cfg[k] for k in MODEL_KEYS + RM_SCORE_KEYS}
+        | {
             "mesh_shape": dict(mesh.shape),
             "device_kind": mesh.devices.flat[0].device_kind,
             "num_devices": mesh.size,
@@ -642,10 +717,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--mode",
-        choices=("sft", "sampler", "grpo", "push"),
+        choices=("sft", "sampler", "grpo", "push", "rm_score"),
         default="sft",
         help="sft: the train step | sampler: rollout tokens/s | grpo: whole GRPO steps | "
-        "push: the weight push of sampler=mesh",
+        "push: the weight push of sampler=mesh | rm_score: the reward model's scoring forward (--compile-only)",
     )
     parser.add_argument("--batch", type=int, default=16, help="sampler: prompts per call")
     parser.add_argument("--prompts", type=int, default=4, help="grpo: prompts per step")
@@ -692,7 +767,17 @@ def run_mode(opts, args: list[str]) -> dict:
     if opts.against and (opts.mode != "sampler" or opts.compile_only):
         raise ConfigError("--against times two samplers side by side: --mode sampler, without --compile-only")
     if opts.compile_only and opts.mode == "push":
-        raise ConfigError("--compile-only compiles a program: --mode sft (with mode=dpo for DPO), grpo or sampler")
+        raise ConfigError(
+            "--compile-only compiles a program: --mode sft (with mode=dpo or mode=rm for their updates), grpo, "
+            "sampler or rm_score"
+        )
+    if opts.mode == "rm_score":
+        if not opts.compile_only:
+            raise ConfigError(
+                "--mode rm_score sizes the reward model's scoring program: it needs --compile-only "
+                "(a run's rm/completions_per_sec times the scoring)"
+            )
+        return compile_rm_score(cfg)
     if opts.mode == "push":
         return bench_push(cfg, opts.steps, opts.warmup)
     if opts.mode == "sampler" and opts.compile_only:

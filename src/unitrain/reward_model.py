@@ -69,6 +69,14 @@ def pooled_scores(graphdef, device, params, tokens, positions, segment_ids):
     return pool_last(values, segment_ids)[:, 0]
 
 
+def scoring_forward(graphdef, params, host_offload: bool):
+    """The jitted pooled_scores over parameters placed as `params` (arrays or abstract shapes in
+    device memory): the program the scorer runs and tools/bench.py's --mode rm_score compiles. With
+    `host_offload` it takes them in host memory and brings them to the devices inside."""
+    device = step_lib.device_shardings(params) if host_offload else None
+    return jax.jit(functools.partial(pooled_scores, graphdef, device))
+
+
 class RewardModelScorer:
     """The reward model of `reward_model_path` on `mesh` with its tokenizer:
     `score(prompts, completions)` -> float32 [N] raw scores; `metrics()` what it measured since
@@ -85,9 +93,8 @@ class RewardModelScorer:
         graphdef, params = nnx.split(model)
         params = nnx.to_pure_dict(params)
         offload = cfg.reward_model_host_offload
-        device = step_lib.device_shardings(params) if offload else None
+        self.forward = scoring_forward(graphdef, params, offload)
         self.params = sharding.with_memory_kind(params, "pinned_host") if offload else params
-        self.forward = jax.jit(functools.partial(pooled_scores, graphdef, device))
         self.programs = step_lib.CompileCache(mesh)
         self.rows_sharding = sharding.batch_sharding(mesh, rules)
         self.row_multiple = batch_parallelism(mesh, rules)

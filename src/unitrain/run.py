@@ -57,10 +57,12 @@ def device_layout(cfg) -> sharding.Layout:
 
 def build_model(cfg, mesh):
     """The mode's model on `mesh`: a scalar-head model where the mode's Task says it trains one
-    (scalar_head), else the model source's causal LM."""
+    (scalar_head), else the model source's causal LM; with lora_rank > 0 under LoRA's adapters."""
     if tasks.task_class(cfg.mode).scalar_head:
-        return scalar_head.build_scalar_model(cfg, mesh, cfg.load_parameters_path)
-    return models.build(cfg, mesh)
+        model = scalar_head.build_scalar_model(cfg, mesh, cfg.load_parameters_path)
+    else:
+        model = models.build(cfg, mesh)
+    return lora.apply(model, cfg, mesh, **_lora_parts(model)) if cfg.lora_rank else model
 
 
 def _lora_parts(model) -> dict:
@@ -80,8 +82,6 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     cfg = vocab.extend(cfg, tokenizer)  # extra_tokens: a wider vocabulary, grown by the model source
     vocab.save_tokenizer(cfg, tokenizer)
     model = build_model(cfg, mesh)
-    if cfg.lora_rank:
-        model = lora.apply(model, cfg, mesh, **_lora_parts(model))
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(f"tokenizer_path has {tokenizer.vocab_size} tokens but the model has {model.vocab_size}")
     graphdef, params = nnx.split(model)
