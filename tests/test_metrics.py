@@ -1,17 +1,15 @@
-"""metrics.py: jsonl + TensorBoard writing, rank-0 gating, resume, progress line, FLOPs, peak, profiler;
-tools/plot_metrics.py."""
+"""metrics.py: jsonl + TensorBoard writing, rank-0 gating, resume, progress line, FLOPs, peak, profiler
+(tools/plot_metrics.py: tests/test_plot_metrics.py)."""
 
 import json
 import math
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -238,118 +236,6 @@ def test_profiler_writes_xplane(tmp_path):
     profiler.close()
     assert active == [False, True, True, False]
     assert list(tb.glob("plugins/profile/*/*.xplane.pb"))
-
-
-def test_plot_metrics(tmp_path, capsys):
-    from plot_metrics import main
-
-    run = tmp_path / "run"
-    run.mkdir()
-    lines = [json.dumps({"step": s, "loss": 3.0 / (s + 1), "learning_rate": 1e-3 * s}) for s in range(20)]
-    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 20, "lo')
-    out = tmp_path / "curves.png"
-    assert main([str(run), "--out", str(out), "--keys", "loss,learning_rate"]) == 0
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main([str(run)]) == 0 and (run / "curves.png").is_file()
-    capsys.readouterr()
-    assert main([str(run), "--keys", "loss,los"]) == 2
-    assert (
-        capsys.readouterr().err.strip()
-        == f"plot_metrics: unknown key 'los' in --keys; {run / 'metrics.jsonl'} has: loss, learning_rate"
-    )
-    assert main([str(tmp_path)]) == 2  # a directory without metrics.jsonl
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools/plot_metrics.py"), str(tmp_path / "missing")], capture_output=True, text=True
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip() == f"plot_metrics: no run directory {tmp_path / 'missing'}"
-    assert main([str(run), "--smoothing", "1"]) == 2
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "pg_clipfrac": 0.1}) + "\n")
-    capsys.readouterr()
-    assert main([str(run)]) == 2 and "none of the dashboard's metrics; name some with --keys" in capsys.readouterr().err
-
-
-def grpo_like_rows(steps=200, eval_every=50):
-    """Metrics lines shaped like a GRPO run's: noisy train series, sparse evals, a copy and a constant."""
-    rng = np.random.default_rng(0)
-    rows = []
-    for s in range(steps):
-        reward = min(1.0, s / steps + 0.1 * rng.standard_normal())
-        rows.append(
-            {
-                "step": s,
-                "loss": 0.1 * rng.standard_normal(),
-                "reward_mean": reward,
-                "reward_exact_match_mean": reward,
-                "response_length_mean": 4,
-                "entropy": 2 - s / steps,
-                "grad_norm": 1 + rng.random(),
-                "learning_rate": 1e-5,
-                "step_time": 0.1 + (s % eval_every == 0),
-                "rollout_tokens_per_sec": 1000 * (1 + 0.1 * rng.random()),
-                "pg_clipfrac": 0.01,
-            }
-        )
-        if (s + 1) % eval_every == 0:
-            rows.append({"step": s, "eval_accuracy": s / steps, "eval_pass_at_4": min(1.0, 2 * s / steps)})
-    return rows
-
-
-def test_dashboard_groups_panels_and_leaves_out_constants_and_copies(tmp_path, capsys):
-    import matplotlib.image
-
-    from plot_metrics import dashboard, main, series
-
-    panels, left_out = dashboard(series(grpo_like_rows()))
-    assert [(p.title, left, right) for p, left, right in panels] == [
-        ("loss", ["loss"], []),
-        ("reward", ["reward_mean"], []),
-        ("eval", ["eval_accuracy", "eval_pass_at_4"], []),
-        ("throughput", ["rollout_tokens_per_sec"], ["step_time"]),
-        ("optimizer", ["grad_norm"], []),
-        ("policy", ["entropy"], []),
-    ]
-    assert left_out == ["reward_exact_match_mean=reward_mean", "learning_rate=1e-05", "response_length_mean=4"]
-
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in grpo_like_rows()))
-    assert main([str(run)]) == 0
-    assert capsys.readouterr().out.splitlines() == [
-        f"wrote {run / 'curves.png'} (panels: loss, reward, eval, throughput, optimizer, policy)",
-        "not in the dashboard (plot them with --keys): pg_clipfrac",
-    ]
-    # Six panels in two columns of 7 x 3.6 inches at 100 dpi.
-    assert matplotlib.image.imread(run / "curves.png").shape[:2] == (1080, 1400)
-
-
-def test_dashboard_draws_smoothed_dense_and_marked_sparse_series():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from plot_metrics import _draw, rolling_median, series, smooth
-
-    rng = np.random.default_rng(1)
-    values = list(rng.standard_normal(100))
-    # References: the debiased moving average written as its weighted sum, and numpy's median per window.
-    w = 0.6
-    expected = [sum(w ** (i - j) * (1 - w) * values[j] for j in range(i + 1)) / (1 - w ** (i + 1)) for i in range(100)]
-    np.testing.assert_allclose(smooth(values, w), expected, rtol=1e-12)
-    np.testing.assert_allclose(
-        rolling_median(values, w), [np.median(values[max(0, i - 2) : i + 3]) for i in range(100)]
-    )
-
-    data = series(grpo_like_rows())
-    fig, ax = plt.subplots()
-    _draw(ax, data, ["loss", "eval_accuracy", "learning_rate"], lambda v: smooth(v, w), 200, iter("rgb"))
-    raw, smoothed, evals, schedule = ax.get_lines()
-    assert raw.get_alpha() == 0.25 and smoothed.get_label() == "loss"
-    np.testing.assert_allclose(smoothed.get_ydata(), smooth([v for _, v in data["loss"]], w))
-    assert evals.get_marker() == "o" and list(evals.get_xdata()) == [49, 99, 149, 199]
-    assert schedule.get_label() == "learning_rate" and schedule.get_alpha() is None  # a schedule is never smoothed
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------- one name per metric in every sink; W&B

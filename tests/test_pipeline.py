@@ -99,6 +99,41 @@ def test_stage_configs(tmp_path):
     assert {s.wandb_group for s in (sft, grpo, evaluate)} == {"pipe"} and grpo.wandb_run_name == "pipe/grpo"
 
 
+def test_a_stage_names_an_earlier_stages_checkpoints(tmp_path):
+    """`stage:<name>` in a `*_path` key: the grpo stage starts from the sft stage, not the rm stage
+    before it, and scores with the rm stage's model; other keys' values are left as written."""
+    rm = {"mode": "rm", "steps": 1}
+    grpo = {
+        **GRPO,
+        "reward": "format,rm",
+        "load_parameters_path": "stage:sft",
+        "reward_model_path": "stage:rm",
+        "format_reward_pattern": "stage:rm",
+    }
+    sft, rm_stage, grpo = pipeline.stage_configs(
+        load_config([recipe(tmp_path, {"name": "sft", **SFT}, {"name": "rm", **rm}, {"name": "grpo", **grpo})])
+    )
+    run = tmp_path / "runs" / "pipe"
+    assert rm_stage.load_parameters_path == sft.checkpoint_dir == f"{run}/sft/checkpoints"  # the stage before
+    assert grpo.load_parameters_path == sft.checkpoint_dir
+    assert grpo.reward_model_path == rm_stage.checkpoint_dir == f"{run}/rm/checkpoints"
+    assert grpo.format_reward_pattern == "stage:rm"
+
+
+@pytest.mark.parametrize("ref, before", [("grpo", "sft"), ("rm", "sft"), ("sft", "none")])
+def test_a_reference_to_no_earlier_stage_is_one_line(tmp_path, capsys, ref, before):
+    stages = [{"name": "sft", **SFT}, {"name": "grpo", **GRPO, "load_parameters_path": f"stage:{ref}"}]
+    if before == "none":
+        stages = [{"name": "sft", **SFT, "load_parameters_path": f"stage:{ref}"}]
+    assert train.main([recipe(tmp_path, *stages)]) == 2
+    name = stages[-1]["name"]
+    assert capsys.readouterr().err.strip() == (
+        f"unitrain: stages: stage '{name}' sets load_parameters_path: stage:{ref}, but no stage before it is "
+        f"named '{ref}' (before it: {before})"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 # A key the config refuses, and a combination only the data format's checks (plugins.check_config) refuse.
 @pytest.mark.parametrize(
     "mistake, named",

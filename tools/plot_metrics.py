@@ -1,14 +1,19 @@
-"""Plot a run's metrics.jsonl as a dashboard PNG: a few grouped panels to read at a glance.
+"""Plot a run's metrics.jsonl as a PNG: a dashboard of grouped panels, or the metrics named, one panel each.
 
-    python tools/plot_metrics.py runs/<name> [--out curves.png] [--smoothing 0.6] [--keys loss,learning_rate]
+    python tools/plot_metrics.py runs/<name> [-o curves.png] [--smoothing 0.6]
+    python tools/plot_metrics.py runs/<name> loss learning_rate [-o curves.png]
+    python tools/plot_metrics.py runs/<pipeline> grpo/rm/score_mean grpo/reward_exact_match_mean
 
-The panels: loss (train and eval overlaid), reward (GRPO, DPO), eval (accuracy, pass@k), throughput
-(tokens/s, s/step), optimizer (grad norm, learning rate) and policy (GRPO entropy, response length);
-a panel without data is left out. Dense train series are drawn raw (faint) and smoothed (an
-exponential moving average, weight --smoothing); sparse ones (evals) as points joined by lines.
-Metrics that never change and exact copies of another metric are left out (named under the
-picture). --keys plots just those keys, one panel each. --out defaults to <run dir>/curves.png.
-A missing run directory or metrics file, or an unknown key, prints one line and exits with status 2.
+The dashboard's panels: loss (train and eval overlaid), reward (GRPO, DPO), eval (accuracy, pass@k),
+throughput (tokens/s, s/step), optimizer (grad norm, learning rate) and policy (GRPO entropy, response
+length); a panel without data is left out. Dense train series are drawn raw (faint) and smoothed (an
+exponential moving average, weight --smoothing, stated in the picture); sparse ones (evals) as points
+joined by lines. Metrics that never change and exact copies of another metric are left out (named
+under the picture). Metrics named on the command line get a panel each, in that order. A `stages:`
+pipeline's run directory (its pipeline.yml) holds no metrics of its own: its stages' are named
+`<stage>/<metric>`.
+-o defaults to <run dir>/curves.png. A missing run directory or metrics file, or an unknown metric
+(the line lists the known ones), prints one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import statistics
 import sys
 from pathlib import Path
 from typing import NamedTuple
+
+import yaml
 
 
 class Panel(NamedTuple):
@@ -53,6 +60,31 @@ def read_metrics(path: Path) -> list[dict]:
         if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
             rows.append(row)
     return rows
+
+
+def stage_dirs(run_dir: Path) -> list[Path]:
+    """The stage directories with metrics of a `stages:` pipeline's run directory (the one holding
+    its pipeline.yml), in the order that lists them; [] for any other directory."""
+    recipe = run_dir / "pipeline.yml"
+    if not recipe.is_file():
+        return []
+    names = [stage["name"] for stage in yaml.safe_load(recipe.read_text()).get("stages", [])]
+    return [run_dir / name for name in names if (run_dir / name / "metrics.jsonl").is_file()]
+
+
+def run_series(run_dir: Path) -> tuple[dict[str, list[tuple[float, float]]], int]:
+    """(series, lines read) of a run directory: its metrics.jsonl's, or a pipeline's stages' with
+    each key prefixed by its stage's name ("grpo/reward_mean")."""
+    stages = stage_dirs(run_dir)
+    if not stages:
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        return series(rows), len(rows)
+    data, lines = {}, 0
+    for stage in stages:
+        rows = read_metrics(stage / "metrics.jsonl")
+        data.update({f"{stage.name}/{key}": values for key, values in series(rows).items()})
+        lines += len(rows)
+    return data, lines
 
 
 def _is_number(v) -> bool:
@@ -108,8 +140,10 @@ def dashboard(data: dict[str, list]) -> tuple[list[tuple[Panel, list[str], list[
     return kept, left_out
 
 
-def _draw(ax, data: dict, keys: list[str], smoother, densest: int, colors, linestyle="-") -> None:
-    """Sparse series as points joined by lines; dense ones raw (faint) under `smoother(values)`."""
+def _draw(ax, data: dict, keys: list[str], smoother, densest: int, colors, linestyle="-") -> dict:
+    """Sparse series as points joined by lines; dense ones raw (faint) under `smoother(values)`.
+    Returns {key: (steps, the values of its labelled line)}: what the picture shows of each key."""
+    drawn = {}
     for key in keys:
         steps, values = zip(*data[key])
         color = next(colors)
@@ -119,7 +153,10 @@ def _draw(ax, data: dict, keys: list[str], smoother, densest: int, colors, lines
             ax.plot(steps, values, linestyle, color=color, linewidth=1.6, label=key)
         else:
             ax.plot(steps, values, linestyle, color=color, alpha=0.25, linewidth=0.8)
-            ax.plot(steps, smoother(list(values)), linestyle, color=color, linewidth=1.6, label=key)
+            values = smoother(list(values))
+            ax.plot(steps, values, linestyle, color=color, linewidth=1.6, label=key)
+        drawn[key] = (list(steps), list(values))
+    return drawn
 
 
 def _robust_ylim(ax, data: dict, keys: list[str], smoother) -> None:
@@ -181,39 +218,41 @@ def plot_dashboard(data: dict, panels: list, left_out: list[str], out: Path, tit
         ax.legend(handles, labels, fontsize=8, loc="best")
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    fig.suptitle(title, fontsize=12)
+    fig.suptitle(f"{title}; {_smoothing_note(smoothing)}", fontsize=11)
     if left_out:
         fig.text(0.01, 0.005, "left out (constant or a copy): " + ", ".join(left_out), fontsize=7, wrap=True)
     fig.tight_layout(rect=(0, 0.03 if left_out else 0, 1, 1))
     _save(fig, out)
 
 
-def plot_keys(data: dict, keys: list[str], out: Path, smoothing: float) -> None:
-    """One panel per key, in the order given."""
+def plot_keys(data: dict, keys: list[str], out: Path, smoothing: float, title: str) -> dict:
+    """One panel per key, in the order given; returns {key: (steps, values drawn)} (`_draw`)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.4 * len(keys)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.4 * len(keys) + 0.5), squeeze=False)
     densest = max(len(v) for v in data.values())
+    drawn = {}
     for ax, key in zip(axes[:, 0], keys):
-        _draw(
-            ax,
-            data,
-            [key],
-            functools.partial(smooth, weight=smoothing),
-            densest,
-            iter(plt.rcParams["axes.prop_cycle"].by_key()["color"]),
-        )
-        ax.set_ylabel(key)
+        colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+        drawn.update(_draw(ax, data, [key], functools.partial(smooth, weight=smoothing), densest, colors))
+        ax.set_ylabel(key, fontsize=9)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
+    fig.suptitle(f"{title}; {_smoothing_note(smoothing)}", fontsize=10)
     fig.tight_layout()
     _save(fig, out)
+    return drawn
+
+
+def _smoothing_note(weight: float) -> str:
+    reach = (1 + weight) / (1 - weight)  # the number of points an EMA of this weight averages over, in effect
+    return f"faint: raw, bold: moving average of weight {weight:g} (about {reach:.0f} steps)"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
-    parser.add_argument("--out", type=Path, help="PNG to write (default: <run_dir>/curves.png)")
-    parser.add_argument("--keys", help="comma-separated keys, one panel each (default: the dashboard)")
+    parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl (or a pipeline's stages)")
+    parser.add_argument("metrics", nargs="*", help="metrics to plot, one panel each (default: the dashboard)")
+    parser.add_argument("-o", "--out", type=Path, help="PNG to write (default: <run_dir>/curves.png)")
     parser.add_argument(
         "--smoothing", type=float, default=0.6, help="moving-average weight in [0, 1) (default 0.6, as TensorBoard)"
     )
@@ -223,40 +262,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot_metrics: {message}", file=sys.stderr)
         return 2
 
-    if not args.run_dir.is_dir():
-        return fail(f"no run directory {args.run_dir}")
-    path = args.run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return fail(f"no metrics file {path}")
+    run = args.run_dir
+    if not run.is_dir():
+        return fail(f"no run directory {run}")
+    stages = stage_dirs(run)
+    if not stages and not (run / "metrics.jsonl").is_file():
+        return fail(f"no metrics file {run / 'metrics.jsonl'}")
     if not 0 <= args.smoothing < 1:
         return fail(f"--smoothing must be in [0, 1), got {args.smoothing}")
-    rows = read_metrics(path)
-    data = series(rows)
+    data, lines = run_series(run)
     if not data:
-        return fail(f"{path} holds no numeric metrics")
-    keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else []
-    if unknown := [k for k in keys if k not in data]:
-        return fail(f"unknown key '{unknown[0]}' in --keys; {path} has: {', '.join(data)}")
+        return fail(f"{run} holds no numeric metrics")
+    if unknown := [k for k in args.metrics if k not in data]:
+        return fail(f"unknown metric '{unknown[0]}'; {run} has: {', '.join(data)}")
+    if stages and not args.metrics:
+        return fail(
+            f"{run} is a pipeline of stages {', '.join(s.name for s in stages)}: name metrics as <stage>/<metric> "
+            f"({', '.join(data)}), or plot a stage's dashboard ({run / stages[-1].name})"
+        )
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return fail("matplotlib is not installed; pip install matplotlib")
-    out = args.out or args.run_dir / "curves.png"
-    if keys:
-        plot_keys(data, keys, out, args.smoothing)
-        print(f"wrote {out} ({len(keys)} keys, {len(rows)} lines)")
+        return fail("matplotlib is not installed; pip install 'unitrain[plot]'")
+    out = args.out or run / "curves.png"
+    if args.metrics:
+        plot_keys(data, args.metrics, out, args.smoothing, f"{run.name}: {lines} lines")
+        print(f"wrote {out} ({len(args.metrics)} metrics, {lines} lines)")
         return 0
     panels, left_out = dashboard(data)
     if not panels:
-        return fail(f"{path} has none of the dashboard's metrics; name some with --keys ({', '.join(data)})")
-    last = max(int(r["step"]) for r in rows)
-    plot_dashboard(
-        data, panels, left_out, out, f"{args.run_dir.name}: {len(rows)} lines, steps 0..{last}", args.smoothing
-    )
+        return fail(f"{run} has none of the dashboard's metrics; name some ({', '.join(data)})")
+    last = max(int(step) for values in data.values() for step, _ in values)
+    plot_dashboard(data, panels, left_out, out, f"{run.name}: {lines} lines, steps 0..{last}", args.smoothing)
     print(f"wrote {out} (panels: {', '.join(panel.title for panel, _, _ in panels)})")
     shown = {k for _, left, right in panels for k in left + right}
     if others := [k for k in data if k not in shown and not any(entry.startswith(f"{k}=") for entry in left_out)]:
-        print(f"not in the dashboard (plot them with --keys): {', '.join(others)}")
+        print(f"not in the dashboard (name them to plot them): {', '.join(others)}")
     return 0
 
 

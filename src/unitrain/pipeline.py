@@ -9,7 +9,11 @@
 Each stage is the recipe with the stage's keys on top, run as `<run_dir>/<name>/` (its own
 config.yml, checkpoints, metrics), starting from the previous stage's final parameters
 (`load_parameters_path` = that stage's checkpoints; the optimizer starts fresh unless the stage
-sets `load_optimizer_state: true`) unless the stage names its own. Every stage's config is built, and so validated, before the first one runs. A stage
+sets `load_optimizer_state: true`) unless the stage names its own. A stage's path key (`*_path`) may
+name an earlier stage's checkpoints as `stage:<name>`: `load_parameters_path: stage:sft` starts a
+later stage from the SFT stage rather than the one before it, `reward_model_path: stage:rm` scores
+with the reward model a mode=rm stage trained. Every stage's config is built, and so validated,
+before the first one runs. A stage
 that finished leaves `<run_dir>/<name>/stage_done`; re-running the command skips those and resumes
 the stage in progress from its latest checkpoint. A key given on the command line wins over every
 stage's own value of it (`steps=10` shortens every stage), as it wins over the recipe's.
@@ -29,6 +33,8 @@ from unitrain.errors import ConfigError
 from unitrain.run import device_layout
 
 log = logging.getLogger("unitrain")
+
+STAGE_REFERENCE = "stage:"  # a stage's `*_path` value "stage:<name>": that earlier stage's checkpoints
 
 
 def stage_configs(cfg) -> list:
@@ -57,7 +63,7 @@ def stage_configs(cfg) -> list:
         own = {k: v for k, v in stage.items() if k != "name"}
         if bad := sorted(set(own) & {"stages", "run_name", "base_output_directory"}):
             raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
-        own = _without_command_line_keys(cfg, name, own)
+        own = _without_command_line_keys(cfg, name, _resolve_stage_references(name, own, stages))
         try:
             stage_cfg = cfg.replace(**changes).replace(f"from the stages of {recipe}", **own)
             plugins.check_config(stage_cfg)
@@ -66,6 +72,23 @@ def stage_configs(cfg) -> list:
             raise ConfigError(f"stage '{name}' ({where}): {e}") from None
         stages.append(stage_cfg)
     return stages
+
+
+def _resolve_stage_references(name: str, own: dict, earlier: list) -> dict:
+    """The stage's keys with each `*_path` value "stage:<name>" replaced by that earlier stage's
+    checkpoint directory; a name that is not an earlier stage's is one line."""
+    done = {stage.run_name: stage.checkpoint_dir for stage in earlier}
+    resolved = dict(own)
+    for key, value in own.items():
+        if key.endswith("_path") and isinstance(value, str) and value.startswith(STAGE_REFERENCE):
+            ref = value.removeprefix(STAGE_REFERENCE)
+            if ref not in done:
+                raise ConfigError(
+                    f"stages: stage '{name}' sets {key}: {value}, but no stage before it is named '{ref}' "
+                    f"(before it: {', '.join(done) or 'none'})"
+                )
+            resolved[key] = done[ref]
+    return resolved
 
 
 def _without_command_line_keys(cfg, name: str, own: dict) -> dict:
