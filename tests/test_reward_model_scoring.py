@@ -42,14 +42,15 @@ def rm_cfg(path, **overrides):
 
 def transformers_scores(path, prompts, completions, chat=True, max_length=None):
     """[N] the HF classifier's logits of each text, rendered as the reward renders it: the chat
-    template's conversation (or the plain text), tokenized by the HF tokenizer alone, unpadded."""
+    template's conversation (or the plain text and EOS, as TRL's RewardTrainer trains on it),
+    tokenized by the HF tokenizer alone, unpadded."""
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     for p, c in zip(prompts, completions):
         conv = [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
         text = tok.apply_chat_template(conv, tokenize=False) if chat else p + c
-        ids = tok(text, add_special_tokens=not chat)["input_ids"]
+        ids = tok(text, add_special_tokens=not chat)["input_ids"] + ([] if chat else [tok.eos_token_id])
         with torch.no_grad():
             out.append(float(model(torch.tensor([ids])).logits[0, 0]))
     return np.asarray(out, np.float32)

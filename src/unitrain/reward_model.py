@@ -87,7 +87,9 @@ class RewardModelScorer:
         self.tokenizer = load_tokenizer(*_tokenizer_source(cfg), cfg.trust_remote_code)
         self.chat = cfg.reward_model_chat_template and self.tokenizer.has_chat_template
         if cfg.reward_model_chat_template and not self.chat:
-            log.info("reward model: its tokenizer has no chat template; it scores the prompt text + the completion")
+            log.info(
+                "reward model: its tokenizer has no chat template; it scores the prompt text + the completion + EOS"
+            )
         check_fits(cfg, mesh, rules)
         model = build_scalar_model(cfg, mesh, cfg.reward_model_path, require_classifier=True)
         graphdef, params = nnx.split(model)
@@ -123,7 +125,10 @@ class RewardModelScorer:
             text = self.tokenizer.render_chat(turns, add_generation_prompt=False)
         else:
             text = prompt + completion
-        ids = self._ids(text)
+        # Plain text ends in EOS, as mode=rm's preference rows (and TRL's RewardTrainer's) end: the
+        # score is read at the position the reward model was trained to score, not at the answer's last token.
+        end = [] if self.chat or self.tokenizer.eos_id is None else [self.tokenizer.eos_id]
+        ids = self._ids(text) + end
         if len(ids) <= self.max_length:
             return ids, False
         at = text.find(prompt) if prompt else -1
