@@ -109,6 +109,7 @@ def test_a_stage_names_an_earlier_stages_checkpoints(tmp_path):
         "load_parameters_path": "stage:sft",
         "reward_model_path": "stage:rm",
         "format_reward_pattern": "stage:rm",
+        "reward_weights": [1.0, 0.5],  # a list, as the config's rule wants it (the recipe's values are frozen)
     }
     sft, rm_stage, grpo = pipeline.stage_configs(
         load_config([recipe(tmp_path, {"name": "sft", **SFT}, {"name": "rm", **rm}, {"name": "grpo", **grpo})])
@@ -117,7 +118,7 @@ def test_a_stage_names_an_earlier_stages_checkpoints(tmp_path):
     assert rm_stage.load_parameters_path == sft.checkpoint_dir == f"{run}/sft/checkpoints"  # the stage before
     assert grpo.load_parameters_path == sft.checkpoint_dir
     assert grpo.reward_model_path == rm_stage.checkpoint_dir == f"{run}/rm/checkpoints"
-    assert grpo.format_reward_pattern == "stage:rm"
+    assert grpo.format_reward_pattern == "stage:rm" and grpo.reward_weights == (1.0, 0.5)
 
 
 @pytest.mark.parametrize("ref, before", [("grpo", "sft"), ("rm", "sft"), ("sft", "none")])

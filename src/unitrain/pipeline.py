@@ -42,7 +42,7 @@ def stage_configs(cfg) -> list:
     in any is one line naming the stage."""
     stages, names = [], set()
     recipe = cfg.origin("stages").removeprefix("from ")  # "configs/x.yml line 3"
-    for i, stage in enumerate(cfg.stages):
+    for i, stage in enumerate(cfg.to_dict()["stages"]):  # thawed: a stage's list values are lists again
         where = f"stage {i + 1} of {len(cfg.stages)}"
         if not isinstance(stage, dict) or not isinstance(stage.get("name"), str) or not stage["name"].strip():
             raise ConfigError(f"stages: {where} must be a mapping with a non-empty 'name' and the keys it overrides")
