@@ -191,3 +191,38 @@ def test_a_stage_that_fails_before_it_starts_leaves_no_run_directory(tmp_path, c
     assert train.main([path]) == 2
     assert "absent.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # no pipeline.yml, no empty stage directory
+
+
+SFT_RM_GRPO = str(REPO / "configs" / "sft_rm_grpo.yml")
+
+
+def test_the_sft_rm_grpo_recipe_validates_every_stage():
+    sft, rm, grpo = pipeline.stage_configs(load_config([SFT_RM_GRPO]))
+    assert (sft.mode, rm.mode, grpo.mode) == ("sft", "rm", "grpo")
+    assert rm.load_parameters_path == sft.checkpoint_dir  # the reward model starts from the SFT backbone
+    assert grpo.load_parameters_path == sft.checkpoint_dir == "runs/sft_rm_grpo/sft/checkpoints"  # not rm's
+    assert grpo.reward_model_path == rm.checkpoint_dir == "runs/sft_rm_grpo/rm/checkpoints"
+    assert (grpo.reward, grpo.reward_weights) == ("exact_match,rm", (0.0, 1.0))
+
+
+def test_the_sft_rm_grpo_recipe_runs_end_to_end_and_plots(tmp_path, capsys):
+    """Two steps a stage: the grpo stage scores with the rm stage's model, trains on its score alone
+    (reward_mean is the rm score, weight 1) and logs exact_match beside it at weight 0."""
+    from plot_metrics import main as plot
+
+    short = ["steps=2", "eval_interval=0", "rollout_batch_size=4", "n_samples_per_prompt=4", "per_device_batch_size=2"]
+    assert train.main([SFT_RM_GRPO, f"base_output_directory={tmp_path}", *short]) == 0
+    run = tmp_path / "sft_rm_grpo"
+    assert all((run / stage / "stage_done").read_text() == "2\n" for stage in ("sft", "rm", "grpo"))
+    rm_steps = [line for line in map(json.loads, open(run / "rm" / "metrics.jsonl")) if "accuracy" in line]
+    assert [line["step"] for line in rm_steps] == [0, 1]
+    grpo_steps = [line for line in map(json.loads, open(run / "grpo" / "metrics.jsonl")) if "loss" in line]
+    assert [line["step"] for line in grpo_steps] == [0, 1]
+    for line in grpo_steps:
+        assert 0 <= line["reward_exact_match_mean"] <= 1 and line["rm/score_std"] > 0
+        assert line["reward_rm_mean"] == pytest.approx(line["rm/score_mean"], abs=1e-5)
+        assert line["reward_mean"] == pytest.approx(0.0 * line["reward_exact_match_mean"] + line["reward_rm_mean"])
+    capsys.readouterr()
+    out = tmp_path / "curves.png"
+    assert plot([str(run), "grpo/rm/score_mean", "grpo/reward_exact_match_mean", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -59,10 +59,11 @@ def test_plot_metrics(tmp_path, capsys):
 
 def pipeline_run(tmp_path, steps=60):
     """A fabricated `stages:` run directory: sft and grpo stages with metrics, pipeline.yml naming them
-    (grpo first, to show its order is the one kept), and a stage that never wrote metrics."""
+    (grpo first, to show its order is the one kept), and a stage that never wrote metrics. The sft
+    stage has many more steps than grpo's (as a mode=rm stage has): grpo's series are still dense."""
     rng = np.random.default_rng(0)
     run = tmp_path / "pipe"
-    write_metrics(run / "sft", [{"step": s, "loss": 2.0 - s / 100} for s in range(40)])
+    write_metrics(run / "sft", [{"step": s, "loss": 2.0 - s / 1000} for s in range(400)])
     grpo = [
         {
             "step": s,
@@ -84,7 +85,7 @@ def test_a_pipelines_stages_are_read_as_stage_slash_metric(tmp_path):
     assert stage_dirs(run) == [run / "grpo", run / "sft"]  # pipeline.yml's order; export wrote no metrics
     assert stage_dirs(run / "grpo") == []  # a stage is a run of its own
     data, lines = run_series(run)
-    assert lines == 40 + 60 + 3
+    assert lines == 400 + 60 + 3
     assert list(data) == [
         "grpo/rm/score_mean",
         "grpo/reward_exact_match_mean",
@@ -112,7 +113,7 @@ def test_the_named_metrics_are_drawn_smoothed_or_as_points(tmp_path, capsys):
     assert matplotlib.image.imread(tmp_path / "out.png").shape[:2] == (770, 800)
 
     assert main([str(run), *keys, "-o", str(tmp_path / "cli.png"), "--smoothing", "0.8"]) == 0
-    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'cli.png'} (3 metrics, 103 lines)"
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'cli.png'} (3 metrics, 463 lines)"
 
 
 def test_a_pipelines_bad_input_is_one_line(tmp_path, capsys):

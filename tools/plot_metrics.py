@@ -226,10 +226,12 @@ def plot_dashboard(data: dict, panels: list, left_out: list[str], out: Path, tit
 
 
 def plot_keys(data: dict, keys: list[str], out: Path, smoothing: float, title: str) -> dict:
-    """One panel per key, in the order given; returns {key: (steps, values drawn)} (`_draw`)."""
+    """One panel per key, in the order given; returns {key: (steps, values drawn)} (`_draw`). Sparse
+    is judged against the densest key drawn: a pipeline's other stages (a long mode=rm stage) may
+    have many more steps."""
     plt = _pyplot()
     fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.4 * len(keys) + 0.5), squeeze=False)
-    densest = max(len(v) for v in data.values())
+    densest = max(len(data[k]) for k in keys)
     drawn = {}
     for ax, key in zip(axes[:, 0], keys):
         colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
