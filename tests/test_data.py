@@ -189,14 +189,31 @@ def test_over_long_examples_are_counted(tmp_path, policy):
 
 
 def test_builtin_task_splits():
-    train = {builtin_problem(i, "train", 2)[0] for i in range(300)}
-    evals = {builtin_problem(i, "eval", 2)[0] for i in range(300)}
+    train = {builtin_problem(i, "train", 2, "+-*")[0] for i in range(300)}
+    evals = {builtin_problem(i, "eval", 2, "+-*")[0] for i in range(300)}
     assert not train & evals and {problem_split(p) for p in evals} == {"eval"}
-    for prompt, answer in (builtin_problem(i, "eval", 3) for i in range(50)):
+    for prompt, answer in (builtin_problem(i, "eval", 3, "+-*") for i in range(50)):
         assert str(eval(prompt[:-1])) == answer  # noqa: S307 - arithmetic on generated digits only
     b = next(make_sft_iterator(make_cfg(max_target_length=32), TOK, 4, split="eval"))
     text = TOK.decode(b["inputs"][0], skip_special_tokens=True)
     assert "=" in text
+
+
+def test_builtin_task_ops_draw_only_those_operators():
+    for ops in ("+", "-*", "+-"):
+        problems = [builtin_problem(i, "train", 2, ops) for i in range(200)]
+        used = {next(c for c in prompt[1:] if c in "+-*") for prompt, _ in problems}
+        assert used == set(ops)
+        assert all(str(eval(prompt[:-1])) == answer for prompt, answer in problems)  # noqa: S307
+    b = next(make_sft_iterator(make_cfg(max_target_length=32, builtin_task_ops="+"), TOK, 8))
+    texts = [TOK.decode(row, skip_special_tokens=True) for row in b["inputs"]]
+    assert all("+" in t and "*" not in t for t in texts if "=" in t)
+
+
+@pytest.mark.parametrize("value", ["", "+/", "++", "x"])
+def test_builtin_task_ops_refuses_other_operators(value):
+    with pytest.raises(ConfigError, match="builtin_task_ops"):
+        make_cfg(builtin_task_ops=value)
 
 
 def test_synthetic_rows_are_full():

@@ -316,7 +316,7 @@ def _replay(env, record, demo, fmt="hermes") -> float:
 def test_calculator_demonstrations_replay_to_reward_one(fmt):
     env = CalculatorEnvironment(exact)
     for index in range(50):
-        prompt, label = builtin_problem(index, "train", digits=3)
+        prompt, label = builtin_problem(index, "train", digits=3, ops="+-*")
         record = {"prompt": prompt, "label": label}
         demo = env.demonstration(record)
         assert [m["role"] for m in demo] == ["user", "assistant", "tool", "assistant"]

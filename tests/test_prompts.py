@@ -164,7 +164,7 @@ def test_eval_prompts_fixed_order_and_disjoint_from_train(tmp_path):
     first = eval_prompts(cfg, TOK, 64)
     assert first == eval_prompts(cfg, TOK, 64) and len(first) == 64
     assert [(p.text, p.label) for p in first] == [
-        builtin_problem(i, "eval", cfg.builtin_task_digits) for i in range(64)
+        builtin_problem(i, "eval", cfg.builtin_task_digits, cfg.builtin_task_ops) for i in range(64)
     ]
     assert all(problem_split(p.text) == "eval" and list(p.ids) == [TOK.bos_id, *TOK.encode(p.text)] for p in first)
     train = set(texts(take(make_prompt_iterator(cfg, TOK, 64), 8)))

@@ -185,6 +185,10 @@ RULES: dict[str, Rule] = {
     "truncation": choices("truncate", "drop"),
     "num_epochs": optional(POSITIVE_INT),
     "builtin_task_digits": POSITIVE_INT,
+    "builtin_task_ops": Rule(
+        lambda v: isinstance(v, str) and v and set(v) <= set("+-*") and len(set(v)) == len(v),
+        "one or more of the operators + - * (each once), e.g. +-*",
+    ),
     "data_shards": POSITIVE_INT,
     "log_period": POSITIVE_INT,
     "profiler": Rule(lambda v: v in ("", "xplane"), '"" (off) or xplane'),

@@ -125,9 +125,9 @@ def _message(m: dict) -> dict:
     return {"role": m["role"], "content": m["content"]}
 
 
-def builtin_pair(index: int, split: str, digits: int) -> dict:
+def builtin_pair(index: int, split: str, digits: int, ops: str) -> dict:
     """Problem `index` of the built-in task as a pair: the right answer and a wrong one near it."""
-    prompt, answer = builtin_problem(index, split, digits)
+    prompt, answer = builtin_problem(index, split, digits, ops)
     rng = np.random.default_rng([SPLITS[split], index, 1 << 20])
     wrong = int(answer) + int(rng.integers(1, 10)) * (1 if rng.integers(0, 2) else -1)
     return {"prompt": prompt, "chosen": answer, "rejected": str(wrong)}
@@ -141,7 +141,9 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
                 f"max_target_length={cfg.max_target_length} is too short for the built-in task with "
                 f"builtin_task_digits={digits}; it needs {max_builtin_length(digits)}"
             )
-        return grain.MapDataset.range(NUM_PROBLEMS).map(lambda i: builtin_pair(int(i), split, digits))
+        return grain.MapDataset.range(NUM_PROBLEMS).map(
+            lambda i: builtin_pair(int(i), split, digits, cfg.builtin_task_ops)
+        )
     if path == "synthetic":
         key = "dataset_path" if split == "train" else "eval_dataset_path"
         raise ConfigError(

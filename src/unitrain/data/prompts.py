@@ -68,10 +68,10 @@ def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict
 def _records(cfg, split: str, path: str) -> grain.MapDataset:
     """The split's {prompt, label} records (the data format's, for files)."""
     if path == "builtin":
-        digits = cfg.builtin_task_digits
+        digits, ops = cfg.builtin_task_digits, cfg.builtin_task_ops
 
         def problem(i):
-            prompt, answer = builtin_problem(int(i), split, digits)
+            prompt, answer = builtin_problem(int(i), split, digits, ops)
             return {"prompt": prompt, "label": answer}
 
         return grain.MapDataset.range(NUM_PROBLEMS).map(problem)

@@ -143,11 +143,11 @@ def split_path(cfg, split: str) -> str:
 def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
     """The split's raw records: {prompt, completion}, {messages} (the data format's) or {ids} (synthetic)."""
     if path == "builtin":
-        digits, stream = cfg.builtin_task_digits, split
+        digits, ops, stream = cfg.builtin_task_digits, cfg.builtin_task_ops, split
         demonstration = _demonstrations(cfg)
 
         def problem(i):
-            prompt, answer = builtin_problem(int(i), stream, digits)
+            prompt, answer = builtin_problem(int(i), stream, digits, ops)
             return demonstration(prompt, answer) if demonstration else {"prompt": prompt, "completion": answer}
 
         return grain.MapDataset.range(NUM_PROBLEMS).map(problem)
