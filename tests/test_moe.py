@@ -309,3 +309,26 @@ def test_sft_on_a_tiny_moe_trains_and_logs_the_router_terms(tmp_path):
         np.testing.assert_allclose(line["loss"], line["nll"] + router, rtol=1e-5)
     first, last = np.mean([s["nll"] for s in steps[:5]]), np.mean([s["nll"] for s in steps[-5:]])
     assert last < 0.7 * first
+
+
+def test_shared_prefix_forward_equals_the_plain_one_and_counts_each_prompt_once():
+    """GRPO's shared-prompt forward on an MoE: the hidden states of hidden_states, and router stats
+    over each group's prompt once plus every completion, in every layer."""
+    from test_model import grpo_rows
+
+    model = sharp_moe(MOE_CFG)
+    rng = np.random.default_rng(0)
+    P, C, n = 8, 6, 3
+    tokens, positions, segments = grpo_rows(rng, [rng.integers(1, 128, size) for size in (8, 3)], n, P, C, 128)
+
+    def shared(model):
+        with moe.collect_router_stats() as collected:
+            hidden = model.hidden_states_shared_prefix(tokens, positions, segments, P, n)
+        return hidden, sum(jnp.sum(s.tokens) for s in collected)
+
+    hidden, counted = nnx.jit(shared)(model)
+    plain = nnx.jit(lambda m: m.hidden_states(tokens, positions, segments))(model)
+    real = segments > 0
+    np.testing.assert_allclose(np.asarray(hidden)[real], np.asarray(plain)[real], rtol=1e-4, atol=1e-3)
+    once = segments[::n, :P].sum() + segments[:, P:].sum()
+    assert float(counted) == MOE_CFG.num_decoder_layers * once
