@@ -332,3 +332,21 @@ def test_shared_prefix_forward_equals_the_plain_one_and_counts_each_prompt_once(
     np.testing.assert_allclose(np.asarray(hidden)[real], np.asarray(plain)[real], rtol=1e-4, atol=1e-3)
     once = segments[::n, :P].sum() + segments[:, P:].sum()
     assert float(counted) == MOE_CFG.num_decoder_layers * once
+
+
+def test_unrolled_and_rematerialised_stacks_give_the_scanned_forward_and_router_stats():
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, 128, (2, 12)))
+    positions, segments = jnp.broadcast_to(jnp.arange(12), (2, 12)), jnp.ones((2, 12), jnp.int32)
+
+    def forward(model):
+        with moe.collect_router_stats() as collected:
+            hidden = model.hidden_states(tokens, positions, segments)
+        return hidden, moe.router_losses(collected)
+
+    graphdef, params = nnx.split(sharp_moe(MOE_CFG))
+    want = nnx.jit(forward)(nnx.merge(graphdef, params))
+    for changes in (dict(scan_layers=False), dict(remat_policy="full")):
+        model = nnx.merge(nnx.graphdef(decoder.create(dataclasses.replace(MOE_CFG, **changes))), params)
+        got = nnx.jit(forward)(model)
+        jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-4), got, want)
