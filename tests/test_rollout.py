@@ -304,6 +304,7 @@ def test_prefill_runs_the_output_head_on_the_last_column_only():
         params=nnx.to_pure_dict(params),
         decode=model.decode_weights(),
         block=programs.left_padded(PROMPTS, B, P, pad_id=0),
+        budgets=np.full((B,), N, np.int32),
         stop_ids=np.zeros((0,), np.int32),
         temperature=np.float32(1.0),
         top_p=np.float32(1.0),

@@ -135,7 +135,8 @@ class BeamKey:
     width: int  # W
     sample: bool
     constrained: bool  # to a trie
-    row_buckets: tuple[int, ...] = ()  # rows (B*W first) its finished prompts' beams are compacted out of; (B*W,): none
+    # The row counts (B*W first) the rows of the prompts still searching are compacted into; () or (B*W,): none.
+    row_buckets: tuple[int, ...] = ()
 
     def name(self) -> str:
         """The program's name in the compile log."""

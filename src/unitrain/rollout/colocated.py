@@ -134,7 +134,8 @@ class GenerateKey:
     greedy: bool
     top_k: int  # 0: off
     use_top_p: bool
-    row_buckets: tuple[int, ...] = ()  # the row counts the decode compacts its running rows into, B first; (B,): none
+    # The row counts the decode compacts its running rows into, B first; () or (B,): no compaction.
+    row_buckets: tuple[int, ...] = ()
 
     def phase_ends(self) -> list[int]:
         return phase_ends(self.new_tokens, self.cache_phases)

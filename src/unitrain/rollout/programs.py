@@ -122,7 +122,7 @@ def compacted(model, state, step, *, buckets, group: int, running, stop: int, fi
 def first_bucket_done(state, buckets, group: int, running):
     """Whether the rows still running fit the second of `buckets` (its compaction's first move):
     where the caller's loops over all its rows hand over to `compacted`. Without compaction, none run."""
-    return jnp.sum(running(state)) * group <= (*buckets, 0)[1]
+    return jnp.sum(running(state)) * group <= (buckets[1] if len(buckets) > 1 else 0)
 
 
 def gumbel_noise(key, rows, vocab: int):
