@@ -91,7 +91,7 @@ def test_compacted_decode_equals_uncompacted(kw):
     sampling = SamplingParams(12, stop_token_ids=STOPS, row_budgets=BUDGETS, **kw)
     out = sample(1, sampling)
     assert_same(out, sample(0, sampling))
-    assert (out.lengths <= BUDGETS).all() and out.lengths.max() == 12
+    assert (out.lengths <= BUDGETS).all() and len(set(out.lengths.tolist())) >= 4  # rows ended apart: compaction ran
     assert np.all((out.lengths == BUDGETS) | np.isin(out.tokens[np.arange(8), out.lengths - 1], STOPS))
 
 

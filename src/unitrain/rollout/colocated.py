@@ -36,7 +36,14 @@ XLA:CPU allocates a call's temporaries in.
 The decode runs in `cache_phases` loops over near-equal spans of the N tokens, the KV cache grown
 by empty columns at each one's start: attention reads the prompt and the tokens so far rounded up
 to the phase's end, not all P + N columns (the more new tokens, the more it saves). Each phase
-compiles its own loop body, so compile time grows with their number. Figures: docs/PERFORMANCE.md.
+compiles its own loop body, so compile time grows with their number.
+
+A row ends at a stop token or at its budget (SamplingParams.row_budgets, else N). With compaction
+(`rollout_compaction`: the fewest rows it compacts into) the phases stop once the rows still running
+fit the next smaller row bucket, and from there the running rows decode in ever smaller buckets
+(programs.compacted), so that ended rows stop costing: one more loop body per bucket. Each row's
+noise is drawn by its index in the call, so a compacted row draws the tokens it would have drawn
+uncompacted. Figures: docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
