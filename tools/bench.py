@@ -485,12 +485,14 @@ def long_tail_budgets(rows: int, new_tokens: int, seed: int) -> tuple[int, ...]:
     """Per-row token budgets of a long-tailed round: one row in 16 (at least one) runs to `new_tokens`,
     the others draw geometric lengths of mean new_tokens / 8 (capped at new_tokens)."""
     rng = np.random.default_rng(seed)
-    budgets = np.minimum(new_tokens, rng.geometric(8 / new_tokens, rows))
+    budgets = np.minimum(new_tokens, rng.geometric(min(1.0, 8 / new_tokens), rows))
     budgets[rng.permutation(rows)[: max(1, rows // 16)]] = new_tokens
     return tuple(int(b) for b in budgets)
 
 
-def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int, long_tail: bool) -> dict:
+def bench_sampler(
+    cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int, long_tail: bool = False
+) -> dict:
     """Tokens/s of the configured sampler: `batch` prompts of `prompt_len` random ids, `new_tokens`
     each, no stop token (every row runs to the end); a call is timed from the ids to decoded text.
 
@@ -562,7 +564,7 @@ def timed_generate(sampler, prompts, sampling, key, tokenizer):
 
 
 def bench_sampler_against(
-    cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int, long_tail: bool
+    cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int, long_tail: bool = False
 ) -> dict:
     """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys (with
     `long_tail`, the same long_tail_budgets)."""
