@@ -4,6 +4,7 @@
     python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler|rm_score] [--out mem.json]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --against rollout_cache_phases=1
+    python tools/bench.py [CONFIG_YML] --mode sampler --batch 64 --new-tokens 256 --long-tail --against rollout_compaction=0
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
     python tools/bench.py [CONFIG_YML] model_name=qwen2.5-0.5b mode=grpo sampler=mesh rollout_devices=4 --mode push
 
@@ -15,6 +16,9 @@ With `--against key=value` (repeatable) it times instead the configured sampler 
 the config with those overrides (B) in turn, A B A B, in one process, on the same prompts and keys:
 each one's median, B's speedup as the median of the pairs' A/B time ratios (side by side, so less
 at the mercy of a shared machine's drift than two runs), and whether both drew the same tokens.
+With `--long-tail` every row has its own token budget (SamplingParams.row_budgets: one row in 16
+runs to --new-tokens, the others geometric lengths of mean --new-tokens / 8): the round that decode
+compaction (rollout_compaction) is for; tokens/s counts the budgets' sum.
 --mode grpo times `--steps` whole GRPO steps (rollout, rewards, advantages, logprobs, update) on
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
 its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
@@ -83,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -470,27 +475,41 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return np.random.default_rng(seed).integers(1, vocab, (n, length)).tolist()
 
 
-def rollout_sampling(cfg, new_tokens: int) -> SamplingParams:
-    """The config's rollout sampling flags, `new_tokens` per row and no stop token."""
-    return SamplingParams.from_config(cfg, stop_token_ids=(), max_new_tokens=new_tokens)
+def rollout_sampling(cfg, new_tokens: int, budgets: tuple[int, ...] = ()) -> SamplingParams:
+    """The config's rollout sampling flags, `new_tokens` per row (or each row's of `budgets`) and no stop token."""
+    sampling = SamplingParams.from_config(cfg, stop_token_ids=(), max_new_tokens=new_tokens)
+    return dataclasses.replace(sampling, row_budgets=budgets)
 
 
-def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
+def long_tail_budgets(rows: int, new_tokens: int, seed: int) -> tuple[int, ...]:
+    """Per-row token budgets of a long-tailed round: one row in 16 (at least one) runs to `new_tokens`,
+    the others draw geometric lengths of mean new_tokens / 8 (capped at new_tokens)."""
+    rng = np.random.default_rng(seed)
+    budgets = np.minimum(new_tokens, rng.geometric(min(1.0, 8 / new_tokens), rows))
+    budgets[rng.permutation(rows)[: max(1, rows // 16)]] = new_tokens
+    return tuple(int(b) for b in budgets)
+
+
+def bench_sampler(
+    cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int, long_tail: bool = False
+) -> dict:
     """Tokens/s of the configured sampler: `batch` prompts of `prompt_len` random ids, `new_tokens`
     each, no stop token (every row runs to the end); a call is timed from the ids to decoded text.
 
     The decode step's time is the call's minus a one-token call's (the prefill and set-up), over
     the other new_tokens - 1 tokens; its bytes are what one decode step reads at least: every
     weight in the compute dtype and the KV cache its phase attends over (rollout_cache_phases),
-    averaged over the steps.
+    averaged over the steps. With `long_tail` each row samples its long_tail_budgets tokens (a
+    long-tailed round) and the decode step is not split off.
     """
     run, state = build_run(cfg.replace(eval_interval=0))
     sampler = rollout.make_sampler(run)
     sampler.update_weights(state["params"], 0)
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
+    budgets = long_tail_budgets(batch, new_tokens, cfg.seed) if long_tail else ()
 
     def timed_calls(n_new: int) -> tuple[list[float], int]:
-        sampling = rollout_sampling(cfg, n_new)
+        sampling = rollout_sampling(cfg, n_new, budgets if n_new == new_tokens else ())
         times, generated = [], set()
         for i in range(warmup + reps):
             seconds, out = timed_generate(sampler, prompts, sampling, jax.random.key(i), run.tokenizer)
@@ -514,7 +533,9 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
         "device_kind": jax.devices()[0].device_kind,
         "num_devices": run.mesh.size,
     }
-    if new_tokens > 1 and hasattr(sampler, "block_shape"):  # the JAX samplers' decode step
+    if long_tail:
+        result["row_budgets"] = budgets
+    elif new_tokens > 1 and hasattr(sampler, "block_shape"):  # the JAX samplers' decode step
         first = statistics.median(timed_calls(1)[0])
         step_time = (median - first) / (new_tokens - 1)
         rows, columns = sampler.block_shape(batch, prompt_len)
@@ -542,14 +563,18 @@ def timed_generate(sampler, prompts, sampling, key, tokenizer):
     return time.perf_counter() - start, out
 
 
-def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
-    """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys."""
+def bench_sampler_against(
+    cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int, long_tail: bool = False
+) -> dict:
+    """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys (with
+    `long_tail`, the same long_tail_budgets)."""
+    budgets = long_tail_budgets(batch, new_tokens, cfg.seed) if long_tail else ()
     runs = [build_run(c.replace(eval_interval=0)) for c in (cfg, cfg_b)]  # each compiles its own programs
     samplers = []
     for (run, state), c in zip(runs, (cfg, cfg_b)):
         sampler = rollout.make_sampler(run)
         sampler.update_weights(state["params"], 0)
-        samplers.append((sampler, rollout_sampling(c, new_tokens)))
+        samplers.append((sampler, rollout_sampling(c, new_tokens, budgets)))
     tokenizer = runs[0][0].tokenizer
     prompts = random_prompts(batch, prompt_len, runs[0][0].model.vocab_size, cfg.seed)
     times, same = ([], []), True
@@ -563,12 +588,13 @@ def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: i
     for sampler, _ in samplers:
         close(sampler)
     a, b = (t[warmup:] for t in times)
-    tokens = batch * new_tokens
+    tokens = sum(budgets) if long_tail else batch * new_tokens  # no stop token: every row runs to its budget
     return {
         "mode": "sampler",
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
+        "row_budgets": budgets,
         "tokens_per_sec": tokens / statistics.median(a),
         "call_times": a,
         "against": {
@@ -728,6 +754,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64, help="sampler, grpo: prompt ids")
     parser.add_argument("--new-tokens", type=int, default=128, help="sampler, grpo: tokens generated per completion")
     parser.add_argument(
+        "--long-tail",
+        action="store_true",
+        help="sampler: a long-tailed round, each row its own token budget (1 in 16 rows runs to --new-tokens)",
+    )
+    parser.add_argument(
         "--topology",
         metavar="NAME",
         help="with --compile-only: compile for this TPU slice (JAX's name, e.g. v5e:2x2) ahead of time",
@@ -764,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_mode(opts, args: list[str]) -> dict:
     """The result of the benchmark or compile the options ask for."""
     cfg = load_config(args)
+    if opts.long_tail and (opts.mode != "sampler" or opts.compile_only):
+        raise ConfigError("--long-tail times a long-tailed sampler round: --mode sampler, without --compile-only")
     if opts.against and (opts.mode != "sampler" or opts.compile_only):
         raise ConfigError("--against times two samplers side by side: --mode sampler, without --compile-only")
     if opts.compile_only and opts.mode == "push":
@@ -791,9 +824,10 @@ def run_mode(opts, args: list[str]) -> dict:
             opts.new_tokens,
             opts.steps,
             opts.warmup,
+            opts.long_tail,
         )
     if opts.mode == "sampler":
-        return bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
+        return bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup, opts.long_tail)
     if opts.compile_only:
         return compile_only(cfg.replace(mode=opts.mode) if opts.mode == "grpo" else cfg)
     if opts.mode == "grpo":

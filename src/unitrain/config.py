@@ -226,6 +226,7 @@ RULES: dict[str, Rule] = {
     "rollout_top_p": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
     "rollout_top_k": NON_NEGATIVE,
     "rollout_cache_phases": POSITIVE_INT,
+    "rollout_compaction": NON_NEGATIVE_INT,
     "advantage_estimator": choices(*ADV_ESTIMATORS),
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),

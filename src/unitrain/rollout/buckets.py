@@ -27,6 +27,13 @@ def bucket_batch_size(n: int, multiple: int = 1) -> int:
     return -(-b // multiple) * multiple
 
 
+def row_buckets(rows: int, multiple: int = 1) -> list[int]:
+    """Every row bucket of at most `rows` rows (a bucket itself), largest first: the shapes a decode
+    of `rows` rows compacts its live rows into."""
+    sizes = {bucket_batch_size(n, multiple) for n in range(1, rows + 1)}
+    return sorted({rows} | {b for b in sizes if b <= rows}, reverse=True)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
