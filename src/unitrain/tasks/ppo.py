@@ -63,11 +63,12 @@ CRITIC_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "loss_mask", 
 
 def critic_values(graphdef, params, batch, columns: int):
     """The critic's value of the state before each completion token, float32 [rows, columns]: its
-    output at the column that predicts the token (the prompt ends at column P = width - columns)."""
+    output at the column that predicts the token (the prompt ends at column P = width - columns;
+    packed rows, P = 0: every column's, aligned with the targets)."""
     critic = nnx.merge(graphdef, params)
     values = critic(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])[..., 0]
     start = batch["inputs"].shape[1] - columns - 1
-    return values[:, start : start + columns]
+    return values[:, start : start + columns] if start >= 0 else values
 
 
 def value_pass(graphdef, params, batch) -> dict:
@@ -143,6 +144,7 @@ class PPOTask(GRPOTask):
             cfg.value_clip,
             cfg.loss_agg_mode,
             horizon=self.policy_loss_config.horizon,
+            sequences=losses.packed_sequences(batch["inputs_segmentation"]) if self.packing else losses.ROWS,
         )
         return loss_sum, (denom, metrics)
 
