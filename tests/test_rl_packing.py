@@ -7,13 +7,11 @@ import jax
 import numpy as np
 import pytest
 
+from bench import long_tailed_groups
 from conftest import REPO
 from unitrain import run, tasks
 from unitrain.config import load_config
-from unitrain.data.prompts import Prompt
 from unitrain.data.rl_packing import first_fit_decreasing
-from unitrain.rollout.base import Completions
-from unitrain.rollout.groups import Group
 
 # float32 on CPU: a packed row computes each sequence with other matmul shapes than its own row, so
 # sums round differently; relative 1e-4 (of the largest parameter change, for the update) bounds that.
@@ -78,29 +76,17 @@ def test_a_sequence_longer_than_the_row_is_refused():
 # ------------------------------------------------------------------ a fixed long-tailed round
 
 
-def fixed_groups(cfg, tokenizer, seed=0):
-    """rollout_batch_size groups of n completions, most short and a few at the maximum, with random
-    tokens, sampler logprobs and rewards: the same round whatever the layout."""
-    rng = np.random.default_rng(seed)
-    n, C = cfg.n_samples_per_prompt, cfg.rollout_max_response_len
-    groups = []
-    for _ in range(cfg.rollout_batch_size):
-        ids = tuple(int(t) for t in rng.integers(3, tokenizer.vocab_size, size=int(rng.integers(2, 12))))
-        lengths = np.where(rng.random(n) < 0.2, C, rng.integers(1, 7, size=n)).astype(np.int32)
-        mask = (np.arange(C) < lengths[:, None]).astype(np.int32)
-        tokens = rng.integers(3, tokenizer.vocab_size, size=(n, C)).astype(np.int32) * mask
-        logprobs = (rng.uniform(-6.0, -1.0, size=(n, C)) * mask).astype(np.float32)
-        rewards = rng.normal(size=n).astype(np.float32)
-        groups.append(
-            Group(
-                prompt=Prompt(ids, "", ""),
-                completions=Completions(tokens, mask, logprobs, lengths, 0),
-                texts=[""] * n,
-                rewards=rewards,
-                per_reward={"fixed": rewards},
-            )
-        )
-    return groups
+def fixed_groups(cfg, tokenizer):
+    """A fixed long-tailed round (tools/bench.py's): most completions short, a few at the maximum,
+    prompts of 2 to 12 ids, random sampler logprobs and rewards: the same whatever the layout."""
+    return long_tailed_groups(
+        cfg.rollout_batch_size,
+        cfg.n_samples_per_prompt,
+        (2, 12),
+        cfg.rollout_max_response_len,
+        tokenizer.vocab_size,
+        0.2,
+    )
 
 
 def one_step(cfg):
@@ -243,3 +229,21 @@ def test_bad_packing_settings_stop_with_one_line(tmp_path, capsys, overrides, na
     assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides]) == 2
     err = capsys.readouterr().err.strip()
     assert named in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_bench_times_a_long_tailed_round_packed_against_unpacked(capsys):
+    import json
+
+    import bench
+
+    args = ["configs/base.yml", "mode=grpo", "per_device_batch_size=2", "--mode", "grpo_round", "--new-tokens", "32"]
+    assert (
+        bench.main([*args, "--prompt-len", "8", "--steps", "2", "--warmup", "0", "--against", "rl_packing=true"]) == 0
+    )
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["sequences"] == 16 and not result["rl_packing"] and result["against"]["rl_packing"]
+    assert len(result["step_times"]) == len(result["against"]["step_times"]) == 2
+    ratios = sorted(a / b for a, b in zip(result["step_times"], result["against"]["step_times"]))
+    assert result["against"]["speedup_median"] == pytest.approx(sum(ratios) / 2)
+    assert result["completion_tokens"] < result["completion_columns"]  # long-tailed: most columns are padding
+    assert bench.main([*args, "--long-fraction", "2"]) == 2

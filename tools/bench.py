@@ -827,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="sampler: also time the sampler of the config with this override, A B A B in one process",
+        help="sampler, grpo_round: also time the config with this override, A B A B in one process",
     )
     opts = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     args = opts.args

@@ -7,7 +7,7 @@ completion fields; DPO's chosen/rejected pair rows) and packed [rows, width] arr
 every field is aligned with `inputs`: column t holds what concerns the token predicted from column
 t (its target, loss mask, logprobs, advantage), so a completion token's fields sit one column
 before the token itself. Row counts and widths come from rollout/buckets.py's rule (bounded
-compiles). NumPy only: no loop over tokens.
+compiles; the tasks bucket them). NumPy only: no loop over tokens.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-from unitrain.rollout.buckets import bucket_batch_size
 
 
 def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -73,11 +71,9 @@ class Placement:
         return out.reshape(self.rows, self.width)
 
 
-def place(lengths, width: int, rows: int | None = None, multiple: int = 1) -> Placement:
-    """first_fit_decreasing of sequences of `lengths` into rows of `width`; the row count bucketed
-    (buckets.bucket_batch_size with `multiple`), or `rows` when given (at least what they need)."""
+def place(lengths, width: int, rows: int) -> Placement:
+    """first_fit_decreasing of sequences of `lengths` into `rows` rows of `width` (at least what they need)."""
     bins, starts, used = first_fit_decreasing(lengths, width)
-    rows = bucket_batch_size(max(used, 1), multiple) if rows is None else rows
     if used > rows:
         raise ValueError(f"{used} packed rows do not fit in {rows}")
     item, offset = _spans(lengths)
@@ -110,11 +106,12 @@ class RolloutPacking:
     columns: int  # C
 
     @classmethod
-    def plan(cls, batch: dict, width: int, rows: int | None = None, multiple: int = 1) -> RolloutPacking:
+    def plan(cls, batch: dict, width: int, rows: int) -> RolloutPacking:
+        """The packing of the batch's sequences into `rows` rows of `width` (the caller buckets them)."""
         prompt, completion = completion_rows(batch)
         N, PC = batch["inputs"].shape
         C = batch["targets"].shape[1]
-        placement = place(prompt + completion, width, rows, multiple)
+        placement = place(prompt + completion, width, rows)
         item, offset = _spans(prompt + completion)
         src_inputs = item * PC + (PC - C - prompt[item]) + offset
         starts = placement.dst[np.r_[0, np.cumsum(prompt + completion)[:-1]]] if N else np.zeros(0, np.int64)
