@@ -247,3 +247,12 @@ def test_bench_times_a_long_tailed_round_packed_against_unpacked(capsys):
     assert result["against"]["speedup_median"] == pytest.approx(sum(ratios) / 2)
     assert result["completion_tokens"] < result["completion_columns"]  # long-tailed: most columns are padding
     assert bench.main([*args, "--long-fraction", "2"]) == 2
+
+
+def test_packed_row_counts_take_two_shapes_an_octave():
+    from unitrain.rollout.buckets import bucket_packed_rows
+
+    shapes = sorted({2**k for k in range(8)} | {3 * 2 ** (k - 1) for k in range(1, 8)})
+    for n in range(1, 100):
+        assert bucket_packed_rows(n) == min(s for s in shapes if s >= n)
+        assert bucket_packed_rows(n, 8) == -(-min(s for s in shapes if s >= n) // 8) * 8

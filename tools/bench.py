@@ -717,13 +717,15 @@ def bench_grpo_round(
         task = GRPOTask(run, prompts=_SamePrompts({"num_dropped": 0, "prompts": []}))
         task.rollouts.take = lambda step, push: (groups, {})
         sides.append([task, task.train_state(state)])
-    times = tuple([] for _ in sides)
+    times, parts = tuple([] for _ in sides), tuple([] for _ in sides)
     for step in range(warmup + steps):
-        for side, series in zip(sides, times):
+        for side, series, split in zip(sides, times, parts):
             start = time.perf_counter()
             side[1], metrics = side[0].step(side[1], step)
-            jax.device_get(metrics)
+            metrics = jax.device_get(metrics)
             series.append(time.perf_counter() - start)
+            split.append({k: float(metrics[k]) for k in ("time_logprob", "time_update")})
+    medians = [{k: statistics.median(p[k] for p in split[warmup:]) for k in split[0]} for split in parts]
     lengths = np.concatenate([g.completions.lengths for g in groups])
     result = {
         "mode": "grpo_round",
@@ -734,6 +736,7 @@ def bench_grpo_round(
         "completion_columns": int(lengths.size * bucket_prompt_length(lengths.max())),
         "step_time_median": statistics.median(times[0][warmup:]),
         "step_times": times[0][warmup:],
+        **medians[0],
         "rl_packing": cfgs[0].rl_packing,
         "device_kind": jax.devices()[0].device_kind,
         "num_devices": runs[0][0].mesh.size,
@@ -743,6 +746,7 @@ def bench_grpo_round(
         result["against"] = {
             "step_time_median": statistics.median(b),
             "step_times": b,
+            **medians[1],
             "speedup_median": statistics.median(x / y for x, y in zip(a, b)),
             "rl_packing": cfgs[1].rl_packing,
         }

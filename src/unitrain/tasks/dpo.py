@@ -42,7 +42,7 @@ from unitrain import step as step_lib
 from unitrain.data.preference import PAIR_FIELDS, SIDES, eval_pair_batches, make_preference_iterator
 from unitrain.data.rl_packing import pack_pairs, pair_rows_needed
 from unitrain.data.sft import BATCH_FIELDS
-from unitrain.rollout.buckets import batch_parallelism, bucket_batch_size
+from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows
 from unitrain.run import RunContext
 from unitrain.tasks.base import Task
 
@@ -188,7 +188,7 @@ class DPOTask(Task):
             need = int(np.max(multihost_utils.process_allgather(np.int32(need))))
         devices = batch_parallelism(self.run.mesh, self.run.rules)
         multiple = max(1, cfg.gradient_accumulation_steps * devices // jax.process_count())
-        rows = bucket_batch_size(need, multiple)
+        rows = bucket_packed_rows(need, multiple)
         return pack_pairs(batch, SIDES, BATCH_FIELDS, width, rows, self.run.tokenizer.pad_id)
 
     def reference(self, params):

@@ -56,7 +56,7 @@ from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_row
 from unitrain.evals import TaskEvaluator
 from unitrain.rollout import episodes
 from unitrain.rollout.base import SamplingParams, close, release
-from unitrain.rollout.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length
+from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
 from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
 from unitrain.tasks.base import RunContext, Task
@@ -447,7 +447,7 @@ class GRPOTask(Task):
         width = self.cfg.rl_packing_row_tokens or batch["inputs"].shape[1]
         need = max(packed_rows_needed(sum(completion_rows(p)), width) for p in parts)
         multiple = self.cfg.gradient_accumulation_steps * batch_parallelism(self.run.mesh, self.run.rules)
-        rows = bucket_batch_size(need, multiple)
+        rows = bucket_packed_rows(need, multiple)
         pad = self.run.tokenizer.pad_id
         plans = [RolloutPacking.plan(p, width, rows) for p in parts]
         return [({k: plan.pack(k, p[k], pad) for k in keys}, plan, len(p["inputs"])) for p, plan in zip(parts, plans)]

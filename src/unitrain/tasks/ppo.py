@@ -18,7 +18,9 @@ The critic is a scalar-head model (models/scalar_head.py) per token: from critic
 classifier or causal LM, or a unitrain checkpoint), else the policy's starting backbone
 (load_parameters_path, or the same random draws) under a fresh head. It trains whole, also when the
 policy trains LoRA adapters. The train state holds it as state["critic"] = {params, opt_state,
-step}, which checkpoint.py saves and restores as an item of its own.
+step}, which checkpoint.py saves and restores as an item of its own. With rl_packing the critic's
+value pass and its updates take the packed rows GRPO's do (its values aligned with the targets, the
+value loss's seq-mean modes per segment); GAE runs on the host in the unpacked layout.
 """
 
 from __future__ import annotations
