@@ -1,6 +1,7 @@
 """rl_packing: the first-fit-decreasing packer, and packed updates equal to unpacked ones (GRPO and
 its loss variants, PPO with its critic, DPO): loss, every metric and the parameters after the update."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -78,8 +79,9 @@ def test_a_sequence_longer_than_the_row_is_refused():
 
 def fixed_groups(cfg, tokenizer):
     """A fixed long-tailed round (tools/bench.py's): most completions short, a few at the maximum,
-    prompts of 2 to 12 ids, random sampler logprobs and rewards: the same whatever the layout."""
-    return long_tailed_groups(
+    prompts of 2 to 12 ids, random rewards, and sampler logprobs within 1.5 of the untrained
+    model's (about -log vocab), so that rollout_is keeps some sequences and rejects others."""
+    groups = long_tailed_groups(
         cfg.rollout_batch_size,
         cfg.n_samples_per_prompt,
         (2, 12),
@@ -87,6 +89,13 @@ def fixed_groups(cfg, tokenizer):
         tokenizer.vocab_size,
         0.2,
     )
+    rng = np.random.default_rng(1)
+    out = []
+    for g in groups:
+        c = g.completions
+        logprobs = ((rng.uniform(-1.5, 1.5, c.logprobs.shape) - np.log(cfg.vocab_size)) * c.mask).astype(np.float32)
+        out.append(dataclasses.replace(g, completions=dataclasses.replace(c, logprobs=logprobs)))
+    return out
 
 
 def one_step(cfg):
@@ -143,6 +152,8 @@ def test_a_packed_grpo_step_equals_the_unpacked_one(tmp_path, agg, kl, is_):
     packed = one_step(config(tmp_path / "p", *overrides, "rl_packing=true"))
     unpacked = one_step(config(tmp_path / "u", *overrides))
     assert_same_step(packed, unpacked)
+    if is_:  # some sequences rejected, not all
+        assert 0 < unpacked[0]["rollout_is_seq_masked_fraction"] < 1
 
 
 def test_packing_fills_fewer_rows_than_the_round_has_sequences(tmp_path):
