@@ -345,7 +345,7 @@ def test_sampler_against_an_override_times_both_in_turn(tiny_checkpoint, capsys)
         assert result["against"]["speedup_median"] == pytest.approx(ratios[1])
         assert result["tokens_per_sec"] == pytest.approx(24 / sorted(a)[1])
     assert bench.main([*common, "--against", "rollout_cache_phases=1", "--compile-only"]) == 2
-    assert "--against times two samplers side by side" in capsys.readouterr().err
+    assert "--against times two configs side by side" in capsys.readouterr().err
 
 
 def test_a_long_tailed_round_gives_each_row_its_budget(tiny_checkpoint, capsys):

@@ -7,6 +7,7 @@
     python tools/bench.py [CONFIG_YML] --mode sampler --batch 64 --new-tokens 256 --long-tail --against rollout_compaction=0
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
     python tools/bench.py [CONFIG_YML] model_name=qwen2.5-0.5b mode=grpo sampler=mesh rollout_devices=4 --mode push
+    python tools/bench.py [CONFIG_YML] mode=grpo kl_coef=0.04 --mode grpo_round --against rl_packing=true [--long-fraction 0.125]
 
 --mode sampler times `--steps` calls of the configured sampler (after `--warmup` calls) on random
 prompt ids with no stop token, from the ids to decoded text, and reports the median tokens/s; then
@@ -23,6 +24,12 @@ compaction (rollout_compaction) is for; tokens/s counts the budgets' sum.
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
 its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
 updates). Both do the work of ../shared/bench/tunix_peer (see its README) with the same flags.
+--mode grpo_round times GRPO steps on one fixed long-tailed round instead (long_tailed_groups:
+`--prompts` x `--samples` completions, a `--long-fraction` of them `--new-tokens` long, the others
+1 to a quarter of that, random ids, rewards and sampler logprobs; nothing sampled, so the step is
+its logprob passes and its update): with `--against key=value` the config (A) and the config with
+those overrides (B) in turn, A B A B, each with its own model from the same seed, and B's speedup
+as the median of the pairs' A/B step-time ratios (rl_packing=true: packed against unpacked rows).
 --mode push times `--steps` weight pushes (update_weights) for the config's model (random weights of
 its shape) and reports the median seconds and GB/s: sampler=mesh copies the trainer's parameters to
 the rollout mesh; sampler=vllm exports them and its server reloads them (time_weight_export and
@@ -109,9 +116,10 @@ from unitrain.errors import ConfigError, UserError
 from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.rollout import mesh as rollout_mesh
-from unitrain.rollout.base import SamplingParams, close
+from unitrain.rollout.base import Completions, SamplingParams, close
 from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.colocated import phase_ends
+from unitrain.rollout.groups import Group
 from unitrain.run import RunContext, build_model, build_run, device_layout
 from unitrain.tasks.grpo import GRPOTask
 
@@ -688,6 +696,89 @@ def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int
     }
 
 
+def long_tailed_groups(
+    prompts: int, samples: int, prompt_lens: tuple[int, int], new_tokens: int, vocab: int, long_fraction: float, seed=0
+) -> list[Group]:
+    """A GRPO round whose completion lengths are long-tailed: each completion `new_tokens` long with
+    probability `long_fraction`, else 1 to new_tokens // 4 (at least 1); prompts of
+    prompt_lens[0] .. prompt_lens[1] ids. Random ids in [3, vocab), sampler logprobs in [-6, -1]
+    and normal rewards."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for _ in range(prompts):
+        ids = tuple(int(t) for t in rng.integers(3, vocab, size=int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))))
+        short = rng.integers(1, max(2, new_tokens // 4 + 1), size=samples)
+        lengths = np.where(rng.random(samples) < long_fraction, new_tokens, short).astype(np.int32)
+        mask = (np.arange(new_tokens) < lengths[:, None]).astype(np.int32)
+        tokens = rng.integers(3, vocab, size=(samples, new_tokens)).astype(np.int32) * mask
+        logprobs = (rng.uniform(-6.0, -1.0, size=(samples, new_tokens)) * mask).astype(np.float32)
+        rewards = rng.normal(size=samples).astype(np.float32)
+        groups.append(
+            Group(Prompt(ids, "", ""), Completions(tokens, mask, logprobs, lengths, 0), [""] * samples, rewards, {})
+        )
+    return groups
+
+
+def bench_grpo_round(
+    cfg, cfg_b, prompts: int, samples: int, prompt_len: int, new_tokens: int, long_fraction, steps, warmup
+) -> dict:
+    """GRPO steps of `cfg` (A) and `cfg_b` (B; None: A alone) in turn on one long-tailed round."""
+    cfgs = [c for c in (cfg, cfg_b) if c is not None]
+    cfgs = [
+        c.replace(
+            mode="grpo",
+            rollout_batch_size=prompts,
+            n_samples_per_prompt=samples,
+            eval_interval=0,
+            rollout_max_response_len=new_tokens,
+            max_prompt_length=max(c.max_prompt_length, prompt_len),
+        )
+        for c in cfgs
+    ]
+    runs = [build_run(c) for c in cfgs]
+    vocab = runs[0][0].model.vocab_size
+    groups = long_tailed_groups(prompts, samples, (prompt_len, prompt_len), new_tokens, vocab, long_fraction, cfg.seed)
+    sides = []
+    for run, state in runs:
+        task = GRPOTask(run, prompts=_SamePrompts({"num_dropped": 0, "prompts": []}))
+        task.rollouts.take = lambda step, push: (groups, {})
+        sides.append([task, task.train_state(state)])
+    times, parts = tuple([] for _ in sides), tuple([] for _ in sides)
+    for step in range(warmup + steps):
+        for side, series, split in zip(sides, times, parts):
+            start = time.perf_counter()
+            side[1], metrics = side[0].step(side[1], step)
+            metrics = jax.device_get(metrics)
+            series.append(time.perf_counter() - start)
+            split.append({k: float(metrics[k]) for k in ("time_logprob", "time_update")})
+    medians = [{k: statistics.median(p[k] for p in split[warmup:]) for k in split[0]} for split in parts]
+    lengths = np.concatenate([g.completions.lengths for g in groups])
+    result = {
+        "mode": "grpo_round",
+        "sequences": int(lengths.size),
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "completion_tokens": int(lengths.sum()),
+        "completion_columns": int(lengths.size * bucket_prompt_length(lengths.max())),
+        "step_time_median": statistics.median(times[0][warmup:]),
+        "step_times": times[0][warmup:],
+        **medians[0],
+        "rl_packing": cfgs[0].rl_packing,
+        "device_kind": jax.devices()[0].device_kind,
+        "num_devices": runs[0][0].mesh.size,
+    }
+    if cfg_b is not None:
+        a, b = times[0][warmup:], times[1][warmup:]
+        result["against"] = {
+            "step_time_median": statistics.median(b),
+            "step_times": b,
+            **medians[1],
+            "speedup_median": statistics.median(x / y for x, y in zip(a, b)),
+            "rl_packing": cfgs[1].rl_packing,
+        }
+    return result
+
+
 def bench_push(cfg, steps: int, warmup: int) -> dict:
     """Time of update_weights: sampler=mesh copies the parameters to the rollout mesh; sampler=vllm
     exports them and has its server reload them (the first push starts the server: a warm-up)."""
@@ -743,12 +834,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--mode",
-        choices=("sft", "sampler", "grpo", "push", "rm_score"),
+        choices=("sft", "sampler", "grpo", "grpo_round", "push", "rm_score"),
         default="sft",
         help="sft: the train step | sampler: rollout tokens/s | grpo: whole GRPO steps | "
         "push: the weight push of sampler=mesh | rm_score: the reward model's scoring forward (--compile-only)",
     )
     parser.add_argument("--batch", type=int, default=16, help="sampler: prompts per call")
+    parser.add_argument(
+        "--long-fraction", type=float, default=0.125, help="grpo_round: the fraction of completions --new-tokens long"
+    )
     parser.add_argument("--prompts", type=int, default=4, help="grpo: prompts per step")
     parser.add_argument("--samples", type=int, default=4, help="grpo: completions per prompt")
     parser.add_argument("--prompt-len", type=int, default=64, help="sampler, grpo: prompt ids")
@@ -768,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="sampler: also time the sampler of the config with this override, A B A B in one process",
+        help="sampler, grpo_round: also time the config with this override, A B A B in one process",
     )
     opts = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     args = opts.args
@@ -797,8 +891,16 @@ def run_mode(opts, args: list[str]) -> dict:
     cfg = load_config(args)
     if opts.long_tail and (opts.mode != "sampler" or opts.compile_only):
         raise ConfigError("--long-tail times a long-tailed sampler round: --mode sampler, without --compile-only")
-    if opts.against and (opts.mode != "sampler" or opts.compile_only):
-        raise ConfigError("--against times two samplers side by side: --mode sampler, without --compile-only")
+    if opts.against and (opts.mode not in ("sampler", "grpo_round") or opts.compile_only):
+        raise ConfigError(
+            "--against times two configs side by side: --mode sampler or grpo_round, without --compile-only"
+        )
+    if opts.mode == "grpo_round":
+        if opts.compile_only or not 0 <= opts.long_fraction <= 1:
+            raise ConfigError("--mode grpo_round times steps (no --compile-only) with --long-fraction in [0, 1]")
+        cfg_b = load_config([*args, *opts.against]) if opts.against else None
+        shape = (opts.prompts, opts.samples, opts.prompt_len, opts.new_tokens, opts.long_fraction)
+        return bench_grpo_round(cfg, cfg_b, *shape, opts.steps, opts.warmup)
     if opts.compile_only and opts.mode == "push":
         raise ConfigError(
             "--compile-only compiles a program: --mode sft (with mode=dpo or mode=rm for their updates), grpo, "

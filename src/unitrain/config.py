@@ -248,6 +248,7 @@ RULES: dict[str, Rule] = {
     "value_clip": optional(POSITIVE),
     "critic_learning_rate": optional(NON_NEGATIVE),
     "critic_warmup_steps": NON_NEGATIVE_INT,
+    "rl_packing_row_tokens": NON_NEGATIVE_INT,
     "critic_path": Rule(lambda v: isinstance(v, str), 'a path or ""'),
     "eval_pass_k": POSITIVE_INT,
     "eval_n_samples": NON_NEGATIVE,
@@ -391,6 +392,30 @@ def _check_ppo(c: dict) -> str | None:
     return None
 
 
+def _check_rl_packing(c: dict) -> str | None:
+    """Packed RL rows serve the RL modes and DPO, and hold the longest sequence the config allows."""
+    if not c["rl_packing"]:
+        return (
+            None
+            if not c["rl_packing_row_tokens"]
+            else "rl_packing_row_tokens sizes rl_packing's rows; set rl_packing=true"
+        )
+    if c["mode"] in ("sft", "rm"):
+        hint = " (sft packs with packing=true)" if c["mode"] == "sft" else ""
+        return f"rl_packing packs the updates of grpo, ppo and dpo; mode={c['mode']} has none{hint}"
+    if c["mode"] == "dpo":
+        longest, what = 2 * c["max_target_length"], "2 x max_target_length (a pair)"
+    else:
+        completion = c["episode_max_tokens"] if c["workflow"] != "single_turn" else c["rollout_max_response_len"]
+        longest = c["max_prompt_length"] + completion
+        what = "max_prompt_length + " + (
+            "episode_max_tokens" if c["workflow"] != "single_turn" else "rollout_max_response_len"
+        )
+    if 0 < c["rl_packing_row_tokens"] < longest:
+        return f"rl_packing_row_tokens ({c['rl_packing_row_tokens']}) must hold the longest sequence, {what} = {longest} (or 0)"
+    return None
+
+
 def _check_rollout_devices(c: dict) -> str | None:
     """Devices set apart for rollouts serve a sampler that uses them, come equally from every process,
     and leave the trainer some."""
@@ -511,6 +536,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
         else "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for"
     ),
     _check_ppo,
+    _check_rl_packing,
     lambda c: (
         None
         if c["overlong_buffer_len"] < c["rollout_max_response_len"]
