@@ -6,6 +6,12 @@
 Loading never materialises a whole parameter per device: every device's slice is read from the
 safetensors file(s) on its own (safetensors reads lazily), transposed into unitrain's layout and
 placed with `jax.make_array_from_callback`. Weights are read from safetensors only, never pickle.
+
+A mixture of experts' weights come in either layout transformers writes: a tensor per expert (the
+published checkpoints and transformers' save_pretrained: Qwen3-MoE's `mlp.experts.{j}.gate_proj`,
+Mixtral's `block_sparse_moe.experts.{j}.w1`) or the fused tensors of transformers 5's modules
+(`mlp.experts.gate_up_proj` [experts, 2 * moe_mlp_dim, emb], `mlp.experts.down_proj`); `save`
+writes the per-expert one, which transformers, vLLM and older readers all load.
 """
 
 from __future__ import annotations
@@ -36,15 +42,50 @@ class _Mapping:
 
     The HF tensor is viewed with axis `split[0]` split into (outer, split[1]) (heads x head_dim),
     then transposed by `perm` into unitrain's layout: unitrain axis u is view axis perm[u].
+    `experts`: hf_key names one tensor per expert ({j}), stacked on the parameter's leading axis
+    (perm and split then describe one expert's tensor). `part` = (axis, index, count): the parameter
+    is the index-th of `count` equal blocks of the HF tensor along that axis (a fused gate_up).
     """
 
     hf_key: str
     perm: tuple[int, ...]
     split: tuple[int, int] | None = None
+    experts: bool = False
+    part: tuple[int, int, int] | None = None
 
 
-def _mappings(cfg: model_lib.ModelConfig) -> dict[str, _Mapping]:
-    """unitrain parameter path -> HF tensor name ({i} = layer index) and layout."""
+def _expert_mappings(cfg: model_lib.ModelConfig, fused: bool) -> dict[str, _Mapping]:
+    """The sparse MLP's parameters: per-expert tensors [out, in] (each expert's [in, out] here), or
+    transformers 5's fused ones, gate_up [X, 2M, E] (gate first) and down [X, E, M]."""
+    if fused:
+        return {
+            "layers.router": _Mapping("model.layers.{i}.mlp.gate.weight", (1, 0)),
+            "layers.moe_gate": _Mapping(FUSED_EXPERTS, (0, 2, 1), part=(1, 0, 2)),
+            "layers.moe_up": _Mapping(FUSED_EXPERTS, (0, 2, 1), part=(1, 1, 2)),
+            "layers.moe_down": _Mapping("model.layers.{i}.mlp.experts.down_proj", (0, 2, 1)),
+        }
+    if cfg.model_family == "mixtral":
+        block = "model.layers.{i}.block_sparse_moe."
+        names = {"router": block + "gate", "moe_gate": block + "experts.{j}.w1", "moe_up": block + "experts.{j}.w3"}
+        names["moe_down"] = block + "experts.{j}.w2"
+    else:
+        mlp = "model.layers.{i}.mlp."
+        names = {
+            "router": mlp + "gate",
+            "moe_gate": mlp + "experts.{j}.gate_proj",
+            "moe_up": mlp + "experts.{j}.up_proj",
+        }
+        names["moe_down"] = mlp + "experts.{j}.down_proj"
+    return {f"layers.{name}": _Mapping(hf + ".weight", (1, 0), experts=name != "router") for name, hf in names.items()}
+
+
+# A tensor only transformers 5's fused expert layout has: its presence says which layout to read.
+FUSED_EXPERTS = "model.layers.{i}.mlp.experts.gate_up_proj"
+
+
+def _mappings(cfg: model_lib.ModelConfig, fused_experts: bool = False) -> dict[str, _Mapping]:
+    """unitrain parameter path -> HF tensor name ({i} = layer index, {j} = expert) and layout;
+    `fused_experts`: a sparse MLP in transformers 5's fused tensors."""
     D = cfg.head_dim
     attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     m = {
@@ -58,10 +99,13 @@ def _mappings(cfg: model_lib.ModelConfig) -> dict[str, _Mapping]:
         "layers.wv": _Mapping(attn + "v_proj.weight", (2, 0, 1), (0, D)),
         # o: HF [emb, heads*head_dim] -> view [emb, heads, head_dim] -> unitrain [heads, head_dim, emb]
         "layers.wo": _Mapping(attn + "o_proj.weight", (1, 2, 0), (1, D)),
-        "layers.w_gate": _Mapping(mlp + "gate_proj.weight", (1, 0)),
-        "layers.w_up": _Mapping(mlp + "up_proj.weight", (1, 0)),
-        "layers.w_down": _Mapping(mlp + "down_proj.weight", (1, 0)),
     }
+    if cfg.num_experts:
+        m.update(_expert_mappings(cfg, fused_experts))
+    else:
+        m["layers.w_gate"] = _Mapping(mlp + "gate_proj.weight", (1, 0))
+        m["layers.w_up"] = _Mapping(mlp + "up_proj.weight", (1, 0))
+        m["layers.w_down"] = _Mapping(mlp + "down_proj.weight", (1, 0))
     if cfg.qkv_bias:
         for name, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             m[f"layers.{name}"] = _Mapping(attn + proj + ".bias", (0, 1), (0, D))
@@ -74,8 +118,14 @@ def _mappings(cfg: model_lib.ModelConfig) -> dict[str, _Mapping]:
 
 
 def tensor_names(cfg: model_lib.ModelConfig) -> dict[str, str]:
-    """unitrain parameter path ('.'-joined) -> its HF tensor name ({i} = layer index)."""
+    """unitrain parameter path ('.'-joined) -> its HF tensor name ({i} = layer index, {j} = expert)."""
     return {name: m.hf_key for name, m in _mappings(cfg).items()}
+
+
+def _hf_names(m: _Mapping, cfg: model_lib.ModelConfig, layer: int | None) -> list[str]:
+    """The HF tensors holding one parameter (of `layer`: None for one outside the stack)."""
+    experts = range(cfg.num_experts) if m.experts else [None]
+    return [m.hf_key.format(i=layer, j=j) for j in experts]
 
 
 # ---------------------------------------------------------------- config.json <-> ModelConfig
@@ -99,12 +149,12 @@ def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedC
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_original_max_position,
         )
-    extra = {"sliding_window": cfg.sliding_window} if cfg.model_family == "mistral" else {}
+    extra = {"sliding_window": cfg.sliding_window} if cfg.model_family in ("mistral", "mixtral") else {}
+    extra.update(_expert_fields(cfg))
     return transformers.AutoConfig.for_model(
         cfg.model_family,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.emb_dim,
-        intermediate_size=cfg.mlp_dim,
         num_hidden_layers=cfg.num_decoder_layers,
         num_attention_heads=cfg.num_query_heads,
         num_key_value_heads=cfg.num_kv_heads,
@@ -118,6 +168,27 @@ def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedC
         architectures=hf_config.causal_lm_architectures(cfg.model_family),
         **extra,
     )
+
+
+def _expert_fields(cfg: model_lib.ModelConfig) -> dict:
+    """config.json's MLP fields: hf_config.model_keys read back (every layer sparse)."""
+    if cfg.model_family == "qwen3_moe":
+        return dict(
+            intermediate_size=cfg.mlp_dim,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_mlp_dim,
+            norm_topk_prob=cfg.moe_norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if cfg.model_family == "mixtral":
+        return dict(
+            intermediate_size=cfg.moe_mlp_dim,
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+        )
+    return dict(intermediate_size=cfg.mlp_dim)
 
 
 # ---------------------------------------------------------------- load
@@ -159,7 +230,7 @@ def open_safetensors(file: Path):
 
 
 def _read_layer(index: _TensorIndex, key: str, m: _Mapping, view_shape, u_index, dtype) -> np.ndarray:
-    """The block `u_index` (slices in unitrain's per-layer layout) of one HF tensor, read lazily."""
+    """The block `u_index` (slices in unitrain's per-tensor layout) of one HF tensor, read lazily."""
     view_index = [None] * len(view_shape)
     for u_axis, v_axis in enumerate(m.perm):
         view_index[v_axis] = slice(*u_index[u_axis].indices(view_shape[v_axis]))
@@ -173,7 +244,11 @@ def _read_layer(index: _TensorIndex, key: str, m: _Mapping, view_shape, u_index,
             post_index += [slice(None), inner]
             v += 2
         else:
-            hf_index.append(view_index[v])
+            axis_slice = view_index[v]
+            if m.part and m.part[0] == hf_axis:  # the part's block of the fused axis
+                offset = m.part[1] * view_shape[v]
+                axis_slice = slice(axis_slice.start + offset, axis_slice.stop + offset)
+            hf_index.append(axis_slice)
             block_shape.append(view_index[v].stop - view_index[v].start)
             post_index.append(slice(None))
             v += 1
@@ -191,21 +266,28 @@ def _view_shape(u_shape, m: _Mapping):
 def _load_param(index: _TensorIndex, m: _Mapping, stacked: bool, var: nnx.Variable, sharding_) -> jax.Array:
     shape, dtype = var.shape, var.dtype
     per_layer_shape = shape[1:] if stacked else shape
-    view_shape = _view_shape(per_layer_shape, m)
+    view_shape = _view_shape(per_layer_shape[1:] if m.experts else per_layer_shape, m)
     expected = [s for s in view_shape]
     if m.split:
         a = m.split[0]
         expected = expected[:a] + [expected[a] * expected[a + 1]] + expected[a + 2 :]
-    probe_key = m.hf_key.format(i=0)
+    if m.part:
+        expected[m.part[0]] *= m.part[2]
+    probe_key = m.hf_key.format(i=0, j=0)
     actual = list(index.slice(probe_key).get_shape())
     if actual != expected:
         raise ConfigError(f"tensor '{probe_key}' has shape {actual} but config.json implies {expected}")
 
+    def read_layer(i, idx):
+        if not m.experts:
+            return _read_layer(index, m.hf_key.format(i=i), m, view_shape, idx, dtype)
+        experts = range(*idx[0].indices(per_layer_shape[0]))
+        return np.stack([_read_layer(index, m.hf_key.format(i=i, j=j), m, view_shape, idx[1:], dtype) for j in experts])
+
     def read(idx):
         if not stacked:
-            return _read_layer(index, m.hf_key, m, view_shape, idx, dtype)
-        layers = range(*idx[0].indices(shape[0]))
-        return np.stack([_read_layer(index, m.hf_key.format(i=i), m, view_shape, idx[1:], dtype) for i in layers])
+            return read_layer(None, idx)
+        return np.stack([read_layer(i, idx[1:]) for i in range(*idx[0].indices(shape[0]))])
 
     return jax.make_array_from_callback(shape, sharding_, read)
 
@@ -252,7 +334,7 @@ def load(
         )
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg, hf_writer=save)))
     shardings = sharding.state_shardings(abstract, mesh, rules)
-    mappings = _mappings(cfg)
+    mappings = _mappings(cfg, fused_experts=FUSED_EXPERTS.format(i=0) in index.files)
     _check_no_unknown_tensors(path, index, cfg, mappings, other_tensors)
     flat_vars = dict(nnx.to_flat_state(abstract))
     flat_shardings = dict(nnx.to_flat_state(shardings))
@@ -270,7 +352,7 @@ def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings, other_te
     """A tensor the model does not use means the config and weights disagree: say so, never drop it."""
     known = set(other_tensors)
     for m in mappings.values():
-        known |= {m.hf_key.format(i=i) for i in range(cfg.num_decoder_layers)}
+        known |= {name for i in range(cfg.num_decoder_layers) for name in _hf_names(m, cfg, i)}
     if cfg.tie_word_embeddings:
         known.add("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
     unknown = sorted(n for n in index.files if n not in known and not n.endswith(_IGNORED_SUFFIXES))
@@ -315,11 +397,12 @@ def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 
         name = ".".join(str(k) for k in key_path)
         full = np.asarray(multihost_utils.process_allgather(var.get_value(), tiled=True))
         m = mappings[name]
-        tensors = (
-            {m.hf_key.format(i=i): _to_hf(full[i], m) for i in range(full.shape[0])}
-            if name.startswith("layers.")
-            else {m.hf_key: _to_hf(full, m)}
-        )
+        layers = range(full.shape[0]) if name.startswith("layers.") else [None]
+        tensors = {}
+        for i in layers:
+            per_layer = full if i is None else full[i]
+            for j, hf_name in enumerate(_hf_names(m, cfg, i)):
+                tensors[hf_name] = _to_hf(per_layer[j] if m.experts else per_layer, m)
         if writer:
             for hf_name, t in tensors.items():
                 writer.add(hf_name, t)

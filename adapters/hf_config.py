@@ -12,7 +12,9 @@ from pathlib import Path
 
 from unitrain.errors import ConfigError
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_TYPES = ("qwen3_moe", "mixtral")
+MODEL_TYPES = DENSE_TYPES + MOE_TYPES
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -68,12 +70,40 @@ def _check_supported(hf, config_file) -> None:
         raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
     if getattr(hf, "mlp_bias", False):
         raise ConfigError(f"{config_file}: field 'mlp_bias' is true; MLP biases are not supported")
-    if hf.model_type in ("llama", "mistral", "qwen3") and getattr(hf, "attention_bias", False):
+    if hf.model_type != "qwen2" and getattr(hf, "attention_bias", False):
         raise ConfigError(f"{config_file}: field 'attention_bias' is true; only Qwen2 has attention biases here")
     if getattr(hf, "use_sliding_window", False):
         raise ConfigError(
             f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported"
         )
+    if hf.model_type == "qwen3_moe" and (
+        getattr(hf, "decoder_sparse_step", 1) != 1 or getattr(hf, "mlp_only_layers", [])
+    ):
+        raise ConfigError(
+            f"{config_file}: fields 'decoder_sparse_step'/'mlp_only_layers' make some layers dense; only every layer "
+            "sparse (decoder_sparse_step 1, mlp_only_layers []) is supported"
+        )
+    if getattr(hf, "router_jitter_noise", 0.0):
+        raise ConfigError(f"{config_file}: field 'router_jitter_noise' is nonzero; router jitter is not supported")
+
+
+def _expert_keys(hf, config_file) -> dict:
+    """The mixture-of-experts keys: num_experts 0 alone for a dense model."""
+    if hf.model_type == "qwen3_moe":
+        return dict(
+            num_experts=_field(hf, "num_experts", config_file),
+            num_experts_per_tok=_field(hf, "num_experts_per_tok", config_file),
+            moe_mlp_dim=_field(hf, "moe_intermediate_size", config_file),
+            moe_norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+        )
+    if hf.model_type == "mixtral":  # every expert as wide as the dense MLP would be; always renormalised
+        return dict(
+            num_experts=_field(hf, "num_local_experts", config_file),
+            num_experts_per_tok=_field(hf, "num_experts_per_tok", config_file),
+            moe_mlp_dim=_field(hf, "intermediate_size", config_file),
+            moe_norm_topk_prob=True,
+        )
+    return dict(num_experts=0)
 
 
 def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
@@ -106,7 +136,8 @@ def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
         qkv_bias=hf.model_type == "qwen2",
-        qk_norm=hf.model_type == "qwen3",
+        qk_norm=hf.model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        sliding_window=getattr(hf, "sliding_window", None) if hf.model_type == "mistral" else None,
+        sliding_window=getattr(hf, "sliding_window", None) if hf.model_type in ("mistral", "mixtral") else None,
+        **_expert_keys(hf, config_file),
     )

@@ -345,7 +345,24 @@ def test_sampler_against_an_override_times_both_in_turn(tiny_checkpoint, capsys)
         assert result["against"]["speedup_median"] == pytest.approx(ratios[1])
         assert result["tokens_per_sec"] == pytest.approx(24 / sorted(a)[1])
     assert bench.main([*common, "--against", "rollout_cache_phases=1", "--compile-only"]) == 2
-    assert "--against times two samplers side by side" in capsys.readouterr().err
+    assert "--against times two configs side by side" in capsys.readouterr().err
+
+
+def test_a_long_tailed_round_gives_each_row_its_budget(tiny_checkpoint, capsys):
+    """--long-tail: the rows' budgets are long_tail_budgets (one in 16 rows, at least one, runs to
+    --new-tokens); compaction draws the same tokens; tokens/s counts the budgets."""
+    import bench
+
+    budgets = bench.long_tail_budgets(64, 256, 0)
+    assert budgets.count(256) >= 4 and 1 <= min(budgets) and sum(budgets) < 64 * 256 / 3
+    args = ["configs/base.yml", f"load_parameters_path={tiny_checkpoint('qwen2')}", "rollout_compaction=1"]
+    args += ["--mode", "sampler", "--batch", "4", "--prompt-len", "8", "--new-tokens", "6", "--long-tail"]
+    assert bench.main([*args, "--steps", "1", "--warmup", "0", "--against", "rollout_compaction=0"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["row_budgets"] == list(bench.long_tail_budgets(4, 6, 0)) and result["against"]["same_tokens"]
+    assert result["tokens_per_sec"] == pytest.approx(sum(result["row_budgets"]) / result["call_times"][0])
+    assert bench.main([*args, "--compile-only"]) == 2
+    assert "--long-tail times a long-tailed sampler round" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("phases", [1, 4])

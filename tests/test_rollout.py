@@ -248,11 +248,14 @@ def test_a_repeated_prompt_is_prefilled_once_and_its_rows_sample_apart(caplog):
 
 @pytest.mark.parametrize("shape", [(16, 64), (3, 1000)])
 def test_gumbel_noise_is_jax_randoms_bit_for_bit(shape):
+    """Every row's noise, and any choice of rows in any order (a compacted decode's) gets theirs."""
+    noise = jax.jit(programs.gumbel_noise, static_argnums=2)
+    some = np.asarray([shape[0] - 1, 0, shape[0] // 2], np.int32)
     for i in range(3):
         key = jax.random.fold_in(jax.random.key(11), i)
-        np.testing.assert_array_equal(
-            jax.jit(colocated._gumbel, static_argnums=1)(key, shape), jax.random.gumbel(key, shape, np.float32)
-        )
+        reference = np.asarray(jax.random.gumbel(key, shape, np.float32))
+        np.testing.assert_array_equal(noise(key, np.arange(shape[0], dtype=np.int32), shape[1]), reference)
+        np.testing.assert_array_equal(noise(key, some, shape[1]), reference[some])
 
 
 def test_decode_weights_are_made_once_per_weight_version():
@@ -301,6 +304,7 @@ def test_prefill_runs_the_output_head_on_the_last_column_only():
         params=nnx.to_pure_dict(params),
         decode=model.decode_weights(),
         block=programs.left_padded(PROMPTS, B, P, pad_id=0),
+        budgets=np.full((B,), N, np.int32),
         stop_ids=np.zeros((0,), np.int32),
         temperature=np.float32(1.0),
         top_p=np.float32(1.0),

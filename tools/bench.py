@@ -4,8 +4,10 @@
     python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler|rm_score] [--out mem.json]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --against rollout_cache_phases=1
+    python tools/bench.py [CONFIG_YML] --mode sampler --batch 64 --new-tokens 256 --long-tail --against rollout_compaction=0
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
     python tools/bench.py [CONFIG_YML] model_name=qwen2.5-0.5b mode=grpo sampler=mesh rollout_devices=4 --mode push
+    python tools/bench.py [CONFIG_YML] mode=grpo kl_coef=0.04 --mode grpo_round --against rl_packing=true [--long-fraction 0.125]
 
 --mode sampler times `--steps` calls of the configured sampler (after `--warmup` calls) on random
 prompt ids with no stop token, from the ids to decoded text, and reports the median tokens/s; then
@@ -15,10 +17,19 @@ With `--against key=value` (repeatable) it times instead the configured sampler 
 the config with those overrides (B) in turn, A B A B, in one process, on the same prompts and keys:
 each one's median, B's speedup as the median of the pairs' A/B time ratios (side by side, so less
 at the mercy of a shared machine's drift than two runs), and whether both drew the same tokens.
+With `--long-tail` every row has its own token budget (SamplingParams.row_budgets: one row in 16
+runs to --new-tokens, the others geometric lengths of mean --new-tokens / 8): the round that decode
+compaction (rollout_compaction) is for; tokens/s counts the budgets' sum.
 --mode grpo times `--steps` whole GRPO steps (rollout, rewards, advantages, logprobs, update) on
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
 its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
 updates). Both do the work of ../shared/bench/tunix_peer (see its README) with the same flags.
+--mode grpo_round times GRPO steps on one fixed long-tailed round instead (long_tailed_groups:
+`--prompts` x `--samples` completions, a `--long-fraction` of them `--new-tokens` long, the others
+1 to a quarter of that, random ids, rewards and sampler logprobs; nothing sampled, so the step is
+its logprob passes and its update): with `--against key=value` the config (A) and the config with
+those overrides (B) in turn, A B A B, each with its own model from the same seed, and B's speedup
+as the median of the pairs' A/B step-time ratios (rl_packing=true: packed against unpacked rows).
 --mode push times `--steps` weight pushes (update_weights) for the config's model (random weights of
 its shape) and reports the median seconds and GB/s: sampler=mesh copies the trainer's parameters to
 the rollout mesh; sampler=vllm exports them and its server reloads them (time_weight_export and
@@ -83,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -104,9 +116,10 @@ from unitrain.errors import ConfigError, UserError
 from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.rollout import mesh as rollout_mesh
-from unitrain.rollout.base import SamplingParams, close
+from unitrain.rollout.base import Completions, SamplingParams, close
 from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.colocated import phase_ends
+from unitrain.rollout.groups import Group
 from unitrain.run import RunContext, build_model, build_run, device_layout
 from unitrain.tasks.grpo import GRPOTask
 
@@ -470,27 +483,41 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return np.random.default_rng(seed).integers(1, vocab, (n, length)).tolist()
 
 
-def rollout_sampling(cfg, new_tokens: int) -> SamplingParams:
-    """The config's rollout sampling flags, `new_tokens` per row and no stop token."""
-    return SamplingParams.from_config(cfg, stop_token_ids=(), max_new_tokens=new_tokens)
+def rollout_sampling(cfg, new_tokens: int, budgets: tuple[int, ...] = ()) -> SamplingParams:
+    """The config's rollout sampling flags, `new_tokens` per row (or each row's of `budgets`) and no stop token."""
+    sampling = SamplingParams.from_config(cfg, stop_token_ids=(), max_new_tokens=new_tokens)
+    return dataclasses.replace(sampling, row_budgets=budgets)
 
 
-def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
+def long_tail_budgets(rows: int, new_tokens: int, seed: int) -> tuple[int, ...]:
+    """Per-row token budgets of a long-tailed round: one row in 16 (at least one) runs to `new_tokens`,
+    the others draw geometric lengths of mean new_tokens / 8 (capped at new_tokens)."""
+    rng = np.random.default_rng(seed)
+    budgets = np.minimum(new_tokens, rng.geometric(min(1.0, 8 / new_tokens), rows))
+    budgets[rng.permutation(rows)[: max(1, rows // 16)]] = new_tokens
+    return tuple(int(b) for b in budgets)
+
+
+def bench_sampler(
+    cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int, long_tail: bool = False
+) -> dict:
     """Tokens/s of the configured sampler: `batch` prompts of `prompt_len` random ids, `new_tokens`
     each, no stop token (every row runs to the end); a call is timed from the ids to decoded text.
 
     The decode step's time is the call's minus a one-token call's (the prefill and set-up), over
     the other new_tokens - 1 tokens; its bytes are what one decode step reads at least: every
     weight in the compute dtype and the KV cache its phase attends over (rollout_cache_phases),
-    averaged over the steps.
+    averaged over the steps. With `long_tail` each row samples its long_tail_budgets tokens (a
+    long-tailed round) and the decode step is not split off.
     """
     run, state = build_run(cfg.replace(eval_interval=0))
     sampler = rollout.make_sampler(run)
     sampler.update_weights(state["params"], 0)
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
+    budgets = long_tail_budgets(batch, new_tokens, cfg.seed) if long_tail else ()
 
     def timed_calls(n_new: int) -> tuple[list[float], int]:
-        sampling = rollout_sampling(cfg, n_new)
+        sampling = rollout_sampling(cfg, n_new, budgets if n_new == new_tokens else ())
         times, generated = [], set()
         for i in range(warmup + reps):
             seconds, out = timed_generate(sampler, prompts, sampling, jax.random.key(i), run.tokenizer)
@@ -514,7 +541,9 @@ def bench_sampler(cfg, batch: int, prompt_len: int, new_tokens: int, reps: int, 
         "device_kind": jax.devices()[0].device_kind,
         "num_devices": run.mesh.size,
     }
-    if new_tokens > 1 and hasattr(sampler, "block_shape"):  # the JAX samplers' decode step
+    if long_tail:
+        result["row_budgets"] = budgets
+    elif new_tokens > 1 and hasattr(sampler, "block_shape"):  # the JAX samplers' decode step
         first = statistics.median(timed_calls(1)[0])
         step_time = (median - first) / (new_tokens - 1)
         rows, columns = sampler.block_shape(batch, prompt_len)
@@ -542,14 +571,18 @@ def timed_generate(sampler, prompts, sampling, key, tokenizer):
     return time.perf_counter() - start, out
 
 
-def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int) -> dict:
-    """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys."""
+def bench_sampler_against(
+    cfg, cfg_b, batch: int, prompt_len: int, new_tokens: int, reps: int, warmup: int, long_tail: bool = False
+) -> dict:
+    """The samplers of `cfg` (A) and `cfg_b` (B) called in turn on the same prompts and keys (with
+    `long_tail`, the same long_tail_budgets)."""
+    budgets = long_tail_budgets(batch, new_tokens, cfg.seed) if long_tail else ()
     runs = [build_run(c.replace(eval_interval=0)) for c in (cfg, cfg_b)]  # each compiles its own programs
     samplers = []
     for (run, state), c in zip(runs, (cfg, cfg_b)):
         sampler = rollout.make_sampler(run)
         sampler.update_weights(state["params"], 0)
-        samplers.append((sampler, rollout_sampling(c, new_tokens)))
+        samplers.append((sampler, rollout_sampling(c, new_tokens, budgets)))
     tokenizer = runs[0][0].tokenizer
     prompts = random_prompts(batch, prompt_len, runs[0][0].model.vocab_size, cfg.seed)
     times, same = ([], []), True
@@ -563,12 +596,13 @@ def bench_sampler_against(cfg, cfg_b, batch: int, prompt_len: int, new_tokens: i
     for sampler, _ in samplers:
         close(sampler)
     a, b = (t[warmup:] for t in times)
-    tokens = batch * new_tokens
+    tokens = sum(budgets) if long_tail else batch * new_tokens  # no stop token: every row runs to its budget
     return {
         "mode": "sampler",
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
+        "row_budgets": budgets,
         "tokens_per_sec": tokens / statistics.median(a),
         "call_times": a,
         "against": {
@@ -662,6 +696,89 @@ def bench_grpo(cfg, prompts: int, samples: int, prompt_len: int, new_tokens: int
     }
 
 
+def long_tailed_groups(
+    prompts: int, samples: int, prompt_lens: tuple[int, int], new_tokens: int, vocab: int, long_fraction: float, seed=0
+) -> list[Group]:
+    """A GRPO round whose completion lengths are long-tailed: each completion `new_tokens` long with
+    probability `long_fraction`, else 1 to new_tokens // 4 (at least 1); prompts of
+    prompt_lens[0] .. prompt_lens[1] ids. Random ids in [3, vocab), sampler logprobs in [-6, -1]
+    and normal rewards."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for _ in range(prompts):
+        ids = tuple(int(t) for t in rng.integers(3, vocab, size=int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))))
+        short = rng.integers(1, max(2, new_tokens // 4 + 1), size=samples)
+        lengths = np.where(rng.random(samples) < long_fraction, new_tokens, short).astype(np.int32)
+        mask = (np.arange(new_tokens) < lengths[:, None]).astype(np.int32)
+        tokens = rng.integers(3, vocab, size=(samples, new_tokens)).astype(np.int32) * mask
+        logprobs = (rng.uniform(-6.0, -1.0, size=(samples, new_tokens)) * mask).astype(np.float32)
+        rewards = rng.normal(size=samples).astype(np.float32)
+        groups.append(
+            Group(Prompt(ids, "", ""), Completions(tokens, mask, logprobs, lengths, 0), [""] * samples, rewards, {})
+        )
+    return groups
+
+
+def bench_grpo_round(
+    cfg, cfg_b, prompts: int, samples: int, prompt_len: int, new_tokens: int, long_fraction, steps, warmup
+) -> dict:
+    """GRPO steps of `cfg` (A) and `cfg_b` (B; None: A alone) in turn on one long-tailed round."""
+    cfgs = [c for c in (cfg, cfg_b) if c is not None]
+    cfgs = [
+        c.replace(
+            mode="grpo",
+            rollout_batch_size=prompts,
+            n_samples_per_prompt=samples,
+            eval_interval=0,
+            rollout_max_response_len=new_tokens,
+            max_prompt_length=max(c.max_prompt_length, prompt_len),
+        )
+        for c in cfgs
+    ]
+    runs = [build_run(c) for c in cfgs]
+    vocab = runs[0][0].model.vocab_size
+    groups = long_tailed_groups(prompts, samples, (prompt_len, prompt_len), new_tokens, vocab, long_fraction, cfg.seed)
+    sides = []
+    for run, state in runs:
+        task = GRPOTask(run, prompts=_SamePrompts({"num_dropped": 0, "prompts": []}))
+        task.rollouts.take = lambda step, push: (groups, {})
+        sides.append([task, task.train_state(state)])
+    times, parts = tuple([] for _ in sides), tuple([] for _ in sides)
+    for step in range(warmup + steps):
+        for side, series, split in zip(sides, times, parts):
+            start = time.perf_counter()
+            side[1], metrics = side[0].step(side[1], step)
+            metrics = jax.device_get(metrics)
+            series.append(time.perf_counter() - start)
+            split.append({k: float(metrics[k]) for k in ("time_logprob", "time_update")})
+    medians = [{k: statistics.median(p[k] for p in split[warmup:]) for k in split[0]} for split in parts]
+    lengths = np.concatenate([g.completions.lengths for g in groups])
+    result = {
+        "mode": "grpo_round",
+        "sequences": int(lengths.size),
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "completion_tokens": int(lengths.sum()),
+        "completion_columns": int(lengths.size * bucket_prompt_length(lengths.max())),
+        "step_time_median": statistics.median(times[0][warmup:]),
+        "step_times": times[0][warmup:],
+        **medians[0],
+        "rl_packing": cfgs[0].rl_packing,
+        "device_kind": jax.devices()[0].device_kind,
+        "num_devices": runs[0][0].mesh.size,
+    }
+    if cfg_b is not None:
+        a, b = times[0][warmup:], times[1][warmup:]
+        result["against"] = {
+            "step_time_median": statistics.median(b),
+            "step_times": b,
+            **medians[1],
+            "speedup_median": statistics.median(x / y for x, y in zip(a, b)),
+            "rl_packing": cfgs[1].rl_packing,
+        }
+    return result
+
+
 def bench_push(cfg, steps: int, warmup: int) -> dict:
     """Time of update_weights: sampler=mesh copies the parameters to the rollout mesh; sampler=vllm
     exports them and has its server reload them (the first push starts the server: a warm-up)."""
@@ -717,16 +834,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--mode",
-        choices=("sft", "sampler", "grpo", "push", "rm_score"),
+        choices=("sft", "sampler", "grpo", "grpo_round", "push", "rm_score"),
         default="sft",
         help="sft: the train step | sampler: rollout tokens/s | grpo: whole GRPO steps | "
         "push: the weight push of sampler=mesh | rm_score: the reward model's scoring forward (--compile-only)",
     )
     parser.add_argument("--batch", type=int, default=16, help="sampler: prompts per call")
+    parser.add_argument(
+        "--long-fraction", type=float, default=0.125, help="grpo_round: the fraction of completions --new-tokens long"
+    )
     parser.add_argument("--prompts", type=int, default=4, help="grpo: prompts per step")
     parser.add_argument("--samples", type=int, default=4, help="grpo: completions per prompt")
     parser.add_argument("--prompt-len", type=int, default=64, help="sampler, grpo: prompt ids")
     parser.add_argument("--new-tokens", type=int, default=128, help="sampler, grpo: tokens generated per completion")
+    parser.add_argument(
+        "--long-tail",
+        action="store_true",
+        help="sampler: a long-tailed round, each row its own token budget (1 in 16 rows runs to --new-tokens)",
+    )
     parser.add_argument(
         "--topology",
         metavar="NAME",
@@ -737,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="sampler: also time the sampler of the config with this override, A B A B in one process",
+        help="sampler, grpo_round: also time the config with this override, A B A B in one process",
     )
     opts = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     args = opts.args
@@ -764,8 +889,18 @@ def main(argv: list[str] | None = None) -> int:
 def run_mode(opts, args: list[str]) -> dict:
     """The result of the benchmark or compile the options ask for."""
     cfg = load_config(args)
-    if opts.against and (opts.mode != "sampler" or opts.compile_only):
-        raise ConfigError("--against times two samplers side by side: --mode sampler, without --compile-only")
+    if opts.long_tail and (opts.mode != "sampler" or opts.compile_only):
+        raise ConfigError("--long-tail times a long-tailed sampler round: --mode sampler, without --compile-only")
+    if opts.against and (opts.mode not in ("sampler", "grpo_round") or opts.compile_only):
+        raise ConfigError(
+            "--against times two configs side by side: --mode sampler or grpo_round, without --compile-only"
+        )
+    if opts.mode == "grpo_round":
+        if opts.compile_only or not 0 <= opts.long_fraction <= 1:
+            raise ConfigError("--mode grpo_round times steps (no --compile-only) with --long-fraction in [0, 1]")
+        cfg_b = load_config([*args, *opts.against]) if opts.against else None
+        shape = (opts.prompts, opts.samples, opts.prompt_len, opts.new_tokens, opts.long_fraction)
+        return bench_grpo_round(cfg, cfg_b, *shape, opts.steps, opts.warmup)
     if opts.compile_only and opts.mode == "push":
         raise ConfigError(
             "--compile-only compiles a program: --mode sft (with mode=dpo or mode=rm for their updates), grpo, "
@@ -791,9 +926,10 @@ def run_mode(opts, args: list[str]) -> dict:
             opts.new_tokens,
             opts.steps,
             opts.warmup,
+            opts.long_tail,
         )
     if opts.mode == "sampler":
-        return bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
+        return bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup, opts.long_tail)
     if opts.compile_only:
         return compile_only(cfg.replace(mode=opts.mode) if opts.mode == "grpo" else cfg)
     if opts.mode == "grpo":

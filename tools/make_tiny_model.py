@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # the HF model_type where it is not the family name
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -60,7 +60,9 @@ def hf_config(
     rope_scaling: str,
     sliding_window: int | None,
     rope_theta: float | None = None,
+    experts: tuple[int, int, int] = (4, 2, 32),
 ):
+    """`experts`: (experts, experts per token, expert MLP size) of the mixture-of-experts families."""
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0}
@@ -77,7 +79,14 @@ def hf_config(
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
     if rope_theta is not None:
         rope["rope_theta"] = float(rope_theta)
-    extra = {"sliding_window": sliding_window} if family == "mistral" else {}
+    extra = {"sliding_window": sliding_window} if family in ("mistral", "mixtral") else {}
+    num_experts, per_token, expert_mlp = experts
+    if family == "qwen3_moe":
+        extra.update(num_experts=num_experts, num_experts_per_tok=per_token, moe_intermediate_size=expert_mlp)
+        extra.update(norm_topk_prob=True)
+    if family == "mixtral":  # its experts are intermediate_size wide
+        extra.update(num_local_experts=num_experts, num_experts_per_tok=per_token)
+        mlp_dim = expert_mlp
     if family == "gemma3":
         rope, extra = gemma3_fields(rope, rope_scaling, rope_theta, sliding_window, head_dim)
     return transformers.AutoConfig.for_model(
@@ -136,11 +145,13 @@ def make_tiny_model(
     rope_theta: float | None = None,
     extra_tokens: str | None = None,
     num_labels: int = 0,
+    experts: tuple[int, int, int] = (4, 2, 32),
 ) -> Path:
     """Saves the checkpoint and tokenizer to `out_dir` and returns it. `extra_tokens` (a SID index .json
     or a token list, as the config key) are added to the tokenizer and the vocabulary holds them.
     `num_labels` > 0 makes a *ForSequenceClassification of that many labels (a reward model's form)
-    instead of the causal LM."""
+    instead of the causal LM. `experts`: (experts, experts per token, expert MLP size) of qwen3_moe
+    and mixtral."""
     import torch
     import transformers
 
@@ -166,6 +177,7 @@ def make_tiny_model(
         rope_scaling,
         sliding_window,
         rope_theta,
+        experts,
     )
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id

@@ -99,6 +99,9 @@ MESH_AXES = ("data", "fsdp", "tensor")
 TRAINER_MESH_KEYS = [f"{net}_{axis}_parallelism" for net in ("ici", "dcn") for axis in MESH_AXES]
 ROLLOUT_MESH_KEYS = [f"rollout_{axis}_parallelism" for axis in MESH_AXES]
 
+# Our decoder's families are the HF model types it reads: dense, and the mixtures of experts.
+DENSE_FAMILIES, MOE_FAMILIES = hf_config.DENSE_TYPES, hf_config.MOE_TYPES
+
 # Per-key constraints beyond the type (which comes from the default in base.yml): a new key that
 # needs one adds a row here, e.g. "learning_rate": NON_NEGATIVE.
 RULES: dict[str, Rule] = {
@@ -106,7 +109,7 @@ RULES: dict[str, Rule] = {
     "base_output_directory": NAME,
     "seed": NON_NEGATIVE,
     "model_name": Rule(lambda v: isinstance(v, str), '"" (no model yml) or the name of a configs/models yml'),
-    "model_family": choices("llama", "qwen2", "qwen3", "mistral"),
+    "model_family": choices(*DENSE_FAMILIES, *MOE_FAMILIES),
     "vocab_size": POSITIVE_INT,
     "emb_dim": POSITIVE_INT,
     "mlp_dim": POSITIVE_INT,
@@ -122,6 +125,9 @@ RULES: dict[str, Rule] = {
     "rope_high_freq_factor": POSITIVE,
     "rope_original_max_position": POSITIVE_INT,
     "sliding_window": optional(POSITIVE_INT),
+    "num_experts": NON_NEGATIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "moe_mlp_dim": POSITIVE_INT,
     "dtype": DTYPE,
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
@@ -167,6 +173,8 @@ RULES: dict[str, Rule] = {
     "weight_decay": NON_NEGATIVE,
     "max_grad_norm": NON_NEGATIVE,
     "z_loss_weight": NON_NEGATIVE,
+    "moe_aux_loss_coef": NON_NEGATIVE,
+    "moe_z_loss_coef": NON_NEGATIVE,
     "logits_chunk_size": NON_NEGATIVE,
     "attention_chunk_size": NON_NEGATIVE,
     "action": choices("train", "eval", "export"),
@@ -222,6 +230,7 @@ RULES: dict[str, Rule] = {
     "rollout_top_p": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
     "rollout_top_k": NON_NEGATIVE,
     "rollout_cache_phases": POSITIVE_INT,
+    "rollout_compaction": NON_NEGATIVE_INT,
     "advantage_estimator": choices(*ADV_ESTIMATORS),
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),
@@ -243,6 +252,7 @@ RULES: dict[str, Rule] = {
     "value_clip": optional(POSITIVE),
     "critic_learning_rate": optional(NON_NEGATIVE),
     "critic_warmup_steps": NON_NEGATIVE_INT,
+    "rl_packing_row_tokens": NON_NEGATIVE_INT,
     "critic_path": Rule(lambda v: isinstance(v, str), 'a path or ""'),
     "eval_pass_k": POSITIVE_INT,
     "eval_n_samples": NON_NEGATIVE,
@@ -293,7 +303,26 @@ MODEL_KEYS = (
     "qk_norm",
     "tie_word_embeddings",
     "sliding_window",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_mlp_dim",
+    "moe_norm_topk_prob",
 )
+
+
+def _check_experts(c: dict) -> str | None:
+    """Experts belong to the mixture-of-experts families (and they to experts); a token takes at
+    most all of them; Mixtral always renormalises its top-k weights."""
+    family, experts = c["model_family"], c["num_experts"]
+    if family in MOE_FAMILIES and not experts:
+        return f"model_family {family} is a mixture of experts: set num_experts > 0"
+    if experts and family not in MOE_FAMILIES:
+        return f"num_experts={experts} needs a mixture-of-experts model_family ({' | '.join(MOE_FAMILIES)}); {family} is dense"
+    if experts and c["num_experts_per_tok"] > experts:
+        return f"num_experts_per_tok ({c['num_experts_per_tok']}) must be at most num_experts ({experts})"
+    if family == "mixtral" and not c["moe_norm_topk_prob"]:
+        return "model_family mixtral renormalises its top-k router weights: moe_norm_topk_prob must be true"
+    return None
 
 
 def _check_logical_axis_rules(c: dict) -> str | None:
@@ -367,6 +396,30 @@ def _check_ppo(c: dict) -> str | None:
     return None
 
 
+def _check_rl_packing(c: dict) -> str | None:
+    """Packed RL rows serve the RL modes and DPO, and hold the longest sequence the config allows."""
+    if not c["rl_packing"]:
+        return (
+            None
+            if not c["rl_packing_row_tokens"]
+            else "rl_packing_row_tokens sizes rl_packing's rows; set rl_packing=true"
+        )
+    if c["mode"] in ("sft", "rm"):
+        hint = " (sft packs with packing=true)" if c["mode"] == "sft" else ""
+        return f"rl_packing packs the updates of grpo, ppo and dpo; mode={c['mode']} has none{hint}"
+    if c["mode"] == "dpo":
+        longest, what = 2 * c["max_target_length"], "2 x max_target_length (a pair)"
+    else:
+        completion = c["episode_max_tokens"] if c["workflow"] != "single_turn" else c["rollout_max_response_len"]
+        longest = c["max_prompt_length"] + completion
+        what = "max_prompt_length + " + (
+            "episode_max_tokens" if c["workflow"] != "single_turn" else "rollout_max_response_len"
+        )
+    if 0 < c["rl_packing_row_tokens"] < longest:
+        return f"rl_packing_row_tokens ({c['rl_packing_row_tokens']}) must hold the longest sequence, {what} = {longest} (or 0)"
+    return None
+
+
 def _check_rollout_devices(c: dict) -> str | None:
     """Devices set apart for rollouts serve a sampler that uses them, come equally from every process,
     and leave the trainer some."""
@@ -410,6 +463,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
         else "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor"
     ),
     _check_logical_axis_rules,
+    _check_experts,
     lambda c: (
         None
         if c["attention"] in ("auto", "xla") or c["model_source"] == "unitrain"
@@ -486,6 +540,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
         else "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for"
     ),
     _check_ppo,
+    _check_rl_packing,
     lambda c: (
         None
         if c["overlong_buffer_len"] < c["rollout_max_response_len"]

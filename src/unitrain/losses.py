@@ -87,6 +87,39 @@ def cross_entropy(stats: TokenStats, weights, z_loss_weight: float = 0.0):
 # static (Python-level) choices, arrays are traced. Semantics mirror verl's core_algos.
 # ----------------------------------------------------------------------------------------------
 
+
+class Sequences(NamedTuple):
+    """Which sequence each token of [B, T] arrays belongs to, for the per-sequence quantities of the
+    losses (sequence sums, GSPO's ratio, sequence-level rollout_is, the seq-mean aggregations).
+    `key` None: one sequence per row (GRPO's rows, [rows, C]). Else packed rows (rl_packing,
+    data/rl_packing.py): `key` [B*T] int32 is row * (T + 1) + the token's segment id (at most T), so the sequences of a
+    row are told apart by their segments (padding, segment 0, is one more key with no masked token)."""
+
+    key: jax.Array | None = None
+
+    def total(self, x) -> jax.Array:
+        """[B, T] -> each sequence's sum: [B] (a row each) or [B*(T+1)] (by key; keys without a token get 0)."""
+        if self.key is None:
+            return x.sum(axis=-1)
+        B, T = x.shape
+        return jax.ops.segment_sum(x.reshape(-1), self.key, num_segments=B * (T + 1))
+
+    def spread(self, per_sequence, shape) -> jax.Array:
+        """A value per sequence (total's shape) -> the same value at each of its tokens, [B, T]."""
+        if self.key is None:
+            return jnp.broadcast_to(per_sequence[..., None], shape)
+        return per_sequence[self.key].reshape(shape)
+
+
+ROWS = Sequences()  # a row per sequence
+
+
+def packed_sequences(segment_ids) -> Sequences:
+    """The Sequences of packed rows from their segment ids [B, T] (distinct per sequence within a row)."""
+    B, T = segment_ids.shape
+    return Sequences((jnp.arange(B, dtype=jnp.int32)[:, None] * (T + 1) + segment_ids).reshape(-1))
+
+
 _WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
 _LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios to [-20, 20] before exp
 _GSPO_LOG_RATIO_MAX = 10.0  # verl's compute_policy_loss_gspo clamps the log sequence ratio above at 10
@@ -181,7 +214,7 @@ def kl_penalty(logprobs, ref_logprobs, kl_type: str = "low_var_kl"):
     raise ValueError(f"unknown kl_type {kl_type!r}; expected one of {KL_TYPES}")
 
 
-def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | None = None):
+def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | None = None, sequences: Sequences = ROWS):
     """Reduce per-token values [B,T] under mask [B,T] to (sum, denominator), float32 scalars.
 
     The loss is sum / denominator. With several micro-batches (and devices) the trainer adds the sums
@@ -196,16 +229,17 @@ def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | No
     - "seq-mean-token-sum-norm": (sum_{b,t} v*m / horizon,           #{b: n_b > 0})   (Dr. GRPO)
       horizon = the constant maximum response length, so every token has the same weight
       1 / (num_seqs * horizon) whatever the lengths.
+    With packed rows (`sequences`) b runs over the rows' sequences instead of the rows.
     """
     v = jnp.asarray(values, jnp.float32)
     m = jnp.asarray(mask, jnp.float32)
     vm = v * m
     if loss_agg_mode == "token-mean":
         return vm.sum(), m.sum()
-    n = m.sum(axis=-1)
+    n = sequences.total(m)
     has = (n > 0).astype(jnp.float32)
     num_seqs = has.sum()
-    seq_sums = vm.sum(axis=-1)
+    seq_sums = sequences.total(vm)
     if loss_agg_mode == "seq-mean-token-mean":
         return (has * seq_sums / jnp.maximum(n, 1.0)).sum(), num_seqs
     if loss_agg_mode == "seq-mean-token-sum":
@@ -217,7 +251,7 @@ def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | No
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
-def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "ppo", pg_weights=None):
+def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "ppo", sequences: Sequences = ROWS):
     """log(ratio) per token [B,T], float32, for the clipped surrogate of `policy_loss_type`:
 
     - "ppo":  clip(logp - old, -20, 20), the token's own ratio (verl "vanilla").
@@ -226,6 +260,7 @@ def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "
               log s_i,t = sg(log s_i) + logp_t - sg(logp_t), clamped above at 10. Its value is
               log s_i at every token of the row; its gradient is that of logp_t alone, so with
               seq-mean-token-mean each row's gradient is s_i * A_i * mean_t grad logp_t = grad s_i * A_i.
+              With packed rows (`sequences`) i runs over the rows' sequences.
     """
     logp = jnp.asarray(logprobs, jnp.float32)
     old = jnp.asarray(old_logprobs, jnp.float32)
@@ -233,9 +268,9 @@ def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "
         return jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     if policy_loss_type == "gspo":
         m = jnp.asarray(mask, jnp.float32)
-        seq = ((logp - old) * m).sum(axis=-1) / jnp.maximum(m.sum(axis=-1), 1.0)
+        seq = sequences.total((logp - old) * m) / jnp.maximum(sequences.total(m), 1.0)
         sg = jax.lax.stop_gradient
-        return jnp.minimum(sg(seq)[..., None] + logp - sg(logp), _GSPO_LOG_RATIO_MAX)
+        return jnp.minimum(sequences.spread(sg(seq), logp.shape) + logp - sg(logp), _GSPO_LOG_RATIO_MAX)
     raise ValueError(f"unknown policy loss {policy_loss_type!r}; expected one of {POLICY_LOSSES}")
 
 
@@ -290,6 +325,7 @@ def policy_loss(
     ref_logprobs=None,
     entropy=None,
     pg_weights=None,
+    sequences: Sequences = ROWS,
 ):
     """PPO/GRPO clipped surrogate (verl compute_policy_loss "vanilla") or GSPO's sequence-level one
     (verl compute_policy_loss_gspo), plus optional KL and entropy terms; the names below are
@@ -311,6 +347,7 @@ def policy_loss(
     GSPO is a sequence-level objective: it takes loss_agg_mode "seq-mean-token-mean" (which verl's GSPO
     forces; the others would weight a sequence by its length) and no dual clip (verl has none for it);
     PolicyLossConfig refuses anything else with a ValueError (config.py refuses it before the run).
+    `sequences`: which tokens make a sequence (packed rows); by default each row is one.
 
     Returns (loss_sum, denominator, metrics). metrics maps name -> (sum, count), float32 scalars with
     stop_gradient; the exact average over micro-batches/devices is sum(sums) / sum(counts):
@@ -330,7 +367,7 @@ def policy_loss(
         adv = adv[..., None]
     adv = jnp.broadcast_to(adv, logp.shape)
 
-    log_ratio = log_importance_ratio(logp, old_logprobs, m, settings.policy_loss_type)
+    log_ratio = log_importance_ratio(logp, old_logprobs, m, settings.policy_loss_type, sequences)
     ratio = jnp.exp(log_ratio)
     high = settings.eps_clip if settings.eps_clip_high is None else settings.eps_clip_high
     pg1 = -adv * ratio
@@ -356,7 +393,7 @@ def policy_loss(
         entropy = jnp.asarray(entropy, jnp.float32)
         if settings.entropy_coef != 0:
             loss_t = loss_t - settings.entropy_coef * entropy
-    loss_sum, denom = aggregate(loss_t, m, settings.loss_agg_mode, settings.horizon)
+    loss_sum, denom = aggregate(loss_t, m, settings.loss_agg_mode, settings.horizon, sequences)
 
     sg = jax.lax.stop_gradient
     tokens = sg(m.sum())
@@ -365,7 +402,7 @@ def policy_loss(
         return sg((x * m).sum()), tokens
 
     metrics = {
-        "pg_loss": tuple(sg(x) for x in aggregate(pg, m, settings.loss_agg_mode, settings.horizon)),
+        "pg_loss": tuple(sg(x) for x in aggregate(pg, m, settings.loss_agg_mode, settings.horizon, sequences)),
         "pg_clipfrac": tok((pg2 > pg1).astype(jnp.float32)),
         "pg_clipfrac_lower": tok(lower),
         "approx_kl": tok(ratio - 1.0 - log_ratio),
@@ -387,6 +424,7 @@ def rollout_correction(
     mode: str,
     threshold: float,
     threshold_lower: float | None = None,
+    sequences: Sequences = ROWS,
 ):
     """Importance weights for the gap between the policy that sampled the tokens (the sampler's
     logprobs: another engine, other kernels, or a policy k versions old) and the trainer's old policy,
@@ -397,7 +435,7 @@ def rollout_correction(
       - "token":     w_t = exp(clip(log w_t, -20, 20))
       - "sequence":  w_i = exp(clip(sum_t log w_t, -20, 20)), the product of the row's token ratios
       - "geometric": w_i = exp(clip(mean_t log w_t, -20, 20)), their geometric mean
-    (sequence levels: w_i at every token of row i). With lower = threshold_lower or 1 / threshold,
+    (sequence levels: w_i at every token of row i; of sequence i with packed rows, `sequences`). With lower = threshold_lower or 1 / threshold,
     by `mode`:
       - "truncate" (TIS): weight = min(w, threshold); the mask is unchanged.
       - "mask" (MIS, rejection): tokens ("token") or whole rows (sequence levels) whose w lies outside
@@ -421,11 +459,9 @@ def rollout_correction(
         m > 0, sg(jnp.asarray(old_logprobs, jnp.float32)) - jnp.asarray(sampler_logprobs, jnp.float32), 0.0
     )
     if level == "sequence":
-        log_w = jnp.broadcast_to(log_w.sum(axis=-1, keepdims=True), m.shape)
+        log_w = sequences.spread(sequences.total(log_w), m.shape)
     elif level == "geometric":
-        log_w = jnp.broadcast_to(
-            log_w.sum(axis=-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0), m.shape
-        )
+        log_w = sequences.spread(sequences.total(log_w) / jnp.maximum(sequences.total(m), 1.0), m.shape)
     elif level != "token":
         raise ValueError(f"unknown rollout_is_level {level!r}; expected one of {ROLLOUT_IS_LEVELS}")
     w = jnp.exp(jnp.clip(log_w, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
@@ -443,9 +479,9 @@ def rollout_correction(
     elif mode == "mask":
         kept = m * (1.0 - jnp.maximum(high, low))
         weights = w * kept
-        rows = (m.sum(-1) > 0).astype(jnp.float32)
+        rows = (sequences.total(m) > 0).astype(jnp.float32)
         metrics["rollout_is_masked_fraction"] = ((m - kept).sum(), tokens)
-        metrics["rollout_is_seq_masked_fraction"] = ((rows * ((m - kept).sum(-1) > 0)).sum(), rows.sum())
+        metrics["rollout_is_seq_masked_fraction"] = ((rows * (sequences.total(m - kept) > 0)).sum(), rows.sum())
     else:
         raise ValueError(f"unknown rollout_is_mode {mode!r}; expected one of {ROLLOUT_IS_MODES}")
     return sg(weights), sg(kept), jax.tree.map(sg, metrics)
@@ -509,7 +545,14 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 
 def value_loss(
-    values, old_values, returns, mask, value_clip: float | None, loss_agg_mode: str = "token-mean", horizon=None
+    values,
+    old_values,
+    returns,
+    mask,
+    value_clip: float | None,
+    loss_agg_mode: str = "token-mean",
+    horizon=None,
+    sequences: Sequences = ROWS,
 ):
     """The critic's clipped value loss (verl's compute_value_loss), in train_step's form.
 
@@ -517,7 +560,7 @@ def value_loss(
     [B,T]. Per token, with v_clip = old + clip(v - old, -value_clip, value_clip) (value_clip None:
     v_clip = v, no clipping):
         loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2)
-    aggregated by `aggregate(loss_t, mask, loss_agg_mode, horizon)`. Returns (loss_sum, denominator,
+    aggregated by `aggregate(loss_t, mask, loss_agg_mode, horizon, sequences)`. Returns (loss_sum, denominator,
     metrics), metrics name -> (sum, count) with stop_gradient:
       vf_clipfrac   tokens whose clipped error is the larger (the clip is active) / tokens
       vpred_mean    the critic's values / tokens
@@ -528,7 +571,7 @@ def value_loss(
     m = jnp.asarray(mask, jnp.float32)
     v_clip = v if value_clip is None else old + jnp.clip(v - old, -value_clip, value_clip)
     unclipped, clipped = jnp.square(v - ret), jnp.square(v_clip - ret)
-    loss_sum, denom = aggregate(0.5 * jnp.maximum(unclipped, clipped), m, loss_agg_mode, horizon)
+    loss_sum, denom = aggregate(0.5 * jnp.maximum(unclipped, clipped), m, loss_agg_mode, horizon, sequences)
     sg = jax.lax.stop_gradient
     tokens = sg(m.sum())
     metrics = {

@@ -37,6 +37,7 @@ DEFAULT_RULES: Rules = (
     ("kv", None),
     ("vocab", "tensor"),
     ("layers", None),
+    ("expert", None),
     ("norm", None),
     ("activation_embed", None),
 )

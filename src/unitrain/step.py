@@ -25,6 +25,7 @@ import optax
 
 from unitrain import lora, sharding
 from unitrain.errors import ConfigError
+from unitrain.models import moe
 
 log = logging.getLogger("unitrain")
 
@@ -90,6 +91,8 @@ class StepConfig:
     optimizer_host_offload: bool
     adapters_only: bool
     learning_rate: optax.Schedule
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
 
     @classmethod
     def from_config(cls, cfg, learning_rate: optax.Schedule) -> StepConfig:
@@ -99,7 +102,28 @@ class StepConfig:
             optimizer_host_offload=cfg.optimizer_host_offload,
             adapters_only=cfg.lora_rank > 0,
             learning_rate=learning_rate,
+            moe_aux_loss_coef=cfg.moe_aux_loss_coef,
+            moe_z_loss_coef=cfg.moe_z_loss_coef,
         )
+
+
+def with_router_losses(loss_fn, aux_coef: float, z_coef: float):
+    """loss_fn with a mixture of experts' router terms added (models/moe.py): the RouterStats its
+    forwards report, as moe_aux_loss_coef * load-balancing loss + moe_z_loss_coef * z-loss per unit
+    of the loss's denominator (so after train_step's division they add to the mean loss as they
+    are), and the moe/* metrics. A dense model reports none: the loss is loss_fn's."""
+
+    def loss(params, batch):
+        with moe.collect_router_stats() as collected:
+            total, (denom, metrics) = loss_fn(params, batch)
+        if not collected:
+            return total, (denom, metrics)
+        router = moe.router_losses(collected)
+        total = total + (aux_coef * router["aux_loss"] + z_coef * router["z_loss"]) * denom
+        once = jnp.ones((), jnp.float32)  # each micro-batch's value counts once: the step logs their mean
+        return total, (denom, {**metrics, **{f"moe/{name}": (value, once) for name, value in router.items()}})
+
+    return loss
 
 
 def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *, opt_device_shardings=None):
@@ -110,9 +134,10 @@ def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *, opt_de
     each metric likewise ends as its total sum over its total count. With the optimizer state
     offloaded to host memory, `opt_device_shardings` brings it to the device for the update (the
     step's out_shardings send it back). `learning_rate` is the optimizer's schedule (run.learning_rate),
-    read for the step's metric.
+    read for the step's metric. A mixture of experts' router terms join the loss (with_router_losses).
     """
     k = settings.gradient_accumulation_steps
+    loss_fn = with_router_losses(loss_fn, settings.moe_aux_loss_coef, settings.moe_z_loss_coef)
     # Row i*k + j goes to micro-batch j: each device's contiguous rows stay on that device.
     micro = jax.tree.map(lambda x: x.reshape(-1, k, *x.shape[1:]).swapaxes(0, 1), batch)
     # Only the trained part is differentiated and updated (with LoRA the adapters; the frozen base

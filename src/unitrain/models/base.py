@@ -8,6 +8,11 @@ a pure dict, and `nnx.merge(graphdef, params)` gives the callable back.
 A model source builds one from the config with its parameters already placed in their shardings:
 
     source(cfg, mesh) -> Model          # config key model_source: unitrain | tunix | pkg.module:fn
+
+Training terms besides the logits (a mixture of experts' router losses) are not return values: a
+forward without a cache reports them to the collector its caller opened in the same trace
+(models/moe.py: `report`, `collect_router_stats`), which step.train_step does around every task's
+loss; a model with none reports nothing.
 """
 
 from __future__ import annotations

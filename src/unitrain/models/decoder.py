@@ -1,5 +1,5 @@
-"""unitrain's own decoder: one Flax NNX module for the Llama, Qwen2/2.5, Qwen3 and Mistral families,
-implementing the model interface of models/base.py (`model_source: unitrain`, the default).
+"""unitrain's own decoder: one Flax NNX module for the Llama, Qwen2/2.5, Qwen3 and Mistral families and
+the mixture-of-experts Qwen3-MoE and Mixtral (every layer's MLP sparse: models/moe.py), implementing the model interface of models/base.py (`model_source: unitrain`, the default).
 
 Every caller (train step, sampler, losses) sees only the common call signature:
 
@@ -28,10 +28,10 @@ import numpy as np
 from flax import nnx
 
 from unitrain import sharding
-from unitrain.models import kv_cache
+from unitrain.models import kv_cache, moe
 from unitrain.models.attention import attention_fn, attention_mask, cached_attention
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -67,6 +67,12 @@ class ModelConfig:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # Mixture of experts (0: dense): every layer's MLP is num_experts SwiGLUs of moe_mlp_dim, of
+    # which each token takes num_experts_per_tok (models/moe.py).
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_mlp_dim: int = 128
+    moe_norm_topk_prob: bool = True
     dtype: str = "float32"
     weight_dtype: str = "float32"
     remat_policy: str = "none"
@@ -124,9 +130,18 @@ class DecoderLayers(nnx.Module):
             self.q_norm = p(_ones, (D,), ("norm",))
             self.k_norm = p(_ones, (D,), ("norm",))
         self.mlp_norm = p(_ones, (E,), ("norm",))
-        self.w_gate = p(_normal, (E, M), ("embed", "mlp"))
-        self.w_up = p(_normal, (E, M), ("embed", "mlp"))
-        self.w_down = p(_normal, (M, E), ("mlp", "embed"))
+        if cfg.num_experts:
+            X, M = cfg.num_experts, cfg.moe_mlp_dim
+            # The router's expert axis stays unsharded: it is small, and `embed` may share a mesh
+            # axis with `expert`.
+            self.router = p(_normal, (E, X), ("embed", None))
+            self.moe_gate = p(_normal, (X, E, M), ("expert", "embed", "mlp"))
+            self.moe_up = p(_normal, (X, E, M), ("expert", "embed", "mlp"))
+            self.moe_down = p(_normal, (X, M, E), ("expert", "mlp", "embed"))
+        else:
+            self.w_gate = p(_normal, (E, M), ("embed", "mlp"))
+            self.w_up = p(_normal, (E, M), ("embed", "mlp"))
+            self.w_down = p(_normal, (M, E), ("mlp", "embed"))
 
 
 # Norms and biases are spared weight decay.
@@ -170,8 +185,8 @@ class Decoder(nnx.Module):
 
         Matmuls: a [tokens, n] x [n, m] product costs 2*n*m FLOPs per token forward and twice that
         backward (input and weight gradients), so 6 * (matmul parameters) per token. Per layer those
-        parameters are q: E*H*D, k and v: E*K*D each, o: H*D*E, SwiGLU gate, up and down: 3*E*M,
-        plus the lm_head E*V once, tied or not: the logits matmul runs either way (not without an
+        parameters are q: E*H*D, k and v: E*K*D each, o: H*D*E, SwiGLU gate, up and down: 3*E*M
+        (a sparse MLP: the k experts a token runs, 3*E*M_moe each, and the router E*X), plus the lm_head E*V once, tied or not: the logits matmul runs either way (not without an
         output head: a scalar-head model counts its own head). The embedding
         lookup is a gather and norms, RoPE, biases and softmax are elementwise: none are counted.
         Attention: QK^T and PV each cost 2*H*D*T FLOPs per query token forward, times 3 for
@@ -180,7 +195,8 @@ class Decoder(nnx.Module):
         """
         c = self.cfg
         E, M, H, K, D = c.emb_dim, c.mlp_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
-        per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * M
+        mlp = c.num_experts_per_tok * 3 * E * c.moe_mlp_dim + E * c.num_experts if c.num_experts else 3 * E * M
+        per_layer = E * H * D + 2 * E * K * D + H * D * E + mlp
         matmul_params = c.num_decoder_layers * per_layer + (E * c.vocab_size if c.output_head else 0)
         return float(6 * matmul_params + 12 * c.num_decoder_layers * H * D * seq_len)
 
@@ -240,7 +256,14 @@ class Decoder(nnx.Module):
         params = self._stacked_layers()
         if cache is None:
             attend = attention_fn(cfg, segment_ids, positions)
-            x, new_cache = _run_stack(cfg, x, params, lambda x, p: _layer(cfg, p, x, cos, sin, attend)[0]), None
+
+            def layer(x, p):
+                x, _, routed = _layer(cfg, p, x, cos, sin, attend, segment_ids)
+                return x, routed
+
+            x, routed = _run_stack(cfg, x, params, layer)
+            moe.report(routed)
+            new_cache = None
         else:
             x, new_cache = _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache, layers)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
@@ -272,12 +295,15 @@ class Decoder(nnx.Module):
             k, v = (
                 jnp.concatenate([copies(a_p), a_c], axis=2).astype(cfg.dtype) for a_p, a_c in ((k_p, k_c), (v_p, v_c))
             )
-            return (
-                _block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p)),
-                _block_output(cfg, p, xs[1], attend_c(q_c, k, v)),
+            (x_p, routed_p), (x_c, routed_c) = (
+                _block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p), seg_p),
+                _block_output(cfg, p, xs[1], attend_c(q_c, k, v), seg_c),
             )
+            return (x_p, x_c), (routed_p, routed_c)
 
-        x_p, x_c = _run_stack(cfg, (self._embed(tok_p), self._embed(tok_c)), self._stacked_layers(), layer)
+        (x_p, x_c), routed = _run_stack(cfg, (self._embed(tok_p), self._embed(tok_c)), self._stacked_layers(), layer)
+        for part in routed:  # each prompt's tokens count once, as they are computed once
+            moe.report(part)
         return rms_norm(jnp.concatenate([copies(x_p), x_c], axis=1), self.final_norm[...], cfg.rms_norm_eps)
 
     def _embed(self, tokens):
@@ -290,14 +316,17 @@ class Decoder(nnx.Module):
 
 
 def _run_stack(cfg, x, params, layer):
-    """Applies the layers in order: one `lax.scan` step per layer, or an unrolled Python loop."""
+    """Applies the layers in order: one `lax.scan` step per layer, or an unrolled Python loop.
+    layer(x, p) -> (x, its RouterStats or None); returns x and the stats stacked over the layers."""
     if cfg.remat_policy != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-        return jax.lax.scan(lambda x, p: (layer(x, p), None), x, params)[0]
+        return jax.lax.scan(layer, x, params)
+    routed = []
     for i in range(cfg.num_decoder_layers):
-        x = layer(x, jax.tree.map(lambda a: a[i], params))
-    return x
+        x, stats = layer(x, jax.tree.map(lambda a: a[i], params))
+        routed.append(stats)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *routed)
 
 
 def copies_weight_slices(platform: str) -> bool:
@@ -345,13 +374,13 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: kv_cach
     ks, vs = [], []
     for i in range(cfg.num_decoder_layers):
         p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
-        x, (k, v) = _layer(cfg, p, x, cos, sin, attend, functools.partial(kv_cache.write, cache, i))
+        x, (k, v), _ = _layer(cfg, p, x, cos, sin, attend, segment_ids, functools.partial(kv_cache.write, cache, i))
         ks.append(k)
         vs.append(v)
     return x, kv_cache.written(cache, ks, vs, columns, x.shape[1])
 
 
-_MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", moe.ROUTER, *moe.EXPERT_PARAMS)
 
 
 def _decode_weights(cfg: ModelConfig, p: dict) -> dict:
@@ -376,15 +405,16 @@ def _project_qkv(cfg: ModelConfig, p, h):
     return q, qkv[..., -2, :], qkv[..., -1, :]
 
 
-def _layer(cfg: ModelConfig, p, x, cos, sin, attend, write=None):
-    """One pre-norm block: x + attend(q, k, v) of norm(x), then x + SwiGLU(norm(x)). With a cache,
-    `write(k, v)` stores this call's keys and values [B, K, T, D] and returns the cache's.
-    p holds the layer's parameters or its `_decode_weights`. Returns the new x and the keys and
-    values attended to."""
+def _layer(cfg: ModelConfig, p, x, cos, sin, attend, segment_ids, write=None):
+    """One pre-norm block: x + attend(q, k, v) of norm(x), then x + SwiGLU(norm(x)) (or the sparse
+    MLP). With a cache, `write(k, v)` stores this call's keys and values [B, K, T, D] and returns
+    the cache's. p holds the layer's parameters or its `_decode_weights`. Returns the new x, the
+    keys and values attended to, and the layer's RouterStats (None when dense)."""
     q, k, v = _attention_inputs(cfg, p, x, cos, sin)
     if write is not None:
         k, v = write(k, v)
-    return _block_output(cfg, p, x, attend(q, k.astype(cfg.dtype), v.astype(cfg.dtype))), (k, v)
+    x, routed = _block_output(cfg, p, x, attend(q, k.astype(cfg.dtype), v.astype(cfg.dtype)), segment_ids)
+    return x, (k, v), routed
 
 
 def _attention_inputs(cfg: ModelConfig, p, x, cos, sin):
@@ -402,18 +432,24 @@ def _attention_inputs(cfg: ModelConfig, p, x, cos, sin):
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def _block_output(cfg: ModelConfig, p, x, attn):
-    """The rest of the block from the attention's output: x + its projection, then the MLP."""
+def _block_output(cfg: ModelConfig, p, x, attn, segment_ids):
+    """The rest of the block from the attention's output: x + its projection, then the MLP. Returns
+    the new x and the layer's RouterStats over the real tokens (segment > 0; None when dense)."""
     dt = cfg.dtype
     # One contracted axis (heads x head_dim): with two, XLA may pick their order by the attention
     # output's layout and transpose the weight to match, on every decode step.
     x = x + _dense(attn, p["wo"].astype(dt), n_in=2)
     x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    hidden = jax.nn.silu(_dense(h, p["w_gate"].astype(dt))) * _dense(h, p["w_up"].astype(dt))
-    hidden = _constrain(cfg, hidden, ("batch", "length", "mlp"))
-    x = x + _dense(hidden, p["w_down"].astype(dt))
-    return _constrain(cfg, x, ("batch", "length", "activation_embed"))
+    if cfg.num_experts:
+        y, routed = moe.moe_mlp(
+            h, p, segment_ids > 0, k=cfg.num_experts_per_tok, normalise=cfg.moe_norm_topk_prob, dtype=dt
+        )
+    else:
+        hidden = jax.nn.silu(_dense(h, p["w_gate"].astype(dt))) * _dense(h, p["w_up"].astype(dt))
+        hidden = _constrain(cfg, hidden, ("batch", "length", "mlp"))
+        y, routed = _dense(hidden, p["w_down"].astype(dt)), None
+    return _constrain(cfg, x + y, ("batch", "length", "activation_embed")), routed
 
 
 def _dense(x, w, n_in=1):

@@ -29,7 +29,8 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            token, `lengths` = mask.sum(1), and `logprobs` float32, each token's log-probability
            under the distribution it was drawn from (after temperature, top-k, top-p; 0 off the
            mask): `rollout_is` corrects the loss for their gap to the trainer's. A row ends after
-           any of `sampling.stop_token_ids` or at N tokens; temperature 0 is greedy; `key` seeds
+           any of `sampling.stop_token_ids` or at `sampling.budget(row)` tokens (N unless the call
+           gives `row_budgets`, as the episodes driver does); temperature 0 is greedy; `key` seeds
            the sampling (jax.random.key_data(key) gives integers for an engine's seed).
   version  `Completions.version` is the `version` of the weights the tokens were sampled with
            (the last update_weights the engine had applied when it began them), not the trainer's
@@ -73,6 +74,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     stop_token_ids: tuple[int, ...] = ()  # EOS and other stop ids; a row stops after emitting one
+    row_budgets: tuple[
+        int, ...
+    ] = ()  # per prompt, the most tokens its row samples (each <= max_new_tokens); () = all max_new_tokens
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -83,6 +87,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.row_budgets and not 1 <= min(self.row_budgets) <= max(self.row_budgets) <= self.max_new_tokens:
+            raise ValueError(f"row budgets must be in [1, max_new_tokens={self.max_new_tokens}]")
+
+    def budget(self, row: int) -> int:
+        """The most tokens row `row` of a call samples."""
+        return self.row_budgets[row] if self.row_budgets else self.max_new_tokens
 
     @classmethod
     def from_config(cls, cfg, stop_token_ids: tuple[int, ...], max_new_tokens: int | None = None) -> SamplingParams:

@@ -34,7 +34,16 @@ from flax import nnx, struct
 
 from unitrain import sharding
 from unitrain.rollout.base import Completions
-from unitrain.rollout.programs import PromptBlock, compiler_options, constrain_cache, sharded_cache
+from unitrain.rollout.programs import (
+    PromptBlock,
+    argmax,
+    compacted,
+    compiler_options,
+    constrain_cache,
+    first_bucket_done,
+    gumbel_noise,
+    sharded_cache,
+)
 from unitrain.rollout.trie import Trie
 from unitrain.step import full_rows_to_global, to_host
 
@@ -126,12 +135,16 @@ class BeamKey:
     width: int  # W
     sample: bool
     constrained: bool  # to a trie
+    # The row counts (B*W first) the rows of the prompts still searching are compacted into; () or (B*W,): none.
+    row_buckets: tuple[int, ...] = ()
 
     def name(self) -> str:
         """The program's name in the compile log."""
         kind = "sample" if self.sample else "beam"
+        compaction = f" compacted into rows {'/'.join(map(str, self.row_buckets[1:]))}" if self.row_buckets[1:] else ""
         return (
-            f"{kind} search (batch={self.rows} prompt={self.prompt_columns} new={self.new_tokens} width={self.width})"
+            f"{kind} search (batch={self.rows} prompt={self.prompt_columns} new={self.new_tokens} width={self.width}"
+            f"{compaction})"
         )
 
 
@@ -153,7 +166,9 @@ class BeamInputs:
 
 @struct.dataclass
 class BeamState:
-    """The search loop's state: B*W rows, beam w of prompt b at row b*W + w."""
+    """The search loop's state: B*W rows, beam w of prompt b at row b*W + w. Compaction gathers the
+    rows of the prompts still searching (all their W rows, in order), so each row carries its index
+    in the call (`rows`) and its prompt's length."""
 
     i: jax.Array  # the index of the token the next step picks
     cache: Any
@@ -165,18 +180,26 @@ class BeamState:
     lengths: jax.Array  # [R] int32
     last: jax.Array  # [R] int32: the token the next step reads
     emitted: jax.Array  # [R] bool: whether the last step emitted `last`
+    rows: jax.Array  # [R] int32: the row's index in the call (b*W + w); its noise in sample mode
+    prompt_lens: jax.Array  # [R] int32
+
+
+_ROW_FIELDS = ("node", "score", "done", "tokens", "logprobs", "lengths", "last", "emitted", "rows", "prompt_lens")
+_OUTPUT_FIELDS = ("tokens", "logprobs", "lengths", "score")
 
 
 def _pick(key: BeamKey, inputs: BeamInputs, logits, state: BeamState):
     """Each row's (parent row, token, token logprob, new score) at step state.i."""
-    R = key.rows * key.width
+    R = state.done.shape[0]
     lp = jax.nn.log_softmax(logits.astype(jnp.float32) / inputs.temperature, axis=-1)
     cand = lp
     if key.constrained:
         cand = jnp.where(_allowed(inputs.trie_tokens, state.node, logits.shape[-1]), lp, -jnp.inf)
     if not key.sample:
-        return _beam_select(cand, state.score, state.done, key.rows, key.width, key.pad_id)
-    token = jax.random.categorical(jax.random.fold_in(inputs.rng, state.i), cand, axis=-1).astype(jnp.int32)
+        return _beam_select(cand, state.score, state.done, R // key.width, key.width, key.pad_id)
+    # jax.random.categorical of the [B*W, V] rows, each row's noise by its index in the call.
+    noise = gumbel_noise(jax.random.fold_in(inputs.rng, state.i), state.rows, cand.shape[-1])
+    token = argmax(cand + noise)
     token = jnp.where(state.done, key.pad_id, token)
     token_lp = jnp.where(state.done, 0.0, jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0])
     return jnp.arange(R), token, token_lp, state.score + token_lp
@@ -242,6 +265,8 @@ def _prefilled(model, key: BeamKey, inputs: BeamInputs) -> tuple[BeamState, jax.
         lengths=zeros,
         last=zeros,
         emitted=jnp.zeros((R,), bool),
+        rows=jnp.arange(R, dtype=jnp.int32),
+        prompt_lens=jnp.repeat(block.prompt_lens, W),
     )
     return state, jnp.repeat(logits, W, axis=0)
 
@@ -253,17 +278,30 @@ def _build(key: BeamKey):
     def run(inputs: BeamInputs) -> dict:
         # Prefill and steps alike run on the decode weights.
         model = nnx.merge(key.graphdef, inputs.params).for_decoding(inputs.decode)
-        lens = jnp.repeat(inputs.block.prompt_lens, W)
         state, logits = _prefilled(model, key, inputs)
         state = _advance(model, key, inputs, state, logits)
 
         def step(state: BeamState) -> BeamState:
-            positions, segments = (lens + state.i - 1)[:, None], state.emitted[:, None].astype(jnp.int32)
-            logits, cache = model(state.last[:, None], positions, segments, state.cache)
+            positions = (state.prompt_lens + state.i - 1)[:, None]
+            logits, cache = model(state.last[:, None], positions, state.emitted[:, None].astype(jnp.int32), state.cache)
             return _advance(model, key, inputs, state.replace(cache=cache), logits[:, 0])
 
-        running = lambda s: (s.i < key.new_tokens) & ~jnp.all(s.done)
-        state = jax.lax.while_loop(running, step, state)
+        # A prompt searches until all its W beams are finished; then its rows can leave (compaction).
+        searching = lambda s: ~s.done.reshape(-1, W).all(axis=1)
+        more = lambda s: (s.i < key.new_tokens) & ~first_bucket_done(s, key.row_buckets, W, searching)
+        state = jax.lax.while_loop(more, step, state)
+        state = compacted(
+            model,
+            state,
+            step,
+            buckets=key.row_buckets,
+            group=W,
+            running=searching,
+            stop=key.new_tokens,
+            fields=_ROW_FIELDS,
+            outputs=_OUTPUT_FIELDS,
+            rules=key.cache_rules,
+        )
         # Best first by the length-normalised score; no-sequence rows (-inf) last.
         score, lengths = state.score, state.lengths
         rank = jnp.where(jnp.isfinite(score), score / jnp.maximum(lengths, 1) ** inputs.length_penalty, -jnp.inf)
@@ -293,6 +331,7 @@ def search(sampler, block: PromptBlock, n_real: int, beams: BeamParams, key) -> 
         width=beams.width,
         sample=beams.sample,
         constrained=beams.trie is not None,
+        row_buckets=tuple(b * beams.width for b in sampler.row_buckets(B, beams.width)),
     )
     trie = beams.trie or _NO_TRIE
     inputs = BeamInputs(

@@ -36,13 +36,19 @@ XLA:CPU allocates a call's temporaries in.
 The decode runs in `cache_phases` loops over near-equal spans of the N tokens, the KV cache grown
 by empty columns at each one's start: attention reads the prompt and the tokens so far rounded up
 to the phase's end, not all P + N columns (the more new tokens, the more it saves). Each phase
-compiles its own loop body, so compile time grows with their number. Figures: docs/PERFORMANCE.md.
+compiles its own loop body, so compile time grows with their number.
+
+A row ends at a stop token or at its budget (SamplingParams.row_budgets, else N). With compaction
+(`rollout_compaction`: the fewest rows it compacts into) the phases stop once the rows still running
+fit the next smaller row bucket, and from there the running rows decode in ever smaller buckets
+(programs.compacted), so that ended rows stop costing: one more loop body per bucket. Each row's
+noise is drawn by its index in the call, so a compacted row draws the tokens it would have drawn
+uncompacted. Figures: docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -53,11 +59,16 @@ from flax import nnx, struct
 from unitrain import sharding
 from unitrain.rollout import beam
 from unitrain.rollout.base import Completions, SamplingParams
-from unitrain.rollout.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length
+from unitrain.rollout.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length, row_buckets
 from unitrain.rollout.programs import (
     PromptBlock,
+    argmax,
+    cache_rows,
+    compacted,
     compiler_options,
     constrain_cache,
+    first_bucket_done,
+    gumbel_noise,
     left_padded,
     sharded_cache,
 )
@@ -67,11 +78,12 @@ from unitrain.step import CompileCache, full_rows_to_global, in_mesh, to_host
 # Sampling from one step's logits
 
 
-def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool):
-    """-> (token [B] int32, logprob [B] float32) of the token under the distribution it came from."""
+def _sample(logits, key, rows, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool):
+    """-> (token [B] int32, logprob [B] float32) of the token under the distribution it came from;
+    `rows` [B]: each row's index in the call, which picks its noise."""
     logits = logits.astype(jnp.float32)
     if greedy:
-        token = _argmax(logits)
+        token = argmax(logits)
     else:
         scaled = logits / temperature
         if top_k:
@@ -86,43 +98,8 @@ def _sample(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
             threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
             scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
         # jax.random.categorical's Gumbel-max draw, with its noise and a faster argmax.
-        token = _argmax(scaled + _gumbel(key, scaled.shape))
+        token = argmax(scaled + gumbel_noise(key, rows, scaled.shape[-1]))
     return token, _logprob(logits if greedy else scaled, token)
-
-
-def _gumbel(key, shape):
-    """jax.random.gumbel(key, shape) of a threefry key, bit for bit, with the hash unrolled: XLA:CPU
-    runs JAX's threefry as a loop over whole uint32 arrays, slower than this one fused pass."""
-    k1, k2 = jax.random.key_data(key)
-    count = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape)  # < 2**32: the high word is 0
-    bits = _threefry2x32(k1, k2, jnp.zeros_like(count), count)
-    unit = jax.lax.bitcast_convert_type((bits >> 9) | np.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
-    tiny = jnp.finfo(jnp.float32).tiny
-    return -jnp.log(-jnp.log(jnp.maximum(tiny, unit * (1.0 - tiny) + tiny)))
-
-
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-
-
-def _threefry2x32(k1, k2, x0, x1):
-    """Threefry-2x32, 20 rounds, of the counter words (x0, x1) under the key (k1, k2): the xor of
-    the two output words, as jax.random's bits."""
-    u = np.uint32
-    ks = (k1, k2, k1 ^ k2 ^ u(0x1BD11BDA))
-    x0, x1 = x0 + ks[0], x1 + ks[1]
-    for n in range(5):
-        for r in _ROTATIONS[n % 2]:
-            x0 = x0 + x1
-            x1 = ((x1 << u(r)) | (x1 >> u(32 - r))) ^ x0
-        x0, x1 = x0 + ks[(n + 1) % 3], x1 + ks[(n + 2) % 3] + u(n + 1)
-    return x0 ^ x1
-
-
-def _argmax(x):
-    """jnp.argmax over the last axis (the first maximum) as two plain reductions: XLA:CPU runs
-    argmax's (value, index) reduction unvectorised, slower over a row of logits."""
-    top = jnp.max(x, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
 
 def _logprob(logits, token):
@@ -133,12 +110,6 @@ def _logprob(logits, token):
 
 # ---------------------------------------------------------------------------------------------
 # The jitted program
-
-
-def cache_rows(model, cache, rows, rules):
-    """The cache rows `rows` [B] (indices along the `batch` axis), constrained as `constrain_cache`."""
-    take = lambda x, axes: jnp.take(x, rows, axis=axes.index("batch"))
-    return constrain_cache(model, jax.tree.map(take, cache, model.cache_axes()), rules)
 
 
 def grown_cache(model, cache, columns: int, rules):
@@ -170,6 +141,8 @@ class GenerateKey:
     greedy: bool
     top_k: int  # 0: off
     use_top_p: bool
+    # The row counts the decode compacts its running rows into, B first; () or (B,): no compaction.
+    row_buckets: tuple[int, ...] = ()
 
     def phase_ends(self) -> list[int]:
         return phase_ends(self.new_tokens, self.cache_phases)
@@ -178,7 +151,12 @@ class GenerateKey:
         """The program's name in the compile log."""
         batch = f"batch={self.rows}" + (f" prefill rows={self.prefill_rows}" if self.prefill_rows < self.rows else "")
         phases = len(self.phase_ends())
-        return f"generate ({batch} prompt={self.prompt_columns} new={self.new_tokens} cache phases={phases})"
+        compaction = ""
+        if len(self.row_buckets) > 1:
+            compaction = f" compacted into rows {'/'.join(map(str, self.row_buckets[1:]))}"
+        return (
+            f"generate ({batch} prompt={self.prompt_columns} new={self.new_tokens} cache phases={phases}{compaction})"
+        )
 
 
 @struct.dataclass
@@ -188,6 +166,7 @@ class GenerateInputs:
     params: Any  # the model's pure dict of parameters
     decode: Any  # the model's decode_weights of them
     block: PromptBlock  # the prefill rows of the distinct prompts (source: each row's), B rows' lengths
+    budgets: Any  # [B] int32: the most tokens each row samples (N unless the call says less)
     stop_ids: Any  # [S] int32
     temperature: Any  # float32 scalar (1 when greedy)
     top_p: Any  # float32 scalar
@@ -204,27 +183,44 @@ class GenerateCall:
 
 @struct.dataclass
 class DecodeState:
-    """The decode loop's state: the outputs so far and what the next step starts from."""
+    """The decode loop's state: the outputs so far and what the next step starts from. Per row
+    (along the cache's `batch` axis): every field but `i`. Compaction moves rows, so each carries
+    its index in the call (`rows`: its noise, its place in the output) and its own lengths."""
 
     i: jax.Array  # the index of the token the next step samples
     cache: Any
     tokens: jax.Array  # [B, N] int32, pad_id where nothing was emitted
     mask: jax.Array  # [B, N] int32, 1 on the emitted tokens
     logprobs: jax.Array  # [B, N] float32, 0 where nothing was emitted
-    done: jax.Array  # [B] bool: the row emitted a stop token, or is batch padding
+    done: jax.Array  # [B] bool: the row emitted a stop token or its budget, or is batch padding
     last: jax.Array  # [B] int32: the token the next step reads (pad_id once done)
+    rows: jax.Array  # [B] int32: the row's index in the call
+    prompt_lens: jax.Array  # [B] int32
+    budgets: jax.Array  # [B] int32
 
 
-def _draw(key: GenerateKey, inputs: GenerateInputs, logits, i):
-    """The token of step `i` of every row and its logprob, each step with noise of its own."""
+_ROW_FIELDS = ("tokens", "mask", "logprobs", "done", "last", "rows", "prompt_lens", "budgets")
+_OUTPUT_FIELDS = ("tokens", "mask", "logprobs")
+
+
+def _draw(key: GenerateKey, inputs: GenerateInputs, logits, i, rows):
+    """The token of step `i` of every row and its logprob: noise of the step and of the row's index."""
     rng = jax.random.fold_in(inputs.rng, i)
     return _sample(
-        logits, rng, inputs.temperature, inputs.top_p, greedy=key.greedy, top_k=key.top_k, use_top_p=key.use_top_p
+        logits,
+        rng,
+        rows,
+        inputs.temperature,
+        inputs.top_p,
+        greedy=key.greedy,
+        top_k=key.top_k,
+        use_top_p=key.use_top_p,
     )
 
 
-def _is_stop(token, stop_ids):
-    return jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
+def _ended(token, i, budgets, stop_ids):
+    """[B] bool: a row that emitted `token` as its token `i` ends (a stop id, or its budget reached)."""
+    return jnp.any(token[:, None] == stop_ids[None, :], axis=-1) | (i + 1 >= budgets)
 
 
 def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) -> DecodeState:
@@ -238,7 +234,8 @@ def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) 
     logits = model.logits(hidden[:, -1:])[:, 0]
     if block.source is not None:
         logits, cache = logits[block.source], cache_rows(model, cache, block.source, key.cache_rules)
-    token, logprob = _draw(key, inputs, logits, 0)
+    rows = jnp.arange(B, dtype=jnp.int32)
+    token, logprob = _draw(key, inputs, logits, 0, rows)
     done = block.prompt_lens == 0  # batch-padding rows never emit
     emit = ~done
     return DecodeState(
@@ -247,27 +244,30 @@ def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) 
         tokens=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(jnp.where(emit, token, pad_id)),
         mask=jnp.zeros((B, N), jnp.int32).at[:, 0].set(emit.astype(jnp.int32)),
         logprobs=jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(emit, logprob, 0.0)),
-        done=done | _is_stop(token, inputs.stop_ids),
+        done=done | _ended(token, 0, inputs.budgets, inputs.stop_ids),
         last=jnp.where(emit, token, pad_id),
+        rows=rows,
+        prompt_lens=block.prompt_lens,
+        budgets=inputs.budgets,
     )
 
 
 def _next_token(model, key: GenerateKey, inputs: GenerateInputs, state: DecodeState) -> DecodeState:
     """One decode step: every row's next token from the cache and its last token."""
-    i = state.i
-    pos = (inputs.block.prompt_lens + i - 1)[:, None]
-    logits, cache = model(state.last[:, None], pos, jnp.ones((key.rows, 1), jnp.int32), state.cache)
-    token, logprob = _draw(key, inputs, logits[:, 0], i)
+    i, B = state.i, state.done.shape[0]
+    pos = (state.prompt_lens + i - 1)[:, None]
+    logits, cache = model(state.last[:, None], pos, jnp.ones((B, 1), jnp.int32), state.cache)
+    token, logprob = _draw(key, inputs, logits[:, 0], i, state.rows)
     emit = ~state.done
     token = jnp.where(emit, token, key.pad_id)
     col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None].astype(a.dtype), i, axis=1)
-    return DecodeState(
+    return state.replace(
         i=i + 1,
         cache=cache,
         tokens=col(state.tokens, token),
         mask=col(state.mask, emit),
         logprobs=col(state.logprobs, jnp.where(emit, logprob, 0.0)),
-        done=state.done | _is_stop(token, inputs.stop_ids),
+        done=state.done | _ended(token, i, state.budgets, inputs.stop_ids),
         last=token,
     )
 
@@ -283,11 +283,26 @@ def _build(key: GenerateKey):
         step = lambda s: _next_token(model, key, inputs, s)
         # Token i writes cache column P + i - 1, so the phase of the tokens before `end` fits in P + end
         # columns (the last spare, as in one loop's P + N) and attends over those alone.
+        # With compaction the phases end early, once the running rows fit the next row bucket;
+        # the buckets' loops attend over the whole cache (one loop body each, not one per phase).
+        running = lambda s: ~s.done
         for start, end in zip([0, *ends], ends):
             if start:
                 state = state.replace(cache=grown_cache(model, state.cache, end - start, key.cache_rules))
-            running = lambda s, end=end: (s.i < key.new_tokens) & ~jnp.all(s.done) & (s.i < end)
-            state = jax.lax.while_loop(running, step, state)
+            more = lambda s, end=end: (s.i < end) & ~first_bucket_done(s, key.row_buckets, 1, running)
+            state = jax.lax.while_loop(more, step, state)
+        state = compacted(
+            model,
+            state,
+            step,
+            buckets=key.row_buckets,
+            group=1,
+            running=running,
+            stop=key.new_tokens,
+            fields=_ROW_FIELDS,
+            outputs=_OUTPUT_FIELDS,
+            rules=key.cache_rules,
+        )
         return {
             "tokens": state.tokens,
             "mask": state.mask,
@@ -305,6 +320,8 @@ class ColocatedSampler:
     logical `batch` axis of `rules`. With several processes every process passes the same prompts
     and gets the whole result back. Top-k keeps every token tied with the k-th largest logit.
     `cache_phases` (config rollout_cache_phases): the decode loop's phases (module docstring).
+    `compaction` (config rollout_compaction): as rows end, the decode gathers the rows still running
+    into smaller row buckets, down to this many rows; 0: off (module docstring).
     """
 
     def __init__(
@@ -316,10 +333,12 @@ class ColocatedSampler:
         rules=None,
         programs: CompileCache | None = None,
         cache_phases: int = 1,
+        compaction: int = 0,
     ):
         self.graphdef, params = nnx.split(model)
         self.params, self.version, self.decode = nnx.to_pure_dict(params), 0, None
         self.vocab_size, self.pad_id, self.mesh, self.cache_phases = model.vocab_size, pad_id, mesh, cache_phases
+        self.compaction = compaction
         self.rules = sharding.rules_from_config(rules or sharding.DEFAULT_RULES) if mesh is not None else None
         self.parallelism = batch_parallelism(mesh, self.rules) if mesh is not None else 1  # devices the rows split over
         self.programs = programs if programs is not None else CompileCache(mesh)
@@ -356,6 +375,13 @@ class ColocatedSampler:
         the mesh's batch parallelism."""
         return bucket_batch_size(n_prompts, self.parallelism), bucket_prompt_length(longest)
 
+    def row_buckets(self, rows: int, group: int = 1) -> tuple[int, ...]:
+        """The row counts a decode of `rows` rows compacts into, `rows` first: buckets.py's rule, down
+        to `compaction` rows (just `rows` without compaction). Counted in groups of `group` rows that
+        move together (beam search: a prompt's beams)."""
+        fits = lambda b: self.compaction and self.compaction <= b * group and b < rows
+        return (rows, *[b for b in row_buckets(rows, self.parallelism) if fits(b)])
+
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
         """`logprobs` is each sampled token's log-prob under the temperature-scaled, top-k/top-p
         filtered distribution it was drawn from (greedy: log-softmax of the raw logits)."""
@@ -379,12 +405,16 @@ class ColocatedSampler:
         if lens.min() < 1:
             raise ValueError("every prompt needs at least one token")
         block = self._prompt_block(prompt_ids, lens)
-        greedy = sampling.temperature == 0.0
+        B, greedy = len(block.prompt_lens), sampling.temperature == 0.0
+        if sampling.row_budgets and len(sampling.row_budgets) != len(prompt_ids):
+            raise ValueError(f"{len(sampling.row_budgets)} row budgets for {len(prompt_ids)} prompts")
+        budgets = np.full((B,), sampling.max_new_tokens, np.int32)  # padding rows never emit anyway
+        budgets[: len(prompt_ids)] = [sampling.budget(r) for r in range(len(prompt_ids))]
         program_key = GenerateKey(
             graphdef=self.graphdef,
             cache_rules=self.rules,
             pad_id=self.pad_id,
-            rows=len(block.prompt_lens),
+            rows=B,
             prefill_rows=len(block.tokens),
             prompt_columns=block.tokens.shape[1],
             new_tokens=sampling.max_new_tokens,
@@ -392,11 +422,13 @@ class ColocatedSampler:
             greedy=greedy,
             top_k=0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k,
             use_top_p=not greedy and sampling.top_p < 1.0,
+            row_buckets=self.row_buckets(B),
         )
         inputs = GenerateInputs(
             params=self.params,
             decode=self.decode_weights(),
             block=block,
+            budgets=budgets,
             stop_ids=np.asarray(sampling.stop_token_ids, np.int32).reshape(-1),
             temperature=np.float32(sampling.temperature if not greedy else 1.0),
             top_p=np.float32(sampling.top_p),
@@ -423,8 +455,14 @@ class ColocatedSampler:
         # The key may come from another mesh (the trainer's) or another process's device: its bits
         # are placed like any other input.
         bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(inputs.rng))}, replicated)["key"]
+        budgets = full_rows_to_global(
+            {"budgets": inputs.budgets}, sharding.batch_sharding(self.mesh, self.rules, ("batch",))
+        )
         return inputs.replace(
-            block=inputs.block.on_mesh(self.mesh, self.rules), stop_ids=stop_ids, rng=jax.random.wrap_key_data(bits)
+            block=inputs.block.on_mesh(self.mesh, self.rules),
+            budgets=budgets["budgets"],
+            stop_ids=stop_ids,
+            rng=jax.random.wrap_key_data(bits),
         )
 
     def generate_program(self, call: GenerateCall):
@@ -482,4 +520,5 @@ def from_run(run) -> ColocatedSampler:
         rules=run.rules,
         programs=run.programs,
         cache_phases=run.cfg.rollout_cache_phases,
+        compaction=run.cfg.rollout_compaction,
     )

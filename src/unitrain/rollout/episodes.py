@@ -23,8 +23,8 @@ leave), and each episode gets its row back. It runs on the main thread in a fixe
 process makes the same sampler calls (the Sampler contract, rollout/base.py). The first turn is
 submitted at once (sampling runs ahead with `max_staleness`); the later turns are sampled when the
 round is taken, with the weights the sampler has then: each sampled token records its version.
-A call samples `sampling.max_new_tokens` tokens for every row (one compiled shape) and cuts a row
-asking for fewer at its own budget: sampling is autoregressive, so that is sampling with that limit.
+A call compiles for `sampling.max_new_tokens` tokens (one shape) and gives each row its own request's
+budget (`row_budgets`): a row that reaches it ends there, and the sampler's compaction stops its cost.
 """
 
 from __future__ import annotations
@@ -185,6 +185,8 @@ def _submit_turn(sampler, episodes: list, sampling: SamplingParams, key):
     live = [e for e in episodes if e.request is not None]
     if not live:
         return None
+    budgets = tuple(min(e.request.max_new_tokens, sampling.max_new_tokens) for e in live)
+    sampling = dataclasses.replace(sampling, row_budgets=budgets)
     return live, submit(sampler, [e.request.context for e in live], sampling, key)
 
 

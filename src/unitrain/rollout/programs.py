@@ -1,6 +1,8 @@
 """What the sampler's compiled programs (generate in colocated.py, beam search in beam.py) share:
 the left-padded prompt block they prefill and its place on the mesh, the model's KV cache under
-the mesh's shardings, and the XLA options of a program that decodes few rows a device.
+the mesh's shardings (and a choice of its rows), the compaction of a decode's running rows into
+smaller row buckets as rows end, each row's sampling noise by its index in the call, and the XLA
+options of a program that decodes few rows a device.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -81,3 +84,80 @@ def constrain_cache(model, cache, rules):
         lambda axes: sharding.logical_to_spec(axes, rules), model.cache_axes(), is_leaf=lambda x: isinstance(x, tuple)
     )
     return jax.lax.with_sharding_constraint(cache, specs)
+
+
+def cache_rows(model, cache, rows, rules):
+    """The cache rows `rows` [B] (indices along the `batch` axis), constrained as `constrain_cache`."""
+    take = lambda x, axes: jnp.take(x, rows, axis=axes.index("batch"))
+    return constrain_cache(model, jax.tree.map(take, cache, model.cache_axes()), rules)
+
+
+def compacted(model, state, step, *, buckets, group: int, running, stop: int, fields, outputs, rules):
+    """The decode loop of `step` after the caller's loops over all its rows, which end once the rows
+    still running fit `buckets[1]`: whenever they fit the next smaller bucket, they are gathered into
+    it, in their order, and decode on there until token `stop` or their end, so that rows which ended
+    stop costing. Rows only ever end, so the buckets follow one another in one straight line of
+    loops, each compiled once (and none past `buckets[0]`, the caller's rows, when there is one).
+
+    `state` is a struct of the loop's step index `i`, the KV cache `cache` and per-row arrays along
+    axis 0: `fields` (they move with their row), among them `rows` (each row's index in the call)
+    and `outputs`, which are written back to those indices of the caller's state as a bucket's rows
+    are left behind. `group` rows move together (a prompt's beams); `running(state)` says, per group,
+    whether it still runs.
+    """
+    out = state
+    for j, rows in enumerate(buckets[1:], 1):
+        order = jnp.argsort((~running(state)).astype(jnp.int32), stable=True)[: rows // group]  # running first
+        order = (order[:, None] * group + jnp.arange(group)).reshape(-1)
+        state = state.replace(
+            cache=cache_rows(model, state.cache, order, rules), **{f: getattr(state, f)[order] for f in fields}
+        )
+        fewer = (*buckets, 0)[j + 1]
+        more = lambda s, fewer=fewer: (s.i < stop) & (jnp.sum(running(s)) * group > fewer)
+        state = jax.lax.while_loop(more, step, state)
+        out = out.replace(**{f: getattr(out, f).at[state.rows].set(getattr(state, f)) for f in outputs})
+    return out
+
+
+def first_bucket_done(state, buckets, group: int, running):
+    """Whether the rows still running fit the second of `buckets` (its compaction's first move):
+    where the caller's loops over all its rows hand over to `compacted`. Without compaction, none run."""
+    return jnp.sum(running(state)) * group <= (buckets[1] if len(buckets) > 1 else 0)
+
+
+def gumbel_noise(key, rows, vocab: int):
+    """[len(rows), vocab]: row r of jax.random.gumbel(key, (B, vocab)) for each r of `rows` (any B
+    past them) of a threefry key, bit for bit. By row index, not place in the batch, so that a row
+    draws the same noise however the decode compacts its rows. The hash is unrolled: XLA:CPU runs
+    JAX's threefry as a loop over whole uint32 arrays, slower than this one fused pass."""
+    k1, k2 = jax.random.key_data(key)
+    # Element (r, v)'s counter is r * vocab + v, as in the [B, vocab] draw; < 2**32: the high word is 0.
+    count = rows.astype(jnp.uint32)[:, None] * np.uint32(vocab) + jnp.arange(vocab, dtype=jnp.uint32)
+    bits = _threefry2x32(k1, k2, jnp.zeros_like(count), count)
+    unit = jax.lax.bitcast_convert_type((bits >> 9) | np.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
+    tiny = jnp.finfo(jnp.float32).tiny
+    return -jnp.log(-jnp.log(jnp.maximum(tiny, unit * (1.0 - tiny) + tiny)))
+
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(k1, k2, x0, x1):
+    """Threefry-2x32, 20 rounds, of the counter words (x0, x1) under the key (k1, k2): the xor of
+    the two output words, as jax.random's bits."""
+    u = np.uint32
+    ks = (k1, k2, k1 ^ k2 ^ u(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for n in range(5):
+        for r in _ROTATIONS[n % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << u(r)) | (x1 >> u(32 - r))) ^ x0
+        x0, x1 = x0 + ks[(n + 1) % 3], x1 + ks[(n + 2) % 3] + u(n + 1)
+    return x0 ^ x1
+
+
+def argmax(x):
+    """jnp.argmax over the last axis (the first maximum) as two plain reductions: XLA:CPU runs
+    argmax's (value, index) reduction unvectorised, slower over a row of logits."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)

@@ -223,19 +223,22 @@ class VLLMSampler:
             raise RuntimeError("VLLMSampler.submit before update_weights: the server has no weights yet")
         with self.idle:
             self.in_flight += len(prompt_ids)
-        futures = [self.pool.submit(self._row, ids, sampling, seed) for ids, seed in zip(prompt_ids, seeds)]
+        futures = [
+            self.pool.submit(self._row, ids, sampling, seed, sampling.budget(r))
+            for r, (ids, seed) in enumerate(zip(prompt_ids, seeds))
+        ]
         return _Round(self, prompt_ids, sampling, seeds, futures, self.version, self.server_starts)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key) -> Completions:
         return self.submit(prompt_ids, sampling, key).result()
 
-    def _row(self, ids: list[int], sampling: SamplingParams, seed: int) -> tuple[list[int], list[float]]:
+    def _row(self, ids: list[int], sampling: SamplingParams, seed: int, budget: int) -> tuple[list[int], list[float]]:
         """One row's (token ids, logprobs); ServerGone if the server went away."""
         try:
             body = {
                 "model": self.served_name,
                 "prompt": ids,
-                "max_tokens": sampling.max_new_tokens,
+                "max_tokens": budget,
                 "temperature": sampling.temperature,
                 "top_k": sampling.top_k,
                 "top_p": sampling.top_p,
@@ -309,7 +312,9 @@ class VLLMSampler:
                 with self.idle:
                     self.in_flight += len(lost)
                 for r in lost:
-                    futures[r] = self.pool.submit(self._row, round_.prompt_ids[r], round_.sampling, round_.seeds[r])
+                    futures[r] = self.pool.submit(
+                        self._row, round_.prompt_ids[r], round_.sampling, round_.seeds[r], round_.sampling.budget(r)
+                    )
         return version
 
     def _agree(self, failure: str, what: str) -> None:

@@ -16,6 +16,12 @@ One step:
 
 The policy's second forward costs about a quarter of a step; it is what makes a tie a tie.
 
+With rl_packing the step packs its pairs (data/rl_packing.py: first-fit-decreasing over pairs, a
+pair's chosen and rejected side by side in one row as segments 2q + 1 and 2q + 2) into rows of
+rl_packing_row_tokens (0: 2 x max_target_length, an unpacked pair's) and both programs take those:
+the sums per pair come out as [rows, slots] arrays (slot q of a row: its pair q, 0 where none), so
+every pair stays inside its row whatever the micro-batch or the device. Evaluation stays unpacked.
+
 A row of the batch is a pair, so per_device_batch_size counts pairs and a device runs twice as many
 sequences through the model. Eval (eval_interval > 0): the same loss and metrics, prefixed eval_, on
 eval_steps fixed batches of the eval split (eval_dataset_path, or the built-in task's eval stream);
@@ -28,11 +34,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from unitrain import lora, losses, sharding
 from unitrain import step as step_lib
 from unitrain.data.preference import PAIR_FIELDS, SIDES, eval_pair_batches, make_preference_iterator
+from unitrain.data.rl_packing import pack_pairs, pair_rows_needed
+from unitrain.data.sft import BATCH_FIELDS
+from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows
 from unitrain.run import RunContext
 from unitrain.tasks.base import Task
 
@@ -57,8 +67,34 @@ def pair_logps(graphdef, chunk_size: int, params, batch):
     return logps[:, 0], logps[:, 1]
 
 
+def packed_pair_sums(batch, values):
+    """Per pair of packed rows (pack_pairs' segments): the sums of `values` [rows, width] over its
+    chosen and over its rejected sequence, ([rows, slots], [rows, slots]), slot q + 1 the row's pair q
+    (slot 0 and slots without a pair: 0)."""
+    seg = batch["inputs_segmentation"]
+    rows, width = seg.shape
+    slots = width // 2 + 1  # a pair holds at least 2 tokens
+    key = (jnp.arange(rows, dtype=jnp.int32)[:, None] * slots + (seg + 1) // 2).reshape(-1)
+    chosen = (seg % 2 == 1).reshape(-1)
+    total = lambda x: jax.ops.segment_sum(x, key, num_segments=rows * slots).reshape(rows, slots)  # noqa: E731
+    flat = values.reshape(-1)
+    return total(jnp.where(chosen, flat, 0.0)), total(jnp.where(chosen, 0.0, flat))
+
+
+def packed_pair_logps(graphdef, chunk_size: int, params, batch):
+    """pair_logps of packed rows: (chosen, rejected) [rows, slots] float32 (packed_pair_sums)."""
+    model = nnx.merge(graphdef, params)
+    hidden = model.hidden_states(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    stats = losses.token_stats(model.logits, hidden, batch["targets"], chunk_size)
+    return packed_pair_sums(batch, jnp.where(batch["targets_segmentation"] > 0, stats.logprobs, 0.0))
+
+
 def real_pairs(batch):
-    """1.0 for a pair whose sequences both carry loss tokens, 0.0 for a padding row (eval batches)."""
+    """1.0 for a pair whose sequences both carry loss tokens, 0.0 for a padding row (eval batches);
+    of packed rows, [rows, slots] (packed_pair_sums)."""
+    if "targets_segmentation" in batch:
+        chosen, rejected = packed_pair_sums(batch, (batch["targets_segmentation"] > 0).astype(jnp.float32))
+        return jnp.logical_and(chosen > 0, rejected > 0).astype(jnp.float32)
     return jnp.logical_and(*(batch[f"{side}_targets_segmentation"].max(axis=-1) > 0 for side in SIDES)).astype(
         jnp.float32
     )
@@ -70,7 +106,7 @@ def micro_batched_logps(logps, num_micro: int, params, batch):
     micro-batch of the update does. `logps`: pair_logps with its static arguments bound."""
     micro = jax.tree.map(lambda x: x.reshape(-1, num_micro, *x.shape[1:]).swapaxes(0, 1), batch)
     chosen, rejected = jax.lax.map(lambda mb: logps(params, mb), micro)
-    unsplit = lambda x: x.swapaxes(0, 1).reshape(-1)  # noqa: E731
+    unsplit = lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:])  # noqa: E731
     return unsplit(chosen), unsplit(rejected)
 
 
@@ -96,8 +132,12 @@ class DPOTask(Task):
         self.rows2d = sharding.batch_sharding(run.mesh, run.rules)
         self.rows1d = sharding.batch_sharding(run.mesh, run.rules, ("batch",))
         self.param_shardings = run.state_shardings["params"]
-        self.pair_logps = functools.partial(pair_logps, run.graphdef, cfg.logits_chunk_size)
-        self.logps_fn = self._logps_program(cfg.gradient_accumulation_steps)
+        self.packing = cfg.rl_packing
+        self.fields = BATCH_FIELDS if self.packing else PAIR_FIELDS
+        self.pair_logps = functools.partial(
+            packed_pair_logps if self.packing else pair_logps, run.graphdef, cfg.logits_chunk_size
+        )
+        self.logps_fn = self._logps_program(cfg.gradient_accumulation_steps, self.pair_logps, self.fields)
         self.update = step_lib.make_train_step(
             self.loss,
             step_lib.StepConfig.from_config(cfg, run.learning_rate),
@@ -107,14 +147,16 @@ class DPOTask(Task):
         )
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
         if self.eval_batches:
-            self.eval_logps_fn = self._logps_program(1)
+            unpacked = functools.partial(pair_logps, run.graphdef, cfg.logits_chunk_size)
+            self.eval_logps_fn = self._logps_program(1, unpacked, PAIR_FIELDS)
             self.eval_fn = jax.jit(self._eval_sums)
 
-    def _logps_program(self, num_micro: int):
+    def _logps_program(self, num_micro: int, logps, fields):
+        out = self.rows2d if fields == BATCH_FIELDS else self.rows1d  # packed: [rows, slots]
         return jax.jit(
-            functools.partial(micro_batched_logps, self.pair_logps, num_micro),
-            in_shardings=(self.param_shardings, {k: self.rows2d for k in PAIR_FIELDS}),
-            out_shardings=(self.rows1d, self.rows1d),
+            functools.partial(micro_batched_logps, logps, num_micro),
+            in_shardings=(self.param_shardings, {k: self.rows2d for k in fields}),
+            out_shardings=(out, out),
         )
 
     # -- the loss and its batch
@@ -131,7 +173,23 @@ class DPOTask(Task):
         )
 
     def batch_shardings(self) -> dict:
-        return {**{k: self.rows2d for k in PAIR_FIELDS}, **{k: self.rows1d for k in REF_KEYS + POLICY_KEYS}}
+        per_pair = self.rows2d if self.packing else self.rows1d
+        return {**{k: self.rows2d for k in self.fields}, **{k: per_pair for k in REF_KEYS + POLICY_KEYS}}
+
+    def packed(self, batch: dict) -> dict:
+        """This process's pairs packed into rows (pack_pairs): as many as the process that needs the
+        most, bucketed to whole micro-batches on every device, so every process has the same shape."""
+        cfg = self.cfg
+        width = cfg.rl_packing_row_tokens or 2 * cfg.max_target_length
+        need = pair_rows_needed(batch, SIDES, width)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            need = int(np.max(multihost_utils.process_allgather(np.int32(need))))
+        devices = batch_parallelism(self.run.mesh, self.run.rules)
+        multiple = max(1, cfg.gradient_accumulation_steps * devices // jax.process_count())
+        rows = bucket_packed_rows(need, multiple)
+        return pack_pairs(batch, SIDES, BATCH_FIELDS, width, rows, self.run.tokenizer.pad_id)
 
     def reference(self, params):
         """The reference policy's parameters: the frozen start, or with LoRA the base of `params`."""
@@ -151,8 +209,11 @@ class DPOTask(Task):
     def step(self, state, step):
         batch = next(self.data_iterator)
         truncated = int(batch.pop("num_truncated"))
+        if self.packing:
+            batch = self.packed(batch)
         batch = step_lib.local_rows_to_global(batch, self.rows2d)
-        batch = {**batch, **self.pair_logps_of_both("pair_logps", self.logps_fn, state["params"], batch)}
+        name = f"pair_logps ({len(batch['inputs'])} packed rows)" if self.packing else "pair_logps"
+        batch = {**batch, **self.pair_logps_of_both(name, self.logps_fn, state["params"], batch)}
         state, metrics = self.run.programs("train_step", self.update, state, batch)
         return state, {**metrics, "num_truncated": truncated}
 

@@ -27,6 +27,14 @@ head: the prompt's logits are never computed. A group's n rows are consecutive a
 prompt columns, which the passes compute once per group where the model can (token_stats).
 With a multi-turn workflow (rollout/episodes.py) a row's completion is its whole episode after the
 prompt (C at most episode_max_tokens): the environment's tokens are targets with loss_mask 0.
+
+With rl_packing the passes and the updates take each mini-batch's sequences (prompt + completion)
+packed into rows instead (data/rl_packing.py: first-fit-decreasing, a segment each, every field
+aligned with `inputs`, so P = 0 and C = the row's width); the host keeps the layout above, the
+programs' outputs come back into it, and the losses take the per-sequence quantities per segment
+(losses.Sequences). Packing puts a group's copies wherever they fit, so no row shares a prompt
+with its neighbour: the shared-prompt pass is off (packing wins, logged), since the user asked to
+stop paying for padding, which on long-tailed rounds outweighs the prompt's repeats.
 """
 
 from __future__ import annotations
@@ -44,10 +52,11 @@ from flax import nnx
 from unitrain import lora, losses, plugins, rewards, rollout, sharding
 from unitrain import step as step_lib
 from unitrain.data.prompts import make_prompt_iterator
+from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
 from unitrain.evals import TaskEvaluator
 from unitrain.rollout import episodes
 from unitrain.rollout.base import SamplingParams, close, release
-from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
+from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
 from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
 from unitrain.tasks.base import RunContext, Task
@@ -62,15 +71,14 @@ def token_stats(
 ):
     """losses.TokenStats of the completion tokens at the sampling temperature, float32 [rows, C].
     group_rows > 1: the rows come in runs of that many copies of one prompt, whose prompt columns
-    the model computes once per run (`hidden_states_shared_prefix`)."""
+    the model computes once per run (`hidden_states_shared_prefix`). Packed rows (P = 0): every column's."""
     model = nnx.merge(graphdef, params)
     rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     C = batch["targets"].shape[1]
     P = rows[0].shape[1] - C
     hidden = model.hidden_states_shared_prefix(*rows, P, group_rows) if group_rows > 1 else model.hidden_states(*rows)
-    return losses.token_stats(
-        model.logits, hidden[:, P - 1 : P - 1 + C], batch["targets"], chunk_size, temperature, with_entropy
-    )
+    hidden = hidden[:, P - 1 : P - 1 + C] if P else hidden
+    return losses.token_stats(model.logits, hidden, batch["targets"], chunk_size, temperature, with_entropy)
 
 
 def shared_prompt_rows(cfg, rows_per_update: int, model, devices: int) -> dict:
@@ -144,9 +152,14 @@ class GRPOTask(Task):
         self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
         self.sampling = sampling or SamplingParams.from_config(cfg, stop_token_ids=(tokenizer.eos_id,))
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
+        self.packing = cfg.rl_packing
         self.group_rows = shared_prompt_rows(
             cfg, run.layout.rows_per_update, run.model, batch_parallelism(run.mesh, run.rules)
         )
+        if self.packing:
+            if max(self.group_rows.values()) > 1:
+                log.info("rl_packing: packed rows hold no whole groups, so each sequence computes its own prompt")
+            self.group_rows = {"logprobs": 1, "update": 1}
         self.separate_old = run.layout.updates_per_step > 1 or cfg.use_kl_in_reward
         log.info(
             "GRPO passes: old-policy logprobs %s; a group's prompt computed once per %d rows in the "
@@ -190,6 +203,7 @@ class GRPOTask(Task):
         """The clipped policy loss of one micro-batch, in train_step's loss_fn form."""
         cfg = self.cfg
         stats = self.stats(params, batch, with_entropy=True, group_rows=self.group_rows["update"])
+        sequences = losses.packed_sequences(batch["inputs_segmentation"]) if self.packing else losses.ROWS
         old = batch["old_logprobs"] if self.separate_old else jax.lax.stop_gradient(stats.logprobs)
         mask, weights, is_metrics = batch["loss_mask"], None, {}
         if cfg.rollout_is:  # against the old policy, whichever pass it came from
@@ -201,6 +215,7 @@ class GRPOTask(Task):
                 mode=cfg.rollout_is_mode,
                 threshold=cfg.rollout_is_threshold,
                 threshold_lower=cfg.rollout_is_threshold_lower,
+                sequences=sequences,
             )
         loss_sum, denom, metrics = losses.policy_loss(
             stats.logprobs,
@@ -211,6 +226,7 @@ class GRPOTask(Task):
             ref_logprobs=batch["ref_logprobs"] if self.policy_loss_config.kl_coef > 0 else None,
             entropy=stats.entropy,
             pg_weights=weights,
+            sequences=sequences,
         )
         metrics.update(is_metrics)
         sampled = batch["loss_mask"].astype(jnp.float32)
@@ -224,7 +240,7 @@ class GRPOTask(Task):
         return {
             **{k: rows2d for k in keys},
             "advantages": rows2d
-            if self.per_token_advantages()
+            if self.per_token_advantages() or self.packing
             else sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",)),
         }
 
@@ -406,20 +422,39 @@ class GRPOTask(Task):
         """fn(*args, rows) -> {name: [rows, C]} over the batch's rows in update-sized chunks (one
         compiled shape), gathered on the host; `args_and_batch` ends with the batch."""
         *args, batch = args_and_batch
-        chunk = self.run.layout.rows_per_update
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets")
         shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
+        chunks = self.chunks(batch, keys)
         outs = [
-            self.run.programs(
-                f"{name} (rows of {batch['inputs'].shape[1]})",
-                fn,
-                *args,
-                step_lib.full_rows_to_global({k: batch[k][start : start + chunk] for k in keys}, shardings),
-            )
-            for start in range(0, len(batch["inputs"]), chunk)
+            self.run.programs(self.program_name(name, rows), fn, *args, step_lib.full_rows_to_global(rows, shardings))
+            for rows, _, _ in chunks
         ]
         outs = jax.tree.map(step_lib.to_host, outs)
+        outs = [
+            o if plan is None else {k: plan.unpack(v, n) for k, v in o.items()} for o, (_, plan, n) in zip(outs, chunks)
+        ]
         return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+
+    def chunks(self, batch, keys) -> list[tuple[dict, RolloutPacking | None, int]]:
+        """The update-sized chunks of the batch's `keys` as the programs take them: (rows, the
+        packing that brings a packed output back to the batch's layout (None: unpacked), the
+        chunk's sequences). With rl_packing every chunk of a step has the same packed rows (the
+        most any needs, bucketed to whole micro-batches on every device): one compiled shape."""
+        chunk = self.run.layout.rows_per_update
+        parts = [{k: v[s : s + chunk] for k, v in batch.items()} for s in range(0, len(batch["inputs"]), chunk)]
+        if not self.packing:
+            return [({k: p[k] for k in keys}, None, len(p["inputs"])) for p in parts]
+        width = self.cfg.rl_packing_row_tokens or batch["inputs"].shape[1]
+        need = max(packed_rows_needed(sum(completion_rows(p)), width) for p in parts)
+        multiple = self.cfg.gradient_accumulation_steps * batch_parallelism(self.run.mesh, self.run.rules)
+        rows = bucket_packed_rows(need, multiple)
+        pad = self.run.tokenizer.pad_id
+        plans = [RolloutPacking.plan(p, width, rows) for p in parts]
+        return [({k: plan.pack(k, p[k], pad) for k in keys}, plan, len(p["inputs"])) for p, plan in zip(parts, plans)]
+
+    def program_name(self, name: str, rows: dict) -> str:
+        count, width = rows["inputs"].shape
+        return f"{name} ({count} packed rows of {width})" if self.packing else f"{name} (rows of {width})"
 
     def update(self, state, batch):
         """num_iterations passes over the rows in mini-batches; metrics are averaged over updates."""
@@ -428,12 +463,11 @@ class GRPOTask(Task):
     def updates(self, name: str, update_fn, state, batch, shardings):
         """num_iterations passes of update_fn over the rows in mini-batches of the keys of `shardings`,
         one optimizer update each: (state, metrics averaged over the updates)."""
-        chunk, rows = self.run.layout.rows_per_update, len(batch["inputs"])
+        chunks = [step_lib.full_rows_to_global(rows, shardings) for rows, _, _ in self.chunks(batch, shardings)]
         collected = []
         for _ in range(self.cfg.num_iterations):
-            for start in range(0, rows, chunk):
-                mb = step_lib.full_rows_to_global({k: batch[k][start : start + chunk] for k in shardings}, shardings)
-                state, m = self.run.programs(f"{name} (rows of {mb['inputs'].shape[1]})", update_fn, state, mb)
+            for mb in chunks:
+                state, m = self.run.programs(self.program_name(name, mb), update_fn, state, mb)
                 collected.append(m)
         # One device->host copy for all updates of the step.
         stacked = jax.device_get(collected)

@@ -18,7 +18,9 @@ The critic is a scalar-head model (models/scalar_head.py) per token: from critic
 classifier or causal LM, or a unitrain checkpoint), else the policy's starting backbone
 (load_parameters_path, or the same random draws) under a fresh head. It trains whole, also when the
 policy trains LoRA adapters. The train state holds it as state["critic"] = {params, opt_state,
-step}, which checkpoint.py saves and restores as an item of its own.
+step}, which checkpoint.py saves and restores as an item of its own. With rl_packing the critic's
+value pass and its updates take the packed rows GRPO's do (its values aligned with the targets, the
+value loss's seq-mean modes per segment); GAE runs on the host in the unpacked layout.
 """
 
 from __future__ import annotations
@@ -63,11 +65,12 @@ CRITIC_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "loss_mask", 
 
 def critic_values(graphdef, params, batch, columns: int):
     """The critic's value of the state before each completion token, float32 [rows, columns]: its
-    output at the column that predicts the token (the prompt ends at column P = width - columns)."""
+    output at the column that predicts the token (the prompt ends at column P = width - columns;
+    packed rows, P = 0: every column's, aligned with the targets)."""
     critic = nnx.merge(graphdef, params)
     values = critic(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])[..., 0]
     start = batch["inputs"].shape[1] - columns - 1
-    return values[:, start : start + columns]
+    return values[:, start : start + columns] if start >= 0 else values
 
 
 def value_pass(graphdef, params, batch) -> dict:
@@ -143,6 +146,7 @@ class PPOTask(GRPOTask):
             cfg.value_clip,
             cfg.loss_agg_mode,
             horizon=self.policy_loss_config.horizon,
+            sequences=losses.packed_sequences(batch["inputs_segmentation"]) if self.packing else losses.ROWS,
         )
         return loss_sum, (denom, metrics)
 

@@ -1,0 +1,149 @@
+"""The mixture-of-experts MLP block of our decoder (Qwen3-MoE, Mixtral): the router, the dropless
+expert computation, and the router's training terms (load-balancing loss, z-loss, expert load).
+
+A token's router logits pick its k experts (`choose_experts`, the one place the choice is made: a
+caller may give precomputed indices instead) and weigh them (`gate_weights`: softmax over all
+experts, the k taken, renormalised over the k where the family does; Mixtral's softmax over the
+top-k logits is that renormalisation). The token-slots (token, choice) are sorted by expert and
+each expert's SwiGLU runs on its contiguous group with `jax.lax.ragged_dot`: every slot is computed,
+none dropped, no capacity factor, whatever the number of tokens (a decode step's few included).
+
+The router's terms leave a forward by a side channel rather than through the model interface's
+return values: a forward without a cache `report`s each layer's `RouterStats`, and a loss that
+trains the model collects them around its forward (`collect_router_stats`, which step.py's train
+step opens) and turns them into `router_losses`. Nothing is reported when no one collects, so the
+samplers, scoring passes and the model interface are unchanged, and a model wrapped by another
+(LoRA's merged model, a scalar head's backbone) reports through the wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# The layer parameters of a sparse MLP: the router [embed, experts] and each expert's SwiGLU
+# stacked on a leading `expert` axis.
+EXPERT_PARAMS = ("moe_gate", "moe_up", "moe_down")
+ROUTER = "router"
+
+
+class RouterStats(NamedTuple):
+    """One forward's routing summed over its real tokens (segment > 0), per MoE layer: each field
+    has a leading layers axis once the stack has run."""
+
+    counts: jax.Array  # [..., experts] token-slots routed to each expert
+    probs: jax.Array  # [..., experts] the router's softmax probabilities, summed over tokens
+    z: jax.Array  # [...] logsumexp(router logits)^2, summed over tokens
+    tokens: jax.Array  # [...] real tokens counted
+
+
+def choose_experts(router_logits: jax.Array, k: int) -> jax.Array:
+    """The routing decision: the k experts of highest router logit per token, [N, k] int32. Both
+    families take the top k of the softmax, which is monotone: the same experts. Routing replay
+    replaces this call by the sampler's recorded indices."""
+    return jax.lax.top_k(router_logits, k)[1].astype(jnp.int32)
+
+
+def gate_weights(router_logits: jax.Array, experts: jax.Array, normalise: bool) -> jax.Array:
+    """The weight of each chosen expert, [N, k] float32: its softmax probability over all experts
+    (Qwen3-MoE), renormalised over the k chosen when `normalise` (Qwen3-MoE's norm_topk_prob;
+    always for Mixtral, whose softmax over the top-k logits it equals)."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True) if normalise else weights
+
+
+def grouped_swiglu(x, experts, weights, w_gate, w_up, w_down):
+    """sum_j weights[n, j] * SwiGLU_{experts[n, j]}(x[n]) for every token n, [N, E].
+
+    x [N, E]; experts, weights [N, k]; w_gate, w_up [X, E, M]; w_down [X, M, E]. The N*k slots are
+    sorted by expert so that each expert's rows are contiguous, the three projections are ragged
+    matmuls over those groups, and the results go back to their tokens' order before the weighted
+    sum over the k choices."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat)
+    group_sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)  # slot s = token s // k, choice s % k
+    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes)) * jax.lax.ragged_dot(rows, w_up, group_sizes)
+    out = jax.lax.ragged_dot(hidden, w_down, group_sizes)
+    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(n, k, -1)
+    return jnp.einsum("nke,nk->ne", out, weights.astype(out.dtype))
+
+
+def moe_mlp(h, p: dict, valid, *, k: int, normalise: bool, dtype) -> tuple[jax.Array, RouterStats]:
+    """The sparse MLP of one layer: h [B, T, E] (normed) -> [B, T, E], and the layer's RouterStats
+    over the tokens where `valid` [B, T] (padding is routed and computed, but not counted)."""
+    B, T, E = h.shape
+    x = h.reshape(B * T, E)
+    logits = (x @ p[ROUTER].astype(dtype)).astype(jnp.float32)  # [N, X]
+    experts = choose_experts(logits, k)
+    weights = gate_weights(logits, experts, normalise)
+    w_gate, w_up, w_down = (p[name].astype(dtype) for name in EXPERT_PARAMS)
+    y = grouped_swiglu(x, experts, weights, w_gate, w_up, w_down)
+    return y.reshape(B, T, E), router_stats(logits, experts, valid.reshape(-1))
+
+
+def router_stats(logits, experts, valid) -> RouterStats:
+    """RouterStats of one layer's router logits [N, X] and choices [N, k] over the tokens where
+    `valid` [N]."""
+    mask = valid.astype(jnp.float32)
+    chosen = jnp.sum(jax.nn.one_hot(experts, logits.shape[-1], dtype=jnp.float32), axis=1)  # [N, X]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return RouterStats(
+        counts=mask @ chosen,
+        probs=mask @ jax.nn.softmax(logits, axis=-1),
+        z=jnp.sum(mask * lse * lse),
+        tokens=jnp.sum(mask),
+    )
+
+
+def router_losses(collected: list[RouterStats]) -> dict[str, jax.Array]:
+    """The training terms of the RouterStats a loss collected (every MoE layer of every forward):
+
+    aux_loss: transformers' load_balancing_loss_func (Switch Transformer): num_experts * sum_e f_e
+      * P_e, with f_e the token-slots routed to expert e and P_e its summed router probability,
+      each over all layers' real tokens pooled (as transformers concatenates the layers' logits).
+    z_loss: ST-MoE's router z-loss, the mean over layers and real tokens of logsumexp(logits)^2.
+    max_load, mean_load: token-slots of the busiest expert in any layer, and per expert on average
+      (k * tokens / num_experts): their ratio is the imbalance a capacity factor would have cut.
+    """
+    counts = jnp.concatenate([s.counts.reshape(-1, s.counts.shape[-1]) for s in collected])
+    probs = jnp.concatenate([s.probs.reshape(-1, s.probs.shape[-1]) for s in collected])
+    tokens = sum(jnp.sum(s.tokens) for s in collected)
+    z = sum(jnp.sum(s.z) for s in collected)
+    denom = jnp.maximum(tokens, 1.0)
+    num_experts = counts.shape[-1]
+    return {
+        "aux_loss": num_experts * jnp.sum(jnp.sum(counts, axis=0) / denom * jnp.sum(probs, axis=0) / denom),
+        "z_loss": z / denom,
+        "max_load": jnp.max(counts),
+        "mean_load": jnp.mean(counts),
+    }
+
+
+_collector: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_stats", default=None)
+
+
+@contextlib.contextmanager
+def collect_router_stats() -> Iterator[list[RouterStats]]:
+    """`with collect_router_stats() as collected:` around a forward (in the same trace): the
+    RouterStats its MoE layers report, in call order ([] for a dense model)."""
+    collected: list[RouterStats] = []
+    token = _collector.set(collected)
+    try:
+        yield collected
+    finally:
+        _collector.reset(token)
+
+
+def report(stats: RouterStats | None) -> None:
+    """A forward's RouterStats to the innermost open collector (nothing when none is open)."""
+    collected = _collector.get()
+    if collected is not None and stats is not None:
+        collected.append(stats)

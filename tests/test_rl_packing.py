@@ -1,0 +1,269 @@
+"""rl_packing: the first-fit-decreasing packer, and packed updates equal to unpacked ones (GRPO and
+its loss variants, PPO with its critic, DPO): loss, every metric and the parameters after the update."""
+
+import dataclasses
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from bench import long_tailed_groups
+from conftest import REPO
+from unitrain import run, tasks
+from unitrain.config import load_config
+from unitrain.data.rl_packing import first_fit_decreasing
+
+# float32 on CPU: a packed row computes each sequence with other matmul shapes than its own row, so
+# sums round differently; relative 1e-4 (of the largest parameter change, for the update) bounds that.
+RTOL, ATOL = 1e-4, 1e-5
+
+FAST = [
+    "per_device_batch_size=2",
+    "rollout_batch_size=4",
+    "n_samples_per_prompt=4",
+    "rollout_max_response_len=32",
+    "max_prompt_length=16",
+    "eval_interval=0",
+    "log_period=1",
+    "builtin_task_digits=1",
+    "rollout_temperature=1.0",
+    "lr_schedule=constant",
+    # adam_eps >> |gradient|: the first update is about learning_rate * gradient, so it shows any
+    # difference in the gradient instead of Adam's sign.
+    "adam_eps=1.0",
+    "learning_rate=1.0",
+    "warmup_steps=0",
+]
+
+
+def config(tmp_path, *overrides):
+    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
+
+
+# ------------------------------------------------------------------ the packer
+
+
+def best_bins(lengths, capacity):
+    """The fewest bins that hold the items, by trying every assignment (small N only)."""
+    n = len(lengths)
+    for bins in range(1, n + 1):
+        for assign in itertools.product(range(bins), repeat=n):
+            if all(sum(l for l, a in zip(lengths, assign) if a == b) <= capacity for b in range(bins)):
+                return bins
+    return n
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_first_fit_decreasing_places_every_sequence_once_within_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    capacity = int(rng.integers(8, 24))
+    lengths = rng.integers(1, capacity + 1, size=int(rng.integers(1, 8)))
+    bins, starts, count = first_fit_decreasing(lengths, capacity)
+    used = np.zeros((count, capacity), int)
+    for b, s, n in zip(bins, starts, lengths):
+        assert 0 <= b < count and s + n <= capacity  # inside its bin
+        used[b, s : s + n] += 1
+    assert used.max() <= 1 and used.sum() == lengths.sum()  # every token once, no overlap
+    best = best_bins(list(lengths), capacity)
+    assert best <= count <= 11 / 9 * best + 6 / 9  # FFD's bound (Dosa 2007)
+
+
+def test_a_sequence_longer_than_the_row_is_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        first_fit_decreasing([3, 9], 8)
+
+
+# ------------------------------------------------------------------ a fixed long-tailed round
+
+
+def fixed_groups(cfg, tokenizer):
+    """A fixed long-tailed round (tools/bench.py's): most completions short, a few at the maximum,
+    prompts of 2 to 12 ids, random rewards, and sampler logprobs within 1.5 of the untrained
+    model's (about -log vocab), so that rollout_is keeps some sequences and rejects others."""
+    groups = long_tailed_groups(
+        cfg.rollout_batch_size,
+        cfg.n_samples_per_prompt,
+        (2, 12),
+        cfg.rollout_max_response_len,
+        tokenizer.vocab_size,
+        0.2,
+    )
+    rng = np.random.default_rng(1)
+    out = []
+    for g in groups:
+        c = g.completions
+        logprobs = ((rng.uniform(-1.5, 1.5, c.logprobs.shape) - np.log(cfg.vocab_size)) * c.mask).astype(np.float32)
+        out.append(dataclasses.replace(g, completions=dataclasses.replace(c, logprobs=logprobs)))
+    return out
+
+
+def one_step(cfg):
+    """(metrics, the state after one step, the params before, the task) of one step (RL modes: on
+    the fixed round)."""
+    built, state = run.build_run(cfg)
+    task = tasks.create(built)
+    if cfg.mode != "dpo":
+        groups = fixed_groups(cfg, built.tokenizer)
+        task.rollouts.take = lambda step, push: (groups, {})
+    before = jax.tree.map(np.asarray, state["params"])
+    state = task.train_state(state)
+    state, metrics = task.step(state, 0)
+    return metrics, state, before, task
+
+
+def assert_same_step(packed, unpacked):
+    (m_p, s_p, before, _), (m_u, s_u, _, _) = packed, unpacked
+    timed = {k for k in m_u if k.startswith("time_") or k.endswith("_per_sec")}
+    assert set(m_p) == set(m_u)
+    for k in sorted(set(m_u) - timed):
+        assert float(m_p[k]) == pytest.approx(float(m_u[k]), rel=RTOL, abs=ATOL), k
+    assert_same_change(s_p["params"], s_u["params"], before)
+
+
+def assert_same_change(got, want, before):
+    """The parameters `got` and `want` moved alike from `before`."""
+    for a, b, p in zip(*(jax.tree.leaves(jax.tree.map(np.asarray, t)) for t in (got, want, before))):
+        change = b - p
+        assert np.abs(change).max() > 0  # the update moved every parameter
+        np.testing.assert_allclose(a - p, change, atol=RTOL * np.abs(change).max(), rtol=RTOL)
+
+
+# Every aggregation without and with both KL and rollout_is; token-mean also with each alone.
+VARIANTS = [
+    (agg, on, on)
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+    for on in (False, True)
+] + [("token-mean", True, False), ("token-mean", False, True)]
+
+
+@pytest.mark.parametrize("agg,kl,is_", VARIANTS)
+def test_a_packed_grpo_step_equals_the_unpacked_one(tmp_path, agg, kl, is_):
+    overrides = [f"loss_agg_mode={agg}", "mode=grpo"]
+    if kl:
+        overrides += ["kl_coef=0.1"]
+    if is_:  # a sequence-level weight in mask mode: per-sequence sums and rejections
+        overrides += [
+            "rollout_is=true",
+            "rollout_is_level=geometric",
+            "rollout_is_mode=mask",
+            "rollout_is_threshold=4.0",
+        ]
+    packed = one_step(config(tmp_path / "p", *overrides, "rl_packing=true"))
+    unpacked = one_step(config(tmp_path / "u", *overrides))
+    assert_same_step(packed, unpacked)
+    if is_:  # some sequences rejected, not all
+        assert 0 < unpacked[0]["rollout_is_seq_masked_fraction"] < 1
+
+
+def test_packing_fills_fewer_rows_than_the_round_has_sequences(tmp_path):
+    """The fixed round's 16 sequences (most short) in 8 packed rows of the unpacked width, several
+    sequences a row, and the completion fields come back to the unpacked layout unchanged."""
+    cfg = config(tmp_path, "mode=grpo", "rl_packing=true")
+    built, _ = run.build_run(cfg)
+    task = tasks.create(built)
+    batch = task.to_rows(fixed_groups(cfg, built.tokenizer))
+    ((rows, plan, n),) = task.chunks(batch, ("inputs", "inputs_segmentation", "targets", "loss_mask"))
+    assert rows["inputs"].shape == (8, batch["inputs"].shape[1]) and n == 16
+    assert rows["inputs_segmentation"].max() > 2  # rows hold several sequences
+    assert rows["loss_mask"].sum() == batch["loss_mask"].sum()
+    np.testing.assert_array_equal(
+        plan.unpack(rows["targets"], n) * batch["loss_mask"], batch["targets"] * batch["loss_mask"]
+    )
+    # Each packed target is the token after its column in the same segment.
+    seg, ids = rows["inputs_segmentation"], rows["inputs"]
+    follows = (seg[:, :-1] == seg[:, 1:]) & (rows["loss_mask"][:, :-1] > 0)
+    np.testing.assert_array_equal(rows["targets"][:, :-1][follows], ids[:, 1:][follows])
+    assert not (rows["loss_mask"][:, :-1][seg[:, :-1] != seg[:, 1:]]).any()  # no loss across a segment's end
+
+
+def test_gspo_with_two_mini_batches_packed_equals_unpacked(tmp_path):
+    """GSPO's sequence ratio per segment, with KL in the reward (the old and reference passes packed
+    and brought back for the advantages), a sequence-level rollout_is, two mini-batches of two
+    micro-batches and two iterations."""
+    overrides = [
+        "mode=grpo",
+        "policy_loss=gspo",
+        "loss_agg_mode=seq-mean-token-mean",
+        "kl_coef=0.1",
+        "use_kl_in_reward=true",
+        "rollout_is=true",
+        "rollout_is_level=sequence",
+        "per_device_batch_size=1",
+        "gradient_accumulation_steps=1",
+        "num_iterations=2",
+    ]
+    assert_same_step(
+        one_step(config(tmp_path / "p", *overrides, "rl_packing=true")), one_step(config(tmp_path / "u", *overrides))
+    )
+
+
+def test_ppo_packed_equals_unpacked_critic_included(tmp_path):
+    """PPO: the critic's value pass and its value loss packed too; the critic after its update equals."""
+    overrides = ["mode=ppo", "loss_agg_mode=seq-mean-token-mean", "value_clip=0.2"]
+    packed = one_step(config(tmp_path / "p", *overrides, "rl_packing=true"))
+    unpacked = one_step(config(tmp_path / "u", *overrides))
+    assert_same_step(packed, unpacked)
+    assert "critic/value_loss" in packed[0]
+    np.testing.assert_allclose(
+        *(
+            np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.tree.map(np.asarray, s[1]["critic"]["params"]))])
+            for s in (packed, unpacked)
+        ),
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+def test_dpo_packed_equals_unpacked(tmp_path):
+    overrides = ["mode=dpo", "dataset_path=builtin", "max_target_length=24", "dpo_beta=0.5"]
+    packed = one_step(config(tmp_path / "p", *overrides, "rl_packing=true"))
+    unpacked = one_step(config(tmp_path / "u", *overrides))
+    assert packed[3].packing and not unpacked[3].packing
+    assert_same_step(packed, unpacked)
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["mode=sft", "rl_packing=true"], "rl_packing"),
+        (["mode=rm", "rl_packing=true"], "rl_packing"),
+        (["mode=grpo", "rl_packing_row_tokens=64"], "rl_packing_row_tokens"),
+        (["mode=grpo", "rl_packing=true", "rl_packing_row_tokens=40"], "rl_packing_row_tokens (40)"),
+        (["mode=dpo", "rl_packing=true", "max_target_length=32", "rl_packing_row_tokens=48"], "rl_packing_row_tokens"),
+        (["mode=grpo", "rl_packing=true", "rl_packing_row_tokens=-1"], "rl_packing_row_tokens"),
+    ],
+)
+def test_bad_packing_settings_stop_with_one_line(tmp_path, capsys, overrides, named):
+    from unitrain import train
+
+    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_bench_times_a_long_tailed_round_packed_against_unpacked(capsys):
+    import json
+
+    import bench
+
+    args = ["configs/base.yml", "mode=grpo", "per_device_batch_size=2", "--mode", "grpo_round", "--new-tokens", "32"]
+    assert (
+        bench.main([*args, "--prompt-len", "8", "--steps", "2", "--warmup", "0", "--against", "rl_packing=true"]) == 0
+    )
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["sequences"] == 16 and not result["rl_packing"] and result["against"]["rl_packing"]
+    assert len(result["step_times"]) == len(result["against"]["step_times"]) == 2
+    ratios = sorted(a / b for a, b in zip(result["step_times"], result["against"]["step_times"]))
+    assert result["against"]["speedup_median"] == pytest.approx(sum(ratios) / 2)
+    assert result["completion_tokens"] < result["completion_columns"]  # long-tailed: most columns are padding
+    assert bench.main([*args, "--long-fraction", "2"]) == 2
+
+
+def test_packed_row_counts_take_two_shapes_an_octave():
+    from unitrain.rollout.buckets import bucket_packed_rows
+
+    shapes = sorted({2**k for k in range(8)} | {3 * 2 ** (k - 1) for k in range(1, 8)})
+    for n in range(1, 100):
+        assert bucket_packed_rows(n) == min(s for s in shapes if s >= n)
+        assert bucket_packed_rows(n, 8) == -(-min(s for s in shapes if s >= n) // 8) * 8
