@@ -3,8 +3,9 @@
     model = unitrain.adapters.tunix.load(path, dtype="float32", mesh=mesh)   # an HF checkpoint dir
     logits, cache = model(tokens, positions, segment_ids)                   # models/base.py
 
-HF model_type llama, qwen2, qwen3 and gemma3_text become tunix.models.llama3, qwen2, qwen3 and gemma3,
-their weights read by Tunix's own safetensors loaders (safetensors only, never pickle). The Tunix
+HF model_type llama, qwen2, qwen3, qwen3_moe and gemma3_text become tunix.models.llama3, qwen2,
+qwen3 (both Qwen3s; the mixture of experts' per-expert tensors only) and gemma3, their weights read
+by Tunix's own safetensors loaders (safetensors only, never pickle). The Tunix
 model is the `net` attribute of a thin NNX wrapper, so its parameters are the wrapper's only state.
 
 Tunix is called as `net(tokens, positions, cache, attention_mask)`:
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,8 @@ _QWEN2 = {
     "qkv_bias": (None,),
 }  # q/k/v biases are flat [heads * head_dim] and tiny: replicated
 _QWEN3 = {**_DENSE, "exp_weight_edf": _NO_EXPERTS, "exp_weight_efd": _NO_EXPERTS}
+# Qwen3-MoE: its stacked experts [experts, embed, mlp] on our decoder's names (models/moe.py).
+_QWEN3_MOE = {**_DENSE, "exp_weight_edf": ("expert", "embed", "mlp"), "exp_weight_efd": ("expert", "mlp", "embed")}
 _GEMMA3 = {
     "emb_vd": ("vocab", "embed"),
     "q_weight_ndh": ("heads", "embed", "kv"),
@@ -136,6 +140,9 @@ class Dims:
     heads: int
     kv_heads: int
     head_dim: int
+    experts: int = 0  # a mixture of experts: its experts per layer, k of them per token, each of moe_mlp
+    experts_per_tok: int = 0
+    moe_mlp: int = 0
 
 
 def _dims(hf) -> Dims:
@@ -148,6 +155,9 @@ def _dims(hf) -> Dims:
         heads=heads,
         kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        experts=getattr(hf, "num_experts", None) or 0,
+        experts_per_tok=getattr(hf, "num_experts_per_tok", None) or 0,
+        moe_mlp=getattr(hf, "moe_intermediate_size", None) or 0,
     )
 
 
@@ -224,12 +234,13 @@ def _llama3_config(hf, where, d: Dims, shd, weight_dtype, compute_dtype, remat):
     )
 
 
-def _qwen_config(module, table, hf, d: Dims, shd, weight_dtype, compute_dtype, remat, rope_theta):
+def _qwen_config(module, table, hf, d: Dims, shd, weight_dtype, compute_dtype, remat, rope_theta, **experts):
     return _hashable(module.ModelConfig)(
+        **experts,
         num_layers=d.layers,
         vocab_size=d.vocab,
         embed_dim=d.emb,
-        hidden_dim=d.mlp,
+        hidden_dim=d.moe_mlp if experts else d.mlp,
         num_heads=d.heads,
         head_dim=d.head_dim,
         num_kv_heads=d.kv_heads,
@@ -253,6 +264,31 @@ def _qwen3_config(hf, where, d: Dims, shd, weight_dtype, compute_dtype, remat):
     _check_fields(hf, where, _LLAMA_LIKE + _NO_ATTENTION_BIAS)
     _check_fixed_theta(hf, where, "Qwen3")
     return _qwen_config(qwen3, _QWEN3, hf, d, shd, weight_dtype, compute_dtype, remat, _FIXED_ROPE_THETA)
+
+
+_QWEN3_MOE_FIELDS = (
+    ("norm_topk_prob", bool, "Tunix's Qwen3-MoE renormalises the top-k router weights"),
+    ("mlp_only_layers", lambda v: not v, "every layer of Tunix's Qwen3-MoE is sparse"),
+    ("decoder_sparse_step", lambda v: v in (None, 1), "every layer of Tunix's Qwen3-MoE is sparse"),
+)
+
+
+def _qwen3_moe_config(hf, where, d: Dims, shd, weight_dtype, compute_dtype, remat):
+    _check_fields(hf, where, _LLAMA_LIKE + _NO_ATTENTION_BIAS + _QWEN3_MOE_FIELDS)
+    _check_fixed_theta(hf, where, "Qwen3-MoE")
+    return _qwen_config(
+        qwen3,
+        _QWEN3_MOE,
+        hf,
+        d,
+        shd,
+        weight_dtype,
+        compute_dtype,
+        remat,
+        _FIXED_ROPE_THETA,
+        num_experts=d.experts,
+        num_experts_per_tok=d.experts_per_tok,
+    )
 
 
 def _gemma3_config(hf, where, d: Dims, shd, weight_dtype, compute_dtype, remat):
@@ -311,6 +347,7 @@ FAMILIES = {
     "llama": _Family(llama3.Llama3, _llama3_config, llama3_params),
     "qwen2": _Family(qwen2.Qwen2, _qwen2_config, qwen2_params),
     "qwen3": _Family(qwen3.Qwen3, _qwen3_config, qwen3_params),
+    "qwen3_moe": _Family(qwen3.Qwen3, _qwen3_moe_config, qwen3_params),
     "gemma3_text": _Family(gemma3.Gemma3, _gemma3_config, gemma3_params),
 }
 
@@ -448,9 +485,11 @@ class TunixModel(nnx.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """As metrics.train_flops_per_token counts them: 6 * matmul parameters per token (q, k, v, o,
-        the three MLP matrices per layer, the lm_head once, tied or not) plus 12*L*H*D*T of attention."""
+        the three MLP matrices per layer, the lm_head once, tied or not) plus 12*L*H*D*T of attention;
+        a mixture of experts' MLP as the k experts a token runs and the router (as our decoder's)."""
         d = self.dims
-        per_layer = d.emb * d.heads * d.head_dim * 2 + 2 * d.emb * d.kv_heads * d.head_dim + 3 * d.emb * d.mlp
+        mlp = d.experts_per_tok * 3 * d.emb * d.moe_mlp + d.emb * d.experts if d.experts else 3 * d.emb * d.mlp
+        per_layer = d.emb * d.heads * d.head_dim * 2 + 2 * d.emb * d.kv_heads * d.head_dim + mlp
         matmul_params = d.layers * per_layer + d.emb * d.vocab
         return float(6 * matmul_params + 12 * d.layers * d.heads * d.head_dim * seq_len)
 
@@ -470,7 +509,10 @@ class TunixModel(nnx.Module):
                 key, transform = safetensors_loader.torch_key_to_jax_key(key_map, name)
             except ValueError:
                 continue  # not a parameter (Tunix's loader skips it too)
-            tensor = _gemma3_projection(params, key) if key.startswith("tmp.") else params.get(key)
+            if key.startswith("tmp."):
+                tensor = _gemma3_projection(params, key)
+            else:
+                tensor = params.get(key, _expert(params, key))
             if tensor is not None:  # None: "unused." tensors, a tied model's stored lm_head copy
                 tensors[name] = _to_hf(tensor, transform, shape)
         out = Path(path)
@@ -489,6 +531,14 @@ def _to_hf(tensor: np.ndarray, transform, hf_shape) -> np.ndarray:
     if permute:
         tensor = tensor.transpose(np.argsort(permute))
     return np.ascontiguousarray(tensor)
+
+
+def _expert(params: dict, key: str) -> np.ndarray | None:
+    """One expert's projection out of Qwen3-MoE's stacked ones (Tunix's loader stacks
+    "layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.kernel" into "layers.{i}.mlp.{..}_proj"), or
+    None for a key that names no expert."""
+    match = re.fullmatch(r"(layers\.\d+\.mlp\.)experts\.(\d+)\.(\w+_proj)\.kernel", key)
+    return None if match is None else params[match[1] + match[3]][int(match[2])]
 
 
 def _gemma3_projection(params: dict, key: str) -> np.ndarray:

@@ -80,16 +80,18 @@ def grpo_update(cfg, batch_np):
     return float(m["loss"]), jax.device_get(state["params"])
 
 
-def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
+def fixed_grpo_batch() -> dict:
+    """A rollout batch of 2 groups of 4 rows (8-token prompts, 16 completion columns) with
+    random advantages and logprobs: the input of one GRPO update."""
     rng = np.random.default_rng(0)
-    rows, prompt, length = 8, 8, 16  # 8-token prompts, 16 completion columns
+    rows, prompt, length = 8, 8, 16
     tokens = rng.integers(3, 100, (rows, prompt + length)).astype(np.int32)
     tokens[:, :prompt] = np.repeat(tokens[::4, :prompt], 4, axis=0)  # a group's 4 rows share its prompt
     mask = np.zeros((rows, length), np.int32)
     for r in range(rows):
         mask[r, : rng.integers(3, 16)] = 1
     logprobs = lambda: (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32)  # noqa: E731
-    batch = {
+    return {
         "inputs": tokens,
         "inputs_position": np.tile(np.arange(prompt + length, dtype=np.int32), (rows, 1)),
         "inputs_segmentation": np.ones((rows, prompt + length), np.int32),
@@ -100,6 +102,10 @@ def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
         "ref_logprobs": logprobs(),
         "sampler_logprobs": logprobs(),
     }
+
+
+def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):
+    batch = fixed_grpo_batch()
     # Two iterations: the update reads the old logprobs (with one, it would use its own).
     common = [
         "mode=grpo",

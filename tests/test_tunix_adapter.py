@@ -1,4 +1,4 @@
-"""unitrain.adapters.tunix: Tunix's Llama3, Qwen2, Qwen3 and Gemma3 behind the model interface,
+"""unitrain.adapters.tunix: Tunix's Llama3, Qwen2, Qwen3, Qwen3-MoE and Gemma3 behind the model interface,
 against transformers' PyTorch forward of the same random HF checkpoint, per family."""
 
 import dataclasses
@@ -400,3 +400,54 @@ def test_cached_hidden_states_equal_the_uncached_forward_and_fill_the_calls_cach
         )
     jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-6, rtol=0), cache, call_cache)
     assert int(cache.layers["layer_0"]["end_index"][0]) == P
+
+
+# ---------------------------------------------------------------- mixture of experts (Qwen3-MoE)
+
+MOE_VARIANT = dict(rope_theta=1e6, experts=(8, 2, 32))  # 8 experts, 2 per token, each of width 32
+
+
+def test_qwen3_moe_equals_transformers_and_our_decoder_and_exports(tiny_checkpoint, tmp_path):
+    """Tunix's Qwen3-MoE (its every-expert path on CPU) against transformers (a long and a packed
+    row, JIT_TOL) and our decoder's ragged experts (TOL); its export reloads in transformers to the
+    same logits; FLOPs by active experts, as our decoder counts them."""
+    from unitrain.adapters import hf
+
+    path = tiny_checkpoint("qwen3_moe", **MOE_VARIANT)
+    model = tunix.load(path)
+    assert model.net.config.num_experts == 8 and model.net.layers[0].mlp.gate_proj.shape == (8, 64, 32)
+    tokens, positions, segment_ids, long_seq, segs = PACKED
+    logits = forward(model, tokens, positions, segment_ids)
+    refs = torch_logits(path, long_seq, *segs)
+    np.testing.assert_allclose(logits[0], refs[0], atol=JIT_TOL, rtol=0)
+    for ref, start in zip(refs[1:], np.cumsum([0, *map(len, segs)])):
+        np.testing.assert_allclose(logits[1, start : start + len(ref)], ref, atol=JIT_TOL, rtol=0)
+    ours = hf.load(path)
+    real = segment_ids > 0
+    np.testing.assert_allclose(logits[real], forward(ours, tokens, positions, segment_ids)[real], atol=TOL, rtol=0)
+    assert model.flops_per_token(640) == ours.flops_per_token(640)
+    model.save_hf(tmp_path / "out")
+    np.testing.assert_array_equal(torch_logits(tmp_path / "out", long_seq)[0], refs[0])
+
+
+def test_qwen3_moe_with_experts_split_over_fsdp_equals_one_device(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe", **MOE_VARIANT)
+    reference = forward(tunix.load(path), *PACKED[:3])
+    rules = tuple(dict(sharding.DEFAULT_RULES, expert="fsdp").items())
+    mesh = sharding.create_mesh(SHARDED, ONES)
+    model = tunix.load(path, mesh=mesh, rules=rules)
+    gate = model.net.layers[0].mlp.gate_proj.get_value()
+    assert gate.sharding.spec == PartitionSpec("fsdp", None, "tensor")  # experts over fsdp, embed whole
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(forward(model, *PACKED[:3]), reference, atol=TOL, rtol=0)
+
+
+def test_qwen3_moe_without_renormalised_top_k_is_a_config_error(tiny_checkpoint, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint("qwen3_moe", **MOE_VARIANT), bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    with pytest.raises(ConfigError, match="field 'norm_topk_prob' is False; Tunix's Qwen3-MoE renormalises"):
+        tunix.load(bad)

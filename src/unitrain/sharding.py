@@ -49,18 +49,22 @@ def rules_from_config(rules: list) -> Rules:
 
 
 def logical_to_spec(logical_axes: tuple, rules: Rules) -> PartitionSpec:
-    """PartitionSpec for an array whose dimensions carry these logical names (None = replicated)."""
+    """PartitionSpec for an array whose dimensions carry these logical names (None = replicated).
+    A mesh axis splits one dimension of an array: one that an earlier dimension took is skipped in
+    a later one's entry (with `expert` on fsdp, an expert weight is split by expert, its `embed`
+    whole), as flax's logical rules do."""
     table = dict(rules)
-    spec = []
+    spec, used = [], set()
     for name in logical_axes:
-        if name is None:
-            spec.append(None)
-        elif name not in table:
+        if name is not None and name not in table:
             raise ValueError(
                 f"logical axis '{name}' has no entry in logical_axis_rules; add [{name}, <mesh axes or null>]"
             )
-        else:
-            spec.append(table[name])
+        entry = None if name is None else table[name]
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        free = tuple(a for a in axes if a not in used)
+        used.update(free)
+        spec.append(entry if free == axes else (free if len(free) > 1 else free[0] if free else None))
     return PartitionSpec(*spec)
 
 
@@ -137,6 +141,7 @@ class Layout:
 def layout_for(cfg) -> Layout:
     """The Layout of `cfg` on the target devices; a ConfigError where they cannot hold it."""
     ici, dcn, rollout = _mesh_shapes(cfg)
+    _check_expert_split(cfg, {a: ici[a] * dcn[a] for a in MESH_AXES}, rollout)
     global_batch_size = cfg.per_device_batch_size * math.prod(ici.values()) * math.prod(dcn.values())
     rows_per_update = global_batch_size * cfg.gradient_accumulation_steps
     updates_per_step = 1
@@ -157,6 +162,20 @@ def layout_for(cfg) -> Layout:
         updates_per_step=updates_per_step,
         optimizer_steps=cfg.steps * updates_per_step,
     )
+
+
+def _check_expert_split(cfg, *meshes: dict) -> None:
+    """Expert parallelism splits whole experts: their number must divide over the mesh axes that
+    the `expert` rule names, on the trainer's mesh and the rollout mesh."""
+    entry = logical_to_spec(("expert",), rules_from_config(cfg.logical_axis_rules))[0]
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    for mesh in meshes:
+        devices = math.prod(mesh[a] for a in axes)
+        if cfg.num_experts and cfg.num_experts % devices:
+            raise ConfigError(
+                f"num_experts ({cfg.num_experts}) must be a multiple of the {devices} devices of mesh axes "
+                f"{', '.join(axes)}, over which logical_axis_rules' expert entry splits them"
+            )
 
 
 def _mesh_shapes(cfg) -> tuple[dict, dict, dict]:

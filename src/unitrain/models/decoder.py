@@ -443,7 +443,13 @@ def _block_output(cfg: ModelConfig, p, x, attn, segment_ids):
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if cfg.num_experts:
         y, routed = moe.moe_mlp(
-            h, p, segment_ids > 0, k=cfg.num_experts_per_tok, normalise=cfg.moe_norm_topk_prob, dtype=dt
+            h,
+            p,
+            segment_ids > 0,
+            k=cfg.num_experts_per_tok,
+            normalise=cfg.moe_norm_topk_prob,
+            dtype=dt,
+            rules=cfg.logical_axis_rules,
         )
     else:
         hidden = jax.nn.silu(_dense(h, p["w_gate"].astype(dt))) * _dense(h, p["w_up"].astype(dt))

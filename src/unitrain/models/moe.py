@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from unitrain import sharding
 
 # The layer parameters of a sparse MLP: the router [embed, experts] and each expert's SwiGLU
 # stacked on a leading `expert` axis.
@@ -63,29 +67,105 @@ def grouped_swiglu(x, experts, weights, w_gate, w_up, w_down):
 
     x [N, E]; experts, weights [N, k]; w_gate, w_up [X, E, M]; w_down [X, M, E]. The N*k slots are
     sorted by expert so that each expert's rows are contiguous, the three projections are ragged
-    matmuls over those groups, and the results go back to their tokens' order before the weighted
-    sum over the k choices."""
+    matmuls over those groups, and each result is added, weighted, to its token. A slot whose
+    expert is outside [0, X) (another device's, under expert parallelism) sorts last and adds
+    nothing; since a token's k experts differ, at most N * min(k, X) slots are this device's, and
+    only that many rows are gathered and computed (Qwen3-30B-A3B split over 64 devices: 2 of a
+    token's 8 slots at most, a quarter of the rows of every slot)."""
     n, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat)
-    group_sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
-    rows = jnp.take(x, order // k, axis=0)  # slot s = token s // k, choice s % k
+    num_experts = w_gate.shape[0]
+    here = (experts >= 0) & (experts < num_experts)
+    flat = jnp.where(here, experts, num_experts).reshape(-1)
+    order = jnp.argsort(flat)[: n * min(k, num_experts)]  # slot s = token s // k, choice s % k
+    group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)
     hidden = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes)) * jax.lax.ragged_dot(rows, w_up, group_sizes)
     out = jax.lax.ragged_dot(hidden, w_down, group_sizes)
-    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(n, k, -1)
-    return jnp.einsum("nke,nk->ne", out, weights.astype(out.dtype))
+    # where, not a product: the rows outside every group are never computed, so never trusted.
+    local = jnp.take(here.reshape(-1), order)[:, None]
+    out = jnp.where(local, out, 0) * jnp.take(weights.reshape(-1), order)[:, None].astype(out.dtype)
+    return jnp.zeros((n, out.shape[-1]), out.dtype).at[order // k].add(out)
 
 
-def moe_mlp(h, p: dict, valid, *, k: int, normalise: bool, dtype) -> tuple[jax.Array, RouterStats]:
+def expert_parallel(x, experts, weights, w_gate, w_up, w_down, rules) -> jax.Array:
+    """grouped_swiglu with the experts split over the mesh axes that `rules` give the `expert`
+    axis (expert parallelism), under the active mesh: each device computes only its own experts.
+
+    Per device (shard_map): the tokens of the devices that share its rows' expert axes are
+    all-gathered (their routes and weights with them), the slots routed to its experts run through
+    its ragged matmuls, and the partial outputs go back to their tokens' devices summed
+    (psum_scatter; a psum over expert or mlp axes the tokens are not split on). Every slot is
+    computed once, on the device that owns its expert; no expert weight moves but for the FSDP
+    gather of its `embed` axis. GSPMD left alone would gather every expert onto every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    ep, mlp = _expert_axes(rules, mesh)
+    rows = [a for a in _spec_axes(sharding.logical_to_spec(("batch",), rules)[0]) if mesh.shape[a] > 1]
+    if x.shape[0] % math.prod(mesh.shape[a] for a in rows):
+        rows = []  # a few rows (a decode step) that do not split: every device sees them all
+    mlp = tuple(a for a in mlp if a not in rows)
+    gather = tuple(a for a in rows if a in ep)
+    reduce = tuple(a for a in (*ep, *mlp) if a not in gather)
+    tokens = P(tuple(rows) or None, None)
+
+    def local(x, experts, weights, w_gate, w_up, w_down):
+        if gather:
+            x, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights))
+        first = _linear_index(ep, mesh) * w_gate.shape[0]
+        y = grouped_swiglu(x, experts - first, weights, w_gate, w_up, w_down)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, reduce) if reduce else y
+
+    up = P(ep, None, mlp or None)
+    down = P(ep, mlp or None, None)
+    # check_vma off: with it, JAX 0.10 gets the tokens' gradient wrong where an expert axis does not
+    # split the tokens (EP over tensor); tests/test_moe_sharding.py compares every layout's gradients.
+    run = jax.shard_map(local, in_specs=(tokens, tokens, tokens, up, up, down), out_specs=tokens, check_vma=False)
+    return run(x, experts, weights, w_gate, w_up, w_down)
+
+
+def expert_parallelism(rules) -> int:
+    """The devices the experts are split over under the active mesh (1: none, or no mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not rules:
+        return 1
+    return math.prod(mesh.shape[a] for a in _expert_axes(rules, mesh)[0])
+
+
+def _expert_axes(rules, mesh) -> tuple[tuple, tuple]:
+    """The mesh axes (of size > 1) of an expert weight's `expert` and `mlp` dimensions."""
+    spec = sharding.logical_to_spec(("expert", "embed", "mlp"), rules)
+    pick = lambda axes: tuple(a for a in _spec_axes(axes) if mesh.shape[a] > 1)  # noqa: E731
+    return pick(spec[0]), pick(spec[2])
+
+
+def _spec_axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _linear_index(axes, mesh):
+    """This device's index along the mesh axes `axes` taken together, the first the major one (as
+    a PartitionSpec splits a dimension over them)."""
+    index = 0
+    for a in axes:
+        index = index * mesh.shape[a] + jax.lax.axis_index(a)
+    return index
+
+
+def moe_mlp(h, p: dict, valid, *, k: int, normalise: bool, dtype, rules=()) -> tuple[jax.Array, RouterStats]:
     """The sparse MLP of one layer: h [B, T, E] (normed) -> [B, T, E], and the layer's RouterStats
-    over the tokens where `valid` [B, T] (padding is routed and computed, but not counted)."""
+    over the tokens where `valid` [B, T] (padding is routed and computed, but not counted). Under
+    a mesh whose `rules` split the experts, the experts run expert-parallel (`expert_parallel`)."""
     B, T, E = h.shape
     x = h.reshape(B * T, E)
     logits = (x @ p[ROUTER].astype(dtype)).astype(jnp.float32)  # [N, X]
     experts = choose_experts(logits, k)
     weights = gate_weights(logits, experts, normalise)
     w_gate, w_up, w_down = (p[name].astype(dtype) for name in EXPERT_PARAMS)
-    y = grouped_swiglu(x, experts, weights, w_gate, w_up, w_down)
+    if expert_parallelism(rules) > 1:
+        y = expert_parallel(x, experts, weights, w_gate, w_up, w_down, rules)
+    else:
+        y = grouped_swiglu(x, experts, weights, w_gate, w_up, w_down)
     return y.reshape(B, T, E), router_stats(logits, experts, valid.reshape(-1))
 
 
