@@ -77,6 +77,7 @@ class SamplingParams:
     row_budgets: tuple[
         int, ...
     ] = ()  # per prompt, the most tokens its row samples (each <= max_new_tokens); () = all max_new_tokens
+    record_routes: bool = False  # routing replay: Completions.routes and prompt_routes (colocated/mesh samplers)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -116,9 +117,24 @@ class Completions:
     logprobs: np.ndarray  # [B, N] float32, log-prob under the distribution each token was drawn from
     lengths: np.ndarray  # [B] int32
     version: int  # the policy version (update_weights) that produced them
+    # Routing replay (SamplingParams.record_routes; None otherwise): the experts each token ran in
+    # every MoE layer, [B, N, L, k] int32 for the sampled tokens (token j's as the input of the step
+    # after it; -1 where no later step read it: a row's last token, and past its end) and
+    # [B, P, L, k] for the prompt's tokens, left-padded as the prompt block (-1 on padding).
+    routes: np.ndarray | None = None
+    prompt_routes: np.ndarray | None = None
 
     def __getitem__(self, rows) -> Completions:
-        return Completions(self.tokens[rows], self.mask[rows], self.logprobs[rows], self.lengths[rows], self.version)
+        pick = lambda a: None if a is None else a[rows]  # noqa: E731
+        return Completions(
+            self.tokens[rows],
+            self.mask[rows],
+            self.logprobs[rows],
+            self.lengths[rows],
+            self.version,
+            pick(self.routes),
+            pick(self.prompt_routes),
+        )
 
 
 @runtime_checkable
