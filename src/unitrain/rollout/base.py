@@ -45,6 +45,9 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            version's first generate for its later ones). The trainer calls it when it will not
            sample again before its next update_weights: after a GRPO step's rollouts are taken
            (rounds already submitted keep what they use) and after an evaluation.
+  routes   Optional: with `sampling.record_routes` (routing replay of a mixture of experts), the
+           experts each token ran, as `Completions.routes` and `prompt_routes` (the colocated and
+           mesh samplers; an engine that cannot report them is refused by the config).
   close    Optional: `close()` ends what the sampler started (an engine's server); the trainer calls it
            when the run ends, however it ends.
   timings  Optional: `push_timings`, {metric: seconds} of the last update_weights' parts (vLLM:

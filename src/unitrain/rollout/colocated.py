@@ -44,6 +44,10 @@ fit the next smaller row bucket, and from there the running rows decode in ever 
 (programs.compacted), so that ended rows stop costing: one more loop body per bucket. Each row's
 noise is drawn by its index in the call, so a compacted row draws the tokens it would have drawn
 uncompacted. Figures: docs/PERFORMANCE.md.
+
+With `SamplingParams.record_routes` (routing replay) the program also returns the experts every
+token ran in each MoE layer, collected from the model's reports (models/moe.py) around the prefill
+and each decode step; they are per-row fields, so compaction moves them with their rows.
 """
 
 from __future__ import annotations
