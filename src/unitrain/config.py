@@ -325,6 +325,36 @@ def _check_experts(c: dict) -> str | None:
     return None
 
 
+def _check_routing_replay(c: dict) -> str | None:
+    """Routing replay takes the routes the in-process JAX sampler records into GRPO's forwards of
+    our decoder; what carries no routes (vLLM, episodes, beams, packed rows, LoRA's forward) is refused."""
+    if not c["moe_routing_replay"]:
+        return None
+    unsupported = [
+        (not c["num_experts"], "replays a mixture of experts' routes; this model is dense (num_experts=0)"),
+        (c["mode"] != "grpo", f"replays the sampler's routes in grpo's passes; mode={c['mode']} has none"),
+        (
+            c["sampler"] not in ("colocated", "mesh"),
+            f"needs the JAX sampler's recorded routes (sampler colocated | mesh); sampler {c['sampler']} reports none",
+        ),
+        (
+            c["model_source"] != "unitrain",
+            f"needs model_source unitrain (our decoder takes the routes), not {c['model_source']}",
+        ),
+        (
+            c["rl_packing"],
+            "is not supported with rl_packing yet (the packed rows do not carry the routes): set rl_packing=false",
+        ),
+        (c["lora_rank"] > 0, "is not supported with LoRA yet (its forward takes no routes): set lora_rank=0"),
+        (
+            c["workflow"] != "single_turn",
+            f"replays single-turn rollouts; workflow {c['workflow']}'s episodes carry no routes",
+        ),
+        (c["rollout_decoding"] != "sample", "replays sampled rollouts; rollout_decoding=beam carries no routes"),
+    ]
+    return next((f"moe_routing_replay {why}" for bad, why in unsupported if bad), None)
+
+
 def _check_logical_axis_rules(c: dict) -> str | None:
     seen = set()
     for rule in c["logical_axis_rules"]:
@@ -464,6 +494,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
     ),
     _check_logical_axis_rules,
     _check_experts,
+    _check_routing_replay,
     lambda c: (
         None
         if c["attention"] in ("auto", "xla") or c["model_source"] == "unitrain"

@@ -223,12 +223,14 @@ class Decoder(nnx.Module):
     def for_decoding(self, weights):
         return self if weights is None else Decoding(self, weights)
 
-    def __call__(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None):
-        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
+    def __call__(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None, routes=None):
+        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache, routes=routes)
         return self.logits(hidden), new_cache
 
-    def hidden_states(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None):
-        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache)
+    def hidden_states(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None, routes=None):
+        """`routes` [B, T, L, k] int32 (routing replay, without a cache): each token's experts in
+        every MoE layer, replacing the router's choice (moe.moe_mlp; negative: the router's own)."""
+        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache, routes=routes)
         return hidden if cache is None else (hidden, new_cache)
 
     def logits(self, hidden):
@@ -248,13 +250,15 @@ class Decoder(nnx.Module):
         """The layer parameters by name, each stacked on its leading `layers` axis."""
         return {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
 
-    def _hidden(self, tokens, positions, segment_ids, cache, layers=None):
-        """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`."""
+    def _hidden(self, tokens, positions, segment_ids, cache, layers=None, routes=None):
+        """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`;
+        `routes`: see `hidden_states`."""
         cfg = self.cfg
         x = self._embed(tokens)
         cos, sin = rope_tables(cfg, positions)
         params = self._stacked_layers()
         if cache is None:
+            params = _with_routes(params, routes)
             attend = attention_fn(cfg, segment_ids, positions)
 
             def layer(x, p):
@@ -269,7 +273,9 @@ class Decoder(nnx.Module):
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         return x, new_cache
 
-    def hidden_states_shared_prefix(self, tokens, positions, segment_ids, prefix_len: int, group_rows: int):
+    def hidden_states_shared_prefix(
+        self, tokens, positions, segment_ids, prefix_len: int, group_rows: int, routes=None
+    ):
         """hidden_states(tokens, positions, segment_ids) of rows that come in runs of `group_rows`
         sharing their first `prefix_len` columns (a GRPO group's prompt): the prefix is computed once
         per run, and the later columns attend to their run's prefix keys and values and their own
@@ -284,6 +290,12 @@ class Decoder(nnx.Module):
         )
         copies = lambda a: jnp.repeat(a, group_rows, axis=0)
         (tok_p, tok_c), (pos_p, pos_c), (seg_p, seg_c) = cut(tokens), cut(positions), cut(segment_ids)
+        # A group's rows share their prompt's recorded routes too (the same prefill in the sampler).
+        routes_p, routes_c = None, None
+        if routes is not None:
+            routes = jnp.asarray(routes)
+            routes_p = routes.reshape(R // group_rows, group_rows, *routes.shape[1:])[:, 0, :prefix_len]
+            routes_c = routes[:, prefix_len:]
         rope_p, rope_c = rope_tables(cfg, pos_p), rope_tables(cfg, pos_c)
         attend_p = attention_fn(cfg, seg_p, pos_p)
         attend_c = attention_fn(cfg, seg_c, pos_c, prefix=(copies(seg_p), copies(pos_p)))
@@ -296,12 +308,13 @@ class Decoder(nnx.Module):
                 jnp.concatenate([copies(a_p), a_c], axis=2).astype(cfg.dtype) for a_p, a_c in ((k_p, k_c), (v_p, v_c))
             )
             (x_p, routed_p), (x_c, routed_c) = (
-                _block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p), seg_p),
-                _block_output(cfg, p, xs[1], attend_c(q_c, k, v), seg_c),
+                _block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p), seg_p, p.get("routes_p")),
+                _block_output(cfg, p, xs[1], attend_c(q_c, k, v), seg_c, p.get("routes")),
             )
             return (x_p, x_c), (routed_p, routed_c)
 
-        (x_p, x_c), routed = _run_stack(cfg, (self._embed(tok_p), self._embed(tok_c)), self._stacked_layers(), layer)
+        params = _with_routes(_with_routes(self._stacked_layers(), routes_p, "routes_p"), routes_c)
+        (x_p, x_c), routed = _run_stack(cfg, (self._embed(tok_p), self._embed(tok_c)), params, layer)
         for part in routed:  # each prompt's tokens count once, as they are computed once
             moe.report(part)
         return rms_norm(jnp.concatenate([copies(x_p), x_c], axis=1), self.final_norm[...], cfg.rms_norm_eps)
@@ -313,6 +326,12 @@ class Decoder(nnx.Module):
         table = _constrain(cfg, self.embed[...], ("vocab", "activation_embed"))
         x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
         return _constrain(cfg, x, ("batch", "length", "activation_embed"))
+
+
+def _with_routes(params: dict, routes, name: str = "routes") -> dict:
+    """The stacked layer parameters with `routes` [B, T, L, k] beside them as `name` [L, B, T, k],
+    so that the scan (or the unrolled loop) hands each layer its own slice."""
+    return params if routes is None else {**params, name: jnp.moveaxis(jnp.asarray(routes), 2, 0)}
 
 
 def _run_stack(cfg, x, params, layer):
@@ -371,12 +390,15 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: kv_cach
     attend = functools.partial(
         cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size, matmuls=cfg.platform != "cpu"
     )
-    ks, vs = [], []
+    ks, vs, routed = [], [], []
     for i in range(cfg.num_decoder_layers):
         p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
-        x, (k, v), _ = _layer(cfg, p, x, cos, sin, attend, segment_ids, functools.partial(kv_cache.write, cache, i))
+        x, (k, v), stats = _layer(cfg, p, x, cos, sin, attend, segment_ids, functools.partial(kv_cache.write, cache, i))
         ks.append(k)
         vs.append(v)
+        routed.append(stats)
+    # The sampler's routes (routing replay) are the experts of these calls: reported for it to collect.
+    moe.report(jax.tree.map(lambda *a: jnp.stack(a), *routed) if cfg.num_experts else None)
     return x, kv_cache.written(cache, ks, vs, columns, x.shape[1])
 
 
@@ -413,7 +435,8 @@ def _layer(cfg: ModelConfig, p, x, cos, sin, attend, segment_ids, write=None):
     q, k, v = _attention_inputs(cfg, p, x, cos, sin)
     if write is not None:
         k, v = write(k, v)
-    x, routed = _block_output(cfg, p, x, attend(q, k.astype(cfg.dtype), v.astype(cfg.dtype)), segment_ids)
+    attn = attend(q, k.astype(cfg.dtype), v.astype(cfg.dtype))
+    x, routed = _block_output(cfg, p, x, attn, segment_ids, p.get("routes"))
     return x, (k, v), routed
 
 
@@ -432,9 +455,10 @@ def _attention_inputs(cfg: ModelConfig, p, x, cos, sin):
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def _block_output(cfg: ModelConfig, p, x, attn, segment_ids):
+def _block_output(cfg: ModelConfig, p, x, attn, segment_ids, routes=None):
     """The rest of the block from the attention's output: x + its projection, then the MLP. Returns
-    the new x and the layer's RouterStats over the real tokens (segment > 0; None when dense)."""
+    the new x and the layer's RouterStats over the real tokens (segment > 0; None when dense).
+    `routes` [B, T, k]: the layer's replayed experts (moe.moe_mlp)."""
     dt = cfg.dtype
     # One contracted axis (heads x head_dim): with two, XLA may pick their order by the attention
     # output's layout and transpose the weight to match, on every decode step.
@@ -450,6 +474,7 @@ def _block_output(cfg: ModelConfig, p, x, attn, segment_ids):
             normalise=cfg.moe_norm_topk_prob,
             dtype=dt,
             rules=cfg.logical_axis_rules,
+            routes=routes,
         )
     else:
         hidden = jax.nn.silu(_dense(h, p["w_gate"].astype(dt))) * _dense(h, p["w_up"].astype(dt))

@@ -13,7 +13,9 @@ return values: a forward without a cache `report`s each layer's `RouterStats`, a
 trains the model collects them around its forward (`collect_router_stats`, which step.py's train
 step opens) and turns them into `router_losses`. Nothing is reported when no one collects, so the
 samplers, scoring passes and the model interface are unchanged, and a model wrapped by another
-(LoRA's merged model, a scalar head's backbone) reports through the wrapper.
+(LoRA's merged model, a scalar head's backbone) reports through the wrapper. The same channel
+carries the experts each token ran (`RouterStats.experts`), which the colocated sampler collects
+around its prefill and decode steps for routing replay (`moe_routing_replay`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class RouterStats(NamedTuple):
     probs: jax.Array  # [..., experts] the router's softmax probabilities, summed over tokens
     z: jax.Array  # [...] logsumexp(router logits)^2, summed over tokens
     tokens: jax.Array  # [...] real tokens counted
+    experts: jax.Array  # [..., N, k] int32 the experts each token ran (routing replay records them)
+    changed: jax.Array  # [..., N] bool: a replayed token whose own top-k would differ (False unreplayed)
 
 
 def choose_experts(router_logits: jax.Array, k: int) -> jax.Array:
@@ -152,26 +156,38 @@ def _linear_index(axes, mesh):
     return index
 
 
-def moe_mlp(h, p: dict, valid, *, k: int, normalise: bool, dtype, rules=()) -> tuple[jax.Array, RouterStats]:
+def moe_mlp(
+    h, p: dict, valid, *, k: int, normalise: bool, dtype, rules=(), routes=None
+) -> tuple[jax.Array, RouterStats]:
     """The sparse MLP of one layer: h [B, T, E] (normed) -> [B, T, E], and the layer's RouterStats
     over the tokens where `valid` [B, T] (padding is routed and computed, but not counted). Under
-    a mesh whose `rules` split the experts, the experts run expert-parallel (`expert_parallel`)."""
+    a mesh whose `rules` split the experts, the experts run expert-parallel (`expert_parallel`).
+    `routes` (routing replay): per token its k experts, [B, T, k] int32, replacing the router's
+    choice where given (a token whose first entry is negative is routed by its own logits); the
+    gate weights are still this router's softmax at those experts."""
     B, T, E = h.shape
     x = h.reshape(B * T, E)
     logits = (x @ p[ROUTER].astype(dtype)).astype(jnp.float32)  # [N, X]
-    experts = choose_experts(logits, k)
+    own = choose_experts(logits, k)
+    experts, changed = own, jnp.zeros((B * T,), bool)
+    if routes is not None:
+        routes = routes.reshape(B * T, k).astype(jnp.int32)
+        replayed = routes[:, 0] >= 0
+        experts = jnp.where(replayed[:, None], routes, own)
+        # The same k experts in another order route alike: compared as sets.
+        changed = replayed & jnp.any(jnp.sort(routes, axis=-1) != jnp.sort(own, axis=-1), axis=-1)
     weights = gate_weights(logits, experts, normalise)
     w_gate, w_up, w_down = (p[name].astype(dtype) for name in EXPERT_PARAMS)
     if expert_parallelism(rules) > 1:
         y = expert_parallel(x, experts, weights, w_gate, w_up, w_down, rules)
     else:
         y = grouped_swiglu(x, experts, weights, w_gate, w_up, w_down)
-    return y.reshape(B, T, E), router_stats(logits, experts, valid.reshape(-1))
+    return y.reshape(B, T, E), router_stats(logits, experts, valid.reshape(-1), changed)
 
 
-def router_stats(logits, experts, valid) -> RouterStats:
+def router_stats(logits, experts, valid, changed) -> RouterStats:
     """RouterStats of one layer's router logits [N, X] and choices [N, k] over the tokens where
-    `valid` [N]."""
+    `valid` [N]; `changed` [N]: the replayed tokens the router would have sent elsewhere."""
     mask = valid.astype(jnp.float32)
     chosen = jnp.sum(jax.nn.one_hot(experts, logits.shape[-1], dtype=jnp.float32), axis=1)  # [N, X]
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -180,6 +196,8 @@ def router_stats(logits, experts, valid) -> RouterStats:
         probs=mask @ jax.nn.softmax(logits, axis=-1),
         z=jnp.sum(mask * lse * lse),
         tokens=jnp.sum(mask),
+        experts=experts,
+        changed=changed & valid,
     )
 
 

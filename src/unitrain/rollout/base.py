@@ -45,6 +45,9 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            version's first generate for its later ones). The trainer calls it when it will not
            sample again before its next update_weights: after a GRPO step's rollouts are taken
            (rounds already submitted keep what they use) and after an evaluation.
+  routes   Optional: with `sampling.record_routes` (routing replay of a mixture of experts), the
+           experts each token ran, as `Completions.routes` and `prompt_routes` (the colocated and
+           mesh samplers; an engine that cannot report them is refused by the config).
   close    Optional: `close()` ends what the sampler started (an engine's server); the trainer calls it
            when the run ends, however it ends.
   timings  Optional: `push_timings`, {metric: seconds} of the last update_weights' parts (vLLM:
@@ -77,6 +80,7 @@ class SamplingParams:
     row_budgets: tuple[
         int, ...
     ] = ()  # per prompt, the most tokens its row samples (each <= max_new_tokens); () = all max_new_tokens
+    record_routes: bool = False  # routing replay: Completions.routes and prompt_routes (colocated/mesh samplers)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -116,9 +120,24 @@ class Completions:
     logprobs: np.ndarray  # [B, N] float32, log-prob under the distribution each token was drawn from
     lengths: np.ndarray  # [B] int32
     version: int  # the policy version (update_weights) that produced them
+    # Routing replay (SamplingParams.record_routes; None otherwise): the experts each token ran in
+    # every MoE layer, [B, N, L, k] int32 for the sampled tokens (token j's as the input of the step
+    # after it; -1 where no later step read it: a row's last token, and past its end) and
+    # [B, P, L, k] for the prompt's tokens, left-padded as the prompt block (-1 on padding).
+    routes: np.ndarray | None = None
+    prompt_routes: np.ndarray | None = None
 
     def __getitem__(self, rows) -> Completions:
-        return Completions(self.tokens[rows], self.mask[rows], self.logprobs[rows], self.lengths[rows], self.version)
+        pick = lambda a: None if a is None else a[rows]  # noqa: E731
+        return Completions(
+            self.tokens[rows],
+            self.mask[rows],
+            self.logprobs[rows],
+            self.lengths[rows],
+            self.version,
+            pick(self.routes),
+            pick(self.prompt_routes),
+        )
 
 
 @runtime_checkable

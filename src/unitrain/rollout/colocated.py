@@ -44,6 +44,10 @@ fit the next smaller row bucket, and from there the running rows decode in ever 
 (programs.compacted), so that ended rows stop costing: one more loop body per bucket. Each row's
 noise is drawn by its index in the call, so a compacted row draws the tokens it would have drawn
 uncompacted. Figures: docs/PERFORMANCE.md.
+
+With `SamplingParams.record_routes` (routing replay) the program also returns the experts every
+token ran in each MoE layer, collected from the model's reports (models/moe.py) around the prefill
+and each decode step; they are per-row fields, so compaction moves them with their rows.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import numpy as np
 from flax import nnx, struct
 
 from unitrain import sharding
+from unitrain.models import moe
 from unitrain.rollout import beam
 from unitrain.rollout.base import Completions, SamplingParams
 from unitrain.rollout.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length, row_buckets
@@ -143,6 +148,7 @@ class GenerateKey:
     use_top_p: bool
     # The row counts the decode compacts its running rows into, B first; () or (B,): no compaction.
     row_buckets: tuple[int, ...] = ()
+    record_routes: bool = False  # routing replay: each token's experts per MoE layer (SamplingParams)
 
     def phase_ends(self) -> list[int]:
         return phase_ends(self.new_tokens, self.cache_phases)
@@ -197,10 +203,28 @@ class DecodeState:
     rows: jax.Array  # [B] int32: the row's index in the call
     prompt_lens: jax.Array  # [B] int32
     budgets: jax.Array  # [B] int32
+    # With record_routes (else None): [B, N, L, k] int32, each sampled token's experts (Completions.routes),
+    # and [B, P, L, k] the prompt's, set by the prefill (it rides along uncompacted: no step writes it).
+    routes: Any = None
+    prompt_routes: Any = None
 
 
 _ROW_FIELDS = ("tokens", "mask", "logprobs", "done", "last", "rows", "prompt_lens", "budgets")
 _OUTPUT_FIELDS = ("tokens", "mask", "logprobs")
+
+
+def _fields(key: GenerateKey, fields: tuple[str, ...]) -> tuple[str, ...]:
+    """The per-row fields (or outputs) of the decode state: with routes recorded, `routes` too."""
+    return (*fields, "routes") if key.record_routes else fields
+
+
+def _routed(model, call):
+    """call() -> (its result, the experts [B, T, L, k] int32 of the model's MoE layers in it): the
+    forward's reported RouterStats (models/moe.py), the last report being the call's."""
+    with moe.collect_router_stats() as collected:
+        out = call()
+    experts = collected[-1].experts  # [L, B * T, k]
+    return out, jnp.moveaxis(experts.reshape(experts.shape[0], *out[0].shape[:2], -1), 0, 2)
 
 
 def _draw(key: GenerateKey, inputs: GenerateInputs, logits, i, rows):
@@ -228,12 +252,19 @@ def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) 
     token drawn from its last column."""
     block, B, N, pad_id = inputs.block, key.rows, key.new_tokens, key.pad_id
     cache = sharded_cache(model, block.tokens.shape[0], key.prompt_columns + columns, key.cache_rules)
-    hidden, cache = model.hidden_states(block.tokens, block.positions, block.segments, cache)
+    prefill = lambda: model.hidden_states(block.tokens, block.positions, block.segments, cache)  # noqa: E731
+    prompt_routes = None
+    if key.record_routes:
+        (hidden, cache), prompt_routes = _routed(model, prefill)
+        prompt_routes = jnp.where(block.segments[:, :, None, None] > 0, prompt_routes, -1)
+    else:
+        hidden, cache = prefill()
     # Left padding: every real row's last prompt token sits in the last column, the only one
     # sampled from, so the output head runs on it alone.
     logits = model.logits(hidden[:, -1:])[:, 0]
     if block.source is not None:
         logits, cache = logits[block.source], cache_rows(model, cache, block.source, key.cache_rules)
+        prompt_routes = None if prompt_routes is None else prompt_routes[block.source]
     rows = jnp.arange(B, dtype=jnp.int32)
     token, logprob = _draw(key, inputs, logits, 0, rows)
     done = block.prompt_lens == 0  # batch-padding rows never emit
@@ -249,6 +280,8 @@ def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) 
         rows=rows,
         prompt_lens=block.prompt_lens,
         budgets=inputs.budgets,
+        routes=None if prompt_routes is None else jnp.full((B, N, *prompt_routes.shape[2:]), -1, jnp.int32),
+        prompt_routes=prompt_routes,
     )
 
 
@@ -256,12 +289,21 @@ def _next_token(model, key: GenerateKey, inputs: GenerateInputs, state: DecodeSt
     """One decode step: every row's next token from the cache and its last token."""
     i, B = state.i, state.done.shape[0]
     pos = (state.prompt_lens + i - 1)[:, None]
-    logits, cache = model(state.last[:, None], pos, jnp.ones((B, 1), jnp.int32), state.cache)
-    token, logprob = _draw(key, inputs, logits[:, 0], i, state.rows)
+    forward = lambda: model(state.last[:, None], pos, jnp.ones((B, 1), jnp.int32), state.cache)  # noqa: E731
     emit = ~state.done
+    routes = state.routes
+    if key.record_routes:
+        # The routes of token i - 1, read as this step's input; kept only while its row runs on (a
+        # row's last token is never read on a compacted decode, so nowhere).
+        (logits, cache), read = _routed(model, forward)
+        routes = jax.lax.dynamic_update_slice_in_dim(routes, jnp.where(emit[:, None, None, None], read, -1), i - 1, 1)
+    else:
+        logits, cache = forward()
+    token, logprob = _draw(key, inputs, logits[:, 0], i, state.rows)
     token = jnp.where(emit, token, key.pad_id)
     col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None].astype(a.dtype), i, axis=1)
     return state.replace(
+        routes=routes,
         i=i + 1,
         cache=cache,
         tokens=col(state.tokens, token),
@@ -299,15 +341,17 @@ def _build(key: GenerateKey):
             group=1,
             running=running,
             stop=key.new_tokens,
-            fields=_ROW_FIELDS,
-            outputs=_OUTPUT_FIELDS,
+            fields=_fields(key, _ROW_FIELDS),
+            outputs=_fields(key, _OUTPUT_FIELDS),
             rules=key.cache_rules,
         )
+        routes = {"routes": state.routes, "prompt_routes": state.prompt_routes} if key.record_routes else {}
         return {
             "tokens": state.tokens,
             "mask": state.mask,
             "logprobs": state.logprobs,
             "lengths": state.mask.sum(axis=1, dtype=jnp.int32),
+            **routes,
         }
 
     return jax.jit(run)
@@ -423,6 +467,7 @@ class ColocatedSampler:
             top_k=0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k,
             use_top_p=not greedy and sampling.top_p < 1.0,
             row_buckets=self.row_buckets(B),
+            record_routes=sampling.record_routes,
         )
         inputs = GenerateInputs(
             params=self.params,
@@ -498,7 +543,15 @@ class Pending:
     def result(self) -> Completions:
         with in_mesh(self.mesh):  # gathering them runs on their mesh, which may not be the caller's
             out = {k: to_host(v)[: self.n_real] for k, v in self.out.items()}
-        return Completions(out["tokens"], out["mask"], out["logprobs"], out["lengths"], self.version)
+        return Completions(
+            out["tokens"],
+            out["mask"],
+            out["logprobs"],
+            out["lengths"],
+            self.version,
+            out.get("routes"),
+            out.get("prompt_routes"),
+        )
 
 
 def _distinct(prompt_ids: list[list[int]], B: int) -> tuple[list[list[int]], np.ndarray]:

@@ -35,6 +35,14 @@ programs' outputs come back into it, and the losses take the per-sequence quanti
 (losses.Sequences). Packing puts a group's copies wherever they fit, so no row shares a prompt
 with its neighbour: the shared-prompt pass is off (packing wins, logged), since the user asked to
 stop paying for padding, which on long-tailed rounds outweighs the prompt's repeats.
+
+With moe_routing_replay the colocated sampler records the experts every token ran in each MoE
+layer (its prefill's for the prompt, its decode steps' for the completion), `routes` [rows, P + C,
+L, k] lays them out like `inputs` (-1: the trainer routes that token itself: padding, and a
+completion's last token, which no target reads), and the logprob pass and every update route by
+them, so the old and the new policy take the sampler's experts. The old policy then always has a
+pass of its own, which also measures `moe/replay_changed_fraction`: the share of replayed sampled
+tokens whose experts the trainer's own router would have changed in some layer.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from unitrain import step as step_lib
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
 from unitrain.evals import TaskEvaluator
+from unitrain.models import moe
 from unitrain.rollout import episodes
 from unitrain.rollout.base import SamplingParams, close, release
 from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
@@ -76,7 +85,12 @@ def token_stats(
     rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     C = batch["targets"].shape[1]
     P = rows[0].shape[1] - C
-    hidden = model.hidden_states_shared_prefix(*rows, P, group_rows) if group_rows > 1 else model.hidden_states(*rows)
+    # Routing replay: the recorded routes as a keyword, so that a model without experts never sees one.
+    replay = {"routes": batch["routes"]} if "routes" in batch else {}
+    if group_rows > 1:
+        hidden = model.hidden_states_shared_prefix(*rows, P, group_rows, **replay)
+    else:
+        hidden = model.hidden_states(*rows, **replay)
     hidden = hidden[:, P - 1 : P - 1 + C] if P else hidden
     return losses.token_stats(model.logits, hidden, batch["targets"], chunk_size, temperature, with_entropy)
 
@@ -99,9 +113,35 @@ def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batc
     kept in host memory, so it is brought over here)."""
     out = {}
     if with_old:
-        out["old_logprobs"] = stats(params, batch).logprobs
+        with moe.collect_router_stats() as collected:
+            out["old_logprobs"] = stats(params, batch).logprobs
+        if "routes" in batch:
+            out["replay_changed"] = replay_changed(collected[-1], batch["targets"].shape)
     if ref_device is not None:
         out["ref_logprobs"] = stats(jax.device_put(ref_params, ref_device), batch).logprobs
+    return out
+
+
+def replay_changed(completions: moe.RouterStats, shape: tuple[int, int]) -> jax.Array:
+    """[rows, C] float32: 1 where a completion column's replayed token would have gone to other
+    experts in some layer, from the RouterStats of the forward's part that ends with the C
+    completion columns (the whole row, or the shared-prompt pass's completion part)."""
+    changed = jnp.any(completions.changed, axis=0).reshape(shape[0], -1)
+    return changed[:, -shape[1] :].astype(jnp.float32)
+
+
+def replay_routes(groups, P: int, C: int) -> np.ndarray:
+    """[rows, P + C, L, k] int32: each row's recorded routes laid out as `to_rows` lays out its
+    tokens (the prompt left-padded to end at column P, the completion after it); -1 elsewhere."""
+    c0 = groups[0].completions
+    out = np.full((sum(len(g.completions.lengths) for g in groups), P + C, *c0.routes.shape[2:]), -1, np.int32)
+    r = 0
+    for group in groups:
+        n, c = len(group.prompt.ids), group.completions
+        for prompt_routes, routes, length in zip(c.prompt_routes, c.routes, c.lengths):
+            out[r, P - n : P] = prompt_routes[prompt_routes.shape[0] - n :]
+            out[r, P : P + length] = routes[:length]
+            r += 1
     return out
 
 
@@ -151,6 +191,9 @@ class GRPOTask(Task):
         self.rollouts = RolloutBuffer(cfg, prompts, self.start_round, self.keep)
         self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
         self.sampling = sampling or SamplingParams.from_config(cfg, stop_token_ids=(tokenizer.eos_id,))
+        self.replay = cfg.moe_routing_replay
+        if self.replay:
+            self.sampling = dataclasses.replace(self.sampling, record_routes=True)
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
         self.packing = cfg.rl_packing
         self.group_rows = shared_prompt_rows(
@@ -160,7 +203,8 @@ class GRPOTask(Task):
             if max(self.group_rows.values()) > 1:
                 log.info("rl_packing: packed rows hold no whole groups, so each sequence computes its own prompt")
             self.group_rows = {"logprobs": 1, "update": 1}
-        self.separate_old = run.layout.updates_per_step > 1 or cfg.use_kl_in_reward
+        # Replay measures the routes the trainer would change in the old policy's pass.
+        self.separate_old = run.layout.updates_per_step > 1 or cfg.use_kl_in_reward or self.replay
         log.info(
             "GRPO passes: old-policy logprobs %s; a group's prompt computed once per %d rows in the "
             "logprob pass and per %d in the update (1: each row its own)",
@@ -237,6 +281,7 @@ class GRPOTask(Task):
     def batch_shardings(self) -> dict:
         rows2d = sharding.batch_sharding(self.run.mesh, self.run.rules)
         keys = [*ROW_KEYS] + ["old_logprobs"] * self.separate_old + ["ref_logprobs"] * (self.ref_params is not None)
+        keys += ["routes"] * self.replay  # [rows, P + C, L, k]: split by rows as the rest
         return {
             **{k: rows2d for k in keys},
             "advantages": rows2d
@@ -284,6 +329,8 @@ class GRPOTask(Task):
         t1 = time.perf_counter()
         batch = self.to_rows(groups)
         batch.update(self.rollout_passes(state, batch))
+        if self.replay:
+            stats["moe/replay_changed_fraction"] = self.replay_changed_fraction(batch)
         mask = batch["loss_mask"].astype(bool)
         advantages, advantage_metrics = self.advantages(batch, groups)
         batch.update(advantages)
@@ -370,6 +417,8 @@ class GRPOTask(Task):
             sampler_logprobs=np.zeros((rows, C), np.float32),
         )
         arrays["inputs"][:] = pad
+        if self.replay:
+            arrays["routes"] = replay_routes(groups, P, C)
         r = 0
         for group in groups:
             ids = list(group.prompt.ids)
@@ -389,6 +438,14 @@ class GRPOTask(Task):
         """What the update reads of the models before it changes them, [rows, C] each: the old and
         the reference logprobs (rollout_logprobs), where the config needs them."""
         return self.logprobs(state["params"], batch) if self.logprob_fn is not None else {}
+
+    def replay_changed_fraction(self, batch) -> float:
+        """The share of the replayed sampled tokens whose experts the old policy's router would have
+        changed (the logprob pass's `replay_changed`, taken out of the batch)."""
+        C = batch["targets"].shape[1]
+        replayed = batch["loss_mask"].astype(bool) & (batch["routes"][:, -C:, 0, 0] >= 0)
+        changed = batch.pop("replay_changed").astype(bool) & replayed
+        return float(changed.sum() / max(replayed.sum(), 1))
 
     def advantages(self, batch, groups) -> tuple[dict, dict]:
         """({"advantages": ...}, metrics): the groups' rewards, less kl_coef times the sequence KL to
@@ -422,7 +479,7 @@ class GRPOTask(Task):
         """fn(*args, rows) -> {name: [rows, C]} over the batch's rows in update-sized chunks (one
         compiled shape), gathered on the host; `args_and_batch` ends with the batch."""
         *args, batch = args_and_batch
-        keys = ("inputs", "inputs_position", "inputs_segmentation", "targets")
+        keys = ("inputs", "inputs_position", "inputs_segmentation", "targets", *["routes"] * self.replay)
         shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
         chunks = self.chunks(batch, keys)
         outs = [
