@@ -273,7 +273,10 @@ def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
 
     group = episode_group(Prompt((), "p", "l"), [episode([2, 3], "env_done"), episode([4], "length")], TOK)
     task = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(n_samples_per_prompt=2), run=types.SimpleNamespace(tokenizer=TOK), max_completion=64
+        cfg=types.SimpleNamespace(n_samples_per_prompt=2),
+        run=types.SimpleNamespace(tokenizer=TOK),
+        max_completion=64,
+        replay=False,
     )
     rows = GRPOTask.to_rows(task, [group])
     P, C = bucket_prompt_length(3), bucket_prompt_length(8)  # the prompt's and the longest episode's ids
