@@ -85,6 +85,7 @@ def test_task_loss_is_trl_on_pooled_scores_and_accumulation_is_exact(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", arithmetic_pairs(32, margin=True))
     big = make_cfg(
         mode="rm",
+        model_name="tiny",
         dataset_path=path,
         max_target_length=16,
         eval_interval=0,
@@ -166,6 +167,7 @@ def test_a_causal_lm_as_reward_model_start_is_allowed_a_classifier_of_3_labels_i
 
 E2E = [
     "mode=rm",
+    "model_name=tiny",  # the 2-layer model these thresholds were set with
     "max_target_length=16",
     "per_device_batch_size=1",
     "learning_rate=1e-2",
