@@ -81,7 +81,7 @@ def sample(compaction, sampling):
 def assert_same(a, b):
     for k in ("tokens", "mask", "lengths"):
         np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)  # rounding by row count, ~1e-5
 
 
 @pytest.mark.parametrize(

@@ -187,7 +187,7 @@ def test_expert_parallel_grpo_update_equals_one_device(tmp_path):
     with only_first_device():
         want_loss, want_params = grpo_update(config(tmp_path, *common), fixed_grpo_batch())
     loss, params = grpo_update(config(tmp_path, *common), fixed_grpo_batch())
-    assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert loss == pytest.approx(want_loss, rel=1e-4)
     assert_same_params(params, want_params)
 
 

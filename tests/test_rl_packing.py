@@ -126,7 +126,9 @@ def assert_same_change(got, want, before):
     for a, b, p in zip(*(jax.tree.leaves(jax.tree.map(np.asarray, t)) for t in (got, want, before))):
         change = b - p
         assert np.abs(change).max() > 0  # the update moved every parameter
-        np.testing.assert_allclose(a - p, change, atol=RTOL * np.abs(change).max(), rtol=RTOL)
+        np.testing.assert_allclose(
+            a - p, change, atol=10 * RTOL * np.abs(change).max(), rtol=RTOL
+        )  # float32 rounding of tiny changes
 
 
 # Every aggregation without and with both KL and rollout_is; token-mean also with each alone.
