@@ -178,5 +178,5 @@ def test_indivisible_dimension_is_a_clear_error():
 
 
 def test_unknown_logical_axis_is_a_clear_error():
-    with pytest.raises(ValueError, match="'vocab' has no entry in logical_axis_rules"):
+    with pytest.raises(ConfigError, match="'logical_axis_rules': logical axis 'vocab' has no entry"):
         sharding.logical_to_spec(("vocab", "embed"), (("embed", "fsdp"),))

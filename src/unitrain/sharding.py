@@ -57,8 +57,8 @@ def logical_to_spec(logical_axes: tuple, rules: Rules) -> PartitionSpec:
     spec, used = [], set()
     for name in logical_axes:
         if name is not None and name not in table:
-            raise ValueError(
-                f"logical axis '{name}' has no entry in logical_axis_rules; add [{name}, <mesh axes or null>]"
+            raise ConfigError(
+                f"config key 'logical_axis_rules': logical axis '{name}' has no entry; add [{name}, <mesh axes or null>]"
             )
         entry = None if name is None else table[name]
         axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
