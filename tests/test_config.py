@@ -44,7 +44,7 @@ def recipe(tmp_path, text, name="recipe.yml"):
 
 def test_base_defaults_and_derived_values():
     cfg = load()
-    assert isinstance(cfg, Config) and cfg.emb_dim == 64 and cfg["num_query_heads"] == 4 and cfg.model_name == "tiny"
+    assert isinstance(cfg, Config) and cfg.emb_dim == 64 and cfg["num_query_heads"] == 4 and cfg.model_name == "demo"
     assert cfg.head_dim == 16  # tiny.yml sets it; base.yml's null would give 64 // 4 as well
     assert cfg.run_dir == "runs/default"
 
@@ -169,7 +169,7 @@ def test_base_config_chain_relative_and_absolute(tmp_path):
     leaf = recipe(tmp_path, "base_config: ../mid.yml\nrun_name: leaf\n", "sub/leaf.yml")
     cfg = load_config([leaf])
     assert (cfg.run_name, cfg.seed) == ("leaf", 7)
-    assert cfg.num_decoder_layers == 2  # a model dimension: the model yml is layered over the chain
+    assert cfg.num_decoder_layers == 4  # a model dimension: the model yml is layered over the chain
     absolute = recipe(tmp_path, f"base_config: {BASE}\nseed: 3\n", "abs.yml")
     assert load_config([absolute]).seed == 3
 

@@ -174,7 +174,7 @@ def test_other_dimensions_than_the_checkpoint_are_one_line(tmp_path, capsys):
     assert "mlp_dim=128 (its config.yml) and this command sets mlp_dim=96" in err  # before anything is built
     (tmp_path / "default" / "config.yml").unlink()  # without the record, the restore itself says it
     err = one_line_exit_2(capsys, *base, "steps=4", "mlp_dim=96")
-    assert "['layers']['w_down']" in err and "[2, 96, 64]" in err  # the first parameter that differs
+    assert "['layers']['w_down']" in err and "[4, 96, 64]" in err  # the first parameter that differs
     _, state = run.build_run(config(tmp_path, "run_name=other", "mlp_dim=96"))
     with pytest.raises(CheckpointError, match=r"\['layers'\]\['w_down'\]"):
         checkpoint.load_params(str(tmp_path / "default" / "checkpoints"), state["params"])

@@ -150,7 +150,7 @@ def test_resume_with_lora_equals_an_uninterrupted_run(tmp_path):
     assert last[0]["step"] == last[1]["step"] and last[0]["loss"] == last[1]["loss"]
 
 
-WQ = (2, 64, 4, 16)  # the tiny model's stacked query projection: [layers, embed, heads, head_dim]
+WQ = (4, 64, 4, 16)  # the default (demo) model's stacked query projection: [layers, embed, heads, head_dim]
 GRPO = dict(
     mode="grpo",
     per_device_batch_size=2,

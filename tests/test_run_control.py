@@ -280,7 +280,7 @@ def test_a_resumed_run_reports_changed_keys_and_keeps_the_earlier_config(tmp_pat
     [
         (["mode=grpo", "steps=2001"], "mode=sft (its config.yml) and this command sets mode=grpo"),
         (["mode=dpo"], "mode=sft (its config.yml) and this command sets mode=dpo"),
-        (["num_decoder_layers=3"], "num_decoder_layers=2 (its config.yml) and this command sets num_decoder_layers=3"),
+        (["num_decoder_layers=3"], "num_decoder_layers=4 (its config.yml) and this command sets num_decoder_layers=3"),
     ],
 )
 def test_a_command_that_cannot_resume_the_run_directory_says_so_in_one_line(tmp_path, capsys, other, says):

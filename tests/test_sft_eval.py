@@ -146,6 +146,7 @@ def test_sft_generation_eval_matches_answers_generated_from_the_checkpoint(tmp_p
     eval_rows[1]["answer"] = 7  # label_key present: it is the label
     eval_rows[3]["answer"] = "9"  # a label the completion does not give: that prompt is never right
     cfg = make_cfg(
+        model_name="tiny",  # memorises the four rows in 30 steps (the 4-layer default needs more)
         base_output_directory=tmp_path,
         dataset_path=write_jsonl(tmp_path / "t.jsonl", train_rows),
         eval_dataset_path=write_jsonl(tmp_path / "e.jsonl", eval_rows * 16),
@@ -171,6 +172,7 @@ def test_sft_generation_eval_matches_answers_generated_from_the_checkpoint(tmp_p
     # Independently: greedy answers from the saved checkpoint, scored by exact match by hand.
     argv = [
         str(REPO / "configs" / "base.yml"),
+        "model_name=tiny",
         f"load_parameters_path={cfg.checkpoint_dir}",
         *[a for p in PROMPTS for a in ("--prompt", p)],
         "--json",
