@@ -152,7 +152,6 @@ def test_a_large_replicated_parameter_stops_the_run(tmp_path):
             ["kv", None],
             ["vocab", None],
             ["layers", None],
-            ["expert", None],
             ["norm", None],
             ["activation_embed", None],
         ]

@@ -166,12 +166,15 @@ def layout_for(cfg) -> Layout:
 
 def _check_expert_split(cfg, *meshes: dict) -> None:
     """Expert parallelism splits whole experts: their number must divide over the mesh axes that
-    the `expert` rule names, on the trainer's mesh and the rollout mesh."""
+    the `expert` rule names, on the trainer's mesh and the rollout mesh. A dense model has no
+    expert axis, so a rules table written before MoE need not name it."""
+    if not cfg.num_experts:
+        return
     entry = logical_to_spec(("expert",), rules_from_config(cfg.logical_axis_rules))[0]
     axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
     for mesh in meshes:
         devices = math.prod(mesh[a] for a in axes)
-        if cfg.num_experts and cfg.num_experts % devices:
+        if cfg.num_experts % devices:
             raise ConfigError(
                 f"num_experts ({cfg.num_experts}) must be a multiple of the {devices} devices of mesh axes "
                 f"{', '.join(axes)}, over which logical_axis_rules' expert entry splits them"
