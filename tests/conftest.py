@@ -77,6 +77,16 @@ def make_cfg(**overrides):
     return load_config([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
 
 
+def small_model_config(**overrides):
+    """The unit tests' small decoder (2 layers, width 32, 4 query and 2 key/value heads of 8, vocab
+    64), with overrides: model tests compile in seconds at this size."""
+    from unitrain import sharding
+    from unitrain.models import decoder
+
+    shape = dict(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2)
+    return decoder.ModelConfig(**{**shape, "head_dim": 8, "platform": sharding.target_platform(), **overrides})
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import small_model_config
 from unitrain import sharding
 from unitrain.config import load_config
 from unitrain.errors import ConfigError
@@ -108,17 +109,7 @@ def test_splash_attention_after_a_shared_prefix_equals_reference(window):
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
 
 
-CFG = decoder.ModelConfig(
-    vocab_size=64,
-    emb_dim=32,
-    mlp_dim=64,
-    num_decoder_layers=2,
-    num_query_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    platform=sharding.target_platform(),
-    sliding_window=5,
-)
+CFG = small_model_config(sliding_window=5)
 
 
 def use_kernel_on_cpu(monkeypatch, model, kernel):

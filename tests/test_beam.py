@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import small_model_config
 from unitrain import sharding
 from unitrain.models import decoder as model_lib
 from unitrain.rollout.base import SamplingParams
@@ -16,16 +17,7 @@ from unitrain.rollout.colocated import ColocatedSampler
 from unitrain.rollout.trie import Trie
 
 EOS, V = 1, 48
-CFG = model_lib.ModelConfig(
-    vocab_size=V,
-    emb_dim=32,
-    mlp_dim=64,
-    num_decoder_layers=2,
-    num_query_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    platform=sharding.target_platform(),
-)
+CFG = small_model_config(vocab_size=V)
 PROMPTS = [[5, 6, 7], [8, 9], [2, 3, 4, 5, 6, 7, 40, 41, 42], [44]]
 
 

@@ -7,19 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import small_model_config
 from unitrain import losses, sharding
 from unitrain.models import decoder
 
-CFG = decoder.ModelConfig(
-    vocab_size=97,
-    emb_dim=32,
-    mlp_dim=64,
-    num_decoder_layers=2,
-    num_query_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    platform=sharding.target_platform(),
-)
+CFG = small_model_config(vocab_size=97)
 
 
 def batch(rng, B=3, T=21):

@@ -9,21 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import sharding
+from conftest import small_model_config
 from unitrain.models import attention, decoder, kv_cache
 
-CFG = decoder.ModelConfig(
-    vocab_size=128,
-    emb_dim=32,
-    mlp_dim=64,
-    num_decoder_layers=2,
-    num_query_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    platform=sharding.target_platform(),
-    qkv_bias=True,
-    qk_norm=True,
-)
+CFG = small_model_config(vocab_size=128, qkv_bias=True, qk_norm=True)
 
 
 def sharp_model(cfg, seed=0):

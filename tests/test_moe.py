@@ -16,9 +16,9 @@ import transformers
 from flax import nnx
 from safetensors.torch import save_file
 
-from conftest import REPO
+from conftest import REPO, small_model_config
 from test_hf_parity import packed_batch, torch_logits
-from unitrain import sharding, train
+from unitrain import train
 from unitrain.adapters import hf
 from unitrain.errors import ConfigError
 from unitrain.models import decoder, kv_cache, moe
@@ -68,20 +68,8 @@ def test_unnormalised_top_k_is_caught_by_the_tolerance(moe_checkpoint):
     assert np.abs(np.asarray(ours[0]) - torch_logits(path, tokens)).max() > 1e-2
 
 
-MOE_CFG = decoder.ModelConfig(
-    vocab_size=128,
-    emb_dim=32,
-    mlp_dim=64,
-    num_decoder_layers=2,
-    num_query_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    platform=sharding.target_platform(),
-    model_family="qwen3_moe",
-    qk_norm=True,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_mlp_dim=16,
+MOE_CFG = small_model_config(
+    vocab_size=128, model_family="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=16
 )
 
 

@@ -10,21 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import small_model_config
 from unitrain import sharding
 from unitrain.models import decoder as model_lib
 from unitrain.rollout import buckets, colocated, programs
 from unitrain.rollout.base import SamplingParams
 
-CFG = model_lib.ModelConfig(
-    vocab_size=64,
-    emb_dim=32,
-    mlp_dim=64,
-    num_decoder_layers=2,
-    num_query_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    platform=sharding.target_platform(),
-)
+CFG = small_model_config()
 FORWARD_LEN = 32  # the reference forward right-pads every sequence to this length: one compile
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 11, 8, 1], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
 
