@@ -270,7 +270,7 @@ def test_unitrain_checkpoints_start_and_reload_reward_models(tmp_path):
     from unitrain.models.scalar_head import build_scalar_model
 
     base = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", "steps=1", "eval_interval=0"]
-    assert train.main([*base, "mode=sft", "run_name=sft"]) == 0
+    assert train.main([*base, "model_name=tiny", "mode=sft", "run_name=sft"]) == 0  # E2E's model
     assert (
         train.main(
             [
@@ -284,7 +284,7 @@ def test_unitrain_checkpoints_start_and_reload_reward_models(tmp_path):
         )
         == 0
     )
-    cfg = make_cfg(mode="rm")
+    cfg = make_cfg(mode="rm", model_name="tiny")
     run, _ = build_run(cfg.replace(load_parameters_path=str(tmp_path / "sft")))
     sft_params = jax.device_get(build_run(make_cfg(load_parameters_path=str(tmp_path / "sft")))[0].init_params)
     for name in ("embed", "final_norm"):

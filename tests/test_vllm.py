@@ -294,7 +294,8 @@ def test_the_log_tail_names_the_last_starts_root_cause(tmp_path):
 
 
 class Flaky(http.server.BaseHTTPRequestHandler):
-    """Answers POST with the next status of the server's `script` (then 200 {"ok": n})."""
+    """Answers POST with the next status of the server's `script` (then 200 {"ok": n}); status 0: a
+    200 whose body is cut off (the server died mid-answer)."""
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -302,10 +303,10 @@ class Flaky(http.server.BaseHTTPRequestHandler):
         threading.Event().wait(delay)  # not time.sleep: the test turns the client's back-off off
         self.server.calls += 1
         body = json.dumps({"ok": self.server.calls} if status == 200 else {"error": "boom"}).encode()
-        self.send_response(status)
+        self.send_response(status or 200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        self.wfile.write(body if status else body[:2])
 
     def log_message(self, *args):
         pass
@@ -337,6 +338,9 @@ def test_5xx_and_timeouts_are_retried_then_one_line(flaky, monkeypatch):
     with pytest.raises(EngineError, match="answered 400"):
         vllm.Client(url, timeout=5, retries=3).call("/v1/completions", {})
     assert flaky.calls == calls + 1  # a 4xx is not retried
+    flaky.script = [(0, 0)]
+    with pytest.raises(vllm.ServerGone, match=r"no vLLM server answers .*IncompleteRead"):
+        vllm.Client(url, timeout=5, retries=3).call("/v1/completions", {})
     flaky.shutdown()
     flaky.server_close()
     with pytest.raises(vllm.ServerGone, match="no vLLM server answers"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import http.client
 import json
 import logging
 import os
@@ -56,7 +57,8 @@ MAX_CONCURRENT_ROWS = 1024  # rows in flight at once (threads; vLLM's own schedu
 
 
 class ServerGone(EngineError):
-    """The server does not answer at all (connection refused or reset): restarted, or the run stops."""
+    """The server does not answer (connection refused or reset, or an answer cut off): restarted, or
+    the run stops."""
 
 
 class Client:
@@ -83,7 +85,8 @@ class Client:
                     raise EngineError(f"the vLLM server at {self.url}: {failure}") from None
             except TimeoutError:
                 failure = f"{method} {path} timed out after vllm_request_timeout={self.timeout:g} s"
-            except (urllib.error.URLError, ConnectionError) as e:
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as e:
+                # HTTPException: the server died mid-answer (IncompleteRead), as a killed server does
                 raise ServerGone(
                     f"no vLLM server answers at {self.url} ({method} {path}: {getattr(e, 'reason', e)})"
                 ) from None
