@@ -83,8 +83,10 @@ def small_model_config(**overrides):
     from unitrain import sharding
     from unitrain.models import decoder
 
-    shape = dict(vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2)
-    return decoder.ModelConfig(**{**shape, "head_dim": 8, "platform": sharding.target_platform(), **overrides})
+    small = dict(
+        vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
+    )
+    return decoder.ModelConfig(**{**small, "platform": sharding.target_platform(), **overrides})
 
 
 def write_jsonl(path, rows):
