@@ -144,9 +144,10 @@ RULES: dict[str, Rule] = {
     "vllm_request_timeout": POSITIVE,
     "vllm_max_retries": NON_NEGATIVE_INT,
     "vllm_restarts": NON_NEGATIVE_INT,
+    # ranked is the data format's choice (rollout_decoding=beam), not a value of its own
     "workflow": Rule(
-        lambda v: v == "single_turn" or builtin_or_plugin(WORKFLOWS).test(v),
-        "single_turn | " + builtin_or_plugin(WORKFLOWS).expected,
+        lambda v: v != "ranked" and builtin_or_plugin(WORKFLOWS).test(v),
+        "single_turn | multi_turn | pkg.module:symbol (ranked groups: rollout_decoding=beam)",
     ),
     "env": Rule(
         lambda v: v == "" or builtin_or_plugin(ENVS).test(v), '"" (none) | ' + builtin_or_plugin(ENVS).expected

@@ -1,9 +1,9 @@
-"""Task evaluation by generation: greedy pass@1 (logged as eval_accuracy) and sampled pass@k (eval_pass_at_k)
-on the eval prompts, scored by the run's reward. A sample is correct when the first reward named in
-`reward` (the task reward) gives it 1. GRPO evaluates its prompt files; SFT its eval files, the
-label being label_key's field or else the completion (data.sft.eval_prompt_records).
-With a multi-turn workflow (rollout/episodes.py) a sample is an episode, correct when it succeeds
-(its reward reaches 1), and the greedy episodes' statistics are logged too (eval_episode_*).
+"""Task evaluation by generation: the workflow run greedily (eval_accuracy: pass@1) and with k samples
+(eval_pass_at_k) on the eval prompts, then scored. A sample is correct when its group's first reward
+(the task reward, the first named in `reward`; an environment's) gives it 1. GRPO evaluates its
+prompt files; SFT its eval files, the label being label_key's field or else the completion
+(data.sft.eval_prompt_records). The greedy samples' workflow metrics are logged too (a multi-turn
+workflow's eval_episode_*).
 SFT scores what the data's answer is: labels that end in a '#### <answer>' line (GSM8K's worked
 solutions) are checked by the math reward on that answer unless `reward` is set (sft_reward_fn),
 and answers longer than rollout_max_response_len are said to be cut (warn_if_answers_cut).
@@ -21,8 +21,7 @@ import numpy as np
 from unitrain import rewards
 from unitrain.data.prompts import eval_prompts
 from unitrain.rollout.base import SamplingParams, release
-from unitrain.rollout.episodes import episode_metrics, episodes_markdown, start_episode_groups
-from unitrain.rollout.groups import collect_groups, samples_markdown
+from unitrain.rollout.driver import run_groups
 
 log = logging.getLogger("unitrain")
 
@@ -68,43 +67,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class TaskEvaluator:
-    """`evaluator(params, step) -> metrics`; `samples` is then the markdown of the first greedy
-    answers (prompt, completion, label, reward) for TensorBoard. `records` replace the eval split's
-    prompt records (see data.prompts.eval_prompts); `workflow` (rollout/episodes.py; None: single
-    turn) makes the samples episodes."""
+    """`evaluator(params, step) -> metrics`; `samples` is then the workflow's markdown of the greedy
+    answers for TensorBoard. `records` replace the eval split's prompt records (see
+    data.prompts.eval_prompts)."""
 
-    def __init__(self, cfg, tokenizer, sampler, reward_fn, records: list[dict] | None = None, workflow=None):
+    def __init__(self, cfg, tokenizer, sampler, reward_fn, workflow, records: list[dict] | None = None):
         self.cfg, self.tokenizer, self.sampler, self.reward_fn = cfg, tokenizer, sampler, reward_fn
         self.workflow = workflow
         self.prompts = eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
         self.samples = ""
 
-    def groups(self, n: int, sampling: SamplingParams, key) -> list:
-        if self.workflow is not None:
-            args = (self.sampler, self.workflow, self.prompts, n, sampling, key, self.tokenizer)
-            return start_episode_groups(*args)()
-        return collect_groups(self.sampler, self.prompts, n, sampling, key, self.tokenizer, self.reward_fn)
-
-    def correct(self, groups: list) -> np.ndarray:
-        """[prompts, n] bool: which samples the task reward scores 1 (episodes: which succeed)."""
-        name = "env" if self.workflow is not None else self.reward_fn.names[0]
-        return np.stack([g.per_reward[name] >= 1.0 for g in groups])
+    def correct(self, n: int, sampling: SamplingParams, key) -> tuple[np.ndarray, list]:
+        """([prompts, n] bool: which samples are correct, the groups)."""
+        groups = run_groups(self.sampler, self.workflow, self.prompts, n, sampling, key, self.reward_fn)
+        return np.stack([g.correct for g in groups]), groups
 
     def __call__(self, params, step: int) -> dict:
         cfg, stop = self.cfg, (self.tokenizer.eos_id,)
         self.sampler.update_weights(params, step)
         greedy = SamplingParams(cfg.rollout_max_response_len, temperature=0.0, stop_token_ids=stop)
-        answers = self.groups(1, greedy, jax.random.key(0))
-        result = {"eval_accuracy": float(self.correct(answers).mean())}
-        if self.workflow is not None:
-            greedy_episodes = [t for g in answers for t in g.episodes]
-            self.samples = episodes_markdown(greedy_episodes)
-            result.update(episode_metrics(greedy_episodes, prefix="eval_"))
-        else:
-            self.samples = samples_markdown(answers)
+        correct, answers = self.correct(1, greedy, jax.random.key(0))
+        result = {"eval_accuracy": float(correct.mean())}
+        result.update(self.workflow.metrics([t for g in answers for t in g.trajectories], prefix="eval_"))
+        self.samples = self.workflow.markdown(answers)
         if cfg.eval_n_samples:
             sampled = SamplingParams.from_config(cfg, stop_token_ids=stop)
-            counts = self.correct(self.groups(cfg.eval_n_samples, sampled, jax.random.key(1))).sum(axis=1)
+            counts = self.correct(cfg.eval_n_samples, sampled, jax.random.key(1))[0].sum(axis=1)
             result[f"eval_pass_at_{cfg.eval_pass_k}"] = float(
                 np.mean([pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in counts])
             )

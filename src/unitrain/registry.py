@@ -22,9 +22,13 @@ SAMPLERS = {
 # dynamic_sampling_filter: fn(group) -> bool
 FILTERS = {"nonzero_std": "unitrain.rollout.groups:nonzero_std"}
 
-# workflow: a class made as Class(run) with episode(record) (rollout/episodes.py); single_turn is
-# rollout/groups.py's one-completion path, no class
-WORKFLOWS = {"multi_turn": "unitrain.rollout.multi_turn:MultiTurn"}
+# workflow: a rollout.workflow.Workflow subclass, made as Class(run); ranked is chosen by the data
+# format where it ranks rollouts (DataFormat.workflow)
+WORKFLOWS = {
+    "single_turn": "unitrain.rollout.single_turn:SingleTurn",
+    "multi_turn": "unitrain.rollout.multi_turn:MultiTurn",
+    "ranked": "unitrain.rollout.ranked:Ranked",
+}
 
 # env: fn(cfg) -> envs.base.Environment, one per episode
 ENVS = {

@@ -8,7 +8,8 @@ third party's) subclasses it and overrides what it does differently.
     fmt.sft_records(cfg, tokenizer, path)    # SFT's records of the files at `path`
     fmt.prompt_records(cfg, path)            # GRPO's {prompt, label} records
     fmt.evaluator(cfg, tokenizer, sampler)   # an evaluator in place of the mode's generation eval, or None
-    fmt.ranked_rollout(cfg, tokenizer)       # GRPO's ranked rollouts (rollout/beam.py BeamParams), or None
+    fmt.workflow(cfg)                        # the workflow GRPO's rollouts take (rollout/workflow.py)
+    fmt.ranked_rollout(cfg, tokenizer)       # how workflow ranked ranks (rollout/beam.py BeamParams), or None
     fmt.check(cfg)                           # what is wrong with the config for this format, or None
 """
 
@@ -45,10 +46,18 @@ class DataFormat:
         generation eval (evals.TaskEvaluator); None = the mode's."""
         return None
 
+    def ranks_rollouts(self, cfg) -> bool:
+        """Whether GRPO's rollouts are ranked groups (workflow ranked): with rollout_decoding=beam."""
+        return cfg["rollout_decoding"] == "beam"
+
+    def workflow(self, cfg) -> str:
+        """The workflow GRPO's rollouts take: ranked where the format ranks them, else `workflow`."""
+        return "ranked" if self.ranks_rollouts(cfg) else cfg["workflow"]
+
     def ranked_rollout(self, cfg, tokenizer) -> BeamParams | None:
         """GRPO's rollouts as ranked groups: the n_samples_per_prompt beams of rollout_decoding=beam,
-        best first; None = sampled groups."""
-        if cfg.rollout_decoding != "beam":
+        best first; None = the format does not rank."""
+        if not self.ranks_rollouts(cfg):
             return None
         return BeamParams(
             cfg.n_samples_per_prompt,
@@ -60,7 +69,7 @@ class DataFormat:
 
     def ranking(self, cfg) -> str | None:
         """What of the config ranks with beam search, so that the sampler must be able to; None = nothing."""
-        return "rollout_decoding=beam" if cfg["mode"] == "grpo" and cfg["rollout_decoding"] == "beam" else None
+        return "rollout_decoding=beam" if cfg["mode"] == "grpo" and self.ranks_rollouts(cfg) else None
 
     def check(self, cfg) -> str | None:
         """The first of the format's checks that fails, then whether the sampler can rank where the config ranks."""

@@ -1,4 +1,4 @@
-"""The environment protocol of multi-turn episodes (rollout/episodes.py drives it), gymnasium-style.
+"""The environment protocol of multi-turn episodes (rollout/multi_turn.py drives it), gymnasium-style.
 
 `env:` names a factory, a built-in from registry.ENVS or `pkg.module:make_env`; the workflow calls
 `make_env(cfg) -> Environment` once per episode, then

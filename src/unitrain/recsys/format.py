@@ -25,12 +25,15 @@ class MiniOneRec(DataFormat):
     def evaluator(self, cfg, tokenizer, sampler) -> RecEvaluator:
         return RecEvaluator(cfg, tokenizer, sampler)
 
+    def ranks_rollouts(self, cfg) -> bool:
+        return cfg["rollout_decoding"] == "beam" or bool(cfg["sid_index_path"])
+
     def ranked_rollout(self, cfg, tokenizer):
-        return rollout.ranked_rollout(cfg, tokenizer)
+        return rollout.ranked_rollout(cfg, tokenizer) if self.ranks_rollouts(cfg) else None
 
     def ranking(self, cfg) -> str | None:
         if cfg["evaluates"] and cfg["eval_num_samples"]:
             return "data_format=minionerec's evaluation (HR/NDCG of beam search)"
-        if cfg["mode"] == "grpo" and (cfg["rollout_decoding"] == "beam" or cfg["sid_index_path"]):
+        if cfg["mode"] == "grpo" and self.ranks_rollouts(cfg):
             return "ranked rollouts (rollout_decoding=beam or sid_index_path)"
         return None

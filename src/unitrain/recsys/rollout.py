@@ -31,10 +31,8 @@ def sid_beams(cfg, tokenizer, width: int, sample: bool = False, temperature: flo
     )
 
 
-def ranked_rollout(cfg, tokenizer) -> BeamParams | None:
-    """GRPO's ranked rollouts (beams, or samples constrained to the SIDs); None = sampled groups."""
-    if cfg.rollout_decoding != "beam" and not cfg.sid_index_path:
-        return None
+def ranked_rollout(cfg, tokenizer) -> BeamParams:
+    """GRPO's ranked rollouts (beams, or samples constrained to the SIDs)."""
     return sid_beams(
         cfg,
         tokenizer,

@@ -92,7 +92,7 @@ class RolloutBuffer:
         while len(self.in_flight) < min(cfg.max_staleness, cfg.steps - 1 - step) and submit():
             pass
         groups, discarded, refilled = select_groups(kept, dropped, cfg.rollout_batch_size)
-        staleness = np.asarray([step - g.completions.version for g in groups])
+        staleness = np.asarray([step - g.version for g in groups])
         return groups, {
             "sampling_rounds": len(taken),
             "groups_discarded": discarded,

@@ -1,77 +1,40 @@
-"""From prompts to scored groups: the one path GRPO's rollouts and the task evaluations share.
+"""Groups: a prompt record and its n trajectories, scored (rollout/driver.py makes them), and what
+chooses among them: a dynamic-sampling filter sees whole groups,
 
-    groups = collect_groups(sampler, prompts, n, sampling, key, tokenizer, reward_fn)
-    kept = [g for g in groups if keep(g)]           # a dynamic-sampling filter sees whole groups
+    kept = [g for g in groups if keep(g)]
 
-A group is one prompt's n completions with their decoded texts and rewards. Filters are
 `dynamic_sampling_filter`: a built-in name from registry.FILTERS or a plugin `pkg.module:fn(group) -> bool`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
-import jax
 import numpy as np
 
 from unitrain import plugins, registry
 from unitrain.errors import RunEndedEarly
-from unitrain.rollout.base import Completions, Sampler, SamplingParams, submit
 
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    prompt: object  # unitrain.data.prompts.Prompt: ids, text, label
-    completions: Completions  # n rows
-    texts: list[str]  # decoded completions
+    """One prompt record and its trajectories (rollout/workflow.py), scored."""
+
+    prompt: object  # unitrain.data.prompts.Prompt: ids (as the workflow prompted), text, label
+    trajectories: tuple  # n rollout.workflow.Trajectory
     rewards: np.ndarray  # [n] float32, the weighted total
-    per_reward: dict[str, np.ndarray]  # each reward's raw [n] values
-    episodes: tuple = ()  # multi-turn: the n rollout.episodes.Trajectory the rows were made of
+    per_reward: dict[str, np.ndarray]  # each reward's raw [n] values, the task's (or the environment's) first
 
+    @property
+    def version(self) -> int:
+        """The oldest weights version any of its sampled tokens came from."""
+        versions = [int(t.versions[t.loss_mask == 1].min()) for t in self.trajectories if t.loss_mask.any()]
+        return min(versions, default=0)
 
-def collect_groups(
-    sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array, tokenizer, reward_fn
-) -> list[Group]:
-    """n completions of every prompt in one generate call, decoded and scored."""
-    return start_groups(sampler, prompts, n, sampling, key, tokenizer, reward_fn)()
-
-
-def start_groups(
-    sampler: Sampler, prompts: list, n: int, sampling: SamplingParams, key: jax.Array, tokenizer, reward_fn
-) -> Callable[[], list[Group]]:
-    """collect_groups, started: the sampler samples (rollout/base.submit) while the caller goes on;
-    the function returned waits for the completions and scores them."""
-    pending = submit(sampler, [list(p.ids) for p in prompts for _ in range(n)], sampling, key)
-    return lambda: _scored_groups(prompts, n, pending.result(), tokenizer, reward_fn)
-
-
-def collect_ranked_groups(sampler, prompts: list, beams, key: jax.Array, tokenizer, reward_fn) -> list[Group]:
-    """Each prompt's `beams.width` sequences from the sampler's beam_search (rollout/beam.py: beams or
-    samples, optionally constrained to a trie), best first, decoded and scored: the group of a prompt
-    is its ranked list, so a GroupReward sees the ranks."""
-    out = sampler.beam_search([list(p.ids) for p in prompts], beams, key).completions()
-    return _scored_groups(prompts, beams.width, out, tokenizer, reward_fn)
-
-
-def _scored_groups(prompts: list, n: int, out: Completions, tokenizer, reward_fn) -> list[Group]:
-    rows = [p for p in prompts for _ in range(n)]
-    texts = [tokenizer.decode(t[:l]) for t, l in zip(out.tokens, out.lengths)]
-    total, per_reward = reward_fn([p.text for p in rows], texts, [p.label for p in rows], group_size=n)
-    groups = []
-    for g, prompt in enumerate(prompts):
-        r = slice(g * n, (g + 1) * n)
-        groups.append(Group(prompt, out[r], texts[r], total[r], {k: v[r] for k, v in per_reward.items()}))
-    return groups
-
-
-def samples_markdown(groups: list[Group], count: int = 4) -> str:
-    """The first completion of the first `count` groups as TensorBoard markdown."""
-    return "\n\n".join(
-        f"**prompt** {g.prompt.text}\n\n**completion** {g.texts[0]}\n\n**label** {g.prompt.label}\n\n"
-        f"**reward** {g.rewards[0]:.3f}"
-        for g in groups[:count]
-    )
+    @property
+    def correct(self) -> np.ndarray:
+        """[n] bool: the task reward (the first) gives 1."""
+        return next(iter(self.per_reward.values())) >= 1.0
 
 
 def nonzero_std(group: Group) -> bool:

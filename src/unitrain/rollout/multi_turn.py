@@ -1,22 +1,28 @@
-"""`workflow: multi_turn`: the built-in workflow, a conversation with an environment (envs/base.py)
-in the chat template's turns, token in and token out (rollout/episodes.py runs it)."""
+"""`workflow: multi_turn`: a conversation with an environment (envs/base.py) in the chat template's
+turns, token in and token out (rollout/workflow.py's episode form; rollout/driver.py runs it), and
+what the step logs of episodes: their metrics and their text."""
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Generator
+
+import numpy as np
 
 from unitrain.data.prompts import Prompt
 from unitrain.data.turns import ChatTurns
 from unitrain.envs.base import StepResult, env_factory
 from unitrain.envs.tool_calls import parse_turn
 from unitrain.errors import ConfigError
-from unitrain.rollout.episodes import Generate, Sampled, Trajectory, Transcript
+from unitrain.rollout.workflow import Generate, Sampled, Trajectory, Transcript, Workflow
 
 log = logging.getLogger("unitrain")
 
+EPISODE_ENDS = ("env_done", "max_turns", "length", "env_error")
 
-class MultiTurn:
+
+class MultiTurn(Workflow):
     """`workflow: multi_turn`: a conversation with the environment named by `env` (envs/base.py).
 
     The prompt is the chat template over the system prompt, the environment's first messages and its
@@ -30,7 +36,8 @@ class MultiTurn:
     """
 
     def __init__(self, run):
-        cfg, self.tokenizer = run.cfg, run.tokenizer
+        super().__init__(run)
+        cfg = run.cfg
         if not cfg.env:
             raise ConfigError("workflow multi_turn needs an environment: set env (calculator, guess_number, ...)")
         self.cfg, self.make_env = cfg, env_factory(cfg)
@@ -87,5 +94,44 @@ class MultiTurn:
             transcript.add_context(reply)
             messages += result.messages
         return transcript.trajectory(
-            reward, end, tool_calls=calls, invalid_tool_calls=invalid, messages=tuple(messages)
+            reward,
+            end,
+            per_reward={"env": reward},
+            text=self.tokenizer.decode(transcript.ids, skip_special_tokens=False),
+            tool_calls=calls,
+            invalid_tool_calls=invalid,
+            messages=tuple(messages),
         )
+
+    def metrics(self, trajectories: list[Trajectory], prefix: str = "") -> dict:
+        """Success rate, turns, tool calls and their validity, sampled tokens, the sampler's live rows,
+        and why episodes ended."""
+        if not trajectories:
+            return {}
+        calls = sum(t.tool_calls for t in trajectories)
+        ends = collections.Counter(t.end for t in trajectories)
+        metrics = {
+            "episode_success_rate": np.mean([t.success for t in trajectories]),
+            "episode_turns_mean": np.mean([t.turns for t in trajectories]),
+            "episode_tool_calls_mean": calls / len(trajectories),
+            "episode_tool_call_valid_rate": 1.0 - sum(t.invalid_tool_calls for t in trajectories) / calls
+            if calls
+            else 1.0,
+            "episode_sampled_tokens_mean": np.mean([int(t.loss_mask.sum()) for t in trajectories]),
+            # The driver's rows that were live episodes over a round's turns (1: none waited on another);
+            # exact for a step of one round, whose sampler calls are its longest episode's turns.
+            "episode_live_rows_fraction": sum(t.turns for t in trajectories)
+            / (len(trajectories) * max(t.turns for t in trajectories) or 1),
+            **{f"episode_end_{reason}": ends[reason] / len(trajectories) for reason in EPISODE_ENDS},
+        }
+        return {prefix + k: float(v) for k, v in metrics.items()}
+
+    def markdown(self, groups: list, count: int = 2) -> str:
+        """A few whole episodes as TensorBoard markdown, each message under its role (tool and
+        environment messages marked as such)."""
+        parts = []
+        for i, t in enumerate([t for g in groups for t in g.trajectories][:count]):
+            lines = [f"**episode {i}** reward {t.reward:.3f}, {t.turns} turns, ended: {t.end}"]
+            lines += [f"**[{m['role']}]** {m.get('content', '')}" for m in t.messages]
+            parts.append("\n\n".join(lines))
+        return "\n\n---\n\n".join(parts)

@@ -25,8 +25,9 @@ are the completion tokens, predicted from columns P-1 .. P+C-2, and `loss_mask` 
 sampled ones (up to and including the stop token). Only those C columns go through the output
 head: the prompt's logits are never computed. A group's n rows are consecutive and share their P
 prompt columns, which the passes compute once per group where the model can (token_stats).
-With a multi-turn workflow (rollout/episodes.py) a row's completion is its whole episode after the
-prompt (C at most episode_max_tokens): the environment's tokens are targets with loss_mask 0.
+Every rollout is a workflow's trajectory (rollout/workflow.py): a row's completion is everything
+after the prompt (C at most the workflow's max_tokens: a multi-turn episode's episode_max_tokens),
+the environment's tokens targets with loss_mask 0.
 
 With rl_packing the passes and the updates take each mini-batch's sequences (prompt + completion)
 packed into rows instead (data/rl_packing.py: first-fit-decreasing, a segment each, every field
@@ -63,11 +64,12 @@ from unitrain.data.prompts import make_prompt_iterator
 from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
 from unitrain.evals import TaskEvaluator
 from unitrain.models import moe
-from unitrain.rollout import episodes
 from unitrain.rollout.base import SamplingParams, close, release
 from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
-from unitrain.rollout.groups import collect_ranked_groups, make_filter, samples_markdown, start_groups
+from unitrain.rollout.driver import start_groups
+from unitrain.rollout.groups import make_filter
+from unitrain.rollout.workflow import make_workflow
 from unitrain.tasks.base import RunContext, Task
 
 log = logging.getLogger("unitrain")
@@ -130,42 +132,33 @@ def replay_changed(completions: moe.RouterStats, shape: tuple[int, int]) -> jax.
     return changed[:, -shape[1] :].astype(jnp.float32)
 
 
+def trajectories(groups) -> list:
+    """The groups' trajectories in row order."""
+    return [t for g in groups for t in g.trajectories]
+
+
 def replay_routes(groups, P: int, C: int) -> np.ndarray:
     """[rows, P + C, L, k] int32: each row's recorded routes laid out as `to_rows` lays out its
     tokens (the prompt left-padded to end at column P, the completion after it); -1 elsewhere."""
-    c0 = groups[0].completions
-    out = np.full((sum(len(g.completions.lengths) for g in groups), P + C, *c0.routes.shape[2:]), -1, np.int32)
-    r = 0
-    for group in groups:
-        n, c = len(group.prompt.ids), group.completions
-        for prompt_routes, routes, length in zip(c.prompt_routes, c.routes, c.lengths):
-            out[r, P - n : P] = prompt_routes[prompt_routes.shape[0] - n :]
-            out[r, P : P + length] = routes[:length]
-            r += 1
+    rows = trajectories(groups)
+    out = np.full((len(rows), P + C, *rows[0].routes.shape[1:]), -1, np.int32)
+    for r, t in enumerate(rows):
+        out[r, P - len(t.prompt_ids) : P] = t.prompt_routes
+        out[r, P : P + len(t.ids)] = t.routes
     return out
 
 
-def truncated_rows(groups, stop_ids) -> np.ndarray:
-    """[rows] bool: the completions that end without a stop token (cut at the length limit); of
-    episodes, those that ended for length."""
-    return np.concatenate(
-        [
-            [t.end == "length" for t in g.episodes]
-            if g.episodes
-            else [
-                length == 0 or tokens[length - 1] not in stop_ids
-                for tokens, length in zip(g.completions.tokens, g.completions.lengths)
-            ]
-            for g in groups
-        ]
-    )
+def truncated_rows(groups) -> np.ndarray:
+    """[rows] bool: the trajectories that ended for length (an answer cut without its stop token)."""
+    return np.asarray([t.end == "length" for t in trajectories(groups)])
 
 
 def turn_discounts(groups, columns: int, discount: float) -> np.ndarray:
-    """[rows, columns] float32: discount ** (turns after the token's own) on each episode's sampled
+    """[rows, columns] float32: discount ** (turns after the token's own) on each trajectory's sampled
     tokens (0 elsewhere), so that with advantages [rows] the product credits later turns more."""
-    out = np.zeros((sum(len(g.episodes) for g in groups), columns), np.float32)
-    for r, t in enumerate(t for g in groups for t in g.episodes):
+    rows = trajectories(groups)
+    out = np.zeros((len(rows), columns), np.float32)
+    for r, t in enumerate(rows):
         sampled = t.turn_index >= 0
         out[r, : len(t.ids)][sampled] = discount ** (t.turns - 1 - t.turn_index[sampled])
     return out
@@ -181,9 +174,8 @@ class GRPOTask(Task):
         self.reward_fn = rewards.make_reward_fn(cfg)
         self.keep = make_filter(cfg.dynamic_sampling_filter)
         self.sampler = rollout.make_sampler(run)
-        self.workflow = episodes.make_workflow(run)  # None: single_turn
-        # The completion columns: one sampled answer, or a whole episode after its prompt.
-        self.max_completion = cfg.episode_max_tokens if self.workflow else cfg.rollout_max_response_len
+        self.workflow = make_workflow(run)
+        self.max_completion = self.workflow.max_tokens
         # Every process samples the same prompts with the same key (the sampler wants identical
         # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
         if prompts is None:
@@ -233,13 +225,12 @@ class GRPOTask(Task):
             run.state_shardings,
             self.batch_shardings(),
         )
-        data_format = plugins.data_format(cfg)
         self.evaluator = None
         if cfg.evaluates:  # the data format's own evaluation (a recommender's HR/NDCG) or the generation eval
-            self.evaluator = data_format.evaluator(cfg, tokenizer, self.sampler) or TaskEvaluator(
-                cfg, tokenizer, self.sampler, self.reward_fn, workflow=self.workflow
+            # of the configured workflow (ranked rollouts are evaluated by their greedy answer)
+            self.evaluator = plugins.data_format(cfg).evaluator(cfg, tokenizer, self.sampler) or TaskEvaluator(
+                cfg, tokenizer, self.sampler, self.reward_fn, make_workflow(run, cfg.workflow)
             )
-        self.beams = data_format.ranked_rollout(cfg, tokenizer)  # None: sampled groups
         self.text = ""
 
     # -- what the loop and the step see
@@ -291,7 +282,7 @@ class GRPOTask(Task):
 
     def per_token_advantages(self) -> bool:
         """Whether the advantages are [rows, C] (else [rows], one per completion)."""
-        return self.workflow is not None and self.cfg.turn_discount < 1
+        return self.cfg.turn_discount < 1
 
     def evaluate(self, params, step):
         return self.evaluator(params, step) if self.evaluator else {}
@@ -317,9 +308,9 @@ class GRPOTask(Task):
             for name, seconds in getattr(self.sampler, "push_timings", {}).items():
                 parts[name] = parts.get(name, 0.0) + seconds
 
-        if self.workflow is not None and cfg.max_staleness:
-            # The later turns of the episodes sampled ahead are sampled when their round is taken, with
-            # this step's weights (the colocated sampler's earlier ones were donated to the update).
+        if cfg.max_staleness:
+            # The later turns of the rounds sampled ahead (a multi-turn episode's) are sampled when their
+            # round is taken, with this step's weights (the colocated sampler's earlier ones were donated).
             push(step)
         self.reward_fn.metrics()  # drop what an evaluation's scoring measured: the rm/* metrics are the step's rounds'
         groups, stats = self.rollouts.take(step, push)
@@ -336,7 +327,7 @@ class GRPOTask(Task):
         batch.update(advantages)
         stats.update(advantage_metrics)
         if cfg.overlong_filter:  # DAPO; after the advantages: cut completions still count in their group's baseline
-            truncated = truncated_rows(groups, self.sampling.stop_token_ids)
+            truncated = truncated_rows(groups)
             batch["loss_mask"] = batch["loss_mask"] * ~truncated[:, None]
             stats["overlong_filtered_fraction"] = float(truncated.mean())
         t2 = time.perf_counter()
@@ -353,32 +344,17 @@ class GRPOTask(Task):
         }
         if not cfg.max_staleness:
             metrics["rollout_tokens_per_sec"] = float(mask.sum()) / max(t1 - t0, 1e-9)
-            if self.workflow is not None:
-                metrics["episodes_per_sec"] = len(mask) / max(t1 - t0, 1e-9)
+            metrics["episodes_per_sec"] = len(mask) / max(t1 - t0, 1e-9)
         if step % cfg.sample_log_period == 0:
-            self.text = (
-                episodes.episodes_markdown([t for g in groups for t in g.episodes])
-                if self.workflow
-                else samples_markdown(groups)
-            )
+            self.text = self.workflow.markdown(groups)
         return state, metrics
 
     # -- the pieces of a step
     def start_round(self, prompts, key):
         """One prompt batch's rollouts, started (rollout/buffer.py): -> the function that waits for
-        its groups, scored; the data format's ranked rollouts (beam.py) are computed here."""
-        cfg, tokenizer = self.cfg, self.run.tokenizer
-        if self.beams is not None:
-            groups = collect_ranked_groups(self.sampler, prompts, self.beams, key, tokenizer, self.reward_fn)
-            return lambda: self.with_overlong_penalty(groups)
-        if self.workflow is not None:
-            finish = episodes.start_episode_groups(
-                self.sampler, self.workflow, prompts, cfg.n_samples_per_prompt, self.sampling, key, tokenizer
-            )
-        else:
-            finish = start_groups(
-                self.sampler, prompts, cfg.n_samples_per_prompt, self.sampling, key, tokenizer, self.reward_fn
-            )
+        its groups, scored."""
+        n = self.cfg.n_samples_per_prompt
+        finish = start_groups(self.sampler, self.workflow, prompts, n, self.sampling, key, self.reward_fn)
         return lambda: self.with_overlong_penalty(finish())
 
     def with_overlong_penalty(self, groups):
@@ -389,7 +365,7 @@ class GRPOTask(Task):
             return groups
         penalties = [
             rewards.overlong_penalty(
-                g.completions.lengths,
+                np.asarray([len(t.ids) for t in g.trajectories], np.int32),
                 self.max_completion,
                 cfg.overlong_buffer_len,
                 cfg.overlong_penalty_factor,
@@ -405,10 +381,7 @@ class GRPOTask(Task):
         """The rows of the module docstring's layout, from the groups' prompts and completions."""
         # As long as this step needs, rounded up to a power of two: bounded recompilation.
         P = bucket_prompt_length(max(len(g.prompt.ids) for g in groups))
-        C = min(
-            bucket_prompt_length(max(int(g.completions.lengths.max()) for g in groups)),
-            self.max_completion,
-        )
+        C = min(bucket_prompt_length(max(len(t.ids) for t in trajectories(groups))), self.max_completion)
         rows, pad = len(groups) * self.cfg.n_samples_per_prompt, self.run.tokenizer.pad_id
         arrays = {k: np.zeros((rows, P + C), np.int32) for k in ("inputs", "inputs_position", "inputs_segmentation")}
         arrays.update(
@@ -419,19 +392,15 @@ class GRPOTask(Task):
         arrays["inputs"][:] = pad
         if self.replay:
             arrays["routes"] = replay_routes(groups, P, C)
-        r = 0
-        for group in groups:
-            ids = list(group.prompt.ids)
-            c = group.completions
-            for tokens, length, logprobs, sampled in zip(c.tokens, c.lengths, c.logprobs, c.mask):
-                start, end = P - len(ids), P + length
-                arrays["inputs"][r, start:end] = ids + list(tokens[:length])
-                arrays["inputs_position"][r, start:end] = np.arange(end - start)
-                arrays["inputs_segmentation"][r, start:end] = 1
-                arrays["targets"][r, :length] = tokens[:length]
-                arrays["loss_mask"][r, :length] = sampled[:length]  # episodes: not the environment's tokens
-                arrays["sampler_logprobs"][r, :length] = logprobs[:length]
-                r += 1
+        for r, t in enumerate(trajectories(groups)):
+            length = len(t.ids)
+            start, end = P - len(t.prompt_ids), P + length
+            arrays["inputs"][r, start:end] = [*t.prompt_ids, *t.ids]
+            arrays["inputs_position"][r, start:end] = np.arange(end - start)
+            arrays["inputs_segmentation"][r, start:end] = 1
+            arrays["targets"][r, :length] = t.ids
+            arrays["loss_mask"][r, :length] = t.loss_mask  # episodes: not the environment's tokens
+            arrays["sampler_logprobs"][r, :length] = t.logprobs
         return arrays
 
     def rollout_passes(self, state, batch) -> dict:
@@ -532,7 +501,7 @@ class GRPOTask(Task):
 
     def rollout_metrics(self, groups) -> dict:
         rewards_ = np.concatenate([g.rewards for g in groups])
-        lengths = np.concatenate([g.completions.lengths for g in groups])
+        lengths = np.asarray([len(t.ids) for t in trajectories(groups)], np.int32)
         metrics = {
             "reward_mean": rewards_.mean(),
             "reward_std": rewards_.std(),
@@ -542,7 +511,7 @@ class GRPOTask(Task):
             "response_length_max": lengths.max(),
             "response_clip_ratio": float(np.mean(lengths >= self.max_completion)),
             "zero_std_group_fraction": float(np.mean([np.std(g.rewards) == 0 for g in groups])),
-            **episodes.episode_metrics([t for g in groups for t in g.episodes]),
+            **self.workflow.metrics(trajectories(groups)),
         }
         for name in groups[0].per_reward:
             values = np.concatenate([g.per_reward[name] for g in groups])

@@ -23,7 +23,7 @@ from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterat
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
 from unitrain.rollout.base import close
-from unitrain.rollout.multi_turn import MultiTurn
+from unitrain.rollout.workflow import make_workflow
 from unitrain.tasks.base import RunContext, Task
 
 
@@ -59,8 +59,8 @@ class SFTTask(Task):
                     run.tokenizer,
                     sampler,
                     sft_reward_fn(cfg, records),
+                    make_workflow(run, "multi_turn" if cfg.env else "single_turn"),  # the demonstrations' env plays
                     records,
-                    workflow=MultiTurn(run) if cfg.env else None,  # the demonstrations' environment plays
                 )
 
     def close(self) -> None:

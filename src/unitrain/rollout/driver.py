@@ -1,0 +1,184 @@
+"""The batched driver of workflows (rollout/workflow.py): every record of a round at once.
+
+    finish = start_groups(sampler, workflow, records, n, sampling, key, reward_fn)
+    groups = finish()      # one Group per record not rejected, in record order
+
+Each round of requests is served kind by kind, one call each: the Score requests in one reward call
+(the texts of every group in order, so a GroupReward sees whole groups and a batch reward the
+round), the Rank requests in one beam search, the rows waiting on a turn in one generate call
+(rows in record order, finished rows leave, each row with its own token budget). The first generate
+call is submitted when the round starts (rollout/base.submit: it samples while the trainer goes on,
+max_staleness); later ones when the round is taken, with the weights the sampler has then (each
+token records its version). Sampler call c takes the key folded with c (the first: the key itself).
+It runs on the main thread in a fixed order, so every process makes the same sampler calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from unitrain import plugins
+from unitrain.errors import DataError, UserError
+from unitrain.rollout.base import Completions, SamplingParams, submit
+from unitrain.rollout.groups import Group
+from unitrain.rollout.workflow import Generate, Rank, Sampled, Score, Trajectory, WorkflowError
+
+
+def start_groups(
+    sampler, workflow, records: list, n: int, sampling: SamplingParams, key: jax.Array, reward_fn
+) -> Callable[[], list[Group]]:
+    """Every record's group, started; the function returned runs the rest and returns the groups."""
+    name = f"{type(workflow).__module__}:{type(workflow).__qualname__}"  # for error lines
+    runs = [_Run(workflow.group(r, n), r, name) for r in records]
+    for run in runs:
+        run.advance(None)
+    calls = [0]
+
+    def next_key():
+        c, calls[0] = calls[0], calls[0] + 1
+        return key if c == 0 else jax.random.fold_in(key, c)
+
+    pending = _serve(runs, sampler, sampling, reward_fn, next_key)
+
+    def finish() -> list[Group]:
+        nonlocal pending
+        while pending is not None:
+            live, handle = pending
+            out, row = handle.result(), 0
+            for run in live:
+                turns = [
+                    _row(out, row + i, g.max_new_tokens, sampling.stop_token_ids) for i, g in enumerate(run.request)
+                ]
+                row += len(turns)
+                run.advance(turns)
+            pending = _serve(runs, sampler, sampling, reward_fn, next_key)
+        return [_group(run.record, run.result) for run in runs if run.result is not None]
+
+    return finish
+
+
+def run_groups(sampler, workflow, records: list, n: int, sampling: SamplingParams, key, reward_fn) -> list[Group]:
+    """start_groups, waited for."""
+    return start_groups(sampler, workflow, records, n, sampling, key, reward_fn)()
+
+
+def _serve(runs, sampler, sampling, reward_fn, next_key):
+    """Serves the Score and Rank requests until every live run waits on a turn; then submits those
+    turns in one generate call -> (the runs, its handle), or None when every run has returned."""
+    while True:
+        scores = [r for r in runs if isinstance(r.request, Score)]
+        ranks = [r for r in runs if isinstance(r.request, Rank)]
+        if not scores and not ranks:
+            break
+        if scores:
+            _score(scores, reward_fn)
+        if ranks:
+            _rank(ranks, sampler, next_key())
+    live = [r for r in runs if r.request is not None]
+    if not live:
+        return None
+    rows = [g for r in live for g in r.request]
+    budgets = tuple(sampling.max_new_tokens if g.max_new_tokens is None else g.max_new_tokens for g in rows)
+    call = dataclasses.replace(sampling, row_budgets=tuple(min(b, sampling.max_new_tokens) for b in budgets))
+    return live, submit(sampler, [g.context for g in rows], call, next_key())
+
+
+def _score(runs, reward_fn) -> None:
+    """One reward call per group size over the runs' Score requests, in run order."""
+    for size in dict.fromkeys(len(r.request.completions) for r in runs):
+        same = [r for r in runs if len(r.request.completions) == size]
+        prompts = [r.request.record.text for r in same for _ in range(size)]
+        labels = [r.request.record.label for r in same for _ in range(size)]
+        texts = [t for r in same for t in r.request.completions]
+        total, per_reward = reward_fn(prompts, texts, labels, group_size=size)
+        for i, run in enumerate(same):
+            part = slice(i * size, (i + 1) * size)
+            run.advance((total[part], {k: v[part] for k, v in per_reward.items()}))
+
+
+def _rank(runs, sampler, key) -> None:
+    """One beam search over the runs' Rank requests (they share their BeamParams)."""
+    beams = runs[0].request.beams
+    if any(r.request.beams is not beams for r in runs):
+        raise WorkflowError(f"workflow {runs[0].name} asked for beam searches of different settings in one round")
+    out = sampler.beam_search([r.request.context for r in runs], beams, key).completions()
+    for i, run in enumerate(runs):
+        run.advance([_row(out, i * beams.width + j, None, beams.stop_token_ids) for j in range(beams.width)])
+
+
+def _row(out: Completions, row: int, budget: int | None, stop_ids: tuple[int, ...]) -> Sampled:
+    """Row `row` of a call's completions as one Sampled turn (cut at its budget, if any)."""
+    n = int(out.lengths[row]) if budget is None else min(int(out.lengths[row]), budget)
+    tokens = out.tokens[row, :n].astype(np.int32)
+    stopped = n > 0 and int(tokens[-1]) in stop_ids
+    return Sampled(
+        tokens,
+        out.logprobs[row, :n].astype(np.float32),
+        out.version,
+        stopped,
+        None if out.routes is None else out.routes[row, :n],
+        None if out.prompt_routes is None else out.prompt_routes[row],
+    )
+
+
+class _Run:
+    """One record's workflow generator and the request it waits on (None: it has returned)."""
+
+    def __init__(self, gen, record, name: str):
+        self.gen, self.record, self.name = gen, record, name
+        self.request = None
+        self.result: list[Trajectory] | None = None
+
+    def advance(self, answer) -> None:
+        try:
+            request = self.gen.send(answer)
+        except StopIteration as stop:
+            self.request, self.result = None, self._checked(stop.value)
+            return
+        except UserError:
+            raise
+        except Exception as e:
+            raise WorkflowError(f"workflow {self.name} raised {plugins.one_line(e)}") from None
+        self.request = self._valid(request)
+
+    def _valid(self, request):
+        if isinstance(request, (Score, Rank)):
+            return request
+        if isinstance(request, list) and request and all(_is_turn(g) for g in request):
+            return request
+        raise WorkflowError(
+            f"workflow {self.name} yielded {request!r:.120}; it must yield a list of Generate(context ids, "
+            "max_new_tokens >= 1 or None), a Rank or a Score"
+        )
+
+    def _checked(self, value):
+        if value is None:
+            return None
+        if not isinstance(value, list) or not value or not all(isinstance(t, Trajectory) for t in value):
+            raise WorkflowError(
+                f"workflow {self.name} returned {type(value).__name__}; a group is a non-empty list of Trajectory or None"
+            )
+        return value
+
+
+def _is_turn(g) -> bool:
+    return isinstance(g, Generate) and bool(g.context) and (g.max_new_tokens is None or g.max_new_tokens >= 1)
+
+
+def _group(record, trajectories: list[Trajectory]) -> Group:
+    """A record's trajectories as its Group, the rewards as float32 arrays."""
+    if len({t.prompt_ids for t in trajectories}) > 1:
+        raise DataError(
+            f"the episodes of one record start from different prompts (prompt {record.text[:80]!r}): an "
+            "environment's reset must depend on the record only (seed its randomness from it)"
+        )
+    rewards = np.asarray([t.reward for t in trajectories], np.float32)
+    per_reward = {
+        k: np.asarray([t.per_reward[k] for t in trajectories], np.float32) for k in trajectories[0].per_reward
+    }
+    prompt = dataclasses.replace(record, ids=trajectories[0].prompt_ids)  # as the workflow prompted (a chat template)
+    return Group(prompt, tuple(trajectories), rewards, per_reward)
