@@ -17,13 +17,15 @@ import test_beam
 from conftest import make_cfg
 from test_rollout import PROMPTS, naive_sample, tiny_model
 from unitrain.config import load_config
+from unitrain.data.prompts import Prompt
 from unitrain.errors import ConfigError
 from unitrain.rollout import buckets, programs
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.beam import BeamParams
 from unitrain.rollout.colocated import ColocatedSampler
-from unitrain.rollout.episodes import Generate, start_episodes
+from unitrain.rollout.driver import run_groups
 from unitrain.rollout.trie import Trie
+from unitrain.rollout.workflow import Generate, Transcript, Workflow
 
 PROMPTS8 = PROMPTS + [[7, 7, 8], [30, 31], [3, 9, 27, 81 % 64], [60]]
 BUDGETS = (12, 1, 3, 2, 12, 5, 2, 9)  # long-tailed: most rows short, two run to the end
@@ -154,26 +156,23 @@ def test_wide_compacted_beam_is_exhaustive_scorings_top_k(monkeypatch):
     test_beam.test_wide_beam_is_exact_top_k_of_all_valid_items_with_teacher_forced_scores()
 
 
-class AskingWorkflow:
+class AskingWorkflow(Workflow):
     """Three turns of the prompt's own budgets; the sampled ids recorded."""
 
     def __init__(self, budgets):
         self.budgets = budgets
 
     def episode(self, record):
-        context, turns = list(record), []
-        for budget in self.budgets[record[0] % len(self.budgets)]:
-            turn = yield Generate(context, budget)
-            turns.append((turn.tokens.tolist(), turn.logprobs.tolist(), turn.stopped))
-            context += turn.tokens.tolist() + [2, 3]
-        return turns
+        transcript = Transcript(record.ids)
+        for budget in self.budgets[record.ids[0] % len(self.budgets)]:
+            turn = yield Generate(transcript.context(), budget)
+            transcript.add_sampled(turn)
+            transcript.add_context([2, 3])
+        return transcript.trajectory(0.0, "max_turns")
 
 
-def test_episodes_submit_live_rows_with_their_budgets_and_sample_as_without_compaction(monkeypatch):
-    from unitrain.rollout import episodes
-
-    monkeypatch.setattr(episodes._Episode, "_checked", lambda self, value: value)  # turns, not a Trajectory
-    records = [[0, 5, 6], [1, 7], [2, 8, 9, 10], [3, 11]]
+def test_episodes_submit_live_rows_with_their_budgets_and_sample_as_without_compaction():
+    records = [Prompt(tuple(ids), str(ids), "") for ids in ([0, 5, 6], [1, 7], [2, 8, 9, 10], [3, 11])]
     wf = AskingWorkflow([[9, 2, 9], [1], [3, 9], [9, 9, 9]])
     seen = []
 
@@ -184,14 +183,21 @@ def test_episodes_submit_live_rows_with_their_budgets_and_sample_as_without_comp
 
     sampling = SamplingParams(9, temperature=1.0, stop_token_ids=STOPS)
     runs = [
-        start_episodes(Recording(tiny_model(), compaction=c), wf, records, sampling, jax.random.key(1))()
+        [
+            g.trajectories[0]
+            for g in run_groups(
+                Recording(tiny_model(), compaction=c), wf, records, 1, sampling, jax.random.key(1), None
+            )
+        ]
         for c in (1, 0)
     ]
     assert seen[:3] == [(9, 1, 3, 9), (2, 9, 9), (9, 9)]  # the live episodes only, each with its request's budget
     for a, b in zip(*runs):
-        assert [t for t, _, _ in a] == [t for t, _, _ in b]
-        np.testing.assert_allclose(sum((lp for _, lp, _ in a), []), sum((lp for _, lp, _ in b), []), atol=1e-5)
-    assert all(len(t) <= budget for e, r in zip(runs[0], records) for (t, _, _), budget in zip(e, wf.budgets[r[0]]))
+        sampled = a.loss_mask == 1
+        assert a.ids.tolist() == b.ids.tolist() and a.turn_index.tolist() == b.turn_index.tolist()
+        np.testing.assert_allclose(a.logprobs[sampled], b.logprobs[sampled], atol=1e-5)
+    for t, r in zip(runs[0], records):  # no turn longer than its budget
+        assert all((t.turn_index == i).sum() <= budget for i, budget in enumerate(wf.budgets[r.ids[0]]))
 
 
 def test_rollout_compaction_reaches_the_sampler_and_is_checked():

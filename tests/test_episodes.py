@@ -1,7 +1,7 @@
-"""Multi-turn episodes (rollout/episodes.py): the batched turn driver against a scripted sampler
-(one call per turn, live rows only, in order), trajectories token in and token out (the loss mask
-is exactly the sampled tokens; the sampler's logprobs equal a full forward of the trajectory),
-every way an episode ends, and bad input as a recorded end or one line."""
+"""Multi-turn episodes (rollout/multi_turn.py) through the workflow driver (rollout/driver.py) against
+a scripted sampler (one call per turn, live rows only, in order), trajectories token in and token
+out (the loss mask is exactly the sampled tokens; the sampler's logprobs equal a full forward of the
+trajectory), every way an episode ends, and bad input as a recorded end or one line."""
 
 import types
 
@@ -18,17 +18,9 @@ from unitrain.envs.base import StepResult
 from unitrain.errors import ConfigError
 from unitrain.rollout.base import Completions, SamplingParams
 from unitrain.rollout.buckets import bucket_prompt_length
-from unitrain.rollout.episodes import (
-    Generate,
-    Sampled,
-    Trajectory,
-    Transcript,
-    WorkflowError,
-    episode_group,
-    episode_metrics,
-    start_episodes,
-)
+from unitrain.rollout.driver import _group, run_groups
 from unitrain.rollout.multi_turn import MultiTurn
+from unitrain.rollout.workflow import Generate, Sampled, Trajectory, Transcript, Workflow, WorkflowError
 
 TEMPLATE = str(REPO / "configs" / "templates" / "tiny_chat.jinja")
 TOK = load_tokenizer("", chat_template_file=TEMPLATE)
@@ -101,12 +93,16 @@ def workflow(**overrides):
     return MultiTurn(types.SimpleNamespace(cfg=cfg, tokenizer=TOK))
 
 
+def episodes(sampler, wf, records, sampling, key) -> list:
+    """One episode of each record through the driver: its trajectory, or None where rejected."""
+    groups = {g.prompt.text: g.trajectories[0] for g in run_groups(sampler, wf, records, 1, sampling, key, None)}
+    return [groups.get(r.text) for r in records]
+
+
 def play(wf, script, sampling_len=128):
     sampler = ScriptedSampler(script)
     records = [Prompt((), p, "") for p in script]
-    out = start_episodes(
-        sampler, wf, records, SamplingParams(sampling_len, stop_token_ids=(TOK.eos_id,)), jax.random.key(0)
-    )()
+    out = episodes(sampler, wf, records, SamplingParams(sampling_len, stop_token_ids=(TOK.eos_id,)), jax.random.key(0))
     return out, sampler
 
 
@@ -165,11 +161,11 @@ def test_a_reset_that_raises_rejects_the_episode_and_bad_tool_calls_are_feedback
     t = episodes[1]
     assert (t.tool_calls, t.invalid_tool_calls, t.end) == (2, 1, "env_done")
     assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["errors=1", "errors=0"]
-    m = episode_metrics([t])
+    m = workflow().metrics([t])
     assert m["episode_tool_call_valid_rate"] == 0.5 and m["episode_success_rate"] == 1.0
 
 
-class BadWorkflow:
+class BadWorkflow(Workflow):
     def __init__(self, how):
         self.how = how
 
@@ -187,14 +183,14 @@ class BadWorkflow:
     [
         ("yield", "it must yield Generate"),
         ("raise", "raised KeyError: 'label'"),
-        ("return", "returned a dict; an episode returns a Trajectory or None"),
+        ("return", "an episode returned a dict; it returns a Trajectory or None"),
     ],
 )
 def test_a_workflow_plugin_that_breaks_the_contract_is_one_line(how, says):
     with pytest.raises(WorkflowError, match=says):
-        start_episodes(
+        episodes(
             ScriptedSampler({"q": ["a"]}), BadWorkflow(how), [Prompt((), "q", "")], SamplingParams(4), jax.random.key(0)
-        )()
+        )
 
 
 def test_episodes_of_a_record_form_a_group_over_everything_after_the_prompt():
@@ -204,15 +200,15 @@ def test_episodes_of_a_record_form_a_group_over_everything_after_the_prompt():
             Sampled(np.arange(n_sampled, dtype=np.int32) + 10, np.full(n_sampled, -1.0, np.float32), 3, True)
         )
         tr.add_context([5, 5])
-        return tr.trajectory(reward, "max_turns")
+        return tr.trajectory(reward, "max_turns", per_reward={"env": reward})
 
-    group = episode_group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), trajectory(4, 1.0)], TOK)
-    assert group.prompt.ids == (7, 8) and group.completions.lengths.tolist() == [4, 6]
-    assert group.completions.mask.tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
-    assert group.completions.version == 3 and group.rewards.tolist() == [0.0, 1.0]
+    group = _group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), trajectory(4, 1.0)])
+    assert group.prompt.ids == (7, 8) and [len(t.ids) for t in group.trajectories] == [4, 6]
+    assert [t.loss_mask.tolist() for t in group.trajectories] == [[1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]
+    assert group.version == 3 and group.rewards.tolist() == [0.0, 1.0] and group.correct.tolist() == [False, True]
     other = Trajectory((9,), *(np.zeros(0, np.int32),) * 5, 0.0, 0, "max_turns")
     with pytest.raises(Exception, match="start from different prompts"):
-        episode_group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), other], TOK)
+        _group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), other])
 
 
 def test_multi_turn_needs_an_environment():
@@ -244,10 +240,10 @@ def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
     stops = (run.tokenizer.eos_id, *run.tokenizer.encode("abcdefghijklmnopqrstuvwxyz0123456789"))
     sampling = SamplingParams(6, temperature=1.0, stop_token_ids=stops)
     records = [Prompt((), p, "") for p in ("12+3=", "7*8=", "1-1=", "40+2=")]
-    episodes = start_episodes(sampler, wf, records, sampling, jax.random.key(3))()
+    played = episodes(sampler, wf, records, sampling, jax.random.key(3))
     model = nnx.merge(run.graphdef, state["params"])
     checked = 0
-    for t in episodes:
+    for t in played:
         seq = np.asarray([*t.prompt_ids, *t.ids], np.int32)
         n, p = len(seq), len(t.prompt_ids)
         logits = model(seq[None], np.arange(n, dtype=np.int32)[None], np.ones((1, n), np.int32))[0][0]
@@ -257,7 +253,7 @@ def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
         np.testing.assert_allclose(t.logprobs[sampled], expected[sampled], atol=2e-4)
         assert set(t.versions[sampled].tolist()) == {5}
         checked += int(sampled.sum())
-    assert checked > 0 and any(t.turns > 1 for t in episodes)
+    assert checked > 0 and any(t.turns > 1 for t in played)
 
 
 def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
@@ -271,7 +267,7 @@ def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
                 tr.add_context([5, 6, 7])
         return tr.trajectory(1.0, end)
 
-    group = episode_group(Prompt((), "p", "l"), [episode([2, 3], "env_done"), episode([4], "length")], TOK)
+    group = _group(Prompt((), "p", "l"), [episode([2, 3], "env_done"), episode([4], "length")])
     task = types.SimpleNamespace(
         cfg=types.SimpleNamespace(n_samples_per_prompt=2),
         run=types.SimpleNamespace(tokenizer=TOK),
@@ -285,7 +281,7 @@ def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
     assert rows["inputs"][0, P - 3 : P + 8].tolist() == [1, 7, 8, *first] and rows["targets"][0, :8].tolist() == first
     assert rows["loss_mask"].tolist() == [[1, 1, 0, 0, 0, 1, 1, 1, *pad], [1, 1, 1, 1, 0, 0, 0, 0, *pad]]
     np.testing.assert_allclose(rows["sampler_logprobs"][0, :8], [-0.1, -0.1, 0, 0, 0, -0.2, -0.2, -0.2])
-    assert truncated_rows([group], (TOK.eos_id,)).tolist() == [False, True]
+    assert truncated_rows([group]).tolist() == [False, True]
     # A later turn's tokens get the episode's advantage in full, an earlier one's discounted per turn after it.
     np.testing.assert_allclose(
         turn_discounts([group], C, 0.5), [[0.5, 0.5, 0, 0, 0, 1, 1, 1, *pad], [1, 1, 1, 1, 0, 0, 0, 0, *pad]]
@@ -297,11 +293,11 @@ class NoEpisode:
         pass
 
 
-def test_a_workflow_class_without_episode_is_one_line():
-    from unitrain.rollout.episodes import make_workflow
+def test_a_workflow_class_that_is_not_a_workflow_is_one_line():
+    from unitrain.rollout.workflow import make_workflow
 
     cfg = make_cfg(mode="grpo", workflow="test_episodes:NoEpisode")
-    with pytest.raises(ConfigError, match="has no episode"):
+    with pytest.raises(ConfigError, match="is not a subclass of unitrain.rollout.workflow.Workflow"):
         make_workflow(types.SimpleNamespace(cfg=cfg, tokenizer=TOK))
 
 

@@ -59,8 +59,8 @@ def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
     r = 0
     for g in groups:
         prompt = list(g.prompt.ids)
-        c = g.completions
-        for tokens, length, logprobs in zip(c.tokens, c.lengths, c.logprobs):
+        for t in g.trajectories:
+            tokens, length, logprobs = t.ids, len(t.ids), t.logprobs
             seq = prompt + list(tokens[:length])
             mask = rows["loss_mask"][r].astype(bool)
             real = rows["inputs_segmentation"][r] > 0
@@ -79,7 +79,7 @@ def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
 def test_select_groups_drops_exactly_the_zero_std_groups():
     rewards_ = ([1, 1, 1], [0, 1, 0], [0, 0, 0], [0.5, 0.5, 0.5], [1, 0, 0], [2, 3, 2])
     sampled = [
-        Group(prompt=i, completions=None, texts=[], rewards=np.asarray(r, np.float32), per_reward={})
+        Group(prompt=i, trajectories=(), rewards=np.asarray(r, np.float32), per_reward={})
         for i, r in enumerate(rewards_)
     ]
     kept = [g for g in sampled if nonzero_std(g)]

@@ -104,9 +104,13 @@ def test_replay_rows_lay_out_the_routes_as_the_tokens():
     L, k, P, C = 2, 2, 4, 3
     routes = np.arange(2 * 3 * L * k).reshape(2, 3, L, k)
     prompt_routes = -np.arange(1, 2 * 5 * L * k + 1).reshape(2, 5, L, k)
-    completions = types.SimpleNamespace(lengths=np.asarray([3, 1]), routes=routes, prompt_routes=prompt_routes)
-    group = types.SimpleNamespace(prompt=types.SimpleNamespace(ids=[7, 8]), completions=completions)
-    got = grpo.replay_routes([group], P, C)
+    rows = [  # the prompt's routes as the workflow keeps them: the block's last len(prompt) positions
+        types.SimpleNamespace(
+            prompt_ids=(7, 8), ids=np.zeros(n), routes=routes[r, :n], prompt_routes=prompt_routes[r, 3:]
+        )
+        for r, n in enumerate((3, 1))
+    ]
+    got = grpo.replay_routes([types.SimpleNamespace(trajectories=rows)], P, C)
     want = np.full((2, P + C, L, k), -1)
     want[:, 2:4] = prompt_routes[:, 3:5]
     want[0, 4:7] = routes[0]

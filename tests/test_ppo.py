@@ -225,7 +225,7 @@ def test_the_critic_starts_as_the_policys_backbone_and_values_the_state_before_e
     # The value of token t's state is the critic's output at the last position of prompt + completion[:t].
     model = nnx.merge(task.critic_graphdef, state["critic"]["params"])
     g = groups[1]
-    prompt, tokens, length = list(g.prompt.ids), g.completions.tokens[0], int(g.completions.lengths[0])
+    prompt, tokens, length = list(g.prompt.ids), g.trajectories[0].ids, len(g.trajectories[0].ids)
     for t in range(length):
         ids = np.asarray([prompt + list(tokens[:t])], np.int32)
         direct = model(ids, np.arange(ids.shape[1])[None], np.ones_like(ids))[0, -1, 0]

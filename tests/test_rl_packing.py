@@ -92,9 +92,13 @@ def fixed_groups(cfg, tokenizer):
     rng = np.random.default_rng(1)
     out = []
     for g in groups:
-        c = g.completions
-        logprobs = ((rng.uniform(-1.5, 1.5, c.logprobs.shape) - np.log(cfg.vocab_size)) * c.mask).astype(np.float32)
-        out.append(dataclasses.replace(g, completions=dataclasses.replace(c, logprobs=logprobs)))
+        rows = tuple(
+            dataclasses.replace(
+                t, logprobs=(rng.uniform(-1.5, 1.5, len(t.ids)) - np.log(cfg.vocab_size)).astype(np.float32)
+            )
+            for t in g.trajectories
+        )
+        out.append(dataclasses.replace(g, trajectories=rows))
     return out
 
 

@@ -13,9 +13,13 @@ import pytest
 from conftest import REPO
 from test_grpo import FAST, config, make_step
 from unitrain import train
+from unitrain.data.prompts import Prompt
+from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.rollout.base import Completions
+from unitrain.rollout.driver import _row
 from unitrain.rollout.groups import Group
+from unitrain.rollout.workflow import scored_answers
 from unitrain.tasks.grpo import truncated_rows
 
 
@@ -121,13 +125,22 @@ def test_rollout_is_mask_rejects_what_is_out_of_range(tmp_path, varied_reward):
 
 
 def test_truncated_rows_are_those_without_a_stop_token():
-    tokens = np.array([[5, 2, 0], [5, 6, 7], [5, 6, 2], [0, 0, 0]], np.int32)  # 2 = EOS
-    lengths = np.array([2, 3, 3, 0], np.int32)
-    c = Completions(
-        tokens, (np.arange(3) < lengths[:, None]).astype(np.int32), np.zeros((4, 3), np.float32), lengths, 0
+    prompt = Prompt((1,), "p", "")
+    turns = [[5, 2], [5, 6, 7], [5, 6, 2], []]  # 2 = EOS; the last row sampled nothing
+    out = Completions(
+        np.array([t + [0] * (3 - len(t)) for t in turns], np.int32),
+        np.array([[1] * len(t) + [0] * (3 - len(t)) for t in turns], np.int32),
+        np.zeros((4, 3), np.float32),
+        np.array([len(t) for t in turns], np.int32),
+        0,
     )
-    group = Group(prompt=None, completions=c, texts=[], rewards=np.zeros(4, np.float32), per_reward={})
-    assert list(truncated_rows([group, group], (2,))) == [False, True, False, True] * 2
+    sampled = [_row(out, r, None, (2,)) for r in range(4)]
+    answers = scored_answers(prompt, sampled, load_tokenizer(""))
+    next(answers)  # the Score request
+    with pytest.raises(StopIteration) as done:
+        answers.send((np.zeros(4, np.float32), {}))
+    group = Group(prompt, tuple(done.value.value), np.zeros(4, np.float32), {})
+    assert list(truncated_rows([group, group])) == [False, True, False, True] * 2
 
 
 def _step_seeing(task, params):
@@ -157,18 +170,12 @@ def test_overlong_penalty_and_filter_in_a_grpo_step(tmp_path, varied_reward):
     m, groups, batch = _step_seeing(task, params)
     eos = task.run.tokenizer.eos_id
     for g in groups:  # the reward is the plugin's plus DAPO's penalty, by the formula, from the lengths
-        lengths = g.completions.lengths.astype(np.float64)
+        lengths = np.asarray([len(t.ids) for t in g.trajectories], np.float64)
         want = np.where(lengths <= 6 - 3, 0.0, -0.5 * (lengths - 3) / 3)
         np.testing.assert_allclose(g.per_reward["overlong"], want, rtol=1e-6)
         np.testing.assert_allclose(g.rewards, g.per_reward["varied_reward:score"] + want, rtol=1e-6)
-    lengths = np.concatenate([g.completions.lengths for g in groups])
-    last = np.concatenate(
-        [
-            g.completions.tokens[np.arange(len(g.completions.lengths)), np.maximum(g.completions.lengths - 1, 0)]
-            for g in groups
-        ]
-    )
-    cut = last != eos
+    lengths = np.asarray([len(t.ids) for g in groups for t in g.trajectories])
+    cut = np.asarray([len(t.ids) == 0 or t.ids[-1] != eos for g in groups for t in g.trajectories])
     assert cut.any()  # the untrained model rarely stops within 6 tokens
     want_mask = (np.arange(batch["loss_mask"].shape[1]) < lengths[:, None]) & ~cut[:, None]
     np.testing.assert_array_equal(batch["loss_mask"], want_mask)

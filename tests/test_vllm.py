@@ -31,7 +31,7 @@ from unitrain.data.prompts import Prompt
 from unitrain.errors import ConfigError
 from unitrain.rollout import vllm, vllm_server
 from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.episodes import start_episodes
+from unitrain.rollout.driver import run_groups
 from unitrain.rollout.multi_turn import MultiTurn
 from unitrain.rollout.vllm_server import EngineError, group_members
 from unitrain.run import build_run
@@ -173,7 +173,8 @@ def test_multi_turn_episodes_sample_through_the_same_calls(served, ckpt):
     wf = MultiTurn(types.SimpleNamespace(cfg=cfg, tokenizer=run.tokenizer))
     stops = tuple(range(3, 200))  # a random model seldom samples the end of a turn: most ids end one here
     records = [Prompt((), p, "") for p in ("12+3=", "7*8=", "1-1=")]
-    episodes = start_episodes(sampler, wf, records, SamplingParams(6, stop_token_ids=stops), jax.random.key(3))()
+    groups = run_groups(sampler, wf, records, 1, SamplingParams(6, stop_token_ids=stops), jax.random.key(3), None)
+    episodes = [g.trajectories[0] for g in groups]
     model = hf_model(ckpt)
     for t in episodes:
         seq = [*t.prompt_ids, *t.ids.tolist()]

@@ -116,10 +116,11 @@ from unitrain.errors import ConfigError, UserError
 from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.rollout import mesh as rollout_mesh
-from unitrain.rollout.base import Completions, SamplingParams, close
+from unitrain.rollout.base import SamplingParams, close
 from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.colocated import phase_ends
 from unitrain.rollout.groups import Group
+from unitrain.rollout.workflow import Sampled, Transcript
 from unitrain.run import RunContext, build_model, build_run, device_layout
 from unitrain.tasks.grpo import GRPOTask
 
@@ -713,9 +714,12 @@ def long_tailed_groups(
         tokens = rng.integers(3, vocab, size=(samples, new_tokens)).astype(np.int32) * mask
         logprobs = (rng.uniform(-6.0, -1.0, size=(samples, new_tokens)) * mask).astype(np.float32)
         rewards = rng.normal(size=samples).astype(np.float32)
-        groups.append(
-            Group(Prompt(ids, "", ""), Completions(tokens, mask, logprobs, lengths, 0), [""] * samples, rewards, {})
-        )
+        rows = []
+        for t, lp, n, reward in zip(tokens, logprobs, lengths, rewards):
+            transcript = Transcript(ids)
+            transcript.add_sampled(Sampled(t[:n], lp[:n], 0, True))
+            rows.append(transcript.trajectory(reward, "stop"))
+        groups.append(Group(Prompt(ids, "", ""), tuple(rows), rewards, {}))
     return groups
 
 
@@ -752,7 +756,7 @@ def bench_grpo_round(
             series.append(time.perf_counter() - start)
             split.append({k: float(metrics[k]) for k in ("time_logprob", "time_update")})
     medians = [{k: statistics.median(p[k] for p in split[warmup:]) for k in split[0]} for split in parts]
-    lengths = np.concatenate([g.completions.lengths for g in groups])
+    lengths = np.asarray([len(t.ids) for g in groups for t in g.trajectories])
     result = {
         "mode": "grpo_round",
         "sequences": int(lengths.size),

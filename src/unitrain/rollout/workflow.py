@@ -200,6 +200,8 @@ class Workflow:
             for i, turn in zip(live, turns):
                 requests[i] = _send(episodes[i], turn)
         results = [r.value for r in requests]
+        if wrong := next((t for t in results if t is not None and not isinstance(t, Trajectory)), None):
+            raise TypeError(f"an episode returned a {type(wrong).__name__}; it returns a Trajectory or None")
         if any(t is None for t in results):
             log.info("a record's group is left out: %d of its %d episodes were rejected", results.count(None), n)
             return None
@@ -232,9 +234,12 @@ def _first(episode):
 def _send(episode, turn):
     """The episode's next request, or _Returned(its result)."""
     try:
-        return episode.send(turn)
+        request = episode.send(turn)
     except StopIteration as stop:
         return _Returned(stop.value)
+    if not isinstance(request, Generate):
+        raise TypeError(f"an episode yielded {request!r:.120}; it must yield Generate(context ids, max_new_tokens)")
+    return request
 
 
 def make_workflow(run, name: str | None = None) -> Workflow:
