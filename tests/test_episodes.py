@@ -149,6 +149,21 @@ def test_every_way_an_episode_ends():
     assert t.end == "length" and t.turns == 1 and len(t.ids) < 8
 
 
+def test_an_episode_that_uses_all_its_turns_ends_max_turns_without_the_unanswered_reply():
+    chat = workflow().chat
+    turn = TOK.encode("x") + [TOK.eos_id]
+    reply = chat.close(TOK.eos_id) + chat.delta([{"role": "user", "content": "ok"}])
+    two_turns = turn + reply + turn
+    # The last reply would pass episode_max_tokens, but no turn answers it: it is neither kept nor counted.
+    for budget in (len(two_turns) + len(reply), 256):
+        (t,), _ = play(workflow(max_turns=2, episode_max_tokens=budget), {"never": ["x"] * 3})
+        assert (t.end, t.turns, t.reward) == ("max_turns", 2, 0.5)
+        assert t.ids.tolist() == two_turns and t.loss_mask.tolist() == [1] * len(turn) + [0] * len(reply) + [1] * len(
+            turn
+        )
+        assert [m["content"] for m in t.messages if m["role"] != "system"][-2:] == ["ok", "x"]
+
+
 def test_an_episode_whose_first_prompt_is_too_long_is_rejected():
     episodes, sampler = play(workflow(max_prompt_length=12), {"short": ["done"], "a much longer question": ["done"]})
     assert episodes[0].end == "env_done" and episodes[1] is None and len(sampler.calls[0]) == 1

@@ -25,8 +25,9 @@ class MultiTurn:
     message delta (data/turns.py), never by re-encoding the conversation. The episode ends when the
     environment says done (env_done), after max_turns turns (max_turns), when a turn is cut without its
     stop token or the episode reaches episode_max_tokens (length), or when the environment raises
-    (env_error). Its reward is the sum of the environment's rewards. An episode whose first prompt has
-    more than max_prompt_length ids, or whose environment's reset raises, is rejected.
+    (env_error); the environment's reply to the last allowed turn, which no turn answers, is left out.
+    Its reward is the sum of the environment's rewards. An episode whose first prompt has more than
+    max_prompt_length ids, or whose environment's reset raises, is rejected.
     """
 
     def __init__(self, run):
@@ -51,7 +52,7 @@ class MultiTurn:
             return None
         transcript = Transcript(prompt)
         reward, end, calls, invalid = 0.0, "max_turns", 0, 0
-        for _ in range(cfg.max_turns):
+        for number in range(1, cfg.max_turns + 1):
             budget = min(cfg.rollout_max_response_len, cfg.episode_max_tokens - len(transcript))
             if budget < 1:
                 end = "length"
@@ -79,6 +80,8 @@ class MultiTurn:
             reward += float(result.reward)
             if result.done:
                 end = "env_done"
+                break
+            if number == cfg.max_turns:  # no turn answers the environment's reply: neither built nor kept
                 break
             reply = self.chat.close(int(turn.tokens[-1])) + self.chat.delta(result.messages)
             if len(transcript) + len(reply) >= cfg.episode_max_tokens:
