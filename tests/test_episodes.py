@@ -94,9 +94,9 @@ def workflow(**overrides):
     cfg = make_cfg(
         mode="grpo",
         workflow="multi_turn",
-        env="test_episodes:ScriptEnv",
         chat_template_file=TEMPLATE,
-        **{"max_turns": 4, "episode_max_tokens": 256, "rollout_max_response_len": 128, **overrides},
+        **{"env": "test_episodes:ScriptEnv", "max_turns": 4, "episode_max_tokens": 256, "rollout_max_response_len": 128}
+        | overrides,
     )
     return MultiTurn(types.SimpleNamespace(cfg=cfg, tokenizer=TOK))
 
@@ -167,6 +167,18 @@ def test_an_episode_that_uses_all_its_turns_ends_max_turns_without_the_unanswere
 def test_an_episode_whose_first_prompt_is_too_long_is_rejected():
     episodes, sampler = play(workflow(max_prompt_length=12), {"short": ["done"], "a much longer question": ["done"]})
     assert episodes[0].end == "env_done" and episodes[1] is None and len(sampler.calls[0]) == 1
+
+
+def unreachable_env(cfg):
+    raise RuntimeError("no game server at localhost:9")
+
+
+def test_an_environment_factory_that_raises_at_start_is_one_line_naming_it():
+    with pytest.raises(ConfigError) as e:
+        workflow(env="test_episodes:unreachable_env")
+    assert str(e.value) == (
+        "env test_episodes:unreachable_env: making the environment raised RuntimeError: no game server at localhost:9"
+    )
 
 
 def test_an_environment_that_returns_the_wrong_type_is_one_line():

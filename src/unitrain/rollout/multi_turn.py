@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 
+from unitrain import plugins
 from unitrain.data.prompts import Prompt
 from unitrain.data.turns import ChatTurns
 from unitrain.envs.base import StepResult, env_factory
 from unitrain.envs.tool_calls import parse_turn
-from unitrain.errors import ConfigError
+from unitrain.errors import ConfigError, UserError
 from unitrain.rollout.episodes import Generate, Sampled, Trajectory, Transcript
 
 log = logging.getLogger("unitrain")
@@ -35,8 +36,17 @@ class MultiTurn:
         if not cfg.env:
             raise ConfigError("workflow multi_turn needs an environment: set env (calculator, guess_number, ...)")
         self.cfg, self.make_env = cfg, env_factory(cfg)
-        self.chat = ChatTurns(self.tokenizer, self.make_env(cfg).tools or None)
+        self.chat = ChatTurns(self.tokenizer, self._tools() or None)
         self.system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+
+    def _tools(self) -> list[dict]:
+        """The environment's tool schemas; a factory that cannot make one stops the run with one line."""
+        try:
+            return self.make_env(self.cfg).tools
+        except UserError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"env {self.cfg.env}: making the environment raised {plugins.one_line(e)}") from None
 
     def episode(self, record: Prompt) -> Generator[Generate, Sampled, Trajectory | None]:
         cfg, env = self.cfg, self.make_env(self.cfg)
