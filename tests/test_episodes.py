@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO, make_cfg
-from unitrain import rollout
+from unitrain import rollout, train
 from unitrain.data.prompts import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.envs.base import StepResult
@@ -194,6 +194,22 @@ def test_a_reset_that_raises_rejects_the_episode_and_bad_tool_calls_are_feedback
     assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["errors=1", "errors=0"]
     m = episode_metrics([t])
     assert m["episode_tool_call_valid_rate"] == 0.5 and m["episode_success_rate"] == 1.0
+
+
+class ClosedEnv(ScriptEnv):
+    def reset(self, record):
+        raise RuntimeError("the game server refused the record")
+
+
+def test_a_run_whose_every_reset_fails_says_so_in_one_line(tmp_path, capsys):
+    keys = dict(rollout_batch_size=2, n_samples_per_prompt=4, max_sampling_rounds=2)
+    argv = [f"base_output_directory={tmp_path}", "mode=grpo", "workflow=multi_turn", "env=test_episodes:ClosedEnv"]
+    argv += [f"chat_template_file={TEMPLATE}", "steps=1", "eval_interval=0", "per_device_batch_size=1"]
+    assert train.main([str(REPO / "configs" / "base.yml"), *argv, *(f"{k}={v}" for k, v in keys.items())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "ran out" not in err
+    assert err.startswith("unitrain: env test_episodes:ClosedEnv: reset failed on all 16 episodes")  # 2 x 4 x 2
+    assert err.endswith("the first error: RuntimeError: the game server refused the record")
 
 
 class BadWorkflow:

@@ -28,7 +28,8 @@ class MultiTurn:
     stop token or the episode reaches episode_max_tokens (length), or when the environment raises
     (env_error); the environment's reply to the last allowed turn, which no turn answers, is left out.
     Its reward is the sum of the environment's rewards. An episode whose first prompt has more than
-    max_prompt_length ids, or whose environment's reset raises, is rejected.
+    max_prompt_length ids, or whose environment's reset raises, is rejected; a step whose episodes all
+    fail their resets stops the run with one line.
     """
 
     def __init__(self, run):
@@ -38,6 +39,14 @@ class MultiTurn:
         self.cfg, self.make_env = cfg, env_factory(cfg)
         self.chat = ChatTurns(self.tokenizer, self._tools() or None)
         self.system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        # The episodes a step samples before it gives up short (rollout/buffer.py): if none of them could
+        # reset, the environment is broken, not the prompts.
+        self.step_episodes = (
+            (cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+            * cfg.n_samples_per_prompt
+            * cfg.max_sampling_rounds
+        )
+        self.resets, self.failed_resets, self.first_reset_error = 0, 0, ""
 
     def _tools(self) -> list[dict]:
         """The environment's tool schemas; a factory that cannot make one stops the run with one line."""
@@ -48,13 +57,25 @@ class MultiTurn:
         except Exception as e:
             raise ConfigError(f"env {self.cfg.env}: making the environment raised {plugins.one_line(e)}") from None
 
+    def _reset_failed(self, record: Prompt, e: Exception) -> None:
+        """Logs a rejected episode; stops the run once a step's episodes have all failed their resets."""
+        log.warning("env %s: reset failed on prompt %r, episode rejected: %s", self.cfg.env, record.text[:80], e)
+        self.failed_resets += 1
+        self.first_reset_error = self.first_reset_error or plugins.one_line(e)
+        if not self.resets and self.failed_resets >= self.step_episodes:
+            raise ConfigError(
+                f"env {self.cfg.env}: reset failed on all {self.failed_resets} episodes a step samples, so every "
+                f"episode was rejected; the first error: {self.first_reset_error}"
+            )
+
     def episode(self, record: Prompt) -> Generator[Generate, Sampled, Trajectory | None]:
         cfg, env = self.cfg, self.make_env(self.cfg)
         try:
             first = env.reset({"prompt": record.text, "label": record.label})
-        except Exception as e:  # no episode to record: the record is skipped, and said so
-            log.warning("env %s: reset failed on prompt %r, episode rejected: %s", cfg.env, record.text[:80], e)
+        except Exception as e:  # no conversation to record: the episode is rejected, and said so
+            self._reset_failed(record, e)
             return None
+        self.resets += 1
         messages = [*self.system, *first]
         prompt = self.chat.prompt(messages)
         if len(prompt) > cfg.max_prompt_length:  # as over-long prompts are dropped
