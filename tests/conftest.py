@@ -89,6 +89,20 @@ def small_model_config(**overrides):
     return decoder.ModelConfig(**{**small, "platform": sharding.target_platform(), **overrides})
 
 
+def copy_with_bos(path, out, added: bool) -> str:
+    """A copy of the HF checkpoint at `path` whose tokenizer defines a BOS token that transformers'
+    tokenizer(text) adds (`added`, Llama style) or does not add (GPT-2 and NeoX style)."""
+    import shutil
+
+    import transformers
+
+    shutil.copytree(path, out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    tok.bos_token, tok.add_bos_token = "<|endoftext|>", added
+    tok.save_pretrained(out)
+    return str(out)
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)

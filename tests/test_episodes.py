@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO, make_cfg
-from unitrain import rollout
+from unitrain import rollout, train
 from unitrain.data.prompts import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.envs.base import StepResult
@@ -86,9 +86,9 @@ def workflow(**overrides):
     cfg = make_cfg(
         mode="grpo",
         workflow="multi_turn",
-        env="test_episodes:ScriptEnv",
         chat_template_file=TEMPLATE,
-        **{"max_turns": 4, "episode_max_tokens": 256, "rollout_max_response_len": 128, **overrides},
+        **{"env": "test_episodes:ScriptEnv", "max_turns": 4, "episode_max_tokens": 256, "rollout_max_response_len": 128}
+        | overrides,
     )
     return MultiTurn(types.SimpleNamespace(cfg=cfg, tokenizer=TOK))
 
@@ -145,9 +145,36 @@ def test_every_way_an_episode_ends():
     assert t.end == "length" and t.turns == 1 and len(t.ids) < 8
 
 
+def test_an_episode_that_uses_all_its_turns_ends_max_turns_without_the_unanswered_reply():
+    chat = workflow().chat
+    turn = TOK.encode("x") + [TOK.eos_id]
+    reply = chat.close(TOK.eos_id) + chat.delta([{"role": "user", "content": "ok"}])
+    two_turns = turn + reply + turn
+    # The last reply would pass episode_max_tokens, but no turn answers it: it is neither kept nor counted.
+    for budget in (len(two_turns) + len(reply), 256):
+        (t,), _ = play(workflow(max_turns=2, episode_max_tokens=budget), {"never": ["x"] * 3})
+        assert (t.end, t.turns, t.reward) == ("max_turns", 2, 0.5)
+        assert t.ids.tolist() == two_turns and t.loss_mask.tolist() == [1] * len(turn) + [0] * len(reply) + [1] * len(
+            turn
+        )
+        assert [m["content"] for m in t.messages if m["role"] != "system"][-2:] == ["ok", "x"]
+
+
 def test_an_episode_whose_first_prompt_is_too_long_is_rejected():
     episodes, sampler = play(workflow(max_prompt_length=12), {"short": ["done"], "a much longer question": ["done"]})
     assert episodes[0].end == "env_done" and episodes[1] is None and len(sampler.calls[0]) == 1
+
+
+def unreachable_env(cfg):
+    raise RuntimeError("no game server at localhost:9")
+
+
+def test_an_environment_factory_that_raises_at_start_is_one_line_naming_it():
+    with pytest.raises(ConfigError) as e:
+        workflow(env="test_episodes:unreachable_env")
+    assert str(e.value) == (
+        "env test_episodes:unreachable_env: making the environment raised RuntimeError: no game server at localhost:9"
+    )
 
 
 def test_an_environment_that_returns_the_wrong_type_is_one_line():
@@ -163,6 +190,22 @@ def test_a_reset_that_raises_rejects_the_episode_and_bad_tool_calls_are_feedback
     assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["errors=1", "errors=0"]
     m = workflow().metrics([t])
     assert m["episode_tool_call_valid_rate"] == 0.5 and m["episode_success_rate"] == 1.0
+
+
+class ClosedEnv(ScriptEnv):
+    def reset(self, record):
+        raise RuntimeError("the game server refused the record")
+
+
+def test_a_run_whose_every_reset_fails_says_so_in_one_line(tmp_path, capsys):
+    keys = dict(rollout_batch_size=2, n_samples_per_prompt=4, max_sampling_rounds=2)
+    argv = [f"base_output_directory={tmp_path}", "mode=grpo", "workflow=multi_turn", "env=test_episodes:ClosedEnv"]
+    argv += [f"chat_template_file={TEMPLATE}", "steps=1", "eval_interval=0", "per_device_batch_size=1"]
+    assert train.main([str(REPO / "configs" / "base.yml"), *argv, *(f"{k}={v}" for k, v in keys.items())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "ran out" not in err
+    assert err.startswith("unitrain: env test_episodes:ClosedEnv: reset failed on all 16 episodes")  # 2 x 4 x 2
+    assert err.endswith("the first error: RuntimeError: the game server refused the record")
 
 
 class BadWorkflow(Workflow):

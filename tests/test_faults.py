@@ -1,6 +1,7 @@
 """Faults and bad inputs: kill -9 around saves, failing and damaged checkpoints, bad weights files,
 a full disk, SIGTERM during start-up, and step times that leave evals and checkpoints out."""
 
+import asyncio
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -207,6 +209,35 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog
 class _NoIterator:
     def set_state(self, state):
         pass
+
+
+def test_a_second_writer_of_the_same_checkpoints_is_refused_and_the_first_save_survives(tmp_path, monkeypatch):
+    """Two runs on one checkpoint directory: a save of a step removes the other run's unfinished
+    <step>.orbax-checkpoint-tmp (No such file or directory: .../array_metadatas/process_0 in the
+    other's background save). A delay in orbax's array-metadata write keeps the first save in flight."""
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    write = array_metadata_store.Store.write
+
+    async def slow_write(self, *args, **kwargs):
+        await asyncio.sleep(1.0)
+        return await write(self, *args, **kwargs)
+
+    monkeypatch.setattr(array_metadata_store.Store, "write", slow_write)
+    state = {"params": {"w": jnp.ones((4, 4))}, "opt_state": {"m": jnp.zeros((4, 4))}, "step": jnp.int32(1)}
+    first = checkpoint.Checkpointer(str(tmp_path / "ckpt"), 1, 3, True)
+    first.save(1, state, _Position(), force=True)
+    second = checkpoint.Checkpointer(str(tmp_path / "ckpt"), 1, 3, True)
+    with pytest.raises(CheckpointError, match="another process is saving checkpoints in .*ckpt"):
+        second.save(1, state, _Position(), force=True)
+        second.wait()
+    first.close()
+    assert first.all_steps() == [1] and sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+
+
+class _Position:
+    def get_state(self):
+        return {"position": 0}
 
 
 def test_damaged_checkpoint_without_fallback_refuses_in_one_line(tmp_path, capsys):

@@ -139,7 +139,7 @@ def np_value_loss(values, old, returns, mask, clip, mode, horizon):
         per_token = []
         for t in np.flatnonzero(mask[r]):
             v = values[r, t]
-            v_clip = v if clip is None else old[r, t] + min(max(v - old[r, t], -clip), clip)
+            v_clip = v if clip is None else min(max(v, old[r, t] - clip), old[r, t] + clip)
             per_token.append((0.5 * max((v - returns[r, t]) ** 2, (v_clip - returns[r, t]) ** 2), v_clip))
         rows.append(per_token)
     tokens = [loss for row in rows for loss, _ in row]
@@ -154,6 +154,24 @@ def np_value_loss(values, old, returns, mask, clip, mode, horizon):
     return loss
 
 
+def verl_vf_clipfrac(values, old, returns, clip):
+    """verl's compute_value_loss (and TRL's) per token in float32: v clamped into [old - c, old + c], clipped where
+    that error is the larger."""
+    if clip is None:
+        return np.zeros(values.shape, bool)
+    clip = np.float32(clip)
+    clipped = np.clip(values, old - clip, old + clip)
+    return (clipped - returns) ** 2 > (values - returns) ** 2
+
+
+def test_vf_clipfrac_counts_no_clip_where_the_clamp_returns_v():
+    # old + clip(v - old) is 0.060000002 in float32, not v: counted clipped before; the clamp gives v itself.
+    values, old, returns = (np.array([[x]], np.float32) for x in (0.06, 0.42, 0.0))
+    assert not verl_vf_clipfrac(values, old, returns, 0.5).any()
+    _, _, metrics = losses.value_loss(values, old, returns, np.ones((1, 1)), 0.5)
+    assert float(metrics["vf_clipfrac"][0]) == 0.0
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("clip", [0.2, None])
 def test_value_loss_equals_the_plain_loop(mode, clip):
@@ -165,8 +183,7 @@ def test_value_loss_equals_the_plain_loop(mode, clip):
     want = np_value_loss(values, old, returns, mask, clip, mode, 12)
     np.testing.assert_allclose(float(loss_sum / denom), want, rtol=1e-5)
     on = mask > 0
-    clipped = old + np.clip(values - old, -clip, clip) if clip is not None else values
-    frac = np.mean(((clipped - returns) ** 2 > (values - returns) ** 2)[on])
+    frac = verl_vf_clipfrac(values, old, returns, clip)[on].mean()
     np.testing.assert_allclose(float(metrics["vf_clipfrac"][0] / metrics["vf_clipfrac"][1]), frac, rtol=1e-6)
     if clip is not None:
         assert 0 < frac < 1  # the clip is active on some tokens, not all

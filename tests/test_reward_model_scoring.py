@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO, make_cfg
+from conftest import REPO, copy_with_bos, make_cfg
 from unitrain import reward_model, rewards, run, tasks, train
 from unitrain.errors import ConfigError
 
@@ -79,6 +79,18 @@ def test_plain_text_rendering_without_the_chat_template(tiny_checkpoint):
     np.testing.assert_allclose(
         per_reward["rm"], transformers_scores(path, PROMPTS, COMPLETIONS, chat=False), atol=TOL, rtol=0
     )
+
+
+@pytest.mark.parametrize("added", [False, True])
+def test_plain_text_gets_a_bos_only_where_the_tokenizer_adds_one(tiny_checkpoint, tmp_path, added):
+    path = copy_with_bos(rm_path(tiny_checkpoint), tmp_path / "rm", added)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert (tok("Hi")["input_ids"][0] == tok.bos_token_id) == added
+    scorer = reward_model._scorer(rm_cfg(path, reward_model_chat_template=False))
+    for p, c in zip(PROMPTS, COMPLETIONS):
+        assert scorer.encode(p, c) == (tok(p + c)["input_ids"] + [tok.eos_token_id], False)
+    want = transformers_scores(path, PROMPTS, COMPLETIONS, chat=False)
+    np.testing.assert_allclose(scorer.score(PROMPTS, COMPLETIONS), want, atol=TOL, rtol=0)
 
 
 def test_weighted_with_exact_match_is_the_numpy_sum(tiny_checkpoint):

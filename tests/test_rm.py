@@ -12,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 
-from conftest import REPO, make_cfg, write_jsonl
+from conftest import REPO, copy_with_bos, make_cfg, write_jsonl
 from unitrain import losses, train
 from unitrain import step as step_lib
 from unitrain.data.preference import make_preference_iterator
@@ -138,6 +138,20 @@ def test_task_loss_is_trl_on_pooled_scores_and_accumulation_is_exact(tmp_path):
 
 
 # ---------------------------------------------------------------- config and data errors
+
+
+@pytest.mark.parametrize("added", [False, True])
+def test_pairs_start_with_a_bos_only_where_the_tokenizer_adds_one(tiny_checkpoint, tmp_path, added):
+    """As TRL's RewardTrainer and the reward scorer: the prompt as transformers' tokenizer(text) encodes it."""
+    path = copy_with_bos(tiny_checkpoint("qwen2"), tmp_path / "tok", added)
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    pairs = arithmetic_pairs(4)
+    cfg = make_cfg(mode="rm", dataset_path=write_jsonl(tmp_path / "p.jsonl", pairs), shuffle=False)
+    batch = next(make_preference_iterator(cfg, load_tokenizer(path), 4))
+    for side in ("chosen", "rejected"):
+        for row, pair in zip(batch[f"{side}_inputs"], pairs):
+            prompt = hf(pair["prompt"])["input_ids"]
+            assert row[: len(prompt)].tolist() == prompt and (row[0] == hf.bos_token_id) == added
 
 
 def test_bad_margins_and_misplaced_keys_are_one_line(tmp_path):

@@ -20,7 +20,8 @@ What goes wrong is said in one line (CheckpointError): a save that fails (read-o
 the directory and the OS reason; a checkpoint whose parameter shapes differ from the model's names the
 first such parameter before anything is read; a damaged step directory (unreadable metadata or data)
 is moved aside and the next older one restored, or, with fallback off, the run stops saying how to
-go on. max_to_keep never deletes the newest checkpoint known good (`keep`), which the loop marks once
+go on; a second run saving in the same directory (which would delete this one's unfinished saves)
+stops with one line. max_to_keep never deletes the newest checkpoint known good (`keep`), which the loop marks once
 a loss computed from its weights was finite.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -73,6 +75,25 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
         self._saving = None  # the step of the save in flight: a background failure surfaces later
+        self._claim = None  # the locked directory's descriptor while this process saves there
+
+    def claim(self) -> None:
+        """Locks the directory for this run's saves (process 0; until close or exit). A second run there
+        would delete this one's unfinished saves (orbax removes a <step>.orbax-checkpoint-tmp it
+        finds before writing its own), so it stops with one line instead."""
+        directory = str(self.manager.directory)
+        if self._claim is not None or jax.process_index() != 0 or "://" in directory:
+            return
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"another process is saving checkpoints in {directory} (the same run started twice?), and two "
+                "runs there delete each other's unfinished saves; let it end, or give this one another run_name"
+            ) from None
+        self._claim = fd
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -103,6 +124,7 @@ class Checkpointer:
         Every process must call it with the same step and force (the iterator states are gathered)."""
         if not force and not self.manager.should_save(step):
             return False
+        self.claim()
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(lora.trainable(state["params"], self.adapters_only)),
             train=ocp.args.StandardSave({"opt_state": state["opt_state"], "step": state["step"]}),
@@ -162,8 +184,13 @@ class Checkpointer:
             self.manager.wait_until_finished()
 
     def close(self) -> None:
-        with self._failures():
-            self.manager.close()
+        try:
+            with self._failures():
+                self.manager.close()
+        finally:
+            if self._claim is not None:
+                os.close(self._claim)  # the lock goes with it
+                self._claim = None
 
     @contextlib.contextmanager
     def _failures(self):

@@ -557,7 +557,7 @@ def value_loss(
     """The critic's clipped value loss (verl's compute_value_loss), in train_step's form.
 
     values (the critic's now), old_values (the critic's at rollout time), returns (gae's), mask
-    [B,T]. Per token, with v_clip = old + clip(v - old, -value_clip, value_clip) (value_clip None:
+    [B,T]. Per token, with v_clip = clip(v, old - value_clip, old + value_clip) (value_clip None:
     v_clip = v, no clipping):
         loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2)
     aggregated by `aggregate(loss_t, mask, loss_agg_mode, horizon, sequences)`. Returns (loss_sum, denominator,
@@ -569,7 +569,9 @@ def value_loss(
     old = jnp.asarray(old_values, jnp.float32)
     ret = jnp.asarray(returns, jnp.float32)
     m = jnp.asarray(mask, jnp.float32)
-    v_clip = v if value_clip is None else old + jnp.clip(v - old, -value_clip, value_clip)
+    # Clamping v itself (as verl and TRL do) returns v exactly where the clip does not bind; old + clip(v - old)
+    # rounds in float32 and would count about half of those tokens as clipped.
+    v_clip = v if value_clip is None else jnp.clip(v, old - value_clip, old + value_clip)
     unclipped, clipped = jnp.square(v - ret), jnp.square(v_clip - ret)
     loss_sum, denom = aggregate(0.5 * jnp.maximum(unclipped, clipped), m, loss_agg_mode, horizon, sequences)
     sg = jax.lax.stop_gradient

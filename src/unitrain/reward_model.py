@@ -113,10 +113,9 @@ class RewardModelScorer:
 
     # -- rendering
     def _ids(self, text: str) -> list[int]:
-        """The template owns a chat's special tokens; plain text gets the tokenizer's BOS, as
-        transformers' tokenizer(text) adds it."""
-        bos = self.tokenizer.bos_id
-        return self.tokenizer.encode(text) if self.chat or bos is None else [bos, *self.tokenizer.encode(text)]
+        """The template owns a chat's special tokens; plain text gets a BOS where transformers'
+        tokenizer(text) adds one."""
+        return self.tokenizer.encode(text) if self.chat else [*self.tokenizer.text_bos, *self.tokenizer.encode(text)]
 
     def encode(self, prompt: str, completion: str) -> tuple[list[int], bool]:
         """The reward model's ids of one sample, at most max_length; whether they were cut."""

@@ -369,9 +369,11 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
     finally:
         pending.close()
         profiler.close()
-        checkpointer.wait()
-        checkpointer.close()
-        writer.close()
+        try:
+            checkpointer.wait()
+        finally:
+            checkpointer.close()  # also after a failed save: it releases the directory's lock
+            writer.close()
 
 
 def _setup_logging() -> None:

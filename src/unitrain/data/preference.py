@@ -15,7 +15,8 @@ virtual shards (unitrain.data.shards), so the global batches do not depend on th
 
 Records (any format of data/sources.py; errors name file:line), TRL's formats:
   standard:        {prompt_key: str, chosen_key: str, rejected_key: str}; the sequences are
-                   [BOS] + prompt + completion + [EOS], the texts concatenated verbatim (like SFT);
+                   [BOS] + prompt + completion + [EOS], the texts concatenated verbatim (like SFT); mode=rm's
+                   BOS only where transformers' tokenizer(text) adds one (TRL's RewardTrainer, the reward scorer);
   conversational:  chosen_key and rejected_key hold [{role, content}] messages, the prompt either
                    under prompt_key (a message list: TRL's explicit prompt) or the messages chosen and
                    rejected share before they differ (TRL's implicit prompt); what follows the prompt
@@ -176,9 +177,16 @@ def _row(ex: dict, max_len: int, pad_id: int) -> dict:
     return out
 
 
-def pair_fn(tokenizer, max_len: int, truncation: str):
+def _plain_bos(cfg, tokenizer) -> list[int]:
+    """The BOS before a plain-text prompt: a reward model reads what the scorer gives it (transformers'
+    tokenizer(text)), DPO's policy what SFT gave it."""
+    if cfg.mode == "rm":
+        return tokenizer.text_bos
+    return [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+
+
+def pair_fn(tokenizer, max_len: int, truncation: str, bos: list[int]):
     """record -> one pair row {chosen_*, rejected_*, num_truncated}; without "chosen_inputs" when dropped."""
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     eos = [tokenizer.eos_id]
 
     def to_pair(record: dict) -> dict:
@@ -233,7 +241,7 @@ def make_preference_dataset(cfg, tokenizer, rows: int, shard: int = 0, num_shard
     shuffled with the shard's seed (when `shuffle`), repeated `num_epochs` times, `rows` pairs a batch."""
     max_len, path = cfg.max_target_length, split_path(cfg, "train")
     records_of_shard, where = shard_records(_records(cfg, tokenizer, "train", path), path, shard, num_shards)
-    to_pair = pair_fn(tokenizer, max_len, cfg.truncation)
+    to_pair = pair_fn(tokenizer, max_len, cfg.truncation, _plain_bos(cfg, tokenizer))
     _check_not_empty(records_of_shard.map(to_pair), where, max_len)
 
     ds = records_of_shard
@@ -270,7 +278,7 @@ def eval_pair_batches(cfg, tokenizer, rows: int, max_batches: int) -> list[dict]
     are skipped. Fewer batches when the eval data holds fewer pairs."""
     path = split_path(cfg, "eval")
     records = _records(cfg, tokenizer, "eval", path)
-    to_pair = pair_fn(tokenizer, cfg.max_target_length, cfg.truncation)
+    to_pair = pair_fn(tokenizer, cfg.max_target_length, cfg.truncation, _plain_bos(cfg, tokenizer))
     fields = PAIR_FIELDS + ((MARGIN,) if cfg.rm_margin_key else ())
     pairs = []
     for i in range(len(records)):

@@ -23,7 +23,8 @@ _PROBE = "The answer is 42."  # any usable tokenizer encodes this to at least on
 
 
 class Tokenizer:
-    """Wraps a transformers tokenizer or a SentencePiece processor behind one interface."""
+    """Wraps a transformers tokenizer or a SentencePiece processor behind one interface. `text_bos` is
+    [BOS] where transformers' tokenizer(text) puts one before the text, else []."""
 
     def __init__(self, *, hf=None, spm=None, path: str = ""):
         self._hf, self._spm, self.path = hf, spm, path
@@ -35,11 +36,14 @@ class Tokenizer:
             # Encode with the Rust backend directly: the Python wrapper redoes padding/truncation
             # set-up on every call (and mutates shared state doing it), for nothing here.
             self._backend = hf.backend_tokenizer if getattr(hf, "is_fast", False) else None
+            # GPT-2 and NeoX style tokenizers define a BOS that tokenizer(text) does not add.
+            self.text_bos = [i for i in hf(_PROBE)["input_ids"][:1] if i == self.bos_id]
         else:
             self.vocab_size = spm.get_piece_size()
             self.bos_id, self.eos_id, self.pad_id = (
                 i if i >= 0 else None for i in (spm.bos_id(), spm.eos_id(), spm.pad_id())
             )
+            self.text_bos = [] if self.bos_id is None else [self.bos_id]  # as Llama's SentencePiece tokenizer adds it
         if not self.encode(_PROBE):
             raise ConfigError(
                 f"tokenizer_path={path!r}: the tokenizer encodes ordinary text to no tokens (a folder without "
@@ -203,8 +207,9 @@ def _with_template(hf, template: str | None):
 
 
 def _builtin_hf_tokenizer():
-    """A real PreTrainedTokenizerFast built in memory: one token per character, no files needed."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
+    """A real PreTrainedTokenizerFast built in memory: one token per character, no files needed;
+    tokenizer(text) adds BOS, as the SFT and prompt paths do with it."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as RustTokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -213,4 +218,5 @@ def _builtin_hf_tokenizer():
     rust.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char
     rust.decoder = decoders.Fuse()  # join characters back without spaces
     pad, bos, eos, unk = BUILTIN_SPECIALS
+    rust.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
     return PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=pad, bos_token=bos, eos_token=eos, unk_token=unk)

@@ -13,8 +13,10 @@ episode: the n episodes of a record form one GRPO group that shares its prompt, 
 runs the same episodes (an environment's randomness is seeded from its record). `tools` are the
 tool schemas (the "function" format of chat templates and OpenAI) the prompt offers the model.
 A malformed tool call reaches `step` as an entry of `turn.tool_call_errors`: feedback for the
-model, not an exception. An exception raised by reset or step ends that episode (recorded as
-end reason "env_error" and logged), never the run.
+model, not an exception. An exception raised by step ends that episode (recorded as end reason
+"env_error" and logged); one raised by reset rejects it (logged: there is no conversation to train
+on, and the record's group is left out). Neither stops the run, unless every reset of a step's
+episodes fails: that is one line naming the environment and the first error.
 
 Optional: `demonstration(record) -> messages`, an expert's whole conversation for the record
 (assistant turns with their tool calls), which `mode=sft` trains on with `dataset_path: builtin`

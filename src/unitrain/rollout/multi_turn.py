@@ -10,11 +10,12 @@ from collections.abc import Generator
 
 import numpy as np
 
+from unitrain import plugins
 from unitrain.data.prompts import Prompt
 from unitrain.data.turns import ChatTurns
 from unitrain.envs.base import StepResult, env_factory
 from unitrain.envs.tool_calls import parse_turn
-from unitrain.errors import ConfigError
+from unitrain.errors import ConfigError, UserError
 from unitrain.rollout.workflow import Generate, Sampled, Trajectory, Transcript, Workflow
 
 log = logging.getLogger("unitrain")
@@ -31,8 +32,10 @@ class MultiTurn(Workflow):
     message delta (data/turns.py), never by re-encoding the conversation. The episode ends when the
     environment says done (env_done), after max_turns turns (max_turns), when a turn is cut without its
     stop token or the episode reaches episode_max_tokens (length), or when the environment raises
-    (env_error). Its reward is the sum of the environment's rewards. An episode whose first prompt has
-    more than max_prompt_length ids, or whose environment's reset raises, is rejected.
+    (env_error); the environment's reply to the last allowed turn, which no turn answers, is left out.
+    Its reward is the sum of the environment's rewards. An episode whose first prompt has more than
+    max_prompt_length ids, or whose environment's reset raises, is rejected; a step whose episodes all
+    fail their resets stops the run with one line.
     """
 
     def __init__(self, run):
@@ -41,16 +44,45 @@ class MultiTurn(Workflow):
         if not cfg.env:
             raise ConfigError("workflow multi_turn needs an environment: set env (calculator, guess_number, ...)")
         self.cfg, self.make_env = cfg, env_factory(cfg)
-        self.chat = ChatTurns(self.tokenizer, self.make_env(cfg).tools or None)
+        self.chat = ChatTurns(self.tokenizer, self._tools() or None)
         self.system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        # The episodes a step samples before it gives up short (rollout/buffer.py): if none of them could
+        # reset, the environment is broken, not the prompts.
+        self.step_episodes = (
+            (cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+            * cfg.n_samples_per_prompt
+            * cfg.max_sampling_rounds
+        )
+        self.resets, self.failed_resets, self.first_reset_error = 0, 0, ""
+
+    def _tools(self) -> list[dict]:
+        """The environment's tool schemas; a factory that cannot make one stops the run with one line."""
+        try:
+            return self.make_env(self.cfg).tools
+        except UserError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"env {self.cfg.env}: making the environment raised {plugins.one_line(e)}") from None
+
+    def _reset_failed(self, record: Prompt, e: Exception) -> None:
+        """Logs a rejected episode; stops the run once a step's episodes have all failed their resets."""
+        log.warning("env %s: reset failed on prompt %r, episode rejected: %s", self.cfg.env, record.text[:80], e)
+        self.failed_resets += 1
+        self.first_reset_error = self.first_reset_error or plugins.one_line(e)
+        if not self.resets and self.failed_resets >= self.step_episodes:
+            raise ConfigError(
+                f"env {self.cfg.env}: reset failed on all {self.failed_resets} episodes a step samples, so every "
+                f"episode was rejected; the first error: {self.first_reset_error}"
+            )
 
     def episode(self, record: Prompt) -> Generator[Generate, Sampled, Trajectory | None]:
         cfg, env = self.cfg, self.make_env(self.cfg)
         try:
             first = env.reset({"prompt": record.text, "label": record.label})
-        except Exception as e:  # no episode to record: the record is skipped, and said so
-            log.warning("env %s: reset failed on prompt %r, episode rejected: %s", cfg.env, record.text[:80], e)
+        except Exception as e:  # no conversation to record: the episode is rejected, and said so
+            self._reset_failed(record, e)
             return None
+        self.resets += 1
         messages = [*self.system, *first]
         prompt = self.chat.prompt(messages)
         if len(prompt) > cfg.max_prompt_length:  # as over-long prompts are dropped
@@ -58,7 +90,7 @@ class MultiTurn(Workflow):
             return None
         transcript = Transcript(prompt)
         reward, end, calls, invalid = 0.0, "max_turns", 0, 0
-        for _ in range(cfg.max_turns):
+        for number in range(1, cfg.max_turns + 1):
             budget = min(cfg.rollout_max_response_len, cfg.episode_max_tokens - len(transcript))
             if budget < 1:
                 end = "length"
@@ -86,6 +118,8 @@ class MultiTurn(Workflow):
             reward += float(result.reward)
             if result.done:
                 end = "env_done"
+                break
+            if number == cfg.max_turns:  # no turn answers the environment's reply: neither built nor kept
                 break
             reply = self.chat.close(int(turn.tokens[-1])) + self.chat.delta(result.messages)
             if len(transcript) + len(reply) >= cfg.episode_max_tokens:
