@@ -168,7 +168,7 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
         np.testing.assert_allclose(ma[name], values.mean(), rtol=1e-5, atol=1e-5, err_msg=name)
     for name in ("loss", "grad_norm", *want):
         np.testing.assert_allclose(ma[name], mb[name], rtol=1e-5, atol=1e-6, err_msg=name)
-    start = jax.device_get(tasks[0].ref_params)
+    start = jax.device_get(tasks[0].ref.frozen)
     for x, y, p in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(start)):
         np.testing.assert_allclose(x - p, y - p, rtol=1e-4, atol=1e-7)
 

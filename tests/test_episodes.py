@@ -300,7 +300,8 @@ def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
 
 
 def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
-    from unitrain.tasks.grpo import GRPOTask, truncated_rows, turn_discounts
+    from unitrain.rollout.shaping import overlong_filter
+    from unitrain.tasks.rl import RLTask, turn_discounts
 
     def episode(turns, end):
         tr = Transcript([1, 7, 8])
@@ -317,14 +318,14 @@ def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
         max_completion=64,
         replay=False,
     )
-    rows = GRPOTask.to_rows(task, [group])
+    rows = RLTask.to_rows(task, [group])
     P, C = bucket_prompt_length(3), bucket_prompt_length(8)  # the prompt's and the longest episode's ids
     assert rows["inputs"].shape == (2, P + C) and rows["targets"].shape == (2, C)
     first, pad = [40, 40, 5, 6, 7, 41, 41, 41], [0] * (C - 8)
     assert rows["inputs"][0, P - 3 : P + 8].tolist() == [1, 7, 8, *first] and rows["targets"][0, :8].tolist() == first
     assert rows["loss_mask"].tolist() == [[1, 1, 0, 0, 0, 1, 1, 1, *pad], [1, 1, 1, 1, 0, 0, 0, 0, *pad]]
     np.testing.assert_allclose(rows["sampler_logprobs"][0, :8], [-0.1, -0.1, 0, 0, 0, -0.2, -0.2, -0.2])
-    assert truncated_rows([group]).tolist() == [False, True]
+    assert overlong_filter([group])[0].tolist() == [True, False]
     # A later turn's tokens get the episode's advantage in full, an earlier one's discounted per turn after it.
     np.testing.assert_allclose(
         turn_discounts([group], C, 0.5), [[0.5, 0.5, 0, 0, 0, 1, 1, 1, *pad], [1, 1, 1, 1, 0, 0, 0, 0, *pad]]

@@ -15,7 +15,7 @@ from unitrain import evals, lora, losses, run, tasks, train
 from unitrain.config import load_config
 from unitrain.errors import RunEndedEarly
 from unitrain.rollout.groups import Group, nonzero_std, select_groups
-from unitrain.tasks import grpo
+from unitrain.tasks import rl as grpo
 
 FAST = [
     "mode=grpo",
@@ -125,7 +125,7 @@ def test_the_samplers_decode_weights_are_released_before_an_update_and_after_an_
     task = tasks.create(built)
     update, seen = task.update, []
     monkeypatch.setattr(
-        task, "update", lambda state, batch: (seen.append(task.sampler.decode), update(state, batch))[1]
+        task, "update", lambda state, batch, step: (seen.append(task.sampler.decode), update(state, batch, step))[1]
     )
     made = []
     decode_weights = task.sampler.decode_weights

@@ -21,7 +21,7 @@ from unitrain import train
 from unitrain.models import moe
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import ColocatedSampler
-from unitrain.tasks import grpo
+from unitrain.tasks import rl as grpo
 
 REPLAY = [*TINY_MOE, "moe_routing_replay=true"]
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 11], [12], [40, 41, 42, 43, 44]]

@@ -240,7 +240,7 @@ def test_the_critic_starts_as_the_policys_backbone_and_values_the_state_before_e
     rows = task.to_rows(groups)
     values = task.rollout_passes(state, rows)["values"]
     # The value of token t's state is the critic's output at the last position of prompt + completion[:t].
-    model = nnx.merge(task.critic_graphdef, state["critic"]["params"])
+    model = nnx.merge(task.critic.graphdef, state["critic"]["params"])
     g = groups[1]
     prompt, tokens, length = list(g.prompt.ids), g.trajectories[0].ids, len(g.trajectories[0].ids)
     for t in range(length):

@@ -19,8 +19,8 @@ from unitrain.errors import ConfigError
 from unitrain.rollout.base import Completions
 from unitrain.rollout.driver import _row
 from unitrain.rollout.groups import Group
+from unitrain.rollout.shaping import overlong_filter
 from unitrain.rollout.workflow import scored_answers
-from unitrain.tasks.grpo import truncated_rows
 
 
 def metrics(cfg) -> list[dict]:
@@ -124,7 +124,7 @@ def test_rollout_is_mask_rejects_what_is_out_of_range(tmp_path, varied_reward):
 # ------------------------------------------------------------------ DAPO overlong handling
 
 
-def test_truncated_rows_are_those_without_a_stop_token():
+def test_the_overlong_filter_drops_the_answers_without_a_stop_token():
     prompt = Prompt((1,), "p", "")
     turns = [[5, 2], [5, 6, 7], [5, 6, 2], []]  # 2 = EOS; the last row sampled nothing
     out = Completions(
@@ -140,7 +140,8 @@ def test_truncated_rows_are_those_without_a_stop_token():
     with pytest.raises(StopIteration) as done:
         answers.send((np.zeros(4, np.float32), {}))
     group = Group(prompt, tuple(done.value.value), np.zeros(4, np.float32), {})
-    assert list(truncated_rows([group, group])) == [False, True, False, True] * 2
+    keep, metrics = overlong_filter([group, group])
+    assert list(keep) == [True, False, True, False] * 2 and metrics == {"overlong_filtered_fraction": 0.5}
 
 
 def _step_seeing(task, params):
@@ -152,9 +153,9 @@ def _step_seeing(task, params):
         seen["groups"], stats = take(step, push)
         return seen["groups"], stats
 
-    def record_update(state, batch):
+    def record_update(state, batch, step):
         seen["batch"] = dict(batch)
-        return update(state, batch)
+        return update(state, batch, step)
 
     task.rollouts.take, task.update = record_take, record_update
     state = {"params": params, "opt_state": task.run.optimizer.init(params), "step": jnp.int32(0)}

@@ -33,7 +33,7 @@ import yaml
 from unitrain.adapters import hf_config
 from unitrain.errors import ConfigError
 from unitrain.registry import (
-    ADV_ESTIMATORS,
+    ADVANTAGE_ESTIMATORS,
     ATTENTION,
     DATA_FORMATS,
     ENVS,
@@ -232,7 +232,7 @@ RULES: dict[str, Rule] = {
     "rollout_top_k": NON_NEGATIVE,
     "rollout_cache_phases": POSITIVE_INT,
     "rollout_compaction": NON_NEGATIVE_INT,
-    "advantage_estimator": choices(*ADV_ESTIMATORS),
+    "advantage_estimator": builtin_or_plugin(ADVANTAGE_ESTIMATORS),
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),
     "eps_clip_c": optional(Rule(lambda v: _is_num(v) and v > 1, "a number > 1")),
@@ -427,6 +427,13 @@ def _check_ppo(c: dict) -> str | None:
     return None
 
 
+def _check_gae(c: dict) -> str | None:
+    """GAE needs a critic's values, which only mode=ppo trains (and PPO estimates by GAE alone)."""
+    if c["advantage_estimator"] == "gae" and c["mode"] != "ppo":
+        return f"advantage_estimator gae needs a critic's values: mode=ppo (mode={c['mode']} has no critic)"
+    return None
+
+
 def _check_rl_packing(c: dict) -> str | None:
     """Packed RL rows serve the RL modes and DPO, and hold the longest sequence the config allows."""
     if not c["rl_packing"]:
@@ -572,6 +579,7 @@ CHECKS: list[Callable[[dict], str | None]] = [
         else "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for"
     ),
     _check_ppo,
+    _check_gae,
     _check_rl_packing,
     lambda c: (
         None

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from unitrain.registry import (
-    ADV_ESTIMATORS,
+    GROUP_ESTIMATORS,
     KL_TYPES,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
@@ -152,8 +152,8 @@ def compute_advantages(
     The result is a function of the batch it is given: call it on the whole rollout batch (all
     devices), not per micro-batch.
     """
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADV_ESTIMATORS}")
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {GROUP_ESTIMATORS}")
     r = jnp.asarray(rewards, jnp.float32)
     gid = jnp.asarray(group_ids, jnp.int32)
     count = jax.ops.segment_sum(jnp.ones_like(r), gid, num_segments=num_groups)

@@ -54,8 +54,18 @@ RL_MODES = (
 # attention: the reference einsums (xla), a platform's fused kernel, or auto (the decoder's kernels)
 ATTENTION = ("auto", "xla", "cudnn", "splash")
 
+# advantage_estimator: fn(advantages.Rollout) -> ({"advantages", ...}, metrics); GRPO's choice (gae is
+# PPO's, from its critic's values)
+ADVANTAGE_ESTIMATORS = {
+    "grpo": "unitrain.advantages:grpo",
+    "drgrpo": "unitrain.advantages:drgrpo",
+    "rloo": "unitrain.advantages:rloo",
+    "reinforce_pp": "unitrain.advantages:reinforce_pp",
+    "gae": "unitrain.advantages:gae",
+}
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp")  # losses.compute_advantages'
+
 # The RL objective's choices (losses.py)
-ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo")

@@ -89,7 +89,7 @@ def packed_rows_needed(lengths, width: int) -> int:
 
 
 def completion_rows(batch: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt length, completion length) [rows] of GRPO's unpacked rows (tasks/grpo.py's layout)."""
+    """(prompt length, completion length) [rows] of GRPO's unpacked rows (tasks/rl.py's layout)."""
     C = batch["targets"].shape[1]
     real = batch["inputs_segmentation"] > 0
     return real[:, :-C].sum(axis=1), real[:, -C:].sum(axis=1)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import lora, losses, sharding
+from unitrain import losses, sharding
 from unitrain import step as step_lib
 from unitrain.data.preference import PAIR_FIELDS, SIDES, eval_pair_batches, make_preference_iterator
 from unitrain.data.rl_packing import pack_pairs, pair_rows_needed
@@ -45,6 +45,7 @@ from unitrain.data.sft import BATCH_FIELDS
 from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows
 from unitrain.run import RunContext
 from unitrain.tasks.base import Task
+from unitrain.tasks.reference import Reference
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 POLICY_KEYS = ("policy_chosen_logps", "policy_rejected_logps")
@@ -121,9 +122,7 @@ class DPOTask(Task):
     def __init__(self, run: RunContext):
         super().__init__(run)
         cfg = self.cfg
-        # Copied now: the first update donates the start parameters.
-        # With LoRA the reference is the base with its adapters off: the live arrays, no copy (reference()).
-        self.ref_params = None if cfg.lora_rank else step_lib.frozen_copy(run.init_params, cfg.ref_params_host_offload)
+        self.ref = Reference(run)
         rows = run.layout.rows_per_update
         self.data_iterator = make_preference_iterator(
             cfg, run.tokenizer, rows, jax.process_index(), jax.process_count()
@@ -191,15 +190,11 @@ class DPOTask(Task):
         rows = bucket_packed_rows(need, multiple)
         return pack_pairs(batch, SIDES, BATCH_FIELDS, width, rows, self.run.tokenizer.pad_id)
 
-    def reference(self, params):
-        """The reference policy's parameters: the frozen start, or with LoRA the base of `params`."""
-        return lora.adapters_off(params) if self.ref_params is None else self.ref_params
-
     def pair_logps_of_both(self, name: str, program, params, batch) -> dict:
         """{ref_*, policy_*} log-probs of `batch`: the reference and the policy through the one
         compiled `program` (the same input shardings, so the same executable), the reference
         brought to device memory first when it is kept in host memory (and dropped after)."""
-        ref = jax.device_put(self.reference(params), self.param_shardings)
+        ref = jax.device_put(self.ref.of(params), self.param_shardings)
         ref_c, ref_r = self.run.programs(name, program, ref, batch)
         del ref
         pol_c, pol_r = self.run.programs(name, program, params, batch)

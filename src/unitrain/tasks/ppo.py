@@ -1,18 +1,15 @@
-"""mode=ppo: PPO with a critic. GRPO's machinery (tasks/grpo.py: rollouts, rewards, the old and
-reference logprobs, rollout_is, the clipped policy loss over num_iterations mini-batch passes) with
-the critic's advantages in place of the group baseline, and the critic trained alongside.
-
-One step (`PPOTask.step`), where it differs from GRPO's:
-  3. the logprob pass also takes the critic's values of the sampled tokens' states (the critic as it
-     was at rollout time: the "old" values of the clipped value loss);
-  2'. the rewards become per-token rewards (losses.token_rewards: the reward on the last sampled
-     token, with use_kl_in_reward minus kl_coef times the per-token KL to the reference), then
-     advantages and returns by GAE over the sampled tokens (losses.gae, gae_gamma, gae_lambda: an
-     episode's environment tokens are skipped), the advantages whitened over the batch's sampled
-     tokens (losses.masked_whiten);
-  4. the critic's own num_iterations passes of the clipped value loss (losses.value_loss,
-     value_clip), its own AdamW at critic_learning_rate; then the policy's, except during the first
-     critic_warmup_steps steps, which train the critic alone.
+"""mode=ppo: PPO with a critic, GRPO's sibling on the RL step (tasks/rl.py: rollouts, rows, the old
+and reference logprobs, rollout_is, the clipped policy loss over num_iterations mini-batch passes).
+It picks:
+  - a learner besides the policy, the critic (`Critic`): its pass takes the critic's values of the
+    sampled tokens' states (the critic as it was at rollout time: the "old" values of the clipped
+    value loss), its update is num_iterations passes of the clipped value loss (losses.value_loss,
+    value_clip) with its own AdamW at critic_learning_rate, before the policy's; the first
+    critic_warmup_steps steps train the critic alone;
+  - the estimator gae (advantages.py): the rewards as per-token rewards (the reward on the last
+    sampled token, with use_kl_in_reward minus kl_coef times the per-token KL to the reference),
+    advantages and returns by GAE over the sampled tokens (gae_gamma, gae_lambda: an episode's
+    environment tokens are skipped), the advantages whitened over the batch's sampled tokens.
 
 The critic is a scalar-head model (models/scalar_head.py) per token: from critic_path (an HF
 classifier or causal LM, or a unitrain checkpoint), else the policy's starting backbone
@@ -30,7 +27,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from unitrain import losses, sharding
@@ -38,7 +34,7 @@ from unitrain import step as step_lib
 from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.tasks.base import RunContext
-from unitrain.tasks.grpo import GRPOTask
+from unitrain.tasks.rl import RLTask
 
 
 def build_critic(run: RunContext):
@@ -78,66 +74,36 @@ def value_pass(graphdef, params, batch) -> dict:
     return {"values": critic_values(graphdef, params, batch, batch["targets"].shape[1])}
 
 
-@functools.partial(jax.jit, static_argnames=("gamma", "lam", "kl_coef"))
-def gae_advantages(rewards, values, mask, kl, *, gamma: float, lam: float, kl_coef: float) -> dict:
-    """{advantages (whitened over the batch's sampled tokens, 0 off them), returns} [rows, C] of a
-    rollout batch, and its critic metrics; `kl` None: no KL in the reward."""
-    per_token = losses.token_rewards(rewards, mask, kl, kl_coef)
-    advantages, returns = losses.gae(per_token, values, mask, gamma, lam)
-    m = mask.astype(np.float32)
-    tokens = m.sum()
-    return {
-        "advantages": losses.masked_whiten(advantages, m) * m,
-        "returns": returns,
-        "critic/values_mean": (values * m).sum() / tokens,
-        "critic/returns_mean": returns.sum() / tokens,
-        "critic/explained_var": losses.explained_variance(returns, values, m),
-    }
-
-
 def critic_metric(name: str) -> str:
     """The critic's train-step metric under its name in the logs (the train step's loss is the value loss)."""
     return {"loss": "critic/value_loss", "learning_rate": "critic/lr"}.get(name, f"critic/{name}")
 
 
-class PPOTask(GRPOTask):
-    def __init__(self, run: RunContext, **kwargs):
-        super().__init__(run, **kwargs)
-        cfg = self.cfg
+class Critic:
+    """PPO's critic as a learner of the RL step: state["critic"] = {params, opt_state, step}."""
+
+    def __init__(self, task: RLTask):
+        run, cfg = task.run, task.cfg
+        self.task = task
         critic = build_critic(run)
-        self.critic_graphdef, params = nnx.split(critic)
+        self.graphdef, params = nnx.split(critic)
         params = nnx.to_pure_dict(params)
         peak = cfg.learning_rate if cfg.critic_learning_rate is None else cfg.critic_learning_rate
-        self.critic_learning_rate = learning_rate_schedule(cfg, run.layout.optimizer_steps, peak)
-        optimizer = make_optimizer(cfg, critic.decay_mask(), self.critic_learning_rate)
-        # Handed to the loop's state by train_state (once): the first critic update donates it.
-        self.critic_start = step_lib.init_state(params, optimizer, run.mesh, cfg.optimizer_host_offload)
-        self.critic_shardings = {k: sharding.batch_sharding(run.mesh, run.rules) for k in CRITIC_KEYS}
-        settings = dataclasses.replace(
-            step_lib.StepConfig.from_config(cfg, self.critic_learning_rate), adapters_only=False
+        self.learning_rate = learning_rate_schedule(cfg, run.layout.optimizer_steps, peak)
+        optimizer = make_optimizer(cfg, critic.decay_mask(), self.learning_rate)
+        # Handed to the loop's state by PPOTask.train_state (once): the first critic update donates it.
+        self.start = step_lib.init_state(params, optimizer, run.mesh, cfg.optimizer_host_offload)
+        self.shardings = {k: sharding.batch_sharding(run.mesh, run.rules) for k in CRITIC_KEYS}
+        settings = dataclasses.replace(step_lib.StepConfig.from_config(cfg, self.learning_rate), adapters_only=False)
+        self.update_fn = step_lib.make_train_step(
+            self.loss, settings, optimizer, jax.tree.map(lambda x: x.sharding, self.start), self.shardings
         )
-        self.critic_update_fn = step_lib.make_train_step(
-            self.critic_loss,
-            settings,
-            optimizer,
-            jax.tree.map(lambda x: x.sharding, self.critic_start),
-            self.critic_shardings,
-        )
-        self.value_fn = jax.jit(functools.partial(value_pass, self.critic_graphdef))
-        self.trains_policy = True
+        self.value_fn = jax.jit(functools.partial(value_pass, self.graphdef))
 
-    # -- what the loop and the step see
-    def train_state(self, state: dict) -> dict:
-        critic, self.critic_start = self.critic_start, None
-        return {**state, "critic": critic}
-
-    def per_token_advantages(self) -> bool:
-        return True
-
-    def critic_loss(self, params, batch):
+    def loss(self, params, batch):
         """The clipped value loss of one micro-batch, in train_step's loss_fn form."""
-        cfg = self.cfg
-        values = critic_values(self.critic_graphdef, params, batch, batch["values"].shape[1])
+        cfg = self.task.cfg
+        values = critic_values(self.graphdef, params, batch, batch["values"].shape[1])
         loss_sum, denom, metrics = losses.value_loss(
             values,
             batch["values"],
@@ -145,50 +111,34 @@ class PPOTask(GRPOTask):
             batch["loss_mask"],
             cfg.value_clip,
             cfg.loss_agg_mode,
-            horizon=self.policy_loss_config.horizon,
-            sequences=losses.packed_sequences(batch["inputs_segmentation"]) if self.packing else losses.ROWS,
+            horizon=self.task.policy_loss_config.horizon,
+            sequences=losses.packed_sequences(batch["inputs_segmentation"]) if self.task.packing else losses.ROWS,
         )
         return loss_sum, (denom, metrics)
 
-    def step(self, state, step: int):
-        self.trains_policy = step >= self.cfg.critic_warmup_steps
-        return super().step(state, step)
-
-    # -- the pieces of a step that differ from GRPO's
-    def rollout_passes(self, state, batch) -> dict:
-        """GRPO's logprobs, and the critic's values of the sampled tokens' states."""
-        return {
-            **super().rollout_passes(state, batch),
-            **self.row_pass("values", self.value_fn, state["critic"]["params"], batch),
-        }
-
-    def advantages(self, batch, groups) -> tuple[dict, dict]:
-        cfg = self.cfg
-        rewards = np.concatenate([g.rewards for g in groups]).astype(np.float32)
-        kl = None
-        if cfg.use_kl_in_reward and self.ref_params is not None:
-            kl = losses.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_type)
-        out = gae_advantages(
-            rewards,
-            batch["values"],
-            batch["loss_mask"],
-            kl,
-            gamma=cfg.gae_gamma,
-            lam=cfg.gae_lambda,
-            kl_coef=cfg.kl_coef,
-        )
-        out = {k: np.asarray(v) for k, v in out.items()}
-        arrays = {k: out.pop(k) for k in ("advantages", "returns")}
-        return arrays, {k: float(v) for k, v in out.items()}
+    def passes(self, state, batch) -> dict:
+        """The critic's values of the sampled tokens' states."""
+        return self.task.row_pass("values", self.value_fn, state["critic"]["params"], batch)
 
     def update(self, state, batch):
-        """The critic's updates, then (after critic_warmup_steps) the policy's, on the same rows."""
-        critic, critic_metrics = self.updates(
-            "critic_update", self.critic_update_fn, state["critic"], batch, self.critic_shardings
-        )
-        policy = {k: v for k, v in state.items() if k != "critic"}
-        metrics = {critic_metric(k): v for k, v in critic_metrics.items()}
-        if self.trains_policy:
-            policy, policy_metrics = super().update(policy, batch)
-            metrics.update(policy_metrics)
-        return {**policy, "critic": critic}, metrics
+        critic, metrics = self.task.updates("critic_update", self.update_fn, state["critic"], batch, self.shardings)
+        return {**state, "critic": critic}, {critic_metric(k): v for k, v in metrics.items()}
+
+
+class PPOTask(RLTask):
+    estimator = "gae"
+
+    def __init__(self, run: RunContext, **kwargs):
+        super().__init__(run, **kwargs)
+        self.critic = Critic(self)
+        self.learners = [self.critic]
+
+    def train_state(self, state: dict) -> dict:
+        critic, self.critic.start = self.critic.start, None
+        return {**state, "critic": critic}
+
+    def per_token_advantages(self) -> bool:
+        return True
+
+    def trains_policy(self, step: int) -> bool:
+        return step >= self.cfg.critic_warmup_steps

@@ -1,0 +1,533 @@
+"""The RL step every RL mode shares (GRPO and PPO are siblings over it: tasks/grpo.py, tasks/ppo.py),
+as named stages (`RLTask.step`):
+
+  1. rollouts: the step's groups from the buffer (rollout/buffer.py): rounds of `over_sampling_batch_size`
+     prompts, a workflow's group of n trajectories each (rollout/workflow.py), scored, reshaped by
+     the reward shapers (rollout/shaping.py: DAPO's overlong penalty), until `rollout_batch_size`
+     groups pass the filter (rollout/groups.py). Rounds sampled ahead (max_staleness) come first; a
+     round the step samples itself, and the rounds it leaves in flight for the steps after, use its
+     parameters, pushed to the sampler first (rollout/base.py; colocated by default: no copy;
+     sampler mesh: a timed copy to its devices);
+  2. rows: the groups as the train batch's rows (the layout below);
+  3. passes: what the updates read of the models before they change them, in one program per chunk of
+     rows: the sampled tokens' logprobs under the trainer's forward (the PPO "old" policy), with a
+     KL term the reference's (tasks/reference.py), and each extra learner's (PPO's critic values).
+     With one optimizer update per step (one mini-batch, num_iterations 1) and no KL in the reward,
+     the old policy is the one being updated: the loss takes its own logprobs under stop_gradient
+     and the old pass is skipped;
+  4. estimator: advantages from the rewards (advantages.py: the mode's estimator, a registry entry
+     or a plugin; with use_kl_in_reward less the KL to the reference), per token with a turn_discount
+     below 1; then the row filters take rows out of the loss (rollout/shaping.py: DAPO's overlong filter;
+     after the advantages, so cut rows still count in their group's baseline);
+  5. learners: the extra learners' updates (PPO's critic), then the policy's: `num_iterations` passes
+     over the rows in mini-batches, one optimizer update each, of the PPO or GSPO loss
+     (`policy_loss`), with rollout_is weighted against the sampler's logprobs.
+
+Row layout of the train batch, as the sampler lays out its own rows: `inputs` (and its positions
+and segments) [rows, P + C] is the prompt left-padded to end at column P, then the completion
+right-padded to C columns (P and C: the step's longest prompt and completion rounded up to a power
+of two, C at most rollout_max_response_len). The completion-side arrays are [rows, C]: `targets`
+are the completion tokens, predicted from columns P-1 .. P+C-2, and `loss_mask` is 1 for the
+sampled ones (up to and including the stop token). Only those C columns go through the output
+head: the prompt's logits are never computed. A group's n rows are consecutive and share their P
+prompt columns, which the passes compute once per group where the model can (token_stats).
+Every rollout is a workflow's trajectory (rollout/workflow.py): a row's completion is everything
+after the prompt (C at most the workflow's max_tokens: a multi-turn episode's episode_max_tokens),
+the environment's tokens targets with loss_mask 0.
+
+With rl_packing the passes and the updates take each mini-batch's sequences (prompt + completion)
+packed into rows instead (data/rl_packing.py: first-fit-decreasing, a segment each, every field
+aligned with `inputs`, so P = 0 and C = the row's width); the host keeps the layout above, the
+programs' outputs come back into it, and the losses take the per-sequence quantities per segment
+(losses.Sequences). Packing puts a group's copies wherever they fit, so no row shares a prompt
+with its neighbour: the shared-prompt pass is off (packing wins, logged), since the user asked to
+stop paying for padding, which on long-tailed rounds outweighs the prompt's repeats.
+
+With moe_routing_replay the colocated sampler records the experts every token ran in each MoE
+layer (its prefill's for the prompt, its decode steps' for the completion), `routes` [rows, P + C,
+L, k] lays them out like `inputs` (-1: the trainer routes that token itself: padding, and a
+completion's last token, which no target reads), and the logprob pass and every update route by
+them, so the old and the new policy take the sampler's experts. The old policy then always has a
+pass of its own, which also measures `moe/replay_changed_fraction`: the share of replayed sampled
+tokens whose experts the trainer's own router would have changed in some layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from unitrain import advantages as advantages_lib
+from unitrain import losses, plugins, rewards, rollout, sharding
+from unitrain import step as step_lib
+from unitrain.data.prompts import make_prompt_iterator
+from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
+from unitrain.evals import TaskEvaluator
+from unitrain.models import moe
+from unitrain.rollout.base import SamplingParams, close, release
+from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
+from unitrain.rollout.buffer import RolloutBuffer
+from unitrain.rollout.driver import start_groups
+from unitrain.rollout.groups import make_filter
+from unitrain.rollout.shaping import reward_shapers, row_filters
+from unitrain.rollout.workflow import make_workflow
+from unitrain.tasks.base import RunContext, Task
+from unitrain.tasks.reference import Reference
+
+log = logging.getLogger("unitrain")
+
+ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "sampler_logprobs")
+
+
+def token_stats(
+    graphdef, temperature: float, chunk_size: int, params, batch, with_entropy: bool = False, group_rows: int = 1
+):
+    """losses.TokenStats of the completion tokens at the sampling temperature, float32 [rows, C].
+    group_rows > 1: the rows come in runs of that many copies of one prompt, whose prompt columns
+    the model computes once per run (`hidden_states_shared_prefix`). Packed rows (P = 0): every column's."""
+    model = nnx.merge(graphdef, params)
+    rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    C = batch["targets"].shape[1]
+    P = rows[0].shape[1] - C
+    # Routing replay: the recorded routes as a keyword, so that a model without experts never sees one.
+    replay = {"routes": batch["routes"]} if "routes" in batch else {}
+    if group_rows > 1:
+        hidden = model.hidden_states_shared_prefix(*rows, P, group_rows, **replay)
+    else:
+        hidden = model.hidden_states(*rows, **replay)
+    hidden = hidden[:, P - 1 : P - 1 + C] if P else hidden
+    return losses.token_stats(model.logits, hidden, batch["targets"], chunk_size, temperature, with_entropy)
+
+
+def shared_prompt_rows(cfg, rows_per_update: int, model, devices: int) -> dict:
+    """The runs of rows that share a prompt in the logprob pass and in an update's micro-batch (1:
+    every row computes its own). A pass shares where its rows hold whole groups and every device
+    its own whole groups: the logprob pass takes contiguous rows, and train_step's micro-batch j
+    rows j, j+k, j+2k, ..., so a group's n rows come to it as a run of n/k."""
+    n, k, rows = cfg.n_samples_per_prompt, cfg.gradient_accumulation_steps, rows_per_update
+    if not hasattr(model, "hidden_states_shared_prefix"):
+        return {"logprobs": 1, "update": 1}
+    fits = lambda count, run: count % (run * devices) == 0  # whole runs on every device
+    return {"logprobs": n if fits(rows, n) else 1, "update": n // k if n % k == 0 and fits(rows // k, n // k) else 1}
+
+
+def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batch) -> dict:
+    """The logprobs the update takes as inputs, in one program: the old policy's (`with_old`) and the
+    reference's (`ref_device`: its shardings in device memory, None without a KL term; it may be
+    kept in host memory, so it is brought over here)."""
+    out = {}
+    if with_old:
+        with moe.collect_router_stats() as collected:
+            out["old_logprobs"] = stats(params, batch).logprobs
+        if "routes" in batch:
+            out["replay_changed"] = replay_changed(collected[-1], batch["targets"].shape)
+    if ref_device is not None:
+        out["ref_logprobs"] = stats(jax.device_put(ref_params, ref_device), batch).logprobs
+    return out
+
+
+def replay_changed(completions: moe.RouterStats, shape: tuple[int, int]) -> jax.Array:
+    """[rows, C] float32: 1 where a completion column's replayed token would have gone to other
+    experts in some layer, from the RouterStats of the forward's part that ends with the C
+    completion columns (the whole row, or the shared-prompt pass's completion part)."""
+    changed = jnp.any(completions.changed, axis=0).reshape(shape[0], -1)
+    return changed[:, -shape[1] :].astype(jnp.float32)
+
+
+def trajectories(groups) -> list:
+    """The groups' trajectories in row order."""
+    return [t for g in groups for t in g.trajectories]
+
+
+def replay_routes(groups, P: int, C: int) -> np.ndarray:
+    """[rows, P + C, L, k] int32: each row's recorded routes laid out as `to_rows` lays out its
+    tokens (the prompt left-padded to end at column P, the completion after it); -1 elsewhere."""
+    rows = trajectories(groups)
+    out = np.full((len(rows), P + C, *rows[0].routes.shape[1:]), -1, np.int32)
+    for r, t in enumerate(rows):
+        out[r, P - len(t.prompt_ids) : P] = t.prompt_routes
+        out[r, P : P + len(t.ids)] = t.routes
+    return out
+
+
+def turn_discounts(groups, columns: int, discount: float) -> np.ndarray:
+    """[rows, columns] float32: discount ** (turns after the token's own) on each trajectory's sampled
+    tokens (0 elsewhere), so that with advantages [rows] the product credits later turns more."""
+    rows = trajectories(groups)
+    out = np.zeros((len(rows), columns), np.float32)
+    for r, t in enumerate(rows):
+        sampled = t.turn_index >= 0
+        out[r, : len(t.ids)][sampled] = discount ** (t.turns - 1 - t.turn_index[sampled])
+    return out
+
+
+class RLTask(Task):
+    """The RL step of the module docstring. A mode picks its estimator (`estimator`, a registry name
+    or plugin) and its extra learners (`learners`: objects with passes(state, batch) -> {key: [rows, C]}
+    and update(state, batch) -> (state, metrics), trained before the policy on the same rows)."""
+
+    estimator: str
+
+    def __init__(self, run: RunContext, *, prompts=None, sampling: SamplingParams | None = None):
+        """`prompts`: the prompt stream (next() -> {"prompts", "num_dropped"}, get_state, set_state;
+        None: the config's dataset); `sampling`: the rollouts' (None: the config's rollout_* keys,
+        stopping at EOS). tools/bench.py gives both: random prompts, no stop token."""
+        super().__init__(run)
+        cfg, tokenizer = self.cfg, run.tokenizer
+        self.reward_fn = rewards.make_reward_fn(cfg)
+        self.keep = make_filter(cfg.dynamic_sampling_filter)
+        self.sampler = rollout.make_sampler(run)
+        self.workflow = make_workflow(run)
+        self.max_completion = self.workflow.max_tokens
+        self.shapers = reward_shapers(cfg, self.max_completion)
+        self.row_filters = row_filters(cfg)
+        self.estimate = advantages_lib.make_estimator(self.estimator)
+        self.learners: list = []
+        # Every process samples the same prompts with the same key (the sampler wants identical
+        # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
+        if prompts is None:
+            prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+        self.rollouts = RolloutBuffer(cfg, prompts, self.start_round, self.keep)
+        self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
+        self.sampling = sampling or SamplingParams.from_config(cfg, stop_token_ids=(tokenizer.eos_id,))
+        self.replay = cfg.moe_routing_replay
+        if self.replay:
+            self.sampling = dataclasses.replace(self.sampling, record_routes=True)
+        self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
+        self.packing = cfg.rl_packing
+        self.group_rows = shared_prompt_rows(
+            cfg, run.layout.rows_per_update, run.model, batch_parallelism(run.mesh, run.rules)
+        )
+        if self.packing:
+            if max(self.group_rows.values()) > 1:
+                log.info("rl_packing: packed rows hold no whole groups, so each sequence computes its own prompt")
+            self.group_rows = {"logprobs": 1, "update": 1}
+        # Replay measures the routes the trainer would change in the old policy's pass.
+        self.separate_old = run.layout.updates_per_step > 1 or cfg.use_kl_in_reward or self.replay
+        log.info(
+            "GRPO passes: old-policy logprobs %s; a group's prompt computed once per %d rows in the "
+            "logprob pass and per %d in the update (1: each row its own)",
+            "in a pass of their own" if self.separate_old else "from the update's forward",
+            self.group_rows["logprobs"],
+            self.group_rows["update"],
+        )
+        # The reference policy is the starting one, kept only when a KL term needs it.
+        self.reference = Reference(run) if cfg.kl_coef > 0 else None
+        self.logprob_fn = None
+        if self.separate_old or self.reference is not None:
+            stats = functools.partial(self.stats, group_rows=self.group_rows["logprobs"])
+            ref_device = None if self.reference is None else self.reference.device
+            self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, stats, self.separate_old, ref_device))
+        self.policy_loss_config = losses.PolicyLossConfig.from_config(cfg)
+        self.update_fn = step_lib.make_train_step(
+            self.loss,
+            step_lib.StepConfig.from_config(cfg, run.learning_rate),
+            run.optimizer,
+            run.state_shardings,
+            self.batch_shardings(),
+        )
+        self.evaluator = None
+        if cfg.evaluates:  # the data format's own evaluation (a recommender's HR/NDCG) or the generation eval
+            # of the configured workflow (ranked rollouts are evaluated by their greedy answer)
+            self.evaluator = plugins.data_format(cfg).evaluator(cfg, tokenizer, self.sampler) or TaskEvaluator(
+                cfg, tokenizer, self.sampler, self.reward_fn, make_workflow(run, cfg.workflow)
+            )
+        self.text = ""
+
+    # -- what the loop and the step see
+    def loss(self, params, batch):
+        """The clipped policy loss of one micro-batch, in train_step's loss_fn form."""
+        cfg = self.cfg
+        stats = self.stats(params, batch, with_entropy=True, group_rows=self.group_rows["update"])
+        sequences = losses.packed_sequences(batch["inputs_segmentation"]) if self.packing else losses.ROWS
+        old = batch["old_logprobs"] if self.separate_old else jax.lax.stop_gradient(stats.logprobs)
+        mask, weights, is_metrics = batch["loss_mask"], None, {}
+        if cfg.rollout_is:  # against the old policy, whichever pass it came from
+            weights, mask, is_metrics = losses.rollout_correction(
+                old,
+                batch["sampler_logprobs"],
+                mask,
+                level=cfg.rollout_is_level,
+                mode=cfg.rollout_is_mode,
+                threshold=cfg.rollout_is_threshold,
+                threshold_lower=cfg.rollout_is_threshold_lower,
+                sequences=sequences,
+            )
+        loss_sum, denom, metrics = losses.policy_loss(
+            stats.logprobs,
+            old,
+            batch["advantages"],
+            mask,
+            self.policy_loss_config,
+            ref_logprobs=batch["ref_logprobs"] if self.policy_loss_config.kl_coef > 0 else None,
+            entropy=stats.entropy,
+            pg_weights=weights,
+            sequences=sequences,
+        )
+        metrics.update(is_metrics)
+        sampled = batch["loss_mask"].astype(jnp.float32)
+        gap = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(old)) * sampled
+        metrics["sampler_trainer_logprob_gap"] = (gap.sum(), sampled.sum())
+        return loss_sum, (denom, metrics)
+
+    def batch_shardings(self) -> dict:
+        rows2d = sharding.batch_sharding(self.run.mesh, self.run.rules)
+        keys = [*ROW_KEYS] + ["old_logprobs"] * self.separate_old + ["ref_logprobs"] * (self.reference is not None)
+        keys += ["routes"] * self.replay  # [rows, P + C, L, k]: split by rows as the rest
+        return {
+            **{k: rows2d for k in keys},
+            "advantages": rows2d
+            if self.per_token_advantages() or self.packing
+            else sharding.batch_sharding(self.run.mesh, self.run.rules, ("batch",)),
+        }
+
+    def per_token_advantages(self) -> bool:
+        """Whether the advantages are [rows, C] (else [rows], one per completion)."""
+        return self.cfg.turn_discount < 1
+
+    def evaluate(self, params, step):
+        return self.evaluator(params, step) if self.evaluator else {}
+
+    def close(self) -> None:
+        close(self.sampler)
+
+    def samples_text(self, step):
+        return self.text if step % self.cfg.sample_log_period == 0 else ""
+
+    def step(self, state, step: int):
+        t0 = time.perf_counter()
+        groups, stats = self.take_rollouts(state, step)
+        t1 = time.perf_counter()
+        batch = self.to_rows(groups)
+        batch.update(self.rollout_passes(state, batch))
+        if self.replay:
+            stats["moe/replay_changed_fraction"] = self.replay_changed_fraction(batch)
+        mask = batch["loss_mask"].astype(bool)
+        advantages, advantage_metrics = self.advantages(batch, groups)
+        batch.update(advantages)
+        stats.update(advantage_metrics)
+        for row_filter in self.row_filters:
+            keep, filter_metrics = row_filter(groups)
+            batch["loss_mask"] = batch["loss_mask"] * keep[:, None]
+            stats.update(filter_metrics)
+        t2 = time.perf_counter()
+        state, update_metrics = self.update(state, batch, step)
+        t3 = time.perf_counter()
+        # time_rollout is the time the step waited for its rollouts; only on-policy is that their sampling time.
+        metrics = {
+            **update_metrics,
+            **stats,
+            **self.rollout_metrics(groups),
+            "time_rollout": t1 - t0,
+            "time_logprob": t2 - t1,
+            "time_update": t3 - t2,
+        }
+        if not self.cfg.max_staleness:
+            metrics["rollout_tokens_per_sec"] = float(mask.sum()) / max(t1 - t0, 1e-9)
+            metrics["episodes_per_sec"] = len(mask) / max(t1 - t0, 1e-9)
+        if step % self.cfg.sample_log_period == 0:
+            self.text = self.workflow.markdown(groups)
+        return state, metrics
+
+    # -- the stages of a step
+    def take_rollouts(self, state, step: int) -> tuple[list, dict]:
+        """The step's groups from the buffer, the step's weights pushed to the sampler before it samples."""
+        pushed, parts = {}, {}
+
+        def push(version):
+            if version in pushed:
+                return
+            start = time.perf_counter()
+            self.sampler.update_weights(state["params"], version)
+            pushed[version] = time.perf_counter() - start
+            for name, seconds in getattr(self.sampler, "push_timings", {}).items():
+                parts[name] = parts.get(name, 0.0) + seconds
+
+        if self.cfg.max_staleness:
+            # The later turns of the rounds sampled ahead (a multi-turn episode's) are sampled when their
+            # round is taken, with this step's weights (the colocated sampler's earlier ones were donated).
+            push(step)
+        self.reward_fn.metrics()  # drop what an evaluation's scoring measured: the rm/* metrics are the step's rounds'
+        groups, stats = self.rollouts.take(step, push)
+        stats.update(self.reward_fn.metrics())
+        release(self.sampler)  # no sampling before the next push: what it kept goes before the update
+        stats.update(parts, time_weight_push=sum(pushed.values()))
+        return groups, stats
+
+    def start_round(self, prompts, key):
+        """One prompt batch's rollouts, started (rollout/buffer.py): -> the function that waits for
+        its groups, scored and reshaped (before a dynamic-sampling filter sees them)."""
+        n = self.cfg.n_samples_per_prompt
+        finish = start_groups(self.sampler, self.workflow, prompts, n, self.sampling, key, self.reward_fn)
+
+        def groups():
+            out = finish()
+            for shape in self.shapers:
+                out = [shape(g) for g in out]
+            return out
+
+        return groups
+
+    def to_rows(self, groups) -> dict:
+        """The rows of the module docstring's layout, from the groups' prompts and completions."""
+        # As long as this step needs, rounded up to a power of two: bounded recompilation.
+        P = bucket_prompt_length(max(len(g.prompt.ids) for g in groups))
+        C = min(bucket_prompt_length(max(len(t.ids) for t in trajectories(groups))), self.max_completion)
+        rows, pad = len(groups) * self.cfg.n_samples_per_prompt, self.run.tokenizer.pad_id
+        arrays = {k: np.zeros((rows, P + C), np.int32) for k in ("inputs", "inputs_position", "inputs_segmentation")}
+        arrays.update(
+            targets=np.full((rows, C), pad, np.int32),
+            loss_mask=np.zeros((rows, C), np.int32),
+            sampler_logprobs=np.zeros((rows, C), np.float32),
+        )
+        arrays["inputs"][:] = pad
+        if self.replay:
+            arrays["routes"] = replay_routes(groups, P, C)
+        for r, t in enumerate(trajectories(groups)):
+            length = len(t.ids)
+            start, end = P - len(t.prompt_ids), P + length
+            arrays["inputs"][r, start:end] = [*t.prompt_ids, *t.ids]
+            arrays["inputs_position"][r, start:end] = np.arange(end - start)
+            arrays["inputs_segmentation"][r, start:end] = 1
+            arrays["targets"][r, :length] = t.ids
+            arrays["loss_mask"][r, :length] = t.loss_mask  # episodes: not the environment's tokens
+            arrays["sampler_logprobs"][r, :length] = t.logprobs
+        return arrays
+
+    def rollout_passes(self, state, batch) -> dict:
+        """What the updates read of the models before they change them, [rows, C] each: the old and
+        the reference logprobs (rollout_logprobs), where the config needs them, and each learner's."""
+        out = self.logprobs(state["params"], batch) if self.logprob_fn is not None else {}
+        for learner in self.learners:
+            out.update(learner.passes(state, batch))
+        return out
+
+    def replay_changed_fraction(self, batch) -> float:
+        """The share of the replayed sampled tokens whose experts the old policy's router would have
+        changed (the logprob pass's `replay_changed`, taken out of the batch)."""
+        C = batch["targets"].shape[1]
+        replayed = batch["loss_mask"].astype(bool) & (batch["routes"][:, -C:, 0, 0] >= 0)
+        changed = batch.pop("replay_changed").astype(bool) & replayed
+        return float(changed.sum() / max(replayed.sum(), 1))
+
+    def advantages(self, batch, groups) -> tuple[dict, dict]:
+        """({"advantages", ...}, metrics) of the mode's estimator (advantages.py); with a
+        turn_discount below 1, per-row advantages become per token."""
+        cfg = self.cfg
+        kl = None
+        if cfg.use_kl_in_reward and self.reference is not None:
+            kl = np.asarray(losses.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_type))
+        arrays, metrics = self.estimate(
+            advantages_lib.Rollout(
+                rewards=np.concatenate([g.rewards for g in groups]).astype(np.float32),
+                group_ids=np.repeat(np.arange(len(groups)), cfg.n_samples_per_prompt),
+                num_groups=len(groups),
+                loss_mask=batch["loss_mask"],
+                kl=kl,
+                values=batch.get("values"),
+                cfg=cfg,
+            )
+        )
+        if arrays["advantages"].ndim == 1 and self.per_token_advantages():
+            columns = batch["targets"].shape[1]
+            arrays["advantages"] = arrays["advantages"][:, None] * turn_discounts(groups, columns, cfg.turn_discount)
+        return arrays, metrics
+
+    def logprobs(self, params, batch) -> dict:
+        """rollout_logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
+        ref_params = None if self.reference is None else self.reference.of(params)
+        return self.row_pass("logprobs", self.logprob_fn, params, ref_params, batch)
+
+    def row_pass(self, name: str, fn, *args_and_batch) -> dict:
+        """fn(*args, rows) -> {name: [rows, C]} over the batch's rows in update-sized chunks (one
+        compiled shape), gathered on the host; `args_and_batch` ends with the batch."""
+        *args, batch = args_and_batch
+        keys = ("inputs", "inputs_position", "inputs_segmentation", "targets", *["routes"] * self.replay)
+        shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
+        chunks = self.chunks(batch, keys)
+        outs = [
+            self.run.programs(self.program_name(name, rows), fn, *args, step_lib.full_rows_to_global(rows, shardings))
+            for rows, _, _ in chunks
+        ]
+        outs = jax.tree.map(step_lib.to_host, outs)
+        outs = [
+            o if plan is None else {k: plan.unpack(v, n) for k, v in o.items()} for o, (_, plan, n) in zip(outs, chunks)
+        ]
+        return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+
+    def chunks(self, batch, keys) -> list[tuple[dict, RolloutPacking | None, int]]:
+        """The update-sized chunks of the batch's `keys` as the programs take them: (rows, the
+        packing that brings a packed output back to the batch's layout (None: unpacked), the
+        chunk's sequences). With rl_packing every chunk of a step has the same packed rows (the
+        most any needs, bucketed to whole micro-batches on every device): one compiled shape."""
+        chunk = self.run.layout.rows_per_update
+        parts = [{k: v[s : s + chunk] for k, v in batch.items()} for s in range(0, len(batch["inputs"]), chunk)]
+        if not self.packing:
+            return [({k: p[k] for k in keys}, None, len(p["inputs"])) for p in parts]
+        width = self.cfg.rl_packing_row_tokens or batch["inputs"].shape[1]
+        need = max(packed_rows_needed(sum(completion_rows(p)), width) for p in parts)
+        multiple = self.cfg.gradient_accumulation_steps * batch_parallelism(self.run.mesh, self.run.rules)
+        rows = bucket_packed_rows(need, multiple)
+        pad = self.run.tokenizer.pad_id
+        plans = [RolloutPacking.plan(p, width, rows) for p in parts]
+        return [({k: plan.pack(k, p[k], pad) for k in keys}, plan, len(p["inputs"])) for p, plan in zip(parts, plans)]
+
+    def program_name(self, name: str, rows: dict) -> str:
+        count, width = rows["inputs"].shape
+        return f"{name} ({count} packed rows of {width})" if self.packing else f"{name} (rows of {width})"
+
+    def update(self, state, batch, step: int):
+        """The learners' updates, then (unless trains_policy says not yet) the policy's: num_iterations
+        passes over the rows in mini-batches; metrics are averaged over updates."""
+        metrics = {}
+        for learner in self.learners:
+            state, learner_metrics = learner.update(state, batch)
+            metrics.update(learner_metrics)
+        if self.trains_policy(step):
+            policy = {k: state[k] for k in ("params", "opt_state", "step")}
+            policy, policy_metrics = self.updates("grpo_update", self.update_fn, policy, batch, self.batch_shardings())
+            state = {**state, **policy}
+            metrics.update(policy_metrics)
+        return state, metrics
+
+    def trains_policy(self, step: int) -> bool:
+        return True
+
+    def updates(self, name: str, update_fn, state, batch, shardings):
+        """num_iterations passes of update_fn over the rows in mini-batches of the keys of `shardings`,
+        one optimizer update each: (state, metrics averaged over the updates)."""
+        chunks = [step_lib.full_rows_to_global(rows, shardings) for rows, _, _ in self.chunks(batch, shardings)]
+        collected = []
+        for _ in range(self.cfg.num_iterations):
+            for mb in chunks:
+                state, m = self.run.programs(self.program_name(name, mb), update_fn, state, mb)
+                collected.append(m)
+        # One device->host copy for all updates of the step.
+        stacked = jax.device_get(collected)
+        return state, {k: float(np.mean([m[k] for m in stacked])) for k in stacked[0]}
+
+    def rollout_metrics(self, groups) -> dict:
+        rewards_ = np.concatenate([g.rewards for g in groups])
+        lengths = np.asarray([len(t.ids) for t in trajectories(groups)], np.int32)
+        metrics = {
+            "reward_mean": rewards_.mean(),
+            "reward_std": rewards_.std(),
+            "reward_min": rewards_.min(),
+            "reward_max": rewards_.max(),
+            "response_length_mean": lengths.mean(),
+            "response_length_max": lengths.max(),
+            "response_clip_ratio": float(np.mean(lengths >= self.max_completion)),
+            "zero_std_group_fraction": float(np.mean([np.std(g.rewards) == 0 for g in groups])),
+            **self.workflow.metrics(trajectories(groups)),
+        }
+        for name in groups[0].per_reward:
+            values = np.concatenate([g.per_reward[name] for g in groups])
+            metrics.update({f"reward_{name}_{stat}": getattr(values, stat)() for stat in ("mean", "std", "min", "max")})
+        return {k: float(v) for k, v in metrics.items()}
