@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unitrain import metrics, reward_model, rollout, sharding
+from unitrain import metrics, reward_model, sharding
 from unitrain.config import load_config
 from unitrain.errors import ConfigError
 from unitrain.models import decoder
 from unitrain.models.scalar_head import build_scalar_model
+from unitrain.rollout import engines
 from unitrain.run import build_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -242,7 +243,7 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     assert result["config"]["mesh_shape"]["fsdp"] == 8
 
     run, state = build_run(cfg)
-    sampler = rollout.make_sampler(run)
+    sampler = engines.make_sampler(run)
     prompts, sampling = [[1] * 9] * 5, bench.rollout_sampling(cfg, 6)
     sampler.update_weights(bench.abstract_run(cfg)[1]["params"], 0)
     sampler.generate_program(sampler.generate_call(prompts, sampling, jax.random.key(0)))
@@ -381,7 +382,7 @@ def test_decode_bytes_are_the_weights_and_the_cache_attended(tiny_checkpoint, ph
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         cfg = load_config(["configs/base.yml", f"load_parameters_path={path}", f"dtype={dtype}"])
         run, state = build_run(cfg)
-        sampler = rollout.make_sampler(run)
+        sampler = engines.make_sampler(run)
         rows, columns = sampler.block_shape(5, 9)
         assert (rows, columns) == (8, 16)  # powers of two, prompts at least 16 (generate's bucketing)
         head_dim = hf["hidden_size"] // hf["num_attention_heads"]

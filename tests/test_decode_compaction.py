@@ -17,9 +17,9 @@ import test_beam
 from conftest import make_cfg
 from test_rollout import PROMPTS, naive_sample, tiny_model
 from unitrain.config import load_config
-from unitrain.data.prompts import Prompt
+from unitrain.data.prompt_ids import Prompt
 from unitrain.errors import ConfigError
-from unitrain.rollout import buckets, programs
+from unitrain.rollout import buckets, engines, programs
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.beam import BeamParams
 from unitrain.rollout.colocated import ColocatedSampler
@@ -201,11 +201,10 @@ def test_episodes_submit_live_rows_with_their_budgets_and_sample_as_without_comp
 
 
 def test_rollout_compaction_reaches_the_sampler_and_is_checked():
-    from unitrain import rollout
     from unitrain.run import build_run
 
     run, _ = build_run(make_cfg(model_name="tiny", rollout_compaction=4))
-    sampler = rollout.make_sampler(run)
+    sampler = engines.make_sampler(run)
     # Powers of two down to 4 rows, each a multiple of the devices the rows split over.
     assert sampler.row_buckets(64) == tuple(b for b in (64, 32, 16, 8, 4) if b % sampler.parallelism == 0)
     one_device = ColocatedSampler(tiny_model(), compaction=4)

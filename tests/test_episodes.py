@@ -11,11 +11,12 @@ import pytest
 from flax import nnx
 
 from conftest import REPO, make_cfg
-from unitrain import rollout, train
-from unitrain.data.prompts import Prompt
+from unitrain import train
+from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.envs.base import StepResult
 from unitrain.errors import ConfigError
+from unitrain.rollout import engines
 from unitrain.rollout.base import Completions, SamplingParams
 from unitrain.rollout.buckets import bucket_prompt_length
 from unitrain.rollout.driver import _group, run_groups
@@ -276,7 +277,7 @@ def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
         per_device_batch_size=1,
     )
     run, state = build_run(cfg)
-    sampler = rollout.make_sampler(run)
+    sampler = engines.make_sampler(run)
     sampler.update_weights(state["params"], 5)
     wf = MultiTurn(run)
     # A random model seldom samples EOS: any letter or digit ends a turn too, so episodes go on.
@@ -338,7 +339,7 @@ class NoEpisode:
 
 
 def test_a_workflow_class_that_is_not_a_workflow_is_one_line():
-    from unitrain.rollout.workflow import make_workflow
+    from unitrain.rollout.driver import make_workflow
 
     cfg = make_cfg(mode="grpo", workflow="test_episodes:NoEpisode")
     with pytest.raises(ConfigError, match="is not a subclass of unitrain.rollout.workflow.Workflow"):

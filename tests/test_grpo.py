@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, sigterm_after_step
-from unitrain import evals, lora, losses, run, tasks, train
+from unitrain import evals, lora, losses, modes, run, train
 from unitrain.config import load_config
 from unitrain.errors import RunEndedEarly
 from unitrain.rollout.groups import Group, nonzero_std, select_groups
@@ -39,7 +39,7 @@ def config(tmp_path, *overrides):
 
 def make_step(cfg):
     built, state = run.build_run(cfg)
-    task = tasks.create(built)
+    task = modes.create(built)
     task.sampler.update_weights(state["params"], 0)
     return task, built.graphdef, state["params"], built.mesh
 
@@ -122,7 +122,7 @@ def test_the_samplers_decode_weights_are_released_before_an_update_and_after_an_
     built, state = run.build_run(
         config(tmp_path, "eval_interval=1", "eval_num_samples=4", "eval_n_samples=2", "eval_pass_k=2")
     )
-    task = tasks.create(built)
+    task = modes.create(built)
     update, seen = task.update, []
     monkeypatch.setattr(
         task, "update", lambda state, batch, step: (seen.append(task.sampler.decode), update(state, batch, step))[1]

@@ -1,6 +1,7 @@
 """The house reads one way: no import cycle among the modules of src/unitrain and adapters/ (every
-import statement counts, those inside functions too), and `import unitrain.config` loads no JAX and
-no unitrain module but its leaves."""
+import statement counts, those inside functions too, and a module that resolves a registry table's
+names, `plugins.resolve(..., registry.TABLE, ...)`, imports the modules they name), and `import
+unitrain.config` loads no JAX and no unitrain module but its leaves."""
 
 import ast
 import json
@@ -48,9 +49,29 @@ def imported_names(module: str, path, modules) -> set:
     return {name for name in with_parents if name in modules and name != module}
 
 
+def resolved_names(path, tables: dict, modules) -> set:
+    """The modules named by the registry tables that the file passes to a `resolve` call."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "resolve":
+            for arg in node.args:
+                if isinstance(arg, ast.Attribute) and getattr(arg.value, "id", "") == "registry":
+                    names |= {spec.split(":")[0] for spec in tables.get(arg.attr, {}).values()}
+    return names & set(modules)
+
+
+def registry_tables() -> dict:
+    from unitrain import registry
+
+    return {k: v for k, v in vars(registry).items() if k.isupper() and isinstance(v, dict)}
+
+
 def import_graph() -> dict:
-    files = module_files()
-    return {module: imported_names(module, path, files) for module, path in files.items()}
+    files, tables = module_files(), registry_tables()
+    return {
+        module: (imported_names(module, path, files) | resolved_names(path, tables, files)) - {module}
+        for module, path in files.items()
+    }
 
 
 def cycles(graph: dict) -> list[list[str]]:
@@ -77,6 +98,8 @@ def test_the_graph_sees_function_level_relative_and_parent_imports(tmp_path):
     assert imported_names("pkg.a", package / "a.py", modules) == {"pkg", "pkg.b"}
     assert imported_names("pkg.b", package / "b.py", modules) == {"pkg", "pkg.c", "pkg.d", "pkg.d.e"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    (package / "e.py").write_text("from pkg import registry\nplugins.resolve(name, registry.SEAM, 'key')\n")
+    assert resolved_names(package / "e.py", {"SEAM": {"x": "pkg.c:f", "y": "other:g"}}, modules) == {"pkg.c"}
 
 
 def test_no_import_cycle():

@@ -15,7 +15,7 @@ import transformers
 from flax import nnx
 
 from conftest import REPO, make_cfg, write_jsonl
-from unitrain import checkpoint, run, tasks, train
+from unitrain import checkpoint, modes, run, train
 from unitrain.errors import ConfigError
 
 TOKENS = np.random.default_rng(0).integers(1, 200, (8, 12)).astype(np.int32)  # a row per device
@@ -55,7 +55,7 @@ def _sft_cfg(tmp_path, ckpt=None, **keys):
 
 
 def _train_steps(r, state, n):
-    task = tasks.create(r)
+    task = modes.create(r)
     with jax.set_mesh(r.mesh):
         for s in range(n):
             state, _ = task.step(state, s)

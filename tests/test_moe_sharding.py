@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 
 from conftest import only_first_device
 from test_scale import config, fixed_grpo_batch, grpo_update
-from unitrain import run, sharding, tasks
+from unitrain import modes, run, sharding
 from unitrain.errors import ConfigError
 from unitrain.models import moe
 
@@ -144,7 +144,7 @@ SFT = ["max_target_length=32", "eval_interval=0", "peak_flops_per_device=1e12", 
 
 def sft_steps(cfg, steps=2):
     built, state = run.build_run(cfg)
-    task = tasks.create(built)
+    task = modes.create(built)
     losses = []
     for s in range(steps):
         state, metrics = task.step(state, s)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO, sigterm_after_step
-from unitrain import losses, run, tasks, train
+from unitrain import losses, modes, run, train
 from unitrain.config import load_config
 
 GAMMA, LAM = 0.97, 0.9
@@ -221,7 +221,7 @@ def config(tmp_path, *overrides):
 
 def make_task(cfg):
     built, state = run.build_run(cfg)
-    task = tasks.create(built)
+    task = modes.create(built)
     return task, task.train_state(state)
 
 

@@ -14,7 +14,8 @@ from jax import lax
 
 from conftest import only_first_device
 from test_train import config
-from unitrain import metrics, models, sharding, train
+from unitrain import metrics, sharding, train
+from unitrain.models import sources
 from unitrain.tasks import sft
 
 LOG_PERIOD = 4
@@ -101,7 +102,7 @@ def test_every_line_is_its_intervals_tokens_over_its_wall_time(tmp_path, monkeyp
         f"checkpoint_period={STEPS}",
     )
     ones = dict(data=1, fsdp=1, tensor=1)
-    flops_per_token = models.build(cfg, sharding.create_mesh(ones, ones, jax.devices()[:1])).flops_per_token(LENGTH)
+    flops_per_token = sources.build(cfg, sharding.create_mesh(ones, ones, jax.devices()[:1])).flops_per_token(LENGTH)
     tokens = ROWS * LENGTH
     # The fastest step at MFU 0.5: a line above 1 counts a step's work in less than its device's time.
     peak = 2 * tokens * flops_per_token / FASTEST

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from conftest import REPO, copy_with_bos, make_cfg
-from unitrain import reward_model, rewards, run, tasks, train
+from unitrain import modes, reward_model, rewards, run, train
 from unitrain.errors import ConfigError
 
 TOL = 1e-4  # float32 on both sides, as the classifier parity tests (test_scalar_head.py)
@@ -242,7 +242,7 @@ def test_another_vocabulary_than_the_policys_scores_the_decoded_rollouts(tiny_ch
     )
     built, state = run.build_run(cfg)
     assert built.tokenizer.vocab_size != reward_model._scorer(cfg).tokenizer.vocab_size
-    task = tasks.create(built)
+    task = modes.create(built)
     groups, _ = task.rollouts.take(0, lambda version: task.sampler.update_weights(state["params"], version))
     prompts = [g.prompt.text for g in groups for _ in g.texts]
     completions = [t for g in groups for t in g.texts]

@@ -10,7 +10,7 @@ import pytest
 
 from bench import long_tailed_groups
 from conftest import REPO
-from unitrain import run, tasks
+from unitrain import modes, run
 from unitrain.config import load_config
 from unitrain.data.rl_packing import first_fit_decreasing
 
@@ -106,7 +106,7 @@ def one_step(cfg):
     """(metrics, the state after one step, the params before, the task) of one step (RL modes: on
     the fixed round)."""
     built, state = run.build_run(cfg)
-    task = tasks.create(built)
+    task = modes.create(built)
     if cfg.mode != "dpo":
         groups = fixed_groups(cfg, built.tokenizer)
         task.rollouts.take = lambda step, push: (groups, {})
@@ -167,7 +167,7 @@ def test_packing_fills_fewer_rows_than_the_round_has_sequences(tmp_path):
     sequences a row, and the completion fields come back to the unpacked layout unchanged."""
     cfg = config(tmp_path, "mode=grpo", "rl_packing=true")
     built, _ = run.build_run(cfg)
-    task = tasks.create(built)
+    task = modes.create(built)
     batch = task.to_rows(fixed_groups(cfg, built.tokenizer))
     ((rows, plan, n),) = task.chunks(batch, ("inputs", "inputs_segmentation", "targets", "loss_mask"))
     assert rows["inputs"].shape == (8, batch["inputs"].shape[1]) and n == 16

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 from test_grpo import FAST, config, make_step
 from unitrain import train
-from unitrain.data.prompts import Prompt
+from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.rollout.base import Completions

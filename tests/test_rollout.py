@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import small_model_config
 from unitrain import sharding
 from unitrain.models import decoder as model_lib
-from unitrain.rollout import buckets, colocated, programs
+from unitrain.rollout import buckets, colocated, engines, programs
 from unitrain.rollout.base import SamplingParams
 
 CFG = small_model_config()
@@ -163,11 +163,10 @@ def test_prompts_in_one_bucket_compile_once(caplog):
 def test_rollout_cache_phases_reach_the_sampler(caplog, phases, new_tokens, compiled):
     """The config key picks the decode loop's phases (fewer when there are fewer new tokens)."""
     from conftest import make_cfg
-    from unitrain import rollout
     from unitrain.run import build_run
 
     run, state = build_run(make_cfg(model_name="tiny", rollout_cache_phases=phases))
-    sampler = rollout.make_sampler(run)
+    sampler = engines.make_sampler(run)
     sampler.update_weights(state["params"], 0)
     with caplog.at_level(logging.INFO, logger="unitrain"):
         out = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=1.0), jax.random.key(0))

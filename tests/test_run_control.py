@@ -17,9 +17,10 @@ import yaml
 from flax import nnx
 
 from conftest import REPO, make_cfg
-from unitrain import checkpoint, models, run, run_dir, sharding, tasks, train
+from unitrain import checkpoint, modes, run, run_dir, sharding, train
 from unitrain.config import MODEL_KEYS, load_config
 from unitrain.errors import ConfigError
+from unitrain.models import sources
 
 BASE = str(REPO / "configs" / "base.yml")
 FAST = [
@@ -63,7 +64,7 @@ def test_a_folder_without_tokenizer_files_stops_the_run(tmp_path, tiny_checkpoin
 def test_a_first_batch_without_loss_tokens_stops_the_run(tmp_path):
     cfg = load_config(argv(tmp_path, "steps=1"))
     r, state = run.build_run(cfg)
-    task = tasks.create(r)
+    task = modes.create(r)
     batch = next(task.data_iterator)
     batch["targets_segmentation"] = np.zeros_like(batch["targets_segmentation"])
     task.data_iterator = iter([batch])
@@ -103,7 +104,7 @@ def test_the_architecture_of_an_hf_checkpoint_is_the_runs(tmp_path, tiny_checkpo
     assert yaml.safe_load(run_cfg.read_text())["rope_theta"] == 5e5
     reloaded = load_config([str(run_cfg), f"load_parameters_path={tmp_path / 'default' / 'checkpoints'}"])
     tokens = np.arange(1, 25)[None] % 384
-    ours = logits_of(models.build(reloaded, sharding.trainer_mesh(reloaded, sharding.layout_for(reloaded))), tokens)
+    ours = logits_of(sources.build(reloaded, sharding.trainer_mesh(reloaded, sharding.layout_for(reloaded))), tokens)
     with torch.no_grad():
         ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)(torch.tensor(tokens)).logits
     np.testing.assert_allclose(ours, ref.numpy(), atol=2e-4)
@@ -151,7 +152,7 @@ def test_a_unitrain_checkpoint_brings_its_model_shape(tmp_path):
         make_cfg(load_parameters_path=str(tmp_path / "a" / "checkpoints"), emb_dim=64)
     # and the model built from it holds the checkpoint's parameters
     cfg = make_cfg(load_parameters_path=str(tmp_path / "a"))  # the run directory itself
-    model = models.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))
+    model = sources.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))
     saved = checkpoint.load_params(str(tmp_path / "a" / "checkpoints"), nnx.to_pure_dict(nnx.state(model)))
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)), saved)
 
@@ -233,7 +234,7 @@ def test_eval_only_and_export_only_runs_from_a_checkpoint(tmp_path):
     export = tmp_path / "export"
     assert train.main(argv(tmp_path, "steps=2", "action=export", f"export_hf_path={export}")) == 0
     cfg = make_cfg(load_parameters_path=str(export))
-    exported = nnx.to_pure_dict(nnx.state(models.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))))
+    exported = nnx.to_pure_dict(nnx.state(sources.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))))
     saved = checkpoint.load_params(str(run_path / "checkpoints"), exported)
     jax.tree.map(np.testing.assert_array_equal, exported, saved)
 

@@ -12,10 +12,11 @@ import optax
 import pytest
 
 from conftest import REPO, cpu_env, only_first_device
-from unitrain import distributed, models, run, sharding, tasks, train
+from unitrain import distributed, modes, run, sharding, train
 from unitrain import step as step_lib
 from unitrain.config import load_config
 from unitrain.errors import ConfigError
+from unitrain.models import sources
 
 SFT = [
     "max_target_length=32",
@@ -73,7 +74,7 @@ def test_sft_loss_curve_on_each_mesh_equals_one_device(tmp_path, mesh, one_devic
 def grpo_update(cfg, batch_np):
     """One GRPO optimizer update of `cfg`'s mesh on a fixed rollout batch; returns loss and params."""
     built, state = run.build_run(cfg)
-    task = tasks.create(built)
+    task = modes.create(built)
     shardings = task.batch_shardings()
     batch = {k: jax.device_put(v, shardings[k]) for k, v in batch_np.items()}
     state, m = built.programs("grpo_update", task.update_fn, state, batch)
@@ -160,9 +161,9 @@ def test_a_large_replicated_parameter_stops_the_run(tmp_path):
         tmp_path, *SFT, "per_device_batch_size=1", f"logical_axis_rules={rules}", "max_replicated_param_mib=0.01"
     )
     with pytest.raises(ConfigError, match=r"parameter .* would be fully replicated on all 8 devices"):
-        models.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))
+        sources.build(cfg, sharding.trainer_mesh(cfg, sharding.layout_for(cfg)))
     ok = config(tmp_path, *SFT, "per_device_batch_size=1", "max_replicated_param_mib=0.01")
-    models.build(ok, sharding.trainer_mesh(ok, sharding.layout_for(ok)))  # the default rules shard every matrix
+    sources.build(ok, sharding.trainer_mesh(ok, sharding.layout_for(ok)))  # the default rules shard every matrix
 
 
 def test_distributed_start_decision(monkeypatch):

@@ -16,7 +16,7 @@ import transformers
 from flax import nnx
 
 from conftest import REPO, cpu_env, sigterm_after_step
-from unitrain import checkpoint, run, tasks, train
+from unitrain import checkpoint, modes, run, train
 from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.config import load_config
@@ -71,7 +71,7 @@ def test_loss_equals_numpy_on_a_packed_batch(tmp_path):
     batch = next(make_sft_iterator(cfg, built.tokenizer, 8))
     batch.pop("num_truncated")
     assert (batch["inputs_segmentation"].max(axis=1) > 1).any(), "the batch must hold packed rows"
-    loss_sum, (count, aux) = jax.jit(tasks.create(built).loss)(params, batch)
+    loss_sum, (count, aux) = jax.jit(modes.create(built).loss)(params, batch)
     nll_sum = aux["nll"][0]
     logits, _ = nnx.merge(graphdef, params)(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     logits = np.asarray(logits, np.float64)
@@ -91,7 +91,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
         built, state = run.build_run(cfg)
         batch = next(make_sft_iterator(big, built.tokenizer, 16))
         batch.pop("num_truncated")
-        loss_fn = tasks.create(built).loss
+        loss_fn = modes.create(built).loss
         with jax.set_mesh(built.mesh):
             settings = step_lib.StepConfig.from_config(cfg, built.learning_rate)
             state, m = jax.jit(lambda s, b: step_lib.train_step(loss_fn, settings, built.optimizer, s, b))(state, batch)

@@ -27,7 +27,7 @@ import transformers
 
 from conftest import REPO, cpu_env, make_cfg
 from unitrain import export, train
-from unitrain.data.prompts import Prompt
+from unitrain.data.prompt_ids import Prompt
 from unitrain.errors import ConfigError
 from unitrain.rollout import vllm, vllm_server
 from unitrain.rollout.base import SamplingParams

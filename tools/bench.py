@@ -106,22 +106,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import lora, metrics, reward_model, rollout, sharding, tasks
+from unitrain import lora, metrics, modes, reward_model, sharding
 from unitrain import step as step_lib
 from unitrain.config import load_config
+from unitrain.context import RunContext
 from unitrain.data.preference import MARGIN
-from unitrain.data.prompts import Prompt
+from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, UserError
 from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
+from unitrain.rollout import engines
 from unitrain.rollout import mesh as rollout_mesh
 from unitrain.rollout.base import SamplingParams, close
 from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.rollout.colocated import phase_ends
 from unitrain.rollout.groups import Group
 from unitrain.rollout.workflow import Sampled, Transcript
-from unitrain.run import RunContext, build_model, build_run, device_layout
+from unitrain.run import build_model, build_run, device_layout
 from unitrain.tasks.grpo import GRPOTask
 
 
@@ -275,7 +277,7 @@ def compile_only(cfg) -> dict:
     """Compiles one optimizer update of the config's mode (sft, dpo, grpo) on abstract state and
     batch; returns the compiler's per-device memory."""
     run, state = abstract_run(cfg.replace(eval_interval=0))
-    mesh, task = run.mesh, tasks.create(run)
+    mesh, task = run.mesh, modes.create(run)
     shardings = task.batch_shardings()
     update = step_lib.make_train_step(
         task.loss,
@@ -399,7 +401,7 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
             " (for the rollout mesh's, give the mesh keys its shape)"
         )
     run, state = abstract_run(cfg.replace(eval_interval=0))
-    sampler = rollout.make_sampler(run)
+    sampler = engines.make_sampler(run)
     sampler.update_weights(state["params"], 0)
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
     start = time.perf_counter()
@@ -436,7 +438,7 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
 
 def bench(cfg, steps: int, warmup: int) -> dict:
     run, state = build_run(cfg.replace(eval_interval=0))
-    mesh, task = run.mesh, tasks.create(run)
+    mesh, task = run.mesh, modes.create(run)
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     rows = run.layout.rows_per_update
     batch = step_lib.local_rows_to_global(synthetic_batch(cfg, rows), task.batch_shardings())
@@ -512,7 +514,7 @@ def bench_sampler(
     long-tailed round) and the decode step is not split off.
     """
     run, state = build_run(cfg.replace(eval_interval=0))
-    sampler = rollout.make_sampler(run)
+    sampler = engines.make_sampler(run)
     sampler.update_weights(state["params"], 0)
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
     budgets = long_tail_budgets(batch, new_tokens, cfg.seed) if long_tail else ()
@@ -581,7 +583,7 @@ def bench_sampler_against(
     runs = [build_run(c.replace(eval_interval=0)) for c in (cfg, cfg_b)]  # each compiles its own programs
     samplers = []
     for (run, state), c in zip(runs, (cfg, cfg_b)):
-        sampler = rollout.make_sampler(run)
+        sampler = engines.make_sampler(run)
         sampler.update_weights(state["params"], 0)
         samplers.append((sampler, rollout_sampling(c, new_tokens, budgets)))
     tokenizer = runs[0][0].tokenizer
@@ -789,7 +791,7 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
     if cfg.sampler not in ("mesh", "vllm"):
         raise ConfigError("--mode push times the weight push of sampler=mesh or sampler=vllm")
     run, state = build_run(cfg)
-    sampler = rollout.make_sampler(run)
+    sampler = engines.make_sampler(run)
     times, parts, via_hosts = [], [], []
     for version in range(warmup + steps):
         start = time.perf_counter()

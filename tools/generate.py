@@ -25,10 +25,11 @@ import sys
 
 import jax
 
-from unitrain import models, sharding, vocab
+from unitrain import sharding, vocab
 from unitrain.config import load_config
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, UserError
+from unitrain.models import sources
 from unitrain.recsys.rollout import sid_beams
 from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.colocated import ColocatedSampler
@@ -85,7 +86,7 @@ def run(args) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     mesh = sharding.trainer_mesh(cfg, layout)
-    sampler = ColocatedSampler(models.build(cfg, mesh), pad_id=tok.pad_id, mesh=mesh, rules=cfg.logical_axis_rules)
+    sampler = ColocatedSampler(sources.build(cfg, mesh), pad_id=tok.pad_id, mesh=mesh, rules=cfg.logical_axis_rules)
     if args.beam:
         beams = sid_beams(cfg.replace(rollout_max_response_len=args.max_new_tokens), tok, args.beam)
         out, args.n = sampler.beam_search(ids, beams, jax.random.key(args.seed)).completions(), args.beam

@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import importlib
 
-from unitrain import registry
 from unitrain.errors import ConfigError
 from unitrain.registry import is_plugin_spec
 
@@ -53,18 +52,6 @@ def resolve(name: str, builtins: dict[str, str], key: str, expected: str = "a ca
         f"config key '{key}' names unknown '{name}'{did_you_mean(name, builtins)} "
         f"(built-ins: {', '.join(builtins)}; a plugin is written pkg.module:symbol)"
     )
-
-
-def data_format(cfg):
-    """The configured data format (data/formats.py): a built-in of registry.DATA_FORMATS or a plugin class."""
-    return resolve(cfg["data_format"], registry.DATA_FORMATS, "data_format", "a DataFormat subclass")()
-
-
-def check_config(cfg) -> None:
-    """The data format's config checks, run by the entry right after the config loads and for every
-    stage of a pipeline: what is wrong is one ConfigError line, before anything compiles."""
-    if problem := data_format(cfg).check(cfg):
-        raise ConfigError(f"invalid config: {problem}")
 
 
 def one_line(e) -> str:

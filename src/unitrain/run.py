@@ -3,45 +3,22 @@ optimizer, train state, the compile cache) and handed to the mode. Used by the e
 the tools alike.
 
     run, state = build_run(cfg)
-    task = tasks.create(run)
+    task = modes.create(run)
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
-import optax
 from flax import nnx
-from jax.sharding import Mesh
 
-from unitrain import lora, models, sharding, tasks, vocab
+from unitrain import lora, modes, sharding, vocab
 from unitrain import step as step_lib
+from unitrain.context import RunContext
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
-from unitrain.models import scalar_head
+from unitrain.models import scalar_head, sources
 from unitrain.models.attention import attention_kernel
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
-
-
-@dataclasses.dataclass
-class RunContext:
-    """Everything built once for a run, handed to the mode."""
-
-    cfg: Any  # the frozen Config
-    layout: sharding.Layout  # the config on the devices: mesh shapes, batch sizes, updates per step
-    mesh: Mesh  # the trainer's
-    rollout_mesh: Mesh | None  # rollout_devices' mesh (sampler: mesh), None = rollouts share the trainer's
-    rules: tuple  # logical axis rules
-    tokenizer: Any  # unitrain.data.tokenizer.Tokenizer
-    model: Any  # the Model (models/base.py) with its initial parameters placed
-    graphdef: Any  # nnx graph of the model: nnx.merge(graphdef, params) is callable
-    init_params: dict  # the starting parameters; the first step donates them: copy what you keep
-    optimizer: optax.GradientTransformation
-    learning_rate: optax.Schedule  # the optimizer's, by optimizer step
-    state_shardings: dict  # shardings of {params, opt_state, step}
-    programs: step_lib.CompileCache  # the run's one ahead-of-time compile cache
 
 
 def device_layout(cfg) -> sharding.Layout:
@@ -58,10 +35,10 @@ def device_layout(cfg) -> sharding.Layout:
 def build_model(cfg, mesh):
     """The mode's model on `mesh`: a scalar-head model where the mode's Task says it trains one
     (scalar_head), else the model source's causal LM; with lora_rank > 0 under LoRA's adapters."""
-    if tasks.task_class(cfg.mode).scalar_head:
+    if modes.task_class(cfg.mode).scalar_head:
         model = scalar_head.build_scalar_model(cfg, mesh, cfg.load_parameters_path)
     else:
-        model = models.build(cfg, mesh)
+        model = sources.build(cfg, mesh)
     return lora.apply(model, cfg, mesh, **_lora_parts(model)) if cfg.lora_rank else model
 
 

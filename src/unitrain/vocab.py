@@ -2,7 +2,7 @@
 embedding and untied LM head grown to match.
 
     cfg = vocab.extend(cfg, tokenizer)     # run.build_run: adds `extra_tokens`, raises cfg.vocab_size if needed
-    model = models.build(cfg, mesh)        # the HF and Tunix loaders grow a smaller checkpoint (grown())
+    model = sources.build(cfg, mesh)        # the HF and Tunix loaders grow a smaller checkpoint (grown())
 
 The model's vocabulary becomes the tokenizer's length rounded up to `vocab_pad_multiple` (so it
 shards evenly), never smaller than the checkpoint's. The checkpoint's rows are kept as they are, so

@@ -4,7 +4,7 @@ files become records, and what else the format brings the modes. DataFormat is t
 any file form of data/sources.py) and the base of every other: a format (recsys/format.py, or a
 third party's) subclasses it and overrides what it does differently.
 
-    fmt = plugins.data_format(cfg)
+    fmt = format_choice.data_format(cfg)
     fmt.sft_records(cfg, tokenizer, path)    # SFT's records of the files at `path`
     fmt.prompt_records(cfg, path)            # GRPO's {prompt, label} records
     fmt.evaluator(cfg, tokenizer, sampler)   # an evaluator in place of the mode's generation eval, or None
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from unitrain import rollout
-from unitrain.data.prompts import read_prompt_records
-from unitrain.data.sft import file_records
+from unitrain.data.sources import file_records, read_prompt_records
+from unitrain.rollout import engines
 from unitrain.rollout.beam import BeamParams
 
 
@@ -77,4 +76,4 @@ class DataFormat:
             if problem := check(cfg):
                 return problem
         what = self.ranking(cfg)
-        return None if what is None else rollout.check_ranking(cfg, what)
+        return None if what is None else engines.check_ranking(cfg, what)

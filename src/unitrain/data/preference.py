@@ -35,9 +35,9 @@ import grain
 import numpy as np
 
 from unitrain.data.builtin import NUM_PROBLEMS, SPLITS, builtin_problem, max_builtin_length
-from unitrain.data.sft import BATCH_FIELDS, CountDropped, example_arrays, split_path
+from unitrain.data.sft import BATCH_FIELDS, CountDropped, example_arrays
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
-from unitrain.data.sources import iter_rows
+from unitrain.data.sources import iter_rows, split_path
 from unitrain.errors import ConfigError, DataError
 
 SIDES = ("chosen", "rejected")

@@ -20,49 +20,14 @@ than `max_prompt_length` ids are dropped and counted.
 
 from __future__ import annotations
 
-import dataclasses
-
 import grain
 
-from unitrain import plugins
+from unitrain.data import format_choice
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
-from unitrain.data.sft import CountDropped, split_path
-from unitrain.data.sources import iter_rows, label_text
+from unitrain.data.prompt_ids import BUILTIN_SCAN_LIMIT, Prompt, fitting_prompts, prompt_fn
+from unitrain.data.sft import CountDropped
+from unitrain.data.sources import split_path
 from unitrain.errors import ConfigError, DataError
-
-# How many records the not-empty check (and eval_prompts) read before concluding that nothing fits;
-# files are checked whole, but the built-in stream has a million problems of near-equal length.
-_BUILTIN_SCAN_LIMIT = 1000
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    ids: tuple[int, ...]  # token ids fed to the sampler (BOS or chat template applied)
-    text: str  # the prompt as the reward sees it: the raw text, before any template
-    label: str  # the gold answer for the reward
-
-
-def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict]:
-    """All {prompt, label} records of the files named by `spec`, checked eagerly (file:line on error).
-
-    The prompt must be a string; the label a string or a number (kept as its text, e.g. 72 -> "72").
-    """
-    records = []
-    for where, row in iter_rows(spec):
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
-        if prompt_key not in row or label_key not in row:
-            raise DataError(
-                f"{where}: record lacks {prompt_key!r} or {label_key!r} (it has {sorted(row)}); "
-                "set prompt_key and label_key"
-            )
-        prompt = row[prompt_key]
-        if not isinstance(prompt, str):
-            raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
-        records.append({"prompt": prompt, "label": label_text(row, label_key, where)})
-    if not records:
-        raise DataError(f"dataset path {spec!r} holds no records")
-    return records
 
 
 def _records(cfg, split: str, path: str) -> grain.MapDataset:
@@ -81,40 +46,12 @@ def _records(cfg, split: str, path: str) -> grain.MapDataset:
             f"{key}=synthetic has no prompts or labels for rollouts; use builtin or "
             "data files with prompt_key and label_key"
         )
-    return grain.MapDataset.source(plugins.data_format(cfg).prompt_records(cfg, path))
-
-
-def _prompt_fn(cfg, tokenizer):
-    """record -> {"prompt": Prompt or None (over-long, dropped), "length": number of ids}."""
-    if cfg.chat_template and not tokenizer.has_chat_template:
-        raise ConfigError(
-            f"chat_template is true but tokenizer_path={tokenizer.path!r} has no chat template; "
-            "use a chat tokenizer or chat_template=false"
-        )
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-    chat, max_len = cfg.chat_template, cfg.max_prompt_length
-
-    def to_prompt(record: dict) -> dict:
-        text = record["prompt"]
-        if isinstance(text, list):  # a conversation before its assistant turn (SFT chat eval files)
-            ids, text = tokenizer.encode(tokenizer.render_prompt(text)), text[-1]["content"]
-        elif chat:
-            ids = tokenizer.encode(tokenizer.render_prompt([*system, {"role": "user", "content": text}]))
-        else:
-            ids = bos + tokenizer.encode(text)
-        fits = len(ids) <= max_len
-        return {
-            "prompt": Prompt(tuple(int(i) for i in ids), text, record["label"]) if fits else None,
-            "length": len(ids),
-        }
-
-    return to_prompt
+    return grain.MapDataset.source(format_choice.data_format(cfg).prompt_records(cfg, path))
 
 
 def _check_not_empty(prompts: grain.MapDataset, path: str, max_len: int) -> None:
     """Fail now, not mid-run, when no prompt fits: scan until the first one that does."""
-    limit = min(len(prompts), _BUILTIN_SCAN_LIMIT if path == "builtin" else len(prompts))
+    limit = min(len(prompts), BUILTIN_SCAN_LIMIT if path == "builtin" else len(prompts))
     shortest = None
     for i in range(limit):
         element = prompts[i]
@@ -146,7 +83,7 @@ def make_prompt_dataset(
     if prompts_per_batch % process_count:
         raise ConfigError(f"{prompts_per_batch} prompts per batch do not divide among {process_count} processes")
     path = split_path(cfg, split)
-    to_prompt = _prompt_fn(cfg, tokenizer)
+    to_prompt = prompt_fn(cfg, tokenizer)
     records = _records(cfg, split, path)
     # Every process keeps an equal, disjoint share of the records (the few left over are skipped),
     # so that all processes see the same number of prompts per epoch.
@@ -187,22 +124,5 @@ def eval_prompts(cfg, tokenizer, count: int, records: list[dict] | None = None) 
     prompt records (SFT passes its eval files' records).
     """
     path = split_path(cfg, "eval")
-    to_prompt = _prompt_fn(cfg, tokenizer)
     records = _records(cfg, "eval", path) if records is None else records
-    out, shortest = [], None
-    for i in range(len(records)):
-        if len(out) >= count:
-            break
-        element = to_prompt(records[i])
-        if element["prompt"] is not None:
-            out.append(element["prompt"])
-            continue
-        shortest = element["length"] if shortest is None else min(shortest, element["length"])
-        if not out and path == "builtin" and i + 1 >= _BUILTIN_SCAN_LIMIT:
-            break
-    if count > 0 and not out:
-        raise DataError(
-            f"no eval prompt of {path!r} fits in max_prompt_length={cfg.max_prompt_length}; the "
-            f"shortest has {shortest} tokens"
-        )
-    return out
+    return fitting_prompts(cfg, tokenizer, count, records, path)

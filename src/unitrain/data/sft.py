@@ -23,11 +23,11 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from unitrain import plugins
+from unitrain.data import format_choice
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
-from unitrain.data.sources import read_records
-from unitrain.envs.base import env_factory
+from unitrain.data.sources import file_records, split_path
+from unitrain.envs.factory import env_factory
 from unitrain.errors import ConfigError, DataError
 
 BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
@@ -131,15 +131,6 @@ def _to_batch(packed: dict) -> dict:
     }
 
 
-def split_path(cfg, split: str) -> str:
-    """The data behind a split; eval of builtin/synthetic is their own eval stream by default."""
-    if split == "train" or cfg.eval_dataset_path:
-        return cfg.dataset_path if split == "train" else cfg.eval_dataset_path
-    if cfg.dataset_path in ("builtin", "synthetic"):
-        return cfg.dataset_path
-    raise ConfigError("evaluation needs eval_dataset_path when dataset_path names files; set it, or eval_interval=0")
-
-
 def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
     """The split's raw records: {prompt, completion}, {messages} (the data format's) or {ids} (synthetic)."""
     if path == "builtin":
@@ -156,7 +147,7 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
         return grain.MapDataset.range(NUM_PROBLEMS).map(
             lambda i: {"ids": np.random.default_rng([*seed, int(i)]).integers(0, vocab, length).tolist()}
         )
-    return grain.MapDataset.source(plugins.data_format(cfg).sft_records(cfg, tokenizer, path))
+    return grain.MapDataset.source(format_choice.data_format(cfg).sft_records(cfg, tokenizer, path))
 
 
 def _demonstrations(cfg):
@@ -185,14 +176,6 @@ def eval_prompt_records(cfg, tokenizer) -> list[dict]:
             prompt, completion = record["prompt"], record["completion"]
         out.append({"prompt": prompt, "label": record.get("label", completion), "completion": completion})
     return out
-
-
-def file_records(cfg, tokenizer, path: str, label_key: str | None = None) -> list[dict]:
-    """The records of the files at `path` (data_format: records), chat records only with a chat tokenizer."""
-    records = read_records(path, cfg.prompt_key, cfg.completion_key, cfg.messages_key, label_key)
-    if not tokenizer.has_chat_template and (cfg.chat_template or any("messages" in r for r in records)):
-        tokenizer.chat_segments([])  # raises the ConfigError naming tokenizer_path
-    return records
 
 
 def make_sft_dataset(

@@ -18,7 +18,7 @@ import io
 import json
 import os
 
-from unitrain.errors import DataError
+from unitrain.errors import ConfigError, DataError
 
 FORMATS = ".jsonl, .csv, .parquet, .arrow or a datasets save_to_disk folder"
 
@@ -204,3 +204,43 @@ def _normalize(row, where: str, prompt_key: str, completion_key: str, messages_k
         f"{where}: record has neither {prompt_key!r}+{completion_key!r} nor {messages_key!r} "
         f"(it has {sorted(row)}); set prompt_key/completion_key or messages_key"
     )
+
+
+def split_path(cfg, split: str) -> str:
+    """The data behind a split; eval of builtin/synthetic is their own eval stream by default."""
+    if split == "train" or cfg.eval_dataset_path:
+        return cfg.dataset_path if split == "train" else cfg.eval_dataset_path
+    if cfg.dataset_path in ("builtin", "synthetic"):
+        return cfg.dataset_path
+    raise ConfigError("evaluation needs eval_dataset_path when dataset_path names files; set it, or eval_interval=0")
+
+
+def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict]:
+    """All {prompt, label} records of the files named by `spec`, checked eagerly (file:line on error).
+
+    The prompt must be a string; the label a string or a number (kept as its text, e.g. 72 -> "72").
+    """
+    records = []
+    for where, row in iter_rows(spec):
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
+        if prompt_key not in row or label_key not in row:
+            raise DataError(
+                f"{where}: record lacks {prompt_key!r} or {label_key!r} (it has {sorted(row)}); "
+                "set prompt_key and label_key"
+            )
+        prompt = row[prompt_key]
+        if not isinstance(prompt, str):
+            raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
+        records.append({"prompt": prompt, "label": label_text(row, label_key, where)})
+    if not records:
+        raise DataError(f"dataset path {spec!r} holds no records")
+    return records
+
+
+def file_records(cfg, tokenizer, path: str, label_key: str | None = None) -> list[dict]:
+    """The records of the files at `path` (data_format: records), chat records only with a chat tokenizer."""
+    records = read_records(path, cfg.prompt_key, cfg.completion_key, cfg.messages_key, label_key)
+    if not tokenizer.has_chat_template and (cfg.chat_template or any("messages" in r for r in records)):
+        tokenizer.chat_segments([])  # raises the ConfigError naming tokenizer_path
+    return records

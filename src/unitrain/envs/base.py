@@ -29,8 +29,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from unitrain import plugins, registry
-
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
@@ -82,8 +80,3 @@ class Tool:
             "type": "function",
             "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
         }
-
-
-def env_factory(cfg) -> Callable:
-    """The `env` key's factory (cfg) -> Environment: a registry.ENVS built-in or a plugin."""
-    return plugins.resolve(cfg.env, registry.ENVS, "env", "an environment factory (cfg) -> Environment")

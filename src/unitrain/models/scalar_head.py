@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from unitrain import checkpoint, sharding
 from unitrain.adapters import hf, hf_config
 from unitrain.errors import CheckpointError, ConfigError
-from unitrain.models import decoder
+from unitrain.models import decoder, sources
 
 log = logging.getLogger("unitrain")
 
@@ -125,7 +125,7 @@ def build_scalar_model(
     if cfg.model_source == "tunix":
         return _tunix_scalar_model(cfg, mesh, path, num_labels, classifier, rules)
     if cfg.model_source != "unitrain":
-        raise ConfigError(f"a scalar-head model is built over model_source unitrain or tunix, not {cfg.model_source}")
+        return _source_scalar_model(cfg, mesh, path, num_labels, classifier, rules)
     model_cfg = _backbone_config(cfg, path)
     if is_hf:
         unused = () if classifier else ("lm_head.weight",)  # a causal LM's head: not part of the backbone
@@ -225,6 +225,28 @@ def _with_unitrain_params(
         log.info("%s holds a causal LM: its backbone under a freshly initialised score head", path)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+def _source_scalar_model(cfg, mesh, path: str, num_labels: int, classifier: bool, rules) -> ScalarHeadModel:
+    """A fresh head over the headless model that a plugin model source builds from `path`
+    (its fn(cfg, mesh, output_head=False); models.build)."""
+
+    if classifier:
+        raise ConfigError(
+            f"{path} is an HF classifier, whose score head model_source unitrain or tunix reads; "
+            f"model_source {cfg.model_source} builds its scalar models with a fresh head"
+        )
+    backbone = sources.build(cfg.replace(load_parameters_path=path), mesh, output_head=False)
+    log.info("model_source %s: its headless model under a freshly initialised score head", cfg.model_source)
+    model = ScalarHeadModel(
+        backbone,
+        cfg.emb_dim,
+        num_labels,
+        weight_dtype=cfg.weight_dtype,
+        dtype=cfg.dtype,
+        rngs=nnx.Rngs(params=cfg.seed + 1),
+    )
+    return _placed(model, mesh, rules)
 
 
 def _tunix_scalar_model(cfg, mesh, path: str, num_labels: int, classifier: bool, rules) -> ScalarHeadModel:

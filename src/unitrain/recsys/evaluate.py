@@ -19,8 +19,8 @@ import os
 import jax
 import numpy as np
 
-from unitrain.data.prompts import eval_prompts
-from unitrain.data.sft import split_path
+from unitrain.data.prompt_ids import fitting_prompts
+from unitrain.data.sources import split_path
 from unitrain.recsys.data import history_prompt, read_examples
 from unitrain.recsys.rollout import sid_beams
 from unitrain.rollout.base import release
@@ -46,7 +46,7 @@ class RecEvaluator:
         # The label is the example's index: a prompt longer than max_prompt_length is dropped, and
         # the index still finds its user and target.
         records = [{"prompt": history_prompt(e), "label": str(i)} for i, e in enumerate(examples)]
-        self.prompts = eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
+        self.prompts = fitting_prompts(cfg, tokenizer, cfg.eval_num_samples, records, split_path(cfg, "eval"))
         self.examples = [examples[int(p.label)] for p in self.prompts]
         self.beams = sid_beams(cfg, tokenizer, cfg.beam_width)
         self.samples = ""

@@ -21,11 +21,12 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from unitrain import plugins
-from unitrain.errors import DataError, UserError
+from unitrain import plugins, registry
+from unitrain.data import format_choice
+from unitrain.errors import ConfigError, DataError, UserError
 from unitrain.rollout.base import Completions, SamplingParams, submit
 from unitrain.rollout.groups import Group
-from unitrain.rollout.workflow import Generate, Rank, Sampled, Score, Trajectory, WorkflowError
+from unitrain.rollout.workflow import Generate, Rank, Sampled, Score, Trajectory, Workflow, WorkflowError
 
 
 def start_groups(
@@ -182,3 +183,13 @@ def _group(record, trajectories: list[Trajectory]) -> Group:
     }
     prompt = dataclasses.replace(record, ids=trajectories[0].prompt_ids)  # as the workflow prompted (a chat template)
     return Group(prompt, tuple(trajectories), rewards, per_reward)
+
+
+def make_workflow(run, name: str | None = None) -> Workflow:
+    """The workflow `name` (default: the one the config's GRPO rollouts take, data format included)."""
+    cfg = run.cfg
+    name = name or format_choice.data_format(cfg).workflow(cfg)
+    cls = plugins.resolve(name, registry.WORKFLOWS, "workflow", "a workflow class (run)")
+    if not (isinstance(cls, type) and issubclass(cls, Workflow)):
+        raise ConfigError(f"workflow {name} is not a subclass of unitrain.rollout.workflow.Workflow")
+    return cls(run)

@@ -11,9 +11,10 @@ from collections.abc import Generator
 import numpy as np
 
 from unitrain import plugins
-from unitrain.data.prompts import Prompt
+from unitrain.data.prompt_ids import Prompt
 from unitrain.data.turns import ChatTurns
-from unitrain.envs.base import StepResult, env_factory
+from unitrain.envs.base import StepResult
+from unitrain.envs.factory import env_factory
 from unitrain.envs.tool_calls import parse_turn
 from unitrain.errors import ConfigError, UserError
 from unitrain.rollout.workflow import Generate, Sampled, Trajectory, Transcript, Workflow

@@ -6,7 +6,7 @@ format says how it ranks (DataFormat.ranked_rollout) and chooses this workflow w
 
 from __future__ import annotations
 
-from unitrain import plugins
+from unitrain.data import format_choice
 from unitrain.errors import ConfigError
 from unitrain.rollout.workflow import Rank, Workflow, scored_answers
 
@@ -15,7 +15,7 @@ class Ranked(Workflow):
     def __init__(self, run):
         super().__init__(run)
         self.max_tokens = run.cfg.rollout_max_response_len
-        self.beams = plugins.data_format(run.cfg).ranked_rollout(run.cfg, run.tokenizer)
+        self.beams = format_choice.data_format(run.cfg).ranked_rollout(run.cfg, run.tokenizer)
         if self.beams is None:
             raise ConfigError(
                 f"workflow ranked needs ranked rollouts, which data_format {run.cfg.data_format} gives with "

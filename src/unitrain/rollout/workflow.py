@@ -31,8 +31,7 @@ import logging
 
 import numpy as np
 
-from unitrain import plugins, registry
-from unitrain.errors import ConfigError, UserError
+from unitrain.errors import UserError
 
 log = logging.getLogger("unitrain")
 
@@ -240,13 +239,3 @@ def _send(episode, turn):
     if not isinstance(request, Generate):
         raise TypeError(f"an episode yielded {request!r:.120}; it must yield Generate(context ids, max_new_tokens)")
     return request
-
-
-def make_workflow(run, name: str | None = None) -> Workflow:
-    """The workflow `name` (default: the one the config's GRPO rollouts take, data format included)."""
-    cfg = run.cfg
-    name = name or plugins.data_format(cfg).workflow(cfg)
-    cls = plugins.resolve(name, registry.WORKFLOWS, "workflow", "a workflow class (run)")
-    if not (isinstance(cls, type) and issubclass(cls, Workflow)):
-        raise ConfigError(f"workflow {name} is not a subclass of unitrain.rollout.workflow.Workflow")
-    return cls(run)

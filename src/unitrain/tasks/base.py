@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from unitrain.run import RunContext
+from unitrain.context import RunContext
 
 
 class Task(abc.ABC):

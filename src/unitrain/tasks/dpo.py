@@ -39,11 +39,11 @@ from flax import nnx
 
 from unitrain import losses, sharding
 from unitrain import step as step_lib
+from unitrain.context import RunContext
 from unitrain.data.preference import PAIR_FIELDS, SIDES, eval_pair_batches, make_preference_iterator
 from unitrain.data.rl_packing import pack_pairs, pair_rows_needed
 from unitrain.data.sft import BATCH_FIELDS
 from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows
-from unitrain.run import RunContext
 from unitrain.tasks.base import Task
 from unitrain.tasks.reference import Reference
 

@@ -65,19 +65,20 @@ import numpy as np
 from flax import nnx
 
 from unitrain import advantages as advantages_lib
-from unitrain import losses, plugins, rewards, rollout, sharding
+from unitrain import losses, rewards, sharding
 from unitrain import step as step_lib
+from unitrain.data import format_choice
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
 from unitrain.evals import TaskEvaluator
 from unitrain.models import moe
+from unitrain.rollout import engines
 from unitrain.rollout.base import SamplingParams, close, release
 from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
-from unitrain.rollout.driver import start_groups
+from unitrain.rollout.driver import make_workflow, start_groups
 from unitrain.rollout.groups import make_filter
 from unitrain.rollout.shaping import reward_shapers, row_filters
-from unitrain.rollout.workflow import make_workflow
 from unitrain.tasks.base import RunContext, Task
 from unitrain.tasks.reference import Reference
 
@@ -183,7 +184,7 @@ class RLTask(Task):
         cfg, tokenizer = self.cfg, run.tokenizer
         self.reward_fn = rewards.make_reward_fn(cfg)
         self.keep = make_filter(cfg.dynamic_sampling_filter)
-        self.sampler = rollout.make_sampler(run)
+        self.sampler = engines.make_sampler(run)
         self.workflow = make_workflow(run)
         self.max_completion = self.workflow.max_tokens
         self.shapers = reward_shapers(cfg, self.max_completion)
@@ -236,7 +237,7 @@ class RLTask(Task):
         self.evaluator = None
         if cfg.evaluates:  # the data format's own evaluation (a recommender's HR/NDCG) or the generation eval
             # of the configured workflow (ranked rollouts are evaluated by their greedy answer)
-            self.evaluator = plugins.data_format(cfg).evaluator(cfg, tokenizer, self.sampler) or TaskEvaluator(
+            self.evaluator = format_choice.data_format(cfg).evaluator(cfg, tokenizer, self.sampler) or TaskEvaluator(
                 cfg, tokenizer, self.sampler, self.reward_fn, make_workflow(run, cfg.workflow)
             )
         self.text = ""

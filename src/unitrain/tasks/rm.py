@@ -23,9 +23,9 @@ from flax import nnx
 
 from unitrain import losses, sharding
 from unitrain import step as step_lib
+from unitrain.context import RunContext
 from unitrain.data.preference import MARGIN, PAIR_FIELDS, eval_pair_batches, make_preference_iterator
 from unitrain.models.scalar_head import pool_last
-from unitrain.run import RunContext
 from unitrain.tasks.base import Task
 from unitrain.tasks.dpo import both_sides, eval_means, real_pairs
 

@@ -17,13 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from unitrain import losses, plugins, rollout, sharding
+from unitrain import losses, sharding
 from unitrain import step as step_lib
-from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator, split_path
+from unitrain.data import format_choice
+from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator
+from unitrain.data.sources import split_path
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
+from unitrain.rollout import engines
 from unitrain.rollout.base import close
-from unitrain.rollout.workflow import make_workflow
+from unitrain.rollout.driver import make_workflow
 from unitrain.tasks.base import RunContext, Task
 
 
@@ -49,8 +52,8 @@ class SFTTask(Task):
         self._seen_loss_tokens = False
         eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
         if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
-            self.sampler = sampler = rollout.make_sampler(run)
-            self.task_eval = plugins.data_format(cfg).evaluator(cfg, run.tokenizer, sampler)
+            self.sampler = sampler = engines.make_sampler(run)
+            self.task_eval = format_choice.data_format(cfg).evaluator(cfg, run.tokenizer, sampler)
             if self.task_eval is None:
                 records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
                 warn_if_answers_cut(cfg, run.tokenizer, records)
