@@ -34,8 +34,8 @@ class Verifier(Workflow):
             if not live:
                 break
         return [
-            t.trajectory(reward, _end(reward, stopped), per_reward=per, text=text)
-            for t, (reward, per, text, stopped) in zip(transcripts, last)
+            t.trajectory(reward, _end(reward, stopped), per_reward=per, text=self.tokenizer.decode(t.ids))
+            for t, (reward, per, _, stopped) in zip(transcripts, last)
         ]
 
 

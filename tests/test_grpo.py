@@ -185,7 +185,7 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
         "opt_state": skip.run.optimizer.init(params),
         "step": jnp.int32(0),
     }
-    skipped, m_skip = skip.update(state(), {**rows, "ref_logprobs": fed["ref_logprobs"]})
+    skipped, m_skip = skip.update(state(), {**rows, "ref_logprobs": fed["ref_logprobs"]}, 0)
     full, m_full = separate.update_fn(state(), fed)
     for a, b, p in zip(*(jax.tree.leaves(x) for x in (skipped["params"], full["params"], params))):
         a, b, p = (np.asarray(x) for x in (a, b, p))
@@ -233,7 +233,7 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
         "opt_state": shared.run.optimizer.init(lora.trainable(params, rank > 0)),
         "step": jnp.int32(0),
     }
-    (a_state, a), (b_state, b) = shared.update(state(), rows), plain.update(state(), rows)
+    (a_state, a), (b_state, b) = shared.update(state(), rows, 0), plain.update(state(), rows, 0)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     for x, y, p in zip(*(jax.tree.leaves(s["params"]) for s in (a_state, b_state, {"params": params}))):
         x, y, p = (np.asarray(v) for v in (x, y, p))

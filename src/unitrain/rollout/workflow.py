@@ -94,7 +94,7 @@ class Trajectory:
     turns: int
     end: str  # one of END_REASONS
     per_reward: dict = dataclasses.field(default_factory=dict)  # each reward's raw value, the task's first
-    text: str = ""  # the completion as text (what a reward read)
+    text: str = ""  # everything after the prompt as text, for logs and filters
     tool_calls: int = 0
     invalid_tool_calls: int = 0
     messages: tuple[dict, ...] = ()  # the conversation as text, for logs
