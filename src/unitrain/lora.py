@@ -37,6 +37,7 @@ from flax import nnx
 
 from unitrain import sharding
 from unitrain.errors import ConfigError
+from unitrain.models.base import SharedPrefixModel
 
 QUANT_BLOCK = 64  # inputs per quantisation scale, as QLoRA's NF4 blocks
 QUANTISED = ("int8", "nf4")
@@ -99,8 +100,11 @@ def apply(model, cfg, mesh, root: tuple[str, ...] = (), train_whole: tuple[tuple
 
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
 
+    # The capability is the base's, decided once here: a LoRA model shares prefixes where its base does.
+    cls = SharedPrefixLoraModel if isinstance(model, SharedPrefixModel) else LoraModel
+
     def build(state):
-        return LoraModel(
+        return cls(
             nnx.merge(base_graphdef, state),
             targets,
             cfg.lora_rank,
@@ -258,14 +262,6 @@ class LoraModel(nnx.Module):
         # Every targeted weight is merged, but XLA drops the merges the output head does not use.
         return self.merged().logits(hidden)
 
-    @property
-    def hidden_states_shared_prefix(self):
-        """The merged model's, where the base model has this optional method (models/base.py);
-        elsewhere the attribute is missing, as it is on the base."""
-        if not hasattr(self.base, "hidden_states_shared_prefix"):
-            raise AttributeError("hidden_states_shared_prefix")
-        return lambda *args: self.merged().hidden_states_shared_prefix(*args)
-
     def decode_weights(self):
         """The merged model's: the sampler makes them once per weight version, not per token."""
         return self.merged().decode_weights()
@@ -354,3 +350,10 @@ class LoraModel(nnx.Module):
         }
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=2)
+
+
+class SharedPrefixLoraModel(LoraModel):
+    """LoRA over a model that shares prefixes (models/base.SharedPrefixModel): its merged model's."""
+
+    def hidden_states_shared_prefix(self, *args, **kwargs):
+        return self.merged().hidden_states_shared_prefix(*args, **kwargs)

@@ -84,3 +84,15 @@ class Model(Protocol):
     def save_hf(self, path: str) -> None:
         """Writes a checkpoint that transformers.AutoModelForCausalLM loads; every process calls it.
         A model whose family has no HF export raises NotImplementedError with the reason."""
+
+
+@runtime_checkable
+class SharedPrefixModel(Model, Protocol):
+    """A model that computes the columns a run of rows shares once per run (GRPO's group of copies of
+    a prompt): checked once where a task plans its passes (tasks/rl.py)."""
+
+    def hidden_states_shared_prefix(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, prefix_len: int, group_rows: int
+    ) -> jax.Array:
+        """hidden_states of rows in runs of `group_rows` sharing their first `prefix_len` columns, the
+        prefix computed once per run (our decoder also takes routing replay's `routes=`)."""

@@ -35,12 +35,12 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
   version  `Completions.version` is the `version` of the weights the tokens were sampled with
            (the last update_weights the engine had applied when it began them), not the trainer's
            current one: a sampler that runs ahead reports the version it really used.
-  submit   Optional: `submit(prompt_ids, sampling, key)` starts what generate would compute and
+  submit   Optional (SubmittingSampler): `submit(prompt_ids, sampling, key)` starts what generate would compute and
            returns at once an object whose `.result()` gives those Completions. With it, rollouts
            sampled ahead of the trainer (max_staleness, rollout/buffer.py) run while the trainer
            updates; without it they are generated when submitted. Calls to submit and result
            happen in the same order on every process.
-  release  Optional: `release()` frees what the sampler holds for sampling that the trainer's update
+  release  Optional (ReleasingSampler): `release()` frees what the sampler holds for sampling that the trainer's update
            could use instead (the colocated sampler: its decode layout of the weights, kept from a
            version's first generate for its later ones). The trainer calls it when it will not
            sample again before its next update_weights: after a GRPO step's rollouts are taken
@@ -48,9 +48,9 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
   routes   Optional: with `sampling.record_routes` (routing replay of a mixture of experts), the
            experts each token ran, as `Completions.routes` and `prompt_routes` (the colocated and
            mesh samplers; an engine that cannot report them is refused by the config).
-  close    Optional: `close()` ends what the sampler started (an engine's server); the trainer calls it
+  close    Optional (ClosingSampler): `close()` ends what the sampler started (an engine's server); the trainer calls it
            when the run ends, however it ends.
-  timings  Optional: `push_timings`, {metric: seconds} of the last update_weights' parts (vLLM:
+  timings  Optional (TimedSampler): `push_timings`, {metric: seconds} of the last update_weights' parts (vLLM:
            time_weight_export, time_weight_reload); GRPO logs them beside time_weight_push.
   ranking  A sampler that can rank is a RankingSampler: it also has `beam_search(prompt_ids,
            beams, key)` (rollout/beam.py: the `beams.width` best sequences of each prompt, or W
@@ -157,6 +157,29 @@ class RankingSampler(Sampler, Protocol):
         (beams: a rollout.beam.BeamParams). Every process passes the same prompts and key."""
 
 
+@runtime_checkable
+class SubmittingSampler(Sampler, Protocol):
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array):
+        """generate, started: returns at once a handle whose result() gives the Completions."""
+
+
+@runtime_checkable
+class ReleasingSampler(Protocol):
+    def release(self) -> None:
+        """Frees what the sampler keeps for sampling between calls of a version."""
+
+
+@runtime_checkable
+class ClosingSampler(Protocol):
+    def close(self) -> None:
+        """Ends what the sampler started (an engine's server)."""
+
+
+@runtime_checkable
+class TimedSampler(Protocol):
+    push_timings: dict  # {metric: seconds} of the last update_weights' parts
+
+
 @dataclasses.dataclass(frozen=True)
 class Done:
     """The `submit` handle of completions already generated."""
@@ -169,18 +192,18 @@ class Done:
 
 def submit(sampler: Sampler, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array):
     """The sampler's submit where it has one (sampling runs on while the caller goes on), else generate now."""
-    if hasattr(sampler, "submit"):
+    if isinstance(sampler, SubmittingSampler):
         return sampler.submit(prompt_ids, sampling, key)
     return Done(sampler.generate(prompt_ids, sampling, key))
 
 
 def close(sampler: Sampler) -> None:
     """The sampler's close where it has one (the contract above)."""
-    if hasattr(sampler, "close"):
+    if isinstance(sampler, ClosingSampler):
         sampler.close()
 
 
 def release(sampler: Sampler) -> None:
     """The sampler's release where it has one (the contract above)."""
-    if hasattr(sampler, "release"):
+    if isinstance(sampler, ReleasingSampler):
         sampler.release()

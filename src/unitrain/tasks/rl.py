@@ -72,8 +72,9 @@ from unitrain.data.prompts import make_prompt_iterator
 from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
 from unitrain.evals import TaskEvaluator
 from unitrain.models import moe
+from unitrain.models.base import SharedPrefixModel
 from unitrain.rollout import engines
-from unitrain.rollout.base import SamplingParams, close, release
+from unitrain.rollout.base import SamplingParams, TimedSampler, close, release
 from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
 from unitrain.rollout.driver import make_workflow, start_groups
@@ -113,7 +114,7 @@ def shared_prompt_rows(cfg, rows_per_update: int, model, devices: int) -> dict:
     its own whole groups: the logprob pass takes contiguous rows, and train_step's micro-batch j
     rows j, j+k, j+2k, ..., so a group's n rows come to it as a run of n/k."""
     n, k, rows = cfg.n_samples_per_prompt, cfg.gradient_accumulation_steps, rows_per_update
-    if not hasattr(model, "hidden_states_shared_prefix"):
+    if not isinstance(model, SharedPrefixModel):
         return {"logprobs": 1, "update": 1}
     fits = lambda count, run: count % (run * devices) == 0  # whole runs on every device
     return {"logprobs": n if fits(rows, n) else 1, "update": n // k if n % k == 0 and fits(rows // k, n // k) else 1}
@@ -185,6 +186,7 @@ class RLTask(Task):
         self.reward_fn = rewards.make_reward_fn(cfg)
         self.keep = make_filter(cfg.dynamic_sampling_filter)
         self.sampler = engines.make_sampler(run)
+        self.timed_pushes = isinstance(self.sampler, TimedSampler)  # push_timings: the parts of a push, logged
         self.workflow = make_workflow(run)
         self.max_completion = self.workflow.max_tokens
         self.shapers = reward_shapers(cfg, self.max_completion)
@@ -348,7 +350,7 @@ class RLTask(Task):
             start = time.perf_counter()
             self.sampler.update_weights(state["params"], version)
             pushed[version] = time.perf_counter() - start
-            for name, seconds in getattr(self.sampler, "push_timings", {}).items():
+            for name, seconds in (self.sampler.push_timings if self.timed_pushes else {}).items():
                 parts[name] = parts.get(name, 0.0) + seconds
 
         if self.cfg.max_staleness:
