@@ -244,8 +244,8 @@ def test_another_vocabulary_than_the_policys_scores_the_decoded_rollouts(tiny_ch
     assert built.tokenizer.vocab_size != reward_model._scorer(cfg).tokenizer.vocab_size
     task = modes.create(built)
     groups, _ = task.rollouts.take(0, lambda version: task.sampler.update_weights(state["params"], version))
-    prompts = [g.prompt.text for g in groups for _ in g.texts]
-    completions = [t for g in groups for t in g.texts]
+    prompts = [g.prompt.text for g in groups for _ in g.trajectories]
+    completions = [t.text for g in groups for t in g.trajectories]
     got = np.concatenate([g.per_reward["rm"] for g in groups])
     np.testing.assert_allclose(got, transformers_scores(path, prompts, completions), atol=TOL, rtol=0)
 

@@ -92,11 +92,10 @@ def fixed_groups(cfg, tokenizer):
     rng = np.random.default_rng(1)
     out = []
     for g in groups:
+        draws = rng.uniform(-1.5, 1.5, (len(g.trajectories), cfg.rollout_max_response_len))
         rows = tuple(
-            dataclasses.replace(
-                t, logprobs=(rng.uniform(-1.5, 1.5, len(t.ids)) - np.log(cfg.vocab_size)).astype(np.float32)
-            )
-            for t in g.trajectories
+            dataclasses.replace(t, logprobs=(draws[i, : len(t.ids)] - np.log(cfg.vocab_size)).astype(np.float32))
+            for i, t in enumerate(g.trajectories)
         )
         out.append(dataclasses.replace(g, trajectories=rows))
     return out
