@@ -19,16 +19,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
-import contextlib
-import json
-import signal
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+# The plain builders live in helpers.py; these names stay importable from conftest for the test files
+# that still import them from here.
+from helpers import (  # noqa: F401
+    REPO,
+    cpu_env,
+    make_cfg,
+    only_first_device,
+    sigterm_after_step,
+    small_model_config,
+    write_jsonl,
+)
 
 # Each family with the variant that exercises its distinctive code path.
 FAMILY_VARIANTS = {
@@ -61,70 +64,3 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return get
-
-
-def cpu_env(devices: int) -> dict:
-    """os.environ for a child process that sees `devices` CPU devices, with the suite's other XLA flags."""
-    from launch.local import with_device_count
-
-    return {**os.environ, "XLA_FLAGS": with_device_count(os.environ["XLA_FLAGS"], devices), "JAX_PLATFORMS": "cpu"}
-
-
-def make_cfg(**overrides):
-    """A Config from configs/base.yml with keyword overrides."""
-    from unitrain.config import load_config
-
-    return load_config([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
-
-
-def small_model_config(**overrides):
-    """The unit tests' small decoder (2 layers, width 32, 4 query and 2 key/value heads of 8, vocab
-    64), with overrides: model tests compile in seconds at this size."""
-    from unitrain import sharding
-    from unitrain.models import decoder
-
-    small = dict(
-        vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
-    )
-    return decoder.ModelConfig(**{**small, "platform": sharding.target_platform(), **overrides})
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-@contextlib.contextmanager
-def sigterm_after_step(monkeypatch, step: int):
-    """Delivers a real SIGTERM to this process right after the metrics of `step` are written."""
-    from unitrain import metrics
-
-    original = metrics.MetricsWriter.write
-
-    def write_then_sigterm(self, at, scalars):
-        original(self, at, scalars)
-        if at == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_sigterm)
-    try:
-        yield
-    finally:
-        monkeypatch.setattr(metrics.MetricsWriter, "write", original)
-
-
-@contextlib.contextmanager
-def only_first_device():
-    """Makes trainer_mesh build a 1-device mesh inside an 8-device process: the reference run (its
-    Layout still counts the 8 devices: the same rows per update)."""
-    import jax
-
-    from unitrain import sharding
-
-    original = sharding.trainer_mesh
-    ones = dict(data=1, fsdp=1, tensor=1)
-    sharding.trainer_mesh = lambda cfg, layout: sharding.create_mesh(ones, ones, jax.devices()[:1])
-    try:
-        yield
-    finally:
-        sharding.trainer_mesh = original

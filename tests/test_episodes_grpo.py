@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, cpu_env
+from helpers import REPO, cpu_env
 from unitrain import train
 from unitrain.config import load_config
 from unitrain.envs.guess import GuessNumber

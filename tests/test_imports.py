@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 # What `import unitrain.config` may load of unitrain: the packages on the way and the leaves below it.
 CONFIG_LEAVES = {

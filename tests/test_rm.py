@@ -12,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 
-from conftest import REPO, make_cfg, write_jsonl
+from helpers import REPO, make_cfg, write_jsonl
 from unitrain import losses, train
 from unitrain import step as step_lib
 from unitrain.data.preference import make_preference_iterator

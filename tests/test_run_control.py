@@ -16,24 +16,16 @@ import transformers
 import yaml
 from flax import nnx
 
-from conftest import REPO, make_cfg
+from helpers import REPO, SFT_FAST, make_cfg
 from unitrain import checkpoint, models, run, run_dir, sharding, tasks, train
 from unitrain.config import MODEL_KEYS, load_config
 from unitrain.errors import ConfigError
 
 BASE = str(REPO / "configs" / "base.yml")
-FAST = [
-    "max_target_length=32",
-    "per_device_batch_size=1",
-    "eval_interval=0",
-    "peak_flops_per_device=1e12",
-    "log_period=1",
-    "warmup_steps=2",
-]
 
 
 def argv(tmp_path, *overrides):
-    return [BASE, f"base_output_directory={tmp_path}", *FAST, *overrides]
+    return [BASE, f"base_output_directory={tmp_path}", *SFT_FAST, *overrides]
 
 
 def lines_of(path):
@@ -209,7 +201,7 @@ def test_rerunning_a_finished_run_says_so_and_how_to_go_on(tmp_path, capsys):
 
 def test_a_command_that_fails_before_its_run_starts_leaves_no_directory(tmp_path, capsys):
     out = tmp_path / "out"
-    failing = [BASE, f"base_output_directory={out}", *FAST, f"dataset_path={tmp_path / 'absent.jsonl'}"]
+    failing = [BASE, f"base_output_directory={out}", *SFT_FAST, f"dataset_path={tmp_path / 'absent.jsonl'}"]
     assert train.main(failing) == 2
     assert "absent.jsonl" in capsys.readouterr().err and not out.exists()
     (out / "other").mkdir(parents=True)  # what was there before stays
