@@ -19,6 +19,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
+import functools
+
 import pytest
 
 # The plain builders live in helpers.py; these names stay importable from conftest for the test files
@@ -64,3 +66,18 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def matmul_peak_measured_once_per_process():
+    """A run without peak_flops_per_device measures the machine's matmul peak as it starts (metrics.
+    measure_matmul_peak: 32 float32 2048 x 2048 dots, 10-30 s on the suite's shared CPUs), and most
+    runs of the suite's own tests set no peak. Here each worker measures it once per (dtype, size)
+    and every later run of that worker takes the figure (MFU's denominator: nothing asserts its
+    value). test_metrics calls the measurement with its own sizes; test_progress replaces it."""
+    from unitrain import metrics
+
+    original = metrics.measure_matmul_peak
+    metrics.measure_matmul_peak = functools.cache(original)
+    yield
+    metrics.measure_matmul_peak = original

@@ -18,6 +18,8 @@ from unitrain import step as step_lib
 from unitrain.errors import ConfigError
 
 SFT = [*SFT_FAST, "steps=5"]
+# One worker runs the module: the 1-device reference curve (a process of its own) is made once.
+pytestmark = pytest.mark.xdist_group("scale")
 MESHES = {
     "fsdp8": ["ici_fsdp_parallelism=8"],
     "fsdp4_tensor2": ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
