@@ -69,15 +69,17 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def matmul_peak_measured_once_per_process():
+def machine_rates_measured_once_per_process():
     """A run without peak_flops_per_device measures the machine's matmul peak as it starts (metrics.
     measure_matmul_peak: 32 float32 2048 x 2048 dots, 10-30 s on the suite's shared CPUs), and most
-    runs of the suite's own tests set no peak. Here each worker measures it once per (dtype, size)
-    and every later run of that worker takes the figure (MFU's denominator: nothing asserts its
-    value). test_metrics calls the measurement with its own sizes; test_progress replaces it."""
+    runs of the suite's own tests set no peak; bench.py's sampler mode measures the memory bandwidth
+    (sums over 512 MB) the same way. Here each worker measures each once per set of arguments and
+    every later call of that worker takes the figure (denominators of MFU and of the bandwidth
+    fraction: nothing asserts their values). test_metrics and test_bench call the measurements with
+    their own sizes; test_progress replaces the peak's."""
     from unitrain import metrics
 
-    original = metrics.measure_matmul_peak
-    metrics.measure_matmul_peak = functools.cache(original)
+    originals = metrics.measure_matmul_peak, metrics.measure_memory_bandwidth
+    metrics.measure_matmul_peak, metrics.measure_memory_bandwidth = map(functools.cache, originals)
     yield
-    metrics.measure_matmul_peak = original
+    metrics.measure_matmul_peak, metrics.measure_memory_bandwidth = originals
