@@ -73,13 +73,16 @@ def machine_rates_measured_once_per_process():
     """A run without peak_flops_per_device measures the machine's matmul peak as it starts (metrics.
     measure_matmul_peak: 32 float32 2048 x 2048 dots, 10-30 s on the suite's shared CPUs), and most
     runs of the suite's own tests set no peak; bench.py's sampler mode measures the memory bandwidth
-    (sums over 512 MB) the same way. Here each worker measures each once per set of arguments and
-    every later call of that worker takes the figure (denominators of MFU and of the bandwidth
-    fraction: nothing asserts their values). test_metrics and test_bench call the measurements with
-    their own sizes; test_progress replaces the peak's."""
+    (sums over 512 MB) the same way. Here each worker measures each at most at a small size (a 512 x
+    512 dot, 64 MB), once per set of arguments, and every later call of that worker takes the figure:
+    they are the denominators of MFU and of the bandwidth fraction, and no test asserts their value.
+    test_metrics and test_bench call the measurements with their own sizes, under these caps;
+    test_progress replaces the peak's."""
     from unitrain import metrics
 
     originals = metrics.measure_matmul_peak, metrics.measure_memory_bandwidth
-    metrics.measure_matmul_peak, metrics.measure_memory_bandwidth = map(functools.cache, originals)
+    peak, bandwidth = map(functools.cache, originals)
+    metrics.measure_matmul_peak = lambda dtype="float32", n=2048, iters=10: peak(dtype, min(n, 512), iters)
+    metrics.measure_memory_bandwidth = lambda nbytes=2**29, iters=10: bandwidth(min(nbytes, 2**26), iters)
     yield
     metrics.measure_matmul_peak, metrics.measure_memory_bandwidth = originals
