@@ -19,16 +19,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
-import contextlib
-import json
-import signal
-import sys
-from pathlib import Path
+import functools
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
 
 # Each family with the variant that exercises its distinctive code path.
 FAMILY_VARIANTS = {
@@ -63,82 +56,21 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
-def cpu_env(devices: int) -> dict:
-    """os.environ for a child process that sees `devices` CPU devices, with the suite's other XLA flags."""
-    from launch.local import with_device_count
-
-    return {**os.environ, "XLA_FLAGS": with_device_count(os.environ["XLA_FLAGS"], devices), "JAX_PLATFORMS": "cpu"}
-
-
-def make_cfg(**overrides):
-    """A Config from configs/base.yml with keyword overrides."""
-    from unitrain.config import load_config
-
-    return load_config([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
-
-
-def small_model_config(**overrides):
-    """The unit tests' small decoder (2 layers, width 32, 4 query and 2 key/value heads of 8, vocab
-    64), with overrides: model tests compile in seconds at this size."""
-    from unitrain import sharding
-    from unitrain.models import decoder
-
-    small = dict(
-        vocab_size=64, emb_dim=32, mlp_dim=64, num_decoder_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8
-    )
-    return decoder.ModelConfig(**{**small, "platform": sharding.target_platform(), **overrides})
-
-
-def copy_with_bos(path, out, added: bool) -> str:
-    """A copy of the HF checkpoint at `path` whose tokenizer defines a BOS token that transformers'
-    tokenizer(text) adds (`added`, Llama style) or does not add (GPT-2 and NeoX style)."""
-    import shutil
-
-    import transformers
-
-    shutil.copytree(path, out)
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    tok.bos_token, tok.add_bos_token = "<|endoftext|>", added
-    tok.save_pretrained(out)
-    return str(out)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-@contextlib.contextmanager
-def sigterm_after_step(monkeypatch, step: int):
-    """Delivers a real SIGTERM to this process right after the metrics of `step` are written."""
+@pytest.fixture(autouse=True, scope="session")
+def machine_rates_measured_once_per_process():
+    """A run without peak_flops_per_device measures the machine's matmul peak as it starts (metrics.
+    measure_matmul_peak: 32 float32 2048 x 2048 dots, 10-30 s on the suite's shared CPUs), and most
+    runs of the suite's own tests set no peak; bench.py's sampler mode measures the memory bandwidth
+    (sums over 512 MB) the same way. Here each worker measures each at most at a small size (a 512 x
+    512 dot, 64 MB), once per set of arguments, and every later call of that worker takes the figure:
+    they are the denominators of MFU and of the bandwidth fraction, and no test asserts their value.
+    test_metrics and test_bench call the measurements with their own sizes, under these caps;
+    test_progress replaces the peak's."""
     from unitrain import metrics
 
-    original = metrics.MetricsWriter.write
-
-    def write_then_sigterm(self, at, scalars):
-        original(self, at, scalars)
-        if at == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_sigterm)
-    try:
-        yield
-    finally:
-        monkeypatch.setattr(metrics.MetricsWriter, "write", original)
-
-
-@contextlib.contextmanager
-def only_first_device():
-    """Makes trainer_mesh build a 1-device mesh inside an 8-device process: the reference run (its
-    Layout still counts the 8 devices: the same rows per update)."""
-    import jax
-
-    from unitrain import sharding
-
-    original = sharding.trainer_mesh
-    ones = dict(data=1, fsdp=1, tensor=1)
-    sharding.trainer_mesh = lambda cfg, layout: sharding.create_mesh(ones, ones, jax.devices()[:1])
-    try:
-        yield
-    finally:
-        sharding.trainer_mesh = original
+    originals = metrics.measure_matmul_peak, metrics.measure_memory_bandwidth
+    peak, bandwidth = map(functools.cache, originals)
+    metrics.measure_matmul_peak = lambda dtype="float32", n=2048, iters=10: peak(dtype, min(n, 512), iters)
+    metrics.measure_memory_bandwidth = lambda nbytes=2**29, iters=10: bandwidth(min(nbytes, 2**26), iters)
+    yield
+    metrics.measure_matmul_peak, metrics.measure_memory_bandwidth = originals

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import small_model_config
+from helpers import small_model_config
 from unitrain import sharding
 from unitrain.config import load_config
 from unitrain.errors import ConfigError

@@ -1,14 +1,18 @@
 """Beam search as a decoding strategy of the colocated sampler (rollout/beam.py), against independent
 references: exhaustive teacher-forced scoring of every valid sequence, greedy decoding, the trie."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import small_model_config
+from helpers import BEAM_CFG as CFG
+from helpers import BEAM_EOS as EOS
+from helpers import BEAM_PROMPTS as PROMPTS
+from helpers import BEAM_V as V
+from helpers import beam_items as items
+from helpers import beam_model as model
+from helpers import check_wide_beam_is_exact_top_k
 from unitrain import sharding
 from unitrain.models import decoder as model_lib
 from unitrain.rollout.base import SamplingParams
@@ -16,50 +20,9 @@ from unitrain.rollout.beam import BeamParams
 from unitrain.rollout.colocated import ColocatedSampler
 from unitrain.rollout.trie import Trie
 
-EOS, V = 1, 48
-CFG = small_model_config(vocab_size=V)
-PROMPTS = [[5, 6, 7], [8, 9], [2, 3, 4, 5, 6, 7, 40, 41, 42], [44]]
-
-
-@functools.cache
-def model():
-    m = model_lib.create(CFG, 0)
-    for _, var in nnx.to_flat_state(nnx.state(m, nnx.Param)):  # sharper than init: distinct scores
-        var.set_value(var.get_value() * 4)
-    return m
-
-
-def items(seed, n=30, lows=(10, 20, 30), highs=(14, 24, 36)):
-    rng = np.random.default_rng(seed)
-    return sorted({tuple(int(t) for t in row) for row in rng.integers(lows, highs, size=(n, 3))})
-
-
-def teacher_forced(prompt, seqs) -> np.ndarray:
-    """Total logprob of each full sequence after `prompt`, from one plain forward per sequence batch."""
-    T = len(prompt) + len(seqs[0])
-    tokens = np.asarray([prompt + list(s) for s in seqs], np.int32)
-    logits, _ = model()(tokens, np.broadcast_to(np.arange(T, dtype=np.int32), tokens.shape), np.ones_like(tokens))
-    lp = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1))
-    steps = np.arange(len(prompt) - 1, T - 1)
-    return lp[:, steps, :][np.arange(len(seqs))[:, None], np.arange(len(steps))[None], tokens[:, steps + 1]].sum(1)
-
 
 def test_wide_beam_is_exact_top_k_of_all_valid_items_with_teacher_forced_scores():
-    valid = items(0)
-    trie = Trie.build([list(s) + [EOS] for s in valid])
-    sampler = ColocatedSampler(model(), pad_id=0)
-    ranked = sampler.beam_search(
-        PROMPTS, BeamParams(trie.widest_level, trie.depth, trie, stop_token_ids=(EOS,)), jax.random.key(0)
-    )
-    assert ranked.tokens.shape == (len(PROMPTS), trie.widest_level, 4)
-    for b, prompt in enumerate(PROMPTS):
-        reference = teacher_forced(prompt, [list(s) + [EOS] for s in valid])
-        order = np.argsort(-reference, kind="stable")
-        k = 10
-        assert [tuple(t[:3]) for t in ranked.tokens[b, :k]] == [valid[i] for i in order[:k]], b
-        np.testing.assert_allclose(ranked.scores[b], reference[order[: trie.widest_level]], atol=1e-4)
-        np.testing.assert_allclose(ranked.logprobs[b].sum(-1), ranked.scores[b], atol=1e-5)
-        assert (ranked.lengths[b] == 4).all() and (ranked.tokens[b, :, 3] == EOS).all()
+    check_wide_beam_is_exact_top_k()  # helpers.py: test_decode_compaction.py runs it compacted too
 
 
 @pytest.mark.parametrize("sample", [False, True])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import small_model_config
+from helpers import small_model_config
 from unitrain import losses, sharding
 from unitrain.models import decoder
 

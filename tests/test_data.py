@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import make_cfg, write_jsonl
+from helpers import make_cfg, write_jsonl
 from unitrain.data.builtin import builtin_problem, problem_split
 from unitrain.data.sft import BATCH_FIELDS, make_sft_iterator
 from unitrain.data.tokenizer import load_tokenizer

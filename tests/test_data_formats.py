@@ -7,7 +7,7 @@ import datasets  # the reference writer of save_to_disk folders
 import numpy as np
 import pytest
 
-from conftest import REPO, make_cfg, write_jsonl
+from helpers import REPO, make_cfg, write_jsonl
 from unitrain import train
 from unitrain.data.preference import make_preference_iterator
 from unitrain.data.prompts import make_prompt_iterator

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import struct
 
-import test_beam
-from conftest import make_cfg
-from test_rollout import PROMPTS, naive_sample, tiny_model
+from helpers import ROLLOUT_PROMPTS as PROMPTS
+from helpers import beam_reference as test_beam
+from helpers import make_cfg, naive_sample, tiny_model
 from unitrain.config import load_config
 from unitrain.data.prompt_ids import Prompt
 from unitrain.errors import ConfigError

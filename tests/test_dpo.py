@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO, make_cfg, write_jsonl
+from helpers import REPO, make_cfg, write_jsonl
 from unitrain import losses, train
 from unitrain import step as step_lib
 from unitrain.data.preference import PAIR_FIELDS, eval_pair_batches, make_preference_iterator

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import make_cfg
+from helpers import make_cfg
 from unitrain.data.builtin import builtin_problem
 from unitrain.envs.base import AssistantTurn, Environment, ToolCall
 from unitrain.envs.calculator import (

@@ -12,10 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, cpu_env
+from helpers import REPO, cpu_env
 from unitrain import train
 from unitrain.config import load_config
 from unitrain.envs.guess import GuessNumber
+
+# One worker runs the module: the warm start and the straight run are made once for all three tests.
+pytestmark = pytest.mark.xdist_group("episodes_grpo")
 
 # The environment of these runs: the game, logging every record it starts (the records a step
 # trains on, in order) and killing its process at the KILL_AT-th start.
@@ -46,6 +49,7 @@ WARM_START = [
     "steps=30",
     "eval_interval=0",
     "log_period=10",
+    "peak_flops_per_device=1e12",
 ]
 
 
@@ -80,6 +84,7 @@ def grpo_args(warm_start, tmp_path, name):
         "warmup_steps=0",
         "lr_schedule=constant",
         "kl_coef=0.01",
+        "peak_flops_per_device=1e12",  # a process that would measure it takes tens of seconds
     ]
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO, make_cfg, write_jsonl
 from generate import main as generate_main
+from helpers import REPO, make_cfg, write_jsonl
 from unitrain import train
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, cpu_env
-from test_train import FAST, config, losses_of, run_cli
+from helpers import REPO, SFT_FAST, cpu_env, losses_of, run_cli
+from helpers import sft_config as config
 from unitrain import checkpoint, metrics, run, train
 from unitrain.errors import CheckpointError
 
@@ -34,7 +34,7 @@ def wait_for(predicate, timeout=120):
 
 
 def one_line_exit_2(capsys, *args):
-    assert train.main([str(REPO / "configs" / "base.yml"), *FAST, *args]) == 2
+    assert train.main([str(REPO / "configs" / "base.yml"), *SFT_FAST, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     return err
@@ -46,7 +46,7 @@ def test_kill_9_around_sync_and_async_saves_loses_no_metrics_line(tmp_path):
     assert train.train(straight) == 0
     killed = config(tmp_path, "run_name=killed", *steps)
     ckpts = Path(killed.checkpoint_dir)
-    args = [f"base_output_directory={tmp_path}", "run_name=killed", *FAST, *steps]
+    args = [f"base_output_directory={tmp_path}", "run_name=killed", *SFT_FAST, *steps]
     # A step directory appearing: a sync save just committed (the line of every step it covers must
     # be on disk already); a tmp directory: an async save in flight.
     for mode, marker in (("false", "6"), ("true", "12.orbax-checkpoint-tmp"), ("false", "18")):
@@ -78,7 +78,7 @@ def cannot_write_read_only(tmp_path) -> bool:
 def test_read_only_checkpoint_dir_stops_in_seconds_with_one_line(tmp_path):
     if not cannot_write_read_only(tmp_path):
         pytest.skip("this user writes into read-only directories (root)")
-    args = [f"base_output_directory={tmp_path}", *FAST, "steps=100000", "checkpoint_period=5"]
+    args = [f"base_output_directory={tmp_path}", *SFT_FAST, "steps=100000", "checkpoint_period=5"]
     proc = run_cli(*args)
     ckpts = tmp_path / "default" / "checkpoints"
     wait_for(lambda: (ckpts / "5").exists() or proc.poll() is not None)
@@ -115,7 +115,7 @@ def test_full_disk_is_one_line_and_keeps_saved_checkpoints(tmp_path):
     args = [
         str(REPO / "configs" / "base.yml"),
         f"base_output_directory={tmp_path}",
-        *FAST,
+        *SFT_FAST,
         "steps=4",
         "checkpoint_period=2",
     ]
@@ -170,7 +170,7 @@ def test_truncated_safetensors_is_one_line(tmp_path, capsys, tiny_checkpoint):
 
 def test_other_dimensions_than_the_checkpoint_are_one_line(tmp_path, capsys):
     base = [f"base_output_directory={tmp_path}", "steps=2", "checkpoint_period=2"]
-    assert train.main([str(REPO / "configs" / "base.yml"), *FAST, *base]) == 0
+    assert train.main([str(REPO / "configs" / "base.yml"), *SFT_FAST, *base]) == 0
     capsys.readouterr()
     err = one_line_exit_2(capsys, *base, "steps=4", "mlp_dim=96")
     assert "mlp_dim=128 (its config.yml) and this command sets mlp_dim=96" in err  # before anything is built
@@ -242,10 +242,10 @@ class _Position:
 
 def test_damaged_checkpoint_without_fallback_refuses_in_one_line(tmp_path, capsys):
     base = [f"base_output_directory={tmp_path}", "steps=4", "checkpoint_period=2"]
-    assert train.main([str(REPO / "configs" / "base.yml"), *FAST, *base]) == 0
+    assert train.main([str(REPO / "configs" / "base.yml"), *SFT_FAST, *base]) == 0
     capsys.readouterr()
     damage(tmp_path / "default" / "checkpoints" / "4", "truncated")
-    proc = run_cli(*FAST, *base, "steps=6", "checkpoint_fallback=false")  # a new process: nothing cached
+    proc = run_cli(*SFT_FAST, *base, "steps=6", "checkpoint_fallback=false")  # a new process: nothing cached
     _, err = proc.communicate(timeout=300)
     ours = [line for line in err.splitlines() if line.startswith("unitrain: ")]
     assert proc.returncode == 2 and len(ours) == 1, err[-3000:]

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import REPO
 from generate import main
+from helpers import REPO
 
 PROMPTS = ["Natalia sold clips to 48 of her friends", "How many"]
 

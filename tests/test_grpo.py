@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, sigterm_after_step
+from helpers import REPO, sigterm_after_step
 from unitrain import evals, lora, losses, modes, run, train
 from unitrain.config import load_config
 from unitrain.errors import RunEndedEarly

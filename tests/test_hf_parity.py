@@ -6,37 +6,13 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
+from helpers import packed_batch, torch_logits
 from unitrain.adapters import hf
 from unitrain.errors import ConfigError
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 TOL = 1e-4
-
-
-def torch_logits(path, tokens):
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        return ref.eval()(torch.tensor(np.asarray(tokens))[None]).logits[0].numpy()
-
-
-def packed_batch(rng, length=640, seg_lengths=(300, 200)):
-    """Row 0: one long sequence. Row 1: two packed sequences then right padding."""
-    long_seq = rng.integers(0, 512, length)
-    segs = [rng.integers(0, 512, n) for n in seg_lengths]
-    tokens = np.zeros((2, length), np.int32)
-    positions = np.zeros((2, length), np.int32)
-    segment_ids = np.zeros((2, length), np.int32)
-    tokens[0], positions[0], segment_ids[0] = long_seq, np.arange(length), 1
-    start = 0
-    for i, s in enumerate(segs):
-        tokens[1, start : start + len(s)] = s
-        positions[1, start : start + len(s)] = np.arange(len(s))
-        segment_ids[1, start : start + len(s)] = i + 1
-        start += len(s)
-    return tokens, positions, segment_ids, long_seq, segs
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,14 +1,15 @@
 """The house reads one way: no import cycle among the modules of src/unitrain and adapters/ (every
 import statement counts, those inside functions too, and a module that resolves a registry table's
-names, `plugins.resolve(..., registry.TABLE, ...)`, imports the modules they name), and `import
-unitrain.config` loads no JAX and no unitrain module but its leaves."""
+names, `plugins.resolve(..., registry.TABLE, ...)`, imports the modules they name), `import
+unitrain.config` loads no JAX and no unitrain module but its leaves, and no test file imports another
+(their shared builders are in tests/helpers.py)."""
 
 import ast
 import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 # What `import unitrain.config` may load of unitrain: the packages on the way and the leaves below it.
 CONFIG_LEAVES = {
@@ -112,3 +113,13 @@ def test_importing_config_loads_no_jax_and_only_its_leaves():
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout))
     assert not {"jax", "jaxlib", "flax", "optax"} & loaded
     assert {m for m in loaded if m == "unitrain" or m.startswith("unitrain.")} <= CONFIG_LEAVES
+
+
+def test_no_test_file_imports_another():
+    """A test file takes shared builders from helpers.py (or conftest.py's fixtures), never from another
+    test file: importing one would also run its module-level set-up and tie the two files' edits."""
+    tests = {path.stem: path for path in (REPO / "tests").glob("test_*.py")}
+    found = {
+        f"{name} imports {imported}" for name, path in tests.items() for imported in imported_names(name, path, tests)
+    }
+    assert not found, sorted(found)

@@ -13,15 +13,15 @@ import time
 
 import pytest
 
-from conftest import REPO, cpu_env
-from test_train import FAST, config, losses_of
+from helpers import REPO, SFT_FAST, cpu_env, losses_of
+from helpers import sft_config as config
 from unitrain import checkpoint, run, train
 from unitrain.tasks import sft
 
 BASE = str(REPO / "configs" / "base.yml")
 # A schedule that does not depend on `steps`: a run stopped early and resumed with another `steps` is
 # the same run as one given those steps from the start.
-ENDLESS = [*FAST, "lr_schedule=constant", "steps=100000"]
+ENDLESS = [*SFT_FAST, "lr_schedule=constant", "steps=100000"]
 
 
 def saved_steps(cfg) -> list:
@@ -153,9 +153,9 @@ def test_ctrl_c_between_a_pipelines_stages_starts_no_other(tmp_path, monkeypatch
 
     monkeypatch.setattr(train.pipeline.multihost_utils, "sync_global_devices", sigint_then_sync)
     with handlers_kept():
-        assert train.main([str(recipe), *FAST]) == train.EXIT_SIGINT
+        assert train.main([str(recipe), *SFT_FAST]) == train.EXIT_SIGINT
     pipe = tmp_path / "default"
     assert (pipe / "first" / "stage_done").exists() and not (pipe / "second").exists()
     monkeypatch.setattr(train.pipeline.multihost_utils, "sync_global_devices", sync)
-    assert train.main([str(recipe), *FAST]) == 0  # the rest, when asked again
+    assert train.main([str(recipe), *SFT_FAST]) == 0  # the rest, when asked again
     assert (pipe / "second" / "stage_done").exists()

@@ -14,7 +14,7 @@ import torch
 import transformers
 from flax import nnx
 
-from conftest import REPO, make_cfg, write_jsonl
+from helpers import REPO, make_cfg, write_jsonl
 from unitrain import checkpoint, modes, run, train
 from unitrain.errors import ConfigError
 

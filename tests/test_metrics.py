@@ -13,26 +13,12 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from helpers import read_events
 from unitrain import metrics, sharding
 from unitrain.config import load_config
 from unitrain.models import decoder as model
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def read_events(tb_dir: Path) -> list:
-    """Every Event in the tfevents files under tb_dir, read by hand: TFRecord framing is
-    uint64 length, uint32 crc, payload, uint32 crc (tensorboardX ships the proto but no reader)."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    events = []
-    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            (length,) = struct.unpack("<Q", data[i : i + 8])
-            events.append(Event.FromString(data[i + 12 : i + 12 + length]))
-            i += 12 + length + 4
-    return events
 
 
 def read_jsonl(path: Path) -> list[dict]:

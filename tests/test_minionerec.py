@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import REPO, make_cfg
+from helpers import REPO, make_cfg
 from unitrain import rewards, train
 from unitrain.errors import DataError
 from unitrain.recsys import data as recommendation

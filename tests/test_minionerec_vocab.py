@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import make_cfg
+from helpers import make_cfg
 from unitrain import export, vocab
 from unitrain.errors import ConfigError, DataError
 from unitrain.run import build_run

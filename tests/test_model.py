@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import small_model_config
+from helpers import grpo_rows, small_model_config
 from unitrain.models import attention, decoder, kv_cache
 
 CFG = small_model_config(vocab_size=128, qkv_bias=True, qk_norm=True)
@@ -237,21 +237,6 @@ def test_decode_step_attention_matches_numpy(matmuls):
             p = np.exp(scores - scores.max())
             expected[b, 0, h] = (p / p.sum()) @ v[b, kv]
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
-
-
-def grpo_rows(rng, prompts, n, P, C, vocab):
-    """n rows per prompt as GRPO lays them out: the prompt left-padded to end at column P, then a
-    completion of random length right-padded to C columns."""
-    rows = len(prompts) * n
-    tokens, positions, segments = (np.zeros((rows, P + C), np.int32) for _ in range(3))
-    for r in range(rows):
-        prompt = prompts[r // n]
-        completion = rng.integers(1, vocab, rng.integers(1, C + 1))
-        start, end = P - len(prompt), P + len(completion)
-        tokens[r, start:end] = np.concatenate([prompt, completion])
-        positions[r, start:end] = np.arange(end - start)
-        segments[r, start:end] = 1
-    return tokens, positions, segments
 
 
 @pytest.mark.parametrize("scan_layers, remat_policy, window", [(True, "full", None), (False, "none", 5)])

@@ -16,8 +16,7 @@ import transformers
 from flax import nnx
 from safetensors.torch import save_file
 
-from conftest import REPO, small_model_config
-from test_hf_parity import packed_batch, torch_logits
+from helpers import MOE_CFG, REPO, SFT_FAST, TINY_MOE, grpo_rows, packed_batch, sharp_moe, torch_logits
 from unitrain import train
 from unitrain.adapters import hf
 from unitrain.errors import ConfigError
@@ -66,19 +65,6 @@ def test_unnormalised_top_k_is_caught_by_the_tolerance(moe_checkpoint):
     tokens = np.random.default_rng(3).integers(0, 512, 60)
     ours = model(jnp.asarray(tokens)[None], jnp.arange(60)[None], jnp.ones((1, 60), jnp.int32))[0]
     assert np.abs(np.asarray(ours[0]) - torch_logits(path, tokens)).max() > 1e-2
-
-
-MOE_CFG = small_model_config(
-    vocab_size=128, model_family="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=16
-)
-
-
-def sharp_moe(cfg, seed=0):
-    """Random weights scaled up: attention far from uniform and the router far from ties."""
-    model = decoder.create(cfg, seed)
-    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        var.set_value(var.get_value() * 10.0)
-    return model
 
 
 @pytest.mark.parametrize("copies", [True, False], ids=["cpu_route", "accelerator_route"])
@@ -253,18 +239,6 @@ def test_partly_dense_qwen3_moe_checkpoint_is_one_line(moe_checkpoint, tmp_path)
         hf.load(bad)
 
 
-FAST = [
-    "max_target_length=32",
-    "per_device_batch_size=1",
-    "eval_interval=0",
-    "peak_flops_per_device=1e12",
-    "log_period=1",
-    "builtin_task_digits=2",
-    "warmup_steps=2",
-]
-TINY_MOE = ["model_family=qwen3_moe", "qk_norm=true", "num_experts=4", "num_experts_per_tok=2", "moe_mlp_dim=32"]
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -278,7 +252,7 @@ TINY_MOE = ["model_family=qwen3_moe", "qk_norm=true", "num_experts=4", "num_expe
     ],
 )
 def test_bad_moe_config_is_one_line_and_exit_2(tmp_path, capsys, args, message):
-    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *args]) == 2
+    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *SFT_FAST, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
@@ -286,7 +260,7 @@ def test_bad_moe_config_is_one_line_and_exit_2(tmp_path, capsys, args, message):
 def test_sft_on_a_tiny_moe_trains_and_logs_the_router_terms(tmp_path):
     """train.main on a 4-expert Qwen3-MoE: the loss falls, and each step's loss is the nll plus the
     router terms at their coefficients."""
-    args = [*FAST, *TINY_MOE, "steps=40", "moe_aux_loss_coef=0.1", "moe_z_loss_coef=0.01"]
+    args = [*SFT_FAST, *TINY_MOE, "steps=40", "moe_aux_loss_coef=0.1", "moe_z_loss_coef=0.01"]
     assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *args]) == 0
     lines = [json.loads(line) for line in open(tmp_path / "default" / "metrics.jsonl")]
     steps = [line for line in lines if "loss" in line]
@@ -302,8 +276,6 @@ def test_sft_on_a_tiny_moe_trains_and_logs_the_router_terms(tmp_path):
 def test_shared_prefix_forward_equals_the_plain_one_and_counts_each_prompt_once():
     """GRPO's shared-prompt forward on an MoE: the hidden states of hidden_states, and router stats
     over each group's prompt once plus every completion, in every layer."""
-    from test_model import grpo_rows
-
     model = sharp_moe(MOE_CFG)
     rng = np.random.default_rng(0)
     P, C, n = 8, 6, 3

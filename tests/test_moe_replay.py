@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO
-from test_grpo import FAST as GRPO_FAST
-from test_grpo import config, first_groups, make_step
-from test_moe import MOE_CFG, TINY_MOE, sharp_moe
+from helpers import GRPO_FAST, MOE_CFG, REPO, TINY_MOE, first_groups, make_step, sharp_moe
+from helpers import grpo_config as config
 from unitrain import train
 from unitrain.models import moe
 from unitrain.rollout.base import SamplingParams

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from conftest import only_first_device
-from test_scale import config, fixed_grpo_batch, grpo_update
+from helpers import SFT_FAST, fixed_grpo_batch, grpo_update, only_first_device
+from helpers import run_config as config
 from unitrain import modes, run, sharding
 from unitrain.errors import ConfigError
 from unitrain.models import moe
@@ -139,7 +139,7 @@ EP_RULES = (
     "logical_axis_rules=[[batch,[data,fsdp]],[length,null],[embed,fsdp],[mlp,tensor],[heads,tensor],"
     "[kv_heads,tensor],[kv,null],[vocab,tensor],[layers,null],[expert,fsdp],[norm,null],[activation_embed,null]]"
 )
-SFT = ["max_target_length=32", "eval_interval=0", "peak_flops_per_device=1e12", "builtin_task_digits=2"]
+SFT = [*SFT_FAST, "warmup_steps=20"]  # base.yml's warmup: both runs take the same two small steps
 
 
 def sft_steps(cfg, steps=2):

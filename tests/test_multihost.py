@@ -6,35 +6,16 @@ import json
 
 import numpy as np
 
-from conftest import REPO
+from helpers import GRPO_FAST, REPO, SFT_FAST
 from launch.local import launch  # tools/ is on sys.path (conftest)
 from unitrain import train
 from unitrain.config import load_config
 
-SFT = [
-    "max_target_length=32",
-    "per_device_batch_size=1",
-    "eval_interval=0",
-    "peak_flops_per_device=1e12",
-    "log_period=1",
-    "builtin_task_digits=2",
-    "warmup_steps=0",
-    "lr_schedule=constant",
-    "checkpoint_period=2",
-    "data_shards=2",
-]
+SFT = [*SFT_FAST, "warmup_steps=0", "lr_schedule=constant", "checkpoint_period=2", "data_shards=2"]
 GRPO = [
-    "mode=grpo",
+    *GRPO_FAST,
     "per_device_batch_size=1",
     "rollout_batch_size=2",
-    "n_samples_per_prompt=4",
-    "rollout_max_response_len=6",
-    "eval_interval=0",
-    "log_period=1",
-    "builtin_task_digits=1",
-    "max_prompt_length=16",
-    "learning_rate=1e-3",
-    "warmup_steps=0",
     "lr_schedule=constant",
     "checkpoint_period=1",
     "kl_coef=0.01",

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import REPO
+from helpers import REPO
 from unitrain import sharding
 from unitrain.config import load_config
 from unitrain.models import decoder

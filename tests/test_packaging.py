@@ -9,7 +9,7 @@ import sys
 import tomllib
 
 import unitrain.adapters
-from conftest import REPO
+from helpers import REPO
 
 
 def test_editable_install_maps_adapters_folder():

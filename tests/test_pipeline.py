@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import REPO, sigterm_after_step
+from helpers import REPO, sigterm_after_step
 from unitrain import pipeline, train
 from unitrain.config import load_config
 

@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 from unitrain import train
 from unitrain.config import load_config
 from unitrain.errors import ConfigError

@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from conftest import REPO, sigterm_after_step
+from helpers import REPO, sigterm_after_step
 from unitrain import losses, modes, run, train
 from unitrain.config import load_config
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from conftest import only_first_device
-from test_train import config
+from helpers import only_first_device
+from helpers import sft_config as config
 from unitrain import metrics, sharding, train
 from unitrain.models import sources
 from unitrain.tasks import sft

@@ -11,7 +11,7 @@ import types
 import pytest
 import reasoning_gym
 
-from conftest import REPO, make_cfg
+from helpers import REPO, make_cfg
 from unitrain.config import load_config
 from unitrain.envs.base import AssistantTurn, Environment
 from unitrain.envs.reasoning_gym import FEEDBACK, make_reasoning_gym

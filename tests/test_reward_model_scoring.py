@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO, copy_with_bos, make_cfg
+from helpers import GRPO_FAST, REPO, copy_with_bos, make_cfg
 from unitrain import modes, reward_model, rewards, run, train
 from unitrain.errors import ConfigError
 
@@ -218,18 +218,7 @@ def test_an_environments_final_answer_is_scored_by_the_same_loaded_model(tiny_ch
 
 # ---------------------------------------------------------------- in a GRPO run
 
-GRPO = [
-    "mode=grpo",
-    "per_device_batch_size=2",
-    "rollout_batch_size=4",
-    "n_samples_per_prompt=4",
-    "rollout_max_response_len=6",
-    "eval_interval=0",
-    "log_period=1",
-    "builtin_task_digits=1",
-    "max_prompt_length=16",
-    "warmup_steps=0",
-]
+GRPO = GRPO_FAST
 
 
 def test_another_vocabulary_than_the_policys_scores_the_decoded_rollouts(tiny_checkpoint, tmp_path):

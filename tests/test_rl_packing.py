@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench import long_tailed_groups
-from conftest import REPO
+from helpers import REPO
 from unitrain import modes, run
 from unitrain.config import load_config
 from unitrain.data.rl_packing import first_fit_decreasing

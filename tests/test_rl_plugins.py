@@ -8,25 +8,14 @@ import json
 import jax
 import numpy as np
 
-from conftest import REPO, make_cfg
+from helpers import GRPO_FAST, REPO, make_cfg
 from unitrain import train
 from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.rollout.base import Completions, SamplingParams
 from unitrain.rollout.driver import run_groups
 
-FAST = [
-    "mode=grpo",
-    "per_device_batch_size=2",
-    "rollout_batch_size=4",
-    "n_samples_per_prompt=4",
-    "rollout_max_response_len=6",
-    "eval_interval=0",
-    "log_period=1",
-    "builtin_task_digits=1",
-    "max_prompt_length=16",
-    "steps=2",
-]
+FAST = [*GRPO_FAST, "steps=2"]
 TOK = load_tokenizer("")
 
 

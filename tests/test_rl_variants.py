@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO
-from test_grpo import FAST, config, make_step
+from helpers import GRPO_FAST as FAST
+from helpers import REPO, make_step
+from helpers import grpo_config as config
 from unitrain import train
 from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer

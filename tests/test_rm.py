@@ -12,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 
-from conftest import REPO, copy_with_bos, make_cfg, write_jsonl
+from helpers import REPO, copy_with_bos, make_cfg, write_jsonl
 from unitrain import losses, train
 from unitrain import step as step_lib
 from unitrain.data.preference import make_preference_iterator
@@ -284,7 +284,15 @@ def test_unitrain_checkpoints_start_and_reload_reward_models(tmp_path):
     from unitrain.models.scalar_head import build_scalar_model
 
     base = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", "steps=1", "eval_interval=0"]
-    assert train.main([*base, "model_name=tiny", "mode=sft", "run_name=sft"]) == 0  # E2E's model
+    # E2E's model, trained on E2E's small batches (its checkpoint's shapes do not depend on them)
+    sft = [
+        "model_name=tiny",
+        "mode=sft",
+        "per_device_batch_size=1",
+        "max_target_length=16",
+        "peak_flops_per_device=1e12",
+    ]
+    assert train.main([*base, *sft, "run_name=sft"]) == 0
     assert (
         train.main(
             [

@@ -1,7 +1,6 @@
 """The sampler: greedy = argmax of the full forward, stop tokens, logprobs, top-k/top-p, buckets, sharding."""
 
 import dataclasses
-import functools
 import logging
 import re
 
@@ -10,48 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import small_model_config
+from helpers import ROLLOUT_CFG as CFG
+from helpers import ROLLOUT_PROMPTS as PROMPTS
+from helpers import full_logits, log_softmax, naive_sample, scaled, tiny_model
 from unitrain import sharding
 from unitrain.models import decoder as model_lib
 from unitrain.rollout import buckets, colocated, engines, programs
 from unitrain.rollout.base import SamplingParams
-
-CFG = small_model_config()
-FORWARD_LEN = 32  # the reference forward right-pads every sequence to this length: one compile
-PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 30, 11, 8, 1], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
-
-
-def scaled(model, factor=5.0):
-    """Random weights scaled up so that next-token distributions are far from uniform."""
-    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        var.set_value(var.get_value() * factor)
-    return model
-
-
-@functools.cache
-def tiny_model():
-    return scaled(model_lib.create(CFG, 0))
-
-
-@nnx.jit
-def _forward(model, tokens, positions, segments):
-    return model(tokens, positions, segments)[0]
-
-
-def full_logits(model, seq) -> np.ndarray:
-    """[len(seq), V] float32 logits of the plain full forward (no cache), right-padded to FORWARD_LEN."""
-    n = len(seq)
-    assert n <= FORWARD_LEN
-    tokens = np.zeros((1, FORWARD_LEN), np.int32)
-    tokens[0, :n] = seq
-    positions = np.arange(FORWARD_LEN, dtype=np.int32)[None]
-    segments = (np.arange(FORWARD_LEN) < n).astype(np.int32)[None]
-    return np.asarray(_forward(model, tokens, positions, segments)[0, :n], np.float32)
-
-
-def log_softmax(x):
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def generate(model, prompts, sampling, key, mesh=None, rules=None, cache_phases=3):
@@ -162,7 +126,7 @@ def test_prompts_in_one_bucket_compile_once(caplog):
 @pytest.mark.parametrize("phases, new_tokens, compiled", [(4, 7, 4), (3, 2, 2)])
 def test_rollout_cache_phases_reach_the_sampler(caplog, phases, new_tokens, compiled):
     """The config key picks the decode loop's phases (fewer when there are fewer new tokens)."""
-    from conftest import make_cfg
+    from helpers import make_cfg
     from unitrain.run import build_run
 
     run, state = build_run(make_cfg(model_name="tiny", rollout_cache_phases=phases))
@@ -187,24 +151,6 @@ def test_sharded_greedy_equals_unsharded(fsdp, tensor):
     for k in ("tokens", "mask", "lengths"):
         np.testing.assert_array_equal(getattr(out, k), getattr(reference, k))
     np.testing.assert_allclose(out.logprobs, reference.logprobs, atol=1e-4)
-
-
-def naive_sample(model, prompts, n, temperature, key):
-    """The sampler's draws recomputed the slow way, as the sampler did before its KV-cache work: at
-    step i each row's next-token logits come from the full forward (no cache) of its prompt and
-    tokens so far, and the bucket of rows draws one categorical with fold_in(key, i)."""
-    B = buckets.bucket_batch_size(len(prompts))
-    seqs = [list(p) for p in prompts]
-    tokens, logprobs = np.zeros((len(prompts), n), np.int32), np.zeros((len(prompts), n), np.float32)
-    for i in range(n):
-        scaled = np.zeros((B, CFG.vocab_size), np.float32)
-        for b, seq in enumerate(seqs):
-            scaled[b] = full_logits(model, seq)[-1] / temperature
-        drawn = np.asarray(jax.random.categorical(jax.random.fold_in(key, i), scaled, axis=-1))
-        for b, seq in enumerate(seqs):
-            tokens[b, i], logprobs[b, i] = drawn[b], log_softmax(scaled[b])[drawn[b]]
-            seq.append(int(drawn[b]))
-    return tokens, logprobs
 
 
 @pytest.mark.parametrize("temperature, cache_phases", [(1.0, 1), (1.0, 3), (0.6, 3), (1.0, 20)])

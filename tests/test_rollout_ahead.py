@@ -9,26 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
+from helpers import GRPO_FAST, REPO
 from unitrain import run, sharding, train
 from unitrain.config import load_config
 from unitrain.rollout.mesh import push
 
-GRPO = [
-    "mode=grpo",
-    "rollout_batch_size=2",
-    "n_samples_per_prompt=4",
-    "rollout_max_response_len=6",
-    "eval_interval=0",
-    "log_period=1",
-    "builtin_task_digits=1",
-    "max_prompt_length=16",
-    "learning_rate=1e-3",
-    "warmup_steps=0",
-    "lr_schedule=constant",
-    "kl_coef=0.01",
-    "reward=scored_prompts:score",
-]
+GRPO = [*GRPO_FAST, "rollout_batch_size=2", "lr_schedule=constant", "kl_coef=0.01", "reward=scored_prompts:score"]
 SPLIT = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2"]  # 8 rows per update, as colocated on 8
 
 # The reward: varied (so advantages are not all zero) and a log of every prompt it scores, which is

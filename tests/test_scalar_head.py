@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import make_cfg
+from helpers import make_cfg
 from unitrain import sharding
 from unitrain.errors import CheckpointError, ConfigError
 from unitrain.models.scalar_head import ScalarHeadModel, build_scalar_model, pool_last

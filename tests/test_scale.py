@@ -11,31 +11,21 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import REPO, cpu_env, only_first_device
-from unitrain import distributed, modes, run, sharding, train
+from helpers import REPO, SFT_FAST, cpu_env, fixed_grpo_batch, grpo_update, only_first_device
+from helpers import run_config as config
+from unitrain import distributed, sharding, train
 from unitrain import step as step_lib
-from unitrain.config import load_config
 from unitrain.errors import ConfigError
 from unitrain.models import sources
 
-SFT = [
-    "max_target_length=32",
-    "eval_interval=0",
-    "peak_flops_per_device=1e12",
-    "log_period=1",
-    "builtin_task_digits=2",
-    "warmup_steps=2",
-    "steps=5",
-]
+SFT = [*SFT_FAST, "steps=5"]
+# One worker runs the module: the 1-device reference curve (a process of its own) is made once.
+pytestmark = pytest.mark.xdist_group("scale")
 MESHES = {
     "fsdp8": ["ici_fsdp_parallelism=8"],
     "fsdp4_tensor2": ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
     "data2_fsdp4": ["ici_data_parallelism=2", "ici_fsdp_parallelism=4"],
 }
-
-
-def config(tmp_path, *overrides):
-    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *overrides])
 
 
 def losses_of(cfg):
@@ -69,40 +59,6 @@ def test_sft_loss_curve_on_each_mesh_equals_one_device(tmp_path, mesh, one_devic
     cfg = config(tmp_path, *SFT, "per_device_batch_size=1", *MESHES[mesh])
     assert train.train(cfg) == 0
     np.testing.assert_allclose(losses_of(cfg), one_device_sft_curve, rtol=2e-5)
-
-
-def grpo_update(cfg, batch_np):
-    """One GRPO optimizer update of `cfg`'s mesh on a fixed rollout batch; returns loss and params."""
-    built, state = run.build_run(cfg)
-    task = modes.create(built)
-    shardings = task.batch_shardings()
-    batch = {k: jax.device_put(v, shardings[k]) for k, v in batch_np.items()}
-    state, m = built.programs("grpo_update", task.update_fn, state, batch)
-    return float(m["loss"]), jax.device_get(state["params"])
-
-
-def fixed_grpo_batch() -> dict:
-    """A rollout batch of 2 groups of 4 rows (8-token prompts, 16 completion columns) with
-    random advantages and logprobs: the input of one GRPO update."""
-    rng = np.random.default_rng(0)
-    rows, prompt, length = 8, 8, 16
-    tokens = rng.integers(3, 100, (rows, prompt + length)).astype(np.int32)
-    tokens[:, :prompt] = np.repeat(tokens[::4, :prompt], 4, axis=0)  # a group's 4 rows share its prompt
-    mask = np.zeros((rows, length), np.int32)
-    for r in range(rows):
-        mask[r, : rng.integers(3, 16)] = 1
-    logprobs = lambda: (-3.0 + 0.3 * rng.normal(size=(rows, length))).astype(np.float32)  # noqa: E731
-    return {
-        "inputs": tokens,
-        "inputs_position": np.tile(np.arange(prompt + length, dtype=np.int32), (rows, 1)),
-        "inputs_segmentation": np.ones((rows, prompt + length), np.int32),
-        "targets": tokens[:, prompt:],
-        "loss_mask": mask,
-        "advantages": rng.normal(size=rows).astype(np.float32),
-        "old_logprobs": logprobs(),
-        "ref_logprobs": logprobs(),
-        "sampler_logprobs": logprobs(),
-    }
 
 
 def test_one_grpo_update_on_each_mesh_equals_one_device(tmp_path):

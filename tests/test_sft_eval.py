@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import REPO, make_cfg, write_jsonl
 from generate import main as generate_main
+from helpers import REPO, make_cfg, read_events, write_jsonl
 from make_tiny_model import BUILTIN_CORPUS, build_tokenizer
-from test_metrics import read_events
 from unitrain import train
 from unitrain.data.prompts import eval_prompts, make_prompt_iterator
 from unitrain.data.sft import eval_prompt_records, make_sft_iterator

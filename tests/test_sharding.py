@@ -7,7 +7,7 @@ import yaml
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO
+from helpers import REPO
 from unitrain import pipeline, sharding
 from unitrain.adapters import hf
 from unitrain.config import load_config

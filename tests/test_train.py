@@ -3,8 +3,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -15,32 +13,13 @@ import torch
 import transformers
 from flax import nnx
 
-from conftest import REPO, cpu_env, sigterm_after_step
+from helpers import GSM8K, REPO, SFT_FAST, losses_of, run_cli, sigterm_after_step
+from helpers import sft_config as config
 from unitrain import checkpoint, modes, run, train
 from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.config import load_config
 from unitrain.data.sft import make_sft_iterator
-
-FAST = [
-    "max_target_length=32",
-    "per_device_batch_size=1",
-    "eval_interval=0",
-    "peak_flops_per_device=1e12",
-    "log_period=1",
-    "builtin_task_digits=2",
-    "warmup_steps=2",
-]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-
-
-def config(tmp_path, *overrides):
-    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
-
-
-def losses_of(cfg):
-    lines = [json.loads(l) for l in open(cfg.metrics_file)]
-    return {l["step"]: l["loss"] for l in lines if "loss" in l}
 
 
 def saved_params(cfg, step, like):
@@ -120,20 +99,8 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
-def run_cli(*args, devices=8, **kwargs):
-    env = cpu_env(devices)
-    return subprocess.Popen(
-        [sys.executable, "-m", "unitrain.train", str(REPO / "configs" / "base.yml"), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
-
-
 def test_sigkill_during_saves_resumes_from_a_complete_checkpoint(tmp_path):
-    args = [f"base_output_directory={tmp_path}", *FAST, "steps=100000", "checkpoint_period=1", "max_to_keep=2"]
+    args = [f"base_output_directory={tmp_path}", *SFT_FAST, "steps=100000", "checkpoint_period=1", "max_to_keep=2"]
     proc = run_cli(*args)
     ckpts = tmp_path / "default" / "checkpoints"
     deadline = time.time() + 120
@@ -185,7 +152,7 @@ def test_nan_loss_stops_with_a_checkpoint_whose_weights_gave_a_finite_loss(tmp_p
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, args, message):
-    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *args]) == 2
+    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *SFT_FAST, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
@@ -195,7 +162,7 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, capsys):
     bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": oops}\n')
     assert (
         train.main(
-            [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, f"dataset_path={bad}"]
+            [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *SFT_FAST, f"dataset_path={bad}"]
         )
         == 2
     )

@@ -273,7 +273,7 @@ def test_mixed_precision_keeps_float32_parameters(families):
 
 
 def test_source_builds_from_the_config(families):
-    from conftest import make_cfg
+    from helpers import make_cfg
 
     path = families("qwen3").path
     mesh = sharding.create_mesh(SHARDED, ONES)
@@ -289,7 +289,7 @@ def test_source_builds_from_the_config(families):
 @pytest.mark.parametrize("mode", ["sft", "grpo"])
 def test_trainer_with_model_source_tunix_sharded_equals_one_device(families, tmp_path, mode):
     """model_source=tunix through train.train: fsdp=4 x tensor=2 gives the losses of one device."""
-    from conftest import make_cfg, only_first_device
+    from helpers import make_cfg, only_first_device
     from unitrain import train
 
     path = str(families("qwen2").path)

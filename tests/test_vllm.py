@@ -25,7 +25,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO, cpu_env, make_cfg
+from helpers import REPO, cpu_env, make_cfg
 from unitrain import export, train
 from unitrain.data.prompt_ids import Prompt
 from unitrain.errors import ConfigError

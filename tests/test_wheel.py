@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cpu_env
+from helpers import REPO, SFT_FAST, cpu_env
 from unitrain.config import DEFAULT_CONFIG, load_config, root_config
 from unitrain.errors import ConfigError
 
 CONFIGS = REPO / "src" / "unitrain" / "configs"
 # The built-in run, small: 5 steps of a few short rows, no eval.
-FAST = ["steps=5", "max_target_length=32", "per_device_batch_size=1", "eval_interval=0", "warmup_steps=2"]
+FAST = [*SFT_FAST, "steps=5"]
 
 
 @pytest.fixture(scope="module")
