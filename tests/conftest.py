@@ -23,6 +23,8 @@ import functools
 
 import pytest
 
+import helpers  # noqa: F401  (puts tools/ on sys.path before any test: make_tiny_model, launch, the tools under test)
+
 # Each family with the variant that exercises its distinctive code path.
 FAMILY_VARIANTS = {
     "llama": dict(rope_scaling="llama3"),
