@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     for path in sorted(args.before.glob("*/metrics.jsonl")):
         other = args.after / path.parent.name / "metrics.jsonl"
         found = differences(path, other) if other.exists() else ["missing"]
-        print(path.parent.name, "identical" if not found else f"{len(found)} differences", *found[:8], sep="\n  ")
+        status = "identical" if not found else f"{len(found)} differences"
+        print(f"{path.parent.name}: {status}", *(f"  {line}" for line in found[:8]), sep="\n")
         same &= not found
     return 0 if same else 1
 
