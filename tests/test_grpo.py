@@ -10,47 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import REPO, sigterm_after_step
+from helpers import GRPO_FAST, GSM8K, REPO, first_groups, grpo_config, make_step, sigterm_after_step
 from unitrain import evals, lora, losses, modes, run, train
-from unitrain.config import load_config
 from unitrain.errors import RunEndedEarly
 from unitrain.rollout.groups import Group, nonzero_std, select_groups
 from unitrain.tasks import rl as grpo
 
-FAST = [
-    "mode=grpo",
-    "per_device_batch_size=2",
-    "rollout_batch_size=4",
-    "n_samples_per_prompt=4",
-    "rollout_max_response_len=6",
-    "eval_interval=0",
-    "log_period=1",
-    "builtin_task_digits=1",
-    "max_prompt_length=16",
-    "learning_rate=1e-3",
-    "warmup_steps=0",
-]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-
-
-def config(tmp_path, *overrides):
-    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
-
-
-def make_step(cfg):
-    built, state = run.build_run(cfg)
-    task = modes.create(built)
-    task.sampler.update_weights(state["params"], 0)
-    return task, built.graphdef, state["params"], built.mesh
-
-
-def first_groups(task, params):
-    """The groups of step 0, sampled with `params`."""
-    return task.rollouts.take(0, lambda version: task.sampler.update_weights(params, version))
-
 
 def test_rollout_rows_put_the_loss_on_completion_tokens(tmp_path):
-    cfg = config(tmp_path)
+    cfg = grpo_config(tmp_path)
     step, graphdef, params, mesh = make_step(cfg)
     groups, stats = first_groups(step, params)
     assert len(groups) == 4 and stats["sampling_rounds"] == 1
@@ -98,7 +66,7 @@ def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
     plugin = tmp_path / "parity_reward.py"
     plugin.write_text("def score(prompt, completion, label):\n    return float(len(completion) % 2)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = config(
+    cfg = grpo_config(
         tmp_path,
         "reward=parity_reward:score",
         "dynamic_sampling_filter=nonzero_std",
@@ -120,7 +88,7 @@ def test_the_samplers_decode_weights_are_released_before_an_update_and_after_an_
     the greedy and the sampled evaluation share one, and neither the update nor what follows an
     evaluation holds one."""
     built, state = run.build_run(
-        config(tmp_path, "eval_interval=1", "eval_num_samples=4", "eval_n_samples=2", "eval_pass_k=2")
+        grpo_config(tmp_path, "eval_interval=1", "eval_num_samples=4", "eval_n_samples=2", "eval_pass_k=2")
     )
     task = modes.create(built)
     update, seen = task.update, []
@@ -141,7 +109,7 @@ def test_the_samplers_decode_weights_are_released_before_an_update_and_after_an_
 
 def test_first_iteration_ratio_is_one_and_gradient_is_plain_policy_gradient(tmp_path):
     # Two iterations: the old logprobs come from their own forward pass.
-    cfg = config(tmp_path, "rollout_temperature=1.0", "loss_agg_mode=token-mean", "num_iterations=2")
+    cfg = grpo_config(tmp_path, "rollout_temperature=1.0", "loss_agg_mode=token-mean", "num_iterations=2")
     step, graphdef, params, mesh = make_step(cfg)
     assert step.separate_old
     groups, _ = first_groups(step, params)
@@ -172,9 +140,9 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
     # adam_eps >> |gradient|: the first update is about learning_rate * gradient, so it shows any
     # difference in the gradient instead of Adam's sign.
     overrides = ("rollout_temperature=1.0", "lr_schedule=constant", "kl_coef=0.1", "adam_eps=1.0", "learning_rate=1.0")
-    skip, _, params, _ = make_step(config(tmp_path, *overrides))
+    skip, _, params, _ = make_step(grpo_config(tmp_path, *overrides))
     assert not skip.separate_old and "old_logprobs" not in skip.batch_shardings()
-    separate, _, _, _ = make_step(config(tmp_path, *overrides, "num_iterations=2"))
+    separate, _, _, _ = make_step(grpo_config(tmp_path, *overrides, "num_iterations=2"))
     groups, _ = first_groups(skip, params)
     rows = skip.to_rows(groups)
     rows["advantages"] = np.linspace(-1, 1, 16).astype(np.float32)
@@ -196,7 +164,7 @@ def test_skipping_the_old_logprob_pass_leaves_the_update_unchanged(tmp_path):
     _, m_shifted = separate.update_fn(state(), shifted)
     assert float(m_shifted["ratio"]) > 1.05
     for extra in ("num_iterations=2", "per_device_batch_size=1", "use_kl_in_reward=true"):
-        task, _, _, _ = make_step(config(tmp_path, *overrides, extra))
+        task, _, _, _ = make_step(grpo_config(tmp_path, *overrides, extra))
         assert task.separate_old and "old_logprobs" in task.batch_shardings(), extra
 
 
@@ -217,8 +185,8 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
         "learning_rate=1.0",
         f"lora_rank={rank}",
     )
-    shared, graphdef, params, _ = make_step(config(tmp_path, *overrides))
-    plain, _, _, _ = make_step(config(tmp_path, *overrides))
+    shared, graphdef, params, _ = make_step(grpo_config(tmp_path, *overrides))
+    plain, _, _, _ = make_step(grpo_config(tmp_path, *overrides))
     assert shared.group_rows == {"logprobs": 4, "update": 2}
     assert "prompt computed once per 4 rows in the logprob pass and per 2 in the update" in caplog.text
     plain.group_rows = {"logprobs": 1, "update": 1}  # read when the update is first traced
@@ -239,7 +207,7 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
         x, y, p = (np.asarray(v) for v in (x, y, p))
         np.testing.assert_allclose(x - p, y - p, atol=1e-4 * np.abs(y - p).max(), rtol=1e-4)
     uneven, _, _, _ = make_step(
-        config(
+        grpo_config(
             tmp_path,
             "per_device_batch_size=1",
             "n_samples_per_prompt=2",
@@ -248,7 +216,7 @@ def test_a_groups_prompt_is_computed_once_leaving_logprobs_and_update_unchanged(
         )
     )
     assert uneven.group_rows == {"logprobs": 2, "update": 1}  # 4 micro-batches split a group of 2
-    spread, _, _, _ = make_step(config(tmp_path))
+    spread, _, _, _ = make_step(grpo_config(tmp_path))
     assert spread.group_rows == {"logprobs": 1, "update": 1}  # 16 rows: 2 a device, half a group
 
 
@@ -260,9 +228,9 @@ def test_pass_at_k_matches_brute_force():
 
 
 def test_resume_in_the_middle_of_grpo_continues_identically(tmp_path, monkeypatch):
-    straight = config(tmp_path, "run_name=straight", "steps=4", "kl_coef=0.01")
+    straight = grpo_config(tmp_path, "run_name=straight", "steps=4", "kl_coef=0.01")
     assert train.train(straight) == 0
-    interrupted = config(tmp_path, "run_name=interrupted", "steps=4", "kl_coef=0.01")
+    interrupted = grpo_config(tmp_path, "run_name=interrupted", "steps=4", "kl_coef=0.01")
     with sigterm_after_step(monkeypatch, 0):
         assert train.train(interrupted) == train.EXIT_SIGTERM
     assert train.train(interrupted) == 0
@@ -282,7 +250,7 @@ def test_gsm8k_grpo_with_a_tiny_qwen2_model(tmp_path, tiny_checkpoint, capsys):
     argv = [
         str(REPO / "configs" / "base.yml"),
         f"base_output_directory={tmp_path}",
-        *FAST,
+        *GRPO_FAST,
         "steps=2",
         "model_family=qwen2",
         "qkv_bias=true",
@@ -325,7 +293,7 @@ def test_gsm8k_grpo_with_a_tiny_qwen2_model(tmp_path, tiny_checkpoint, capsys):
 
 @pytest.mark.parametrize("in_reward", [False, True])
 def test_kl_as_loss_term_or_in_reward_with_an_offloaded_reference(tmp_path, in_reward):
-    cfg = config(
+    cfg = grpo_config(
         tmp_path, "steps=1", "kl_coef=0.1", f"use_kl_in_reward={str(in_reward).lower()}", "ref_params_host_offload=true"
     )
     assert train.train(cfg) == 0

@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from helpers import REPO, sigterm_after_step
+from helpers import REPO, RL_FAST, sigterm_after_step
 from unitrain import losses, modes, run, train
 from unitrain.config import load_config
 
@@ -200,19 +200,7 @@ def test_explained_variance_as_verl():
 
 # ---------------------------------------------------------------- the PPO task
 
-FAST = [
-    "mode=ppo",
-    "per_device_batch_size=2",
-    "rollout_batch_size=4",
-    "n_samples_per_prompt=4",
-    "rollout_max_response_len=6",
-    "eval_interval=0",
-    "log_period=1",
-    "builtin_task_digits=1",
-    "max_prompt_length=16",
-    "learning_rate=1e-3",
-    "warmup_steps=0",
-]
+FAST = ["mode=ppo", *RL_FAST]
 
 
 def config(tmp_path, *overrides):
