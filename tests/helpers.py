@@ -57,9 +57,9 @@ TINY_MOE = ["model_family=qwen3_moe", "qk_norm=true", "num_experts=4", "num_expe
 
 def run_config(tmp_path, *overrides):
     """A Config from configs/base.yml writing under tmp_path, with `key=value` overrides."""
-    from unitrain.config import load_config
+    from unitrain.checks import load_checked
 
-    return load_config([BASE_YML, f"base_output_directory={tmp_path}", *overrides])
+    return load_checked([BASE_YML, f"base_output_directory={tmp_path}", *overrides])
 
 
 def sft_config(tmp_path, *overrides):
@@ -72,9 +72,9 @@ def grpo_config(tmp_path, *overrides):
 
 def make_cfg(**overrides):
     """A Config from configs/base.yml with keyword overrides."""
-    from unitrain.config import load_config
+    from unitrain.checks import load_checked
 
-    return load_config([BASE_YML, *(f"{k}={v}" for k, v in overrides.items())])
+    return load_checked([BASE_YML, *(f"{k}={v}" for k, v in overrides.items())])
 
 
 def cpu_env(devices: int) -> dict:
@@ -363,7 +363,7 @@ def naive_sample(model, prompts, n, temperature, key):
     import jax
     import numpy as np
 
-    from unitrain.rollout import buckets
+    from unitrain.engines import buckets
 
     B = buckets.bucket_batch_size(len(prompts))
     seqs = [list(p) for p in prompts]
@@ -420,9 +420,9 @@ def check_wide_beam_is_exact_top_k():
     import jax
     import numpy as np
 
-    from unitrain.rollout.beam import BeamParams
-    from unitrain.rollout.colocated import ColocatedSampler
-    from unitrain.rollout.trie import Trie
+    from unitrain.engines.beam import BeamParams
+    from unitrain.engines.colocated import ColocatedSampler
+    from unitrain.engines.trie import Trie
 
     valid = beam_items(0)
     trie = Trie.build([list(s) + [BEAM_EOS] for s in valid])

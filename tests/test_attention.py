@@ -12,7 +12,7 @@ from flax import nnx
 
 from helpers import small_model_config
 from unitrain import sharding
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.errors import ConfigError
 from unitrain.models import attention, decoder
 from unitrain.run import device_layout
@@ -179,7 +179,7 @@ def test_kernel_choice_by_platform():
 )
 def test_an_unsupported_choice_is_one_config_line(value, message):
     with pytest.raises(ConfigError) as e:
-        device_layout(load_config(["configs/base.yml", f"attention={value}"]))  # the platform's check: devices
+        device_layout(load_checked(["configs/base.yml", f"attention={value}"]))  # the platform's check: devices
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

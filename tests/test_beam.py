@@ -1,4 +1,4 @@
-"""Beam search as a decoding strategy of the colocated sampler (rollout/beam.py), against independent
+"""Beam search as a decoding strategy of the colocated sampler (engines/beam.py), against independent
 references: exhaustive teacher-forced scoring of every valid sequence, greedy decoding, the trie."""
 
 import jax
@@ -14,11 +14,11 @@ from helpers import beam_items as items
 from helpers import beam_model as model
 from helpers import check_wide_beam_is_exact_top_k
 from unitrain import sharding
+from unitrain.engines.base import SamplingParams
+from unitrain.engines.beam import BeamParams
+from unitrain.engines.colocated import ColocatedSampler
+from unitrain.engines.trie import Trie
 from unitrain.models import decoder as model_lib
-from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.beam import BeamParams
-from unitrain.rollout.colocated import ColocatedSampler
-from unitrain.rollout.trie import Trie
 
 
 def test_wide_beam_is_exact_top_k_of_all_valid_items_with_teacher_forced_scores():

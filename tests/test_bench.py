@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 
 from unitrain import metrics, reward_model, sharding
-from unitrain.config import load_config
+from unitrain.checks import load_checked
+from unitrain.engines.factory import make_sampler
 from unitrain.errors import ConfigError
 from unitrain.models import decoder
 from unitrain.models.scalar_head import build_scalar_model
-from unitrain.rollout import engines
 from unitrain.run import build_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def test_bench_tiny_prints_json_with_mfu(tmp_path):
     for key in ("tokens_per_sec", "mfu", "matmul_peak_flops_per_device", "step_time_median"):
         assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["step_time_min"] <= result["step_time_median"] <= result["step_time_max"]
-    cfg = load_config(["configs/base.yml", *OVERRIDES])
+    cfg = load_checked(["configs/base.yml", *OVERRIDES])
     expected = decoder.create(decoder.ModelConfig.from_config(cfg, sharding.target_platform())).flops_per_token(32)
     assert result["model_flops_per_token"] == expected
     assert result["config"]["num_devices"] == 8 and result["config"]["global_batch_rows"] == 16
@@ -90,11 +90,11 @@ def test_compile_for_builds_the_config_mesh_and_program_for_its_devices():
     overrides = ["model_name=tiny", "per_device_batch_size=2", "max_target_length=32"]
     with sharding.compile_for(jax.devices()[:4]):
         assert sharding.target_platform() == "cpu"
-        result = bench.compile_only(load_config(["configs/base.yml", *overrides]))
+        result = bench.compile_only(load_checked(["configs/base.yml", *overrides]))
     assert len(sharding.target_devices()) == 8
     assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert result["config"]["num_devices"] == 4 and result["config"]["global_batch_rows"] == 8
-    whole = bench.compile_only(load_config(["configs/base.yml", *overrides]))
+    whole = bench.compile_only(load_checked(["configs/base.yml", *overrides]))
     assert whole["config"]["num_devices"] == 8
     assert (
         abs(result["param_bytes_per_device"] - 2 * whole["param_bytes_per_device"])
@@ -188,7 +188,7 @@ def test_xla_compile_oom_messages_become_one_line(message, need, have, memory):
 def test_compile_only_compiles_the_grpo_and_dpo_updates():
     """The update of each RL mode, at the longest rows its config allows: GRPO rows of the prompt
     bucket (32 for 20 prompt tokens) plus 8 completion columns; DPO pairs of two sequences."""
-    cfg = load_config(["configs/base.yml", *OVERRIDES])
+    cfg = load_checked(["configs/base.yml", *OVERRIDES])
     flops = decoder.create(decoder.ModelConfig.from_config(cfg, sharding.target_platform())).flops_per_token
     grpo = [
         "--mode",
@@ -232,7 +232,7 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    cfg = load_config(["configs/base.yml", *args])
+    cfg = load_checked(["configs/base.yml", *args])
     kv = cfg.num_decoder_layers * 2 * 8 * cfg.num_kv_heads * cfg.head_dim * (16 + 6) * 4
     assert result["block_shape"] == [8, 16] and result["kv_cache_bytes"] == kv + 2 * 8 * 22 * 4 + 8 * 4
     memory = result["memory_per_device"]
@@ -243,7 +243,7 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     assert result["config"]["mesh_shape"]["fsdp"] == 8
 
     run, state = build_run(cfg)
-    sampler = engines.make_sampler(run)
+    sampler = make_sampler(run)
     prompts, sampling = [[1] * 9] * 5, bench.rollout_sampling(cfg, 6)
     sampler.update_weights(bench.abstract_run(cfg)[1]["params"], 0)
     sampler.generate_program(sampler.generate_call(prompts, sampling, jax.random.key(0)))
@@ -251,7 +251,7 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
     sampler.update_weights(state["params"], 0)
     assert sampler.generate(prompts, sampling, jax.random.key(1)).tokens.shape == (5, 6)
     assert len(run.programs) == 2  # no more compiles: the abstract weights had the real ones' signature
-    mesh_cfg = load_config(
+    mesh_cfg = load_checked(
         [
             "configs/base.yml",
             "model_name=tiny",
@@ -273,7 +273,7 @@ def test_abstract_state_matches_init_state():
     from unitrain import sharding
     from unitrain.run import build_run
 
-    cfg = load_config(["configs/base.yml", "model_name=tiny", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    cfg = load_checked(["configs/base.yml", "model_name=tiny", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
     _, real = build_run(cfg)
     _, abstract = bench.abstract_run(cfg)
     assert jax.tree.structure(real) == jax.tree.structure(abstract)
@@ -288,7 +288,7 @@ def test_sampler_and_grpo_modes_do_the_stated_work(tiny_checkpoint):
     """Every sampled row runs to new_tokens (no stop token), and GRPO steps run with their parts timed."""
     import bench
 
-    cfg = load_config(
+    cfg = load_checked(
         [
             "configs/base.yml",
             f"load_parameters_path={tiny_checkpoint('qwen2')}",
@@ -380,9 +380,9 @@ def test_decode_bytes_are_the_weights_and_the_cache_attended(tiny_checkpoint, ph
     with safe_open(str(Path(path) / "model.safetensors"), "np") as f:
         elements = sum(f.get_tensor(name).size for name in f.keys())
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
-        cfg = load_config(["configs/base.yml", f"load_parameters_path={path}", f"dtype={dtype}"])
+        cfg = load_checked(["configs/base.yml", f"load_parameters_path={path}", f"dtype={dtype}"])
         run, state = build_run(cfg)
-        sampler = engines.make_sampler(run)
+        sampler = make_sampler(run)
         rows, columns = sampler.block_shape(5, 9)
         assert (rows, columns) == (8, 16)  # powers of two, prompts at least 16 (generate's bucketing)
         head_dim = hf["hidden_size"] // hf["num_attention_heads"]
@@ -407,7 +407,7 @@ def test_memory_bandwidth_is_bytes_over_the_sum_time():
 def test_push_mode_times_the_copy_to_the_rollout_mesh():
     import bench
 
-    cfg = load_config(
+    cfg = load_checked(
         [
             "configs/base.yml",
             "model_name=tiny",
@@ -479,7 +479,7 @@ def test_compile_only_rm_score_sizes_the_scoring_forward():
     assert {"rows", "length", "param_bytes_per_device", "batch_bytes_per_device", "memory_per_device"} <= set(result)
     assert (result["mode"], result["rows"], result["length"]) == ("rm_score", 8, 40)
     assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 8, "tensor": 1}
-    cfg = load_config(["configs/base.yml", *args])
+    cfg = load_checked(["configs/base.yml", *args])
     mesh = sharding.trainer_mesh(cfg, sharding.layout_for(cfg))
     model = build_scalar_model(cfg, mesh, "")
     leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
@@ -500,7 +500,7 @@ def test_rm_score_lowers_the_program_the_reward_model_scores_with(tiny_checkpoin
     import bench
 
     path = tiny_checkpoint("qwen2", num_labels=1, tie=True)
-    cfg = load_config(
+    cfg = load_checked(
         [
             "configs/base.yml",
             "model_name=",
@@ -526,7 +526,7 @@ def test_compile_only_compiles_the_rm_update_on_the_scalar_head_model():
     output head, plus the [E, 1] score), each pair two rows of max_target_length."""
     import bench
 
-    cfg = load_config(["configs/base.yml", *OVERRIDES, "mode=rm"])
+    cfg = load_checked(["configs/base.yml", *OVERRIDES, "mode=rm"])
     result = bench.compile_only(cfg)
     causal = decoder.create(decoder.ModelConfig.from_config(cfg, sharding.target_platform()))
     causal_params = sum(x.size for x in jax.tree.leaves(nnx.state(causal, nnx.Param)))

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from unitrain import pipeline, sharding
-from unitrain.config import MODEL_KEYS, Config, load_config, write_config
+from unitrain.checks import _Declared, check_config, load_checked, owner_checks
+from unitrain.config import MODEL_KEYS, Check, Config, write_config
 from unitrain.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -26,12 +27,12 @@ MODELS = sorted(p.stem for p in (CONFIGS / "models").glob("*.yml"))
 
 
 def load(*overrides):
-    return load_config([BASE, *overrides])
+    return load_checked([BASE, *overrides])
 
 
 def error(argv) -> str:
     with pytest.raises(ConfigError) as e:
-        load_config(argv)
+        load_checked(argv)
     return str(e.value)
 
 
@@ -149,7 +150,7 @@ def test_bad_type_in_yml(tmp_path):
 
 def test_yml_float_without_dot_is_a_float(tmp_path):
     tiny = (CONFIGS / "models" / "tiny.yml").read_text()
-    assert load_config(_tmp_root(tmp_path, tiny.replace("1.0e-5", "1e-6"))).rms_norm_eps == 1e-6
+    assert load_checked(_tmp_root(tmp_path, tiny.replace("1.0e-5", "1e-6"))).rms_norm_eps == 1e-6
 
 
 def test_bad_files(tmp_path):
@@ -167,11 +168,11 @@ def test_base_config_chain_relative_and_absolute(tmp_path):
     rel_base = os.path.relpath(BASE, tmp_path)
     recipe(tmp_path, f"base_config: {rel_base}\nrun_name: mid\nseed: 7\nnum_decoder_layers: 9\n", "mid.yml")
     leaf = recipe(tmp_path, "base_config: ../mid.yml\nrun_name: leaf\n", "sub/leaf.yml")
-    cfg = load_config([leaf])
+    cfg = load_checked([leaf])
     assert (cfg.run_name, cfg.seed) == ("leaf", 7)
     assert cfg.num_decoder_layers == 4  # a model dimension: the model yml is layered over the chain
     absolute = recipe(tmp_path, f"base_config: {BASE}\nseed: 3\n", "abs.yml")
-    assert load_config([absolute]).seed == 3
+    assert load_checked([absolute]).seed == 3
 
 
 def test_base_config_cycle(tmp_path):
@@ -183,11 +184,11 @@ def test_base_config_cycle(tmp_path):
 def test_model_layering_order(tmp_path):
     # base.yml < recipe < model yml < command line
     path = recipe(tmp_path, f"base_config: {BASE}\nmodel_name: qwen2.5-0.5b\nemb_dim: 999\nseed: 5\n")
-    cfg = load_config([path])
+    cfg = load_checked([path])
     assert (cfg.model_name, cfg.emb_dim, cfg.seed, cfg.qkv_bias) == ("qwen2.5-0.5b", 896, 5, True)
-    cfg = load_config([path, "emb_dim=1792"])
+    cfg = load_checked([path, "emb_dim=1792"])
     assert (cfg.emb_dim, cfg.num_query_heads) == (1792, 14)
-    cfg = load_config([path, "model_name=tiny"])  # the command line picks the model yml
+    cfg = load_checked([path, "model_name=tiny"])  # the command line picks the model yml
     assert (cfg.emb_dim, cfg.qkv_bias) == (64, False)
 
 
@@ -372,7 +373,7 @@ def test_to_dict_is_a_plain_copy():
     assert cfg.logical_axis_rules and yaml.safe_load(yaml.safe_dump(cfg.to_dict())) == cfg.to_dict()
 
 
-def test_replace_revalidates_and_rederives():
+def test_replace_retypes_and_rederives_and_the_owners_recheck():
     cfg = load("head_dim=null")
     new = cfg.replace(emb_dim=128, run_name="r2", logical_axis_rules=cfg.logical_axis_rules)
     assert (new.emb_dim, new.head_dim, new.run_dir, cfg.emb_dim) == (128, 32, "runs/r2", 64)
@@ -381,7 +382,25 @@ def test_replace_revalidates_and_rederives():
     with pytest.raises(ConfigError, match="did you mean 'emb_dim'"):
         cfg.replace(emb_dimm=3)
     with pytest.raises(ConfigError, match="only one ici_\\*/dcn_\\*_parallelism may be -1"):
-        cfg.replace(ici_data_parallelism=-1)
+        check_config(cfg.replace(ici_data_parallelism=-1))
+
+
+def test_every_check_declares_keys_of_base_yml_and_reads_no_other():
+    schema = yaml.safe_load(open(BASE))
+    found = list(owner_checks())
+    assert len(found) >= 20
+    for check in found:
+        assert set(check.keys) <= set(schema), (check.fn.__name__, set(check.keys) - set(schema))
+    sneaky = Check(("mode",), lambda c: c["critic_path"])
+    with pytest.raises(KeyError, match="reads 'critic_path', which it does not declare"):
+        sneaky(_Declared(load().inputs(), sneaky))
+
+
+def test_a_failed_check_names_where_the_user_set_its_keys(tmp_path):
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text(f"base_config: {BASE}\nmode: sft\n")
+    message = error([str(recipe), "critic_path=/c"])
+    assert message.endswith("(mode from " + str(recipe) + " line 2; critic_path from command line)"), message
 
 
 def test_equality_hash_pickle():
@@ -402,11 +421,11 @@ def test_write_config_round_trip(tmp_path, args):
     cfg = load(*args)
     path = tmp_path / "run" / "config.yml"
     write_config(cfg, path)
-    again = load_config([str(path)])
+    again = load_checked([str(path)])
     assert again.to_dict() == cfg.to_dict() and again == cfg
     text = path.read_text()
     assert "\n# run_dir: " in text and "\nrun_dir" not in text  # derived values only as comments
-    assert load_config([str(path), "seed=9"]).seed == 9
+    assert load_checked([str(path), "seed=9"]).seed == 9
 
 
 def test_resolved_config_refuses_a_new_model(tmp_path):
@@ -415,9 +434,9 @@ def test_resolved_config_refuses_a_new_model(tmp_path):
 
 
 def test_recipes_load():
-    cfg = load_config([str(CONFIGS / "gsm8k_grpo.yml")])
+    cfg = load_checked([str(CONFIGS / "gsm8k_grpo.yml")])
     assert cfg.mode == "grpo" and sharding.layout_for(cfg).updates_per_step >= 1
-    sft, grpo = pipeline.stage_configs(load_config([str(CONFIGS / "sft_then_grpo.yml")]))
+    sft, grpo = pipeline.stage_configs(load_checked([str(CONFIGS / "sft_then_grpo.yml")]))
     assert (sft.mode, grpo.mode, sharding.layout_for(grpo).updates_per_step) == ("sft", "grpo", 1)
     assert grpo.load_parameters_path == sft.checkpoint_dir == "runs/sft_then_grpo/sft/checkpoints"
 
@@ -431,7 +450,7 @@ def test_model_name_empty_on_the_command_line_takes_the_checkpoints_architecture
     message = error([grpo, f"load_parameters_path={ckpt}"])
     assert "\n" not in message and "by model_name=qwen2.5-0.5b" in message
     assert "add `model_name=` (empty) to the command line to take the checkpoint's architecture" in message
-    cfg = load_config([grpo, f"load_parameters_path={ckpt}", "model_name="])
+    cfg = load_checked([grpo, f"load_parameters_path={ckpt}", "model_name="])
     assert (cfg.model_name, cfg.emb_dim, cfg.num_decoder_layers, cfg.mlp_dim) == (
         "",
         hf["hidden_size"],
@@ -441,13 +460,13 @@ def test_model_name_empty_on_the_command_line_takes_the_checkpoints_architecture
     # a key set by hand names its own ways: drop it, or give the checkpoint's value
     message = error([grpo, f"load_parameters_path={ckpt}", "model_name=", "emb_dim=999"])
     assert f"drop the key (or set emb_dim={hf['hidden_size']})" in message
-    assert load_config([grpo, f"load_parameters_path={ckpt}", "model_name=", f"emb_dim={hf['hidden_size']}"])
+    assert load_checked([grpo, f"load_parameters_path={ckpt}", "model_name=", f"emb_dim={hf['hidden_size']}"])
     # without a checkpoint, no model yml: the root base.yml's model keys
-    assert load_config([grpo, "model_name="]).emb_dim == yaml.safe_load(open(BASE))["emb_dim"]
+    assert load_checked([grpo, "model_name="]).emb_dim == yaml.safe_load(open(BASE))["emb_dim"]
 
 
 def test_is_default_says_whether_a_layer_set_the_key(tmp_path):
     path = recipe(tmp_path, f"base_config: {BASE}\nseed: 5\n")
-    cfg = load_config([path, "learning_rate=0.1"])
+    cfg = load_checked([path, "learning_rate=0.1"])
     assert cfg.is_default("reward") and not cfg.is_default("seed") and not cfg.is_default("learning_rate")
     assert not cfg.replace(reward="math").is_default("reward") and pickle.loads(pickle.dumps(cfg)).is_default("reward")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from unitrain import checkpoint
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.data import sft
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.data.sft import make_sft_iterator
@@ -24,7 +24,7 @@ FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "target
 
 
 def make_cfg(**overrides):
-    return load_config([str(ROOT / "configs/base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
+    return load_checked([str(ROOT / "configs/base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
 
 
 def qa_rows(n):

@@ -16,15 +16,16 @@ from flax import struct
 from helpers import ROLLOUT_PROMPTS as PROMPTS
 from helpers import beam_reference as test_beam
 from helpers import make_cfg, naive_sample, tiny_model
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.data.prompt_ids import Prompt
+from unitrain.engines import buckets, programs
+from unitrain.engines.base import SamplingParams
+from unitrain.engines.beam import BeamParams
+from unitrain.engines.colocated import ColocatedSampler
+from unitrain.engines.factory import make_sampler
+from unitrain.engines.trie import Trie
 from unitrain.errors import ConfigError
-from unitrain.rollout import buckets, engines, programs
-from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.beam import BeamParams
-from unitrain.rollout.colocated import ColocatedSampler
 from unitrain.rollout.driver import run_groups
-from unitrain.rollout.trie import Trie
 from unitrain.rollout.workflow import Generate, Transcript, Workflow
 
 PROMPTS8 = PROMPTS + [[7, 7, 8], [30, 31], [3, 9, 27, 81 % 64], [60]]
@@ -204,13 +205,13 @@ def test_rollout_compaction_reaches_the_sampler_and_is_checked():
     from unitrain.run import build_run
 
     run, _ = build_run(make_cfg(model_name="tiny", rollout_compaction=4))
-    sampler = engines.make_sampler(run)
+    sampler = make_sampler(run)
     # Powers of two down to 4 rows, each a multiple of the devices the rows split over.
     assert sampler.row_buckets(64) == tuple(b for b in (64, 32, 16, 8, 4) if b % sampler.parallelism == 0)
     one_device = ColocatedSampler(tiny_model(), compaction=4)
     assert one_device.row_buckets(4) == (4,) and one_device.row_buckets(8, group=2) == (8, 4, 2)  # beams: >= 4 rows
     assert ColocatedSampler(tiny_model()).row_buckets(64) == (64,)  # 0: off
-    assert load_config([str(make_cfg.__globals__["REPO"] / "configs" / "base.yml")]).rollout_compaction == 8
+    assert load_checked([str(make_cfg.__globals__["REPO"] / "configs" / "base.yml")]).rollout_compaction == 8
     with pytest.raises(ConfigError, match="rollout_compaction' expects an int >= 0"):
         make_cfg(rollout_compaction=-1)
     assert dataclasses.replace(SamplingParams(4), row_budgets=(2, 4)).budget(0) == 2

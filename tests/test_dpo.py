@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from helpers import REPO, make_cfg, write_jsonl
-from unitrain import losses, train
+from unitrain import losses, sharding, train
 from unitrain import step as step_lib
 from unitrain.data.preference import PAIR_FIELDS, eval_pair_batches, make_preference_iterator
 from unitrain.data.tokenizer import load_tokenizer
@@ -129,7 +129,7 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
     tasks = [DPOTask(run), DPOTask(dataclasses.replace(run, cfg=small))]
     batch = next(make_preference_iterator(big, TOK, 16))
     batch.pop("num_truncated")
-    global_batch = step_lib.local_rows_to_global(batch, tasks[0].rows2d)
+    global_batch = sharding.local_rows_to_global(batch, tasks[0].rows2d)
     refs = [
         jax.device_get(t.pair_logps_of_both(f"pair_logps{i}", t.logps_fn, state["params"], global_batch))
         for i, t in enumerate(tasks)

@@ -14,11 +14,11 @@ from helpers import REPO, make_cfg
 from unitrain import train
 from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.engines.base import Completions, SamplingParams
+from unitrain.engines.buckets import bucket_prompt_length
+from unitrain.engines.factory import make_sampler
 from unitrain.envs.base import StepResult
 from unitrain.errors import ConfigError
-from unitrain.rollout import engines
-from unitrain.rollout.base import Completions, SamplingParams
-from unitrain.rollout.buckets import bucket_prompt_length
 from unitrain.rollout.driver import _group, run_groups
 from unitrain.rollout.multi_turn import MultiTurn
 from unitrain.rollout.workflow import Generate, Sampled, Trajectory, Transcript, Workflow, WorkflowError
@@ -277,7 +277,7 @@ def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
         per_device_batch_size=1,
     )
     run, state = build_run(cfg)
-    sampler = engines.make_sampler(run)
+    sampler = make_sampler(run)
     sampler.update_weights(state["params"], 5)
     wf = MultiTurn(run)
     # A random model seldom samples EOS: any letter or digit ends a turn too, so episodes go on.

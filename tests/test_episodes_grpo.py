@@ -14,7 +14,7 @@ import pytest
 
 from helpers import REPO, cpu_env
 from unitrain import train
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.envs.guess import GuessNumber
 
 # One worker runs the module: the warm start and the straight run are made once for all three tests.
@@ -57,7 +57,7 @@ WARM_START = [
 def warm_start(tmp_path_factory):
     """The tiny model after 30 SFT steps on the game's demonstrations: it plays, not yet well."""
     root = tmp_path_factory.mktemp("guess_sft")
-    cfg = load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={root}", *WARM_START])
+    cfg = load_checked([str(REPO / "configs" / "base.yml"), f"base_output_directory={root}", *WARM_START])
     assert train.train(cfg) == 0
     return cfg.checkpoint_dir
 
@@ -92,7 +92,7 @@ def run_in_process(args, record_log, monkeypatch) -> int:
     global starts
     starts = 0
     monkeypatch.setenv("RECORD_LOG", str(record_log))
-    return train.train(load_config([str(REPO / "configs" / "base.yml"), *args]))
+    return train.train(load_checked([str(REPO / "configs" / "base.yml"), *args]))
 
 
 def metrics(run_dir) -> dict:

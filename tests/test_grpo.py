@@ -84,7 +84,7 @@ def test_dynamic_sampling_in_a_real_rollout(tmp_path, monkeypatch):
 
 
 def test_the_samplers_decode_weights_are_released_before_an_update_and_after_an_eval(tmp_path, monkeypatch):
-    """The sampler keeps a decode copy of the weights for a version's calls (rollout/colocated.py):
+    """The sampler keeps a decode copy of the weights for a version's calls (engines/colocated.py):
     the greedy and the sampled evaluation share one, and neither the update nor what follows an
     evaluation holds one."""
     built, state = run.build_run(

@@ -1,6 +1,6 @@
 """The house reads one way: no import cycle among the modules of src/unitrain and adapters/ (every
-import statement counts, those inside functions too, and a module that resolves a registry table's
-names, `plugins.resolve(..., registry.TABLE, ...)`, imports the modules they name), `import
+import statement counts, those inside functions too, and a module that reads a registry table,
+`registry.TABLE`, imports the modules its "module:symbol" entries name), `import
 unitrain.config` loads no JAX and no unitrain module but its leaves, and no test file imports another
 (their shared builders are in tests/helpers.py)."""
 
@@ -51,20 +51,22 @@ def imported_names(module: str, path, modules) -> set:
 
 
 def resolved_names(path, tables: dict, modules) -> set:
-    """The modules named by the registry tables that the file passes to a `resolve` call."""
+    """The modules named by the registry tables that the file reads (`registry.TABLE`)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "resolve":
-            for arg in node.args:
-                if isinstance(arg, ast.Attribute) and getattr(arg.value, "id", "") == "registry":
-                    names |= {spec.split(":")[0] for spec in tables.get(arg.attr, {}).values()}
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "registry":
+            names |= {spec.split(":")[0] for spec in tables.get(node.attr, ())}
     return names & set(modules)
 
 
 def registry_tables() -> dict:
+    """{TABLE: its "module:symbol" specs} of the registry's seam tables (dicts) and spec lists (tuples)."""
     from unitrain import registry
 
-    return {k: v for k, v in vars(registry).items() if k.isupper() and isinstance(v, dict)}
+    tables = {k: v.values() if isinstance(v, dict) else v for k, v in vars(registry).items() if k.isupper()}
+    return {
+        k: [s for s in v if isinstance(s, str) and ":" in s] for k, v in tables.items() if isinstance(v, (dict, tuple))
+    }
 
 
 def import_graph() -> dict:
@@ -100,7 +102,9 @@ def test_the_graph_sees_function_level_relative_and_parent_imports(tmp_path):
     assert imported_names("pkg.b", package / "b.py", modules) == {"pkg", "pkg.c", "pkg.d", "pkg.d.e"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     (package / "e.py").write_text("from pkg import registry\nplugins.resolve(name, registry.SEAM, 'key')\n")
-    assert resolved_names(package / "e.py", {"SEAM": {"x": "pkg.c:f", "y": "other:g"}}, modules) == {"pkg.c"}
+    assert resolved_names(package / "e.py", {"SEAM": ["pkg.c:f", "other:g"]}, modules) == {"pkg.c"}
+    (package / "f.py").write_text("from pkg import registry\nfor spec in registry.CHECKS:\n    pass\n")
+    assert resolved_names(package / "f.py", {"CHECKS": ["pkg.d.e:CHECKS"]}, modules) == {"pkg.d.e"}
 
 
 def test_no_import_cycle():

@@ -15,7 +15,7 @@ from flax import nnx
 
 from helpers import read_events
 from unitrain import metrics, sharding
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.models import decoder as model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_writes_jsonl_and_tensorboard(tmp_path):
-    cfg = load_config([str(REPO / "configs/base.yml"), f"base_output_directory={tmp_path}", "run_name=r"])
+    cfg = load_checked([str(REPO / "configs/base.yml"), f"base_output_directory={tmp_path}", "run_name=r"])
     with metrics.MetricsWriter.from_config(cfg, total_steps=3, is_primary=True) as w:
         for step in range(3):
             w.write(step, {"loss": jnp.float32(2.0 - step), "num_truncated": 7})
@@ -203,7 +203,7 @@ def test_mfu_and_peak(tmp_path):
     peak = metrics.measure_matmul_peak("float32", n=256, iters=3)
     assert peak > 0 and math.isfinite(peak)
     assert metrics.mfu(tokens_per_sec=1000.0, flops_per_token=1e6, peak_flops_per_device=1e9, num_devices=4) == 0.25
-    cfg = load_config([str(REPO / "configs/base.yml"), "peak_flops_per_device=2.5e12"])
+    cfg = load_checked([str(REPO / "configs/base.yml"), "peak_flops_per_device=2.5e12"])
     assert metrics.peak_flops_per_device(cfg) == 2.5e12
     assert metrics.peak_flops_per_device(cfg.replace(peak_flops_per_device=None, matmul_peak_size=128)) > 0
 

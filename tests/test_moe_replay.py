@@ -16,9 +16,9 @@ from flax import nnx
 from helpers import GRPO_FAST, MOE_CFG, REPO, TINY_MOE, first_groups, make_step, sharp_moe
 from helpers import grpo_config as config
 from unitrain import train
+from unitrain.engines.base import SamplingParams
+from unitrain.engines.colocated import ColocatedSampler
 from unitrain.models import moe
-from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.colocated import ColocatedSampler
 from unitrain.tasks import rl as grpo
 
 REPLAY = [*TINY_MOE, "moe_routing_replay=true"]

@@ -9,7 +9,7 @@ import numpy as np
 from helpers import GRPO_FAST, REPO, SFT_FAST
 from launch.local import launch  # tools/ is on sys.path (conftest)
 from unitrain import train
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 
 SFT = [*SFT_FAST, "warmup_steps=0", "lr_schedule=constant", "checkpoint_period=2", "data_shards=2"]
 GRPO = [
@@ -37,7 +37,7 @@ def curve(run_dir, key="loss"):
 
 
 def one_process(tmp_path, run_name, *args):
-    cfg = load_config(
+    cfg = load_checked(
         [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", f"run_name={run_name}", *args]
     )
     assert train.train(cfg) == 0

@@ -11,13 +11,13 @@ from flax import nnx
 
 from helpers import REPO
 from unitrain import sharding
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.models import decoder
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 
 
 def cfg(*overrides):
-    return load_config(
+    return load_checked(
         [
             str(REPO / "configs" / "base.yml"),
             "steps=110",

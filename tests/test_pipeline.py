@@ -7,7 +7,7 @@ import pytest
 
 from helpers import REPO, sigterm_after_step
 from unitrain import pipeline, train
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 
 BASE = str(REPO / "configs" / "base.yml")
 COMMON = {
@@ -82,7 +82,7 @@ def test_a_pipeline_equals_its_stages_as_separate_commands_and_resumes_per_stage
 
 
 def test_stage_configs(tmp_path):
-    cfg = load_config(
+    cfg = load_checked(
         [
             recipe(
                 tmp_path,
@@ -112,7 +112,7 @@ def test_a_stage_names_an_earlier_stages_checkpoints(tmp_path):
         "reward_weights": [1.0, 0.5],  # a list, as the config's rule wants it (the recipe's values are frozen)
     }
     sft, rm_stage, grpo = pipeline.stage_configs(
-        load_config([recipe(tmp_path, {"name": "sft", **SFT}, {"name": "rm", **rm}, {"name": "grpo", **grpo})])
+        load_checked([recipe(tmp_path, {"name": "sft", **SFT}, {"name": "rm", **rm}, {"name": "grpo", **grpo})])
     )
     run = tmp_path / "runs" / "pipe"
     assert rm_stage.load_parameters_path == sft.checkpoint_dir == f"{run}/sft/checkpoints"  # the stage before
@@ -135,7 +135,7 @@ def test_a_reference_to_no_earlier_stage_is_one_line(tmp_path, capsys, ref, befo
     assert not (tmp_path / "runs").exists()
 
 
-# A key the config refuses, and a combination only the data format's checks (plugins.check_config) refuse.
+# A key the config refuses, and a combination only the data format's checks (unitrain.checks) refuse.
 @pytest.mark.parametrize(
     "mistake, named",
     [
@@ -174,7 +174,7 @@ def test_the_command_line_wins_over_every_stages_values(tmp_path, caplog):
         {"name": "sft", **SFT, "eval_num_samples": 16},
         {"name": "grpo", **GRPO, "eval_num_samples": 32},
     )
-    sft, grpo = pipeline.stage_configs(load_config([path, "steps=7", "eval_num_samples=3", "learning_rate=0.5"]))
+    sft, grpo = pipeline.stage_configs(load_checked([path, "steps=7", "eval_num_samples=3", "learning_rate=0.5"]))
     assert (sft.steps, sft.eval_num_samples, sft.learning_rate) == (7, 3, 0.5)
     assert (grpo.steps, grpo.eval_num_samples, grpo.learning_rate) == (7, 3, 0.5)
     assert (grpo.mode, grpo.reward) == ("grpo", "format")  # the keys the command line leaves are the stage's
@@ -197,7 +197,7 @@ SFT_RM_GRPO = str(REPO / "configs" / "sft_rm_grpo.yml")
 
 
 def test_the_sft_rm_grpo_recipe_validates_every_stage():
-    sft, rm, grpo = pipeline.stage_configs(load_config([SFT_RM_GRPO]))
+    sft, rm, grpo = pipeline.stage_configs(load_checked([SFT_RM_GRPO]))
     assert (sft.mode, rm.mode, grpo.mode) == ("sft", "rm", "grpo")
     assert rm.load_parameters_path == sft.checkpoint_dir  # the reward model starts from the SFT backbone
     assert grpo.load_parameters_path == sft.checkpoint_dir == "runs/sft_rm_grpo/sft/checkpoints"  # not rm's

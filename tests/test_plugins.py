@@ -9,7 +9,7 @@ import pytest
 
 from helpers import REPO
 from unitrain import train
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.errors import ConfigError
 
 TOY = textwrap.dedent('''
@@ -22,7 +22,7 @@ TOY = textwrap.dedent('''
     from unitrain import sharding
     from unitrain import step as step_lib
     from unitrain.data.formats import DataFormat
-    from unitrain.rollout.base import Completions
+    from unitrain.engines.base import Completions
     from unitrain.tasks.base import Task
 
     TARGET = 7
@@ -71,7 +71,7 @@ TOY = textwrap.dedent('''
             tokens = np.random.default_rng(position).integers(1, 50, (rows, T)).astype(np.int32)
             batch = {"tokens": tokens, "positions": np.tile(np.arange(T, dtype=np.int32), (rows, 1)),
                      "segments": np.ones((rows, T), np.int32)}
-            batch = step_lib.full_rows_to_global(batch, self.batch_shardings())
+            batch = sharding.full_rows_to_global(batch, self.batch_shardings())
             state, metrics = self.run.programs("toy_step", self.update, state, batch)
             return state, {**metrics, "toy_position": position}
 
@@ -282,7 +282,7 @@ def test_choice_lists_come_from_the_registries():
         ("data_format", DATA_FORMATS),
     ):
         for name in table:
-            assert load_config([base, f"{key}={name}", "per_device_batch_size=1", *needs.get(name, [])])[key] == name
-    assert load_config([base, f"dynamic_sampling_filter={next(iter(FILTERS))}"])
+            assert load_checked([base, f"{key}={name}", "per_device_batch_size=1", *needs.get(name, [])])[key] == name
+    assert load_checked([base, f"dynamic_sampling_filter={next(iter(FILTERS))}"])
     with pytest.raises(ConfigError, match="one of sft | grpo | dpo"):
-        load_config([base, "mode=rl"])
+        load_checked([base, "mode=rl"])

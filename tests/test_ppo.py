@@ -11,7 +11,7 @@ from flax import nnx
 
 from helpers import REPO, RL_FAST, sigterm_after_step
 from unitrain import losses, modes, run, train
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 
 GAMMA, LAM = 0.97, 0.9
 
@@ -204,7 +204,7 @@ FAST = ["mode=ppo", *RL_FAST]
 
 
 def config(tmp_path, *overrides):
-    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
+    return load_checked([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
 
 
 def make_task(cfg):

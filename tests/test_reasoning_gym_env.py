@@ -12,7 +12,7 @@ import pytest
 import reasoning_gym
 
 from helpers import REPO, make_cfg
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.envs.base import AssistantTurn, Environment
 from unitrain.envs.reasoning_gym import FEEDBACK, make_reasoning_gym
 from unitrain.errors import ConfigError
@@ -126,7 +126,7 @@ def test_a_task_without_reference_answers_has_no_demonstration():
 
 
 def test_the_recipe_and_the_base_config_make_the_environment():
-    recipe = load_config([str(REPO / "configs" / "reasoning_gym_grpo.yml")])
+    recipe = load_checked([str(REPO / "configs" / "reasoning_gym_grpo.yml")])
     assert (recipe.workflow, recipe.env, recipe.max_turns) == ("multi_turn", "reasoning_gym", 3)
     for config in (recipe, make_cfg(reasoning_gym_task="leg_counting", reasoning_gym_seed=7)):
         _, entry = reference_entry(config.reasoning_gym_task, config.reasoning_gym_seed, RECORD["prompt"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.errors import ConfigError, UserError
 from unitrain.rewards import RewardError, final_answer, make_reward_fn, overlong_penalty
 
@@ -19,7 +19,7 @@ GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl
 
 
 def rewards(*overrides):
-    return make_reward_fn(load_config([str(REPO / "configs/base.yml"), *overrides]))
+    return make_reward_fn(load_checked([str(REPO / "configs/base.yml"), *overrides]))
 
 
 def score(fn, completion, label, prompt="question?"):

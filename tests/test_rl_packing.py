@@ -11,7 +11,7 @@ import pytest
 from bench import long_tailed_groups
 from helpers import REPO
 from unitrain import modes, run
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.data.rl_packing import first_fit_decreasing
 
 # float32 on CPU: a packed row computes each sequence with other matmul shapes than its own row, so
@@ -38,7 +38,7 @@ FAST = [
 
 
 def config(tmp_path, *overrides):
-    return load_config([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
+    return load_checked([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
 
 
 # ------------------------------------------------------------------ the packer
@@ -266,7 +266,7 @@ def test_bench_times_a_long_tailed_round_packed_against_unpacked(capsys):
 
 
 def test_packed_row_counts_take_two_shapes_an_octave():
-    from unitrain.rollout.buckets import bucket_packed_rows
+    from unitrain.engines.buckets import bucket_packed_rows
 
     shapes = sorted({2**k for k in range(8)} | {3 * 2 ** (k - 1) for k in range(1, 8)})
     for n in range(1, 100):

@@ -12,7 +12,7 @@ from helpers import GRPO_FAST, REPO, make_cfg
 from unitrain import train
 from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
-from unitrain.rollout.base import Completions, SamplingParams
+from unitrain.engines.base import Completions, SamplingParams
 from unitrain.rollout.driver import run_groups
 
 FAST = [*GRPO_FAST, "steps=2"]

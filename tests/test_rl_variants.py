@@ -16,8 +16,8 @@ from helpers import grpo_config as config
 from unitrain import train
 from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.engines.base import Completions
 from unitrain.errors import ConfigError
-from unitrain.rollout.base import Completions
 from unitrain.rollout.driver import _row
 from unitrain.rollout.groups import Group
 from unitrain.rollout.shaping import overlong_filter

@@ -13,9 +13,10 @@ from helpers import ROLLOUT_CFG as CFG
 from helpers import ROLLOUT_PROMPTS as PROMPTS
 from helpers import full_logits, log_softmax, naive_sample, scaled, tiny_model
 from unitrain import sharding
+from unitrain.engines import buckets, colocated, programs
+from unitrain.engines.base import SamplingParams
+from unitrain.engines.factory import make_sampler
 from unitrain.models import decoder as model_lib
-from unitrain.rollout import buckets, colocated, engines, programs
-from unitrain.rollout.base import SamplingParams
 
 
 def generate(model, prompts, sampling, key, mesh=None, rules=None, cache_phases=3):
@@ -130,7 +131,7 @@ def test_rollout_cache_phases_reach_the_sampler(caplog, phases, new_tokens, comp
     from unitrain.run import build_run
 
     run, state = build_run(make_cfg(model_name="tiny", rollout_cache_phases=phases))
-    sampler = engines.make_sampler(run)
+    sampler = make_sampler(run)
     sampler.update_weights(state["params"], 0)
     with caplog.at_level(logging.INFO, logger="unitrain"):
         out = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=1.0), jax.random.key(0))

@@ -11,8 +11,8 @@ import pytest
 
 from helpers import GRPO_FAST, REPO
 from unitrain import run, sharding, train
-from unitrain.config import load_config
-from unitrain.rollout.mesh import push
+from unitrain.checks import load_checked
+from unitrain.engines.mesh import push
 
 GRPO = [*GRPO_FAST, "rollout_batch_size=2", "lr_schedule=constant", "kl_coef=0.01", "reward=scored_prompts:score"]
 SPLIT = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2"]  # 8 rows per update, as colocated on 8
@@ -49,7 +49,7 @@ def run_grpo(tmp_path, name, *overrides) -> int:
     import scored_prompts  # a fresh count of calls for each run
 
     scored_prompts.calls = 0
-    cfg = load_config(
+    cfg = load_checked(
         [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", f"run_name={name}", *GRPO, *overrides]
     )
     return train.train(cfg)
@@ -111,9 +111,9 @@ def test_a_run_stopped_with_rounds_in_flight_resumes_at_the_next_unused_prompt(t
 
 
 def test_push_places_the_weights_on_the_rollout_mesh():
-    cfg = load_config([str(REPO / "configs" / "base.yml"), "mode=grpo", *SPLIT, "rollout_fsdp_parallelism=2"])
+    cfg = load_checked([str(REPO / "configs" / "base.yml"), "mode=grpo", *SPLIT, "rollout_fsdp_parallelism=2"])
     built, state = run.build_run(cfg)
-    from unitrain.rollout.mesh import from_run
+    from unitrain.engines.mesh import from_run
 
     sampler = from_run(built)
     sampler.update_weights(state["params"], 7)

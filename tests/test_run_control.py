@@ -18,7 +18,8 @@ from flax import nnx
 
 from helpers import REPO, RL_FAST, SFT_FAST, make_cfg
 from unitrain import checkpoint, modes, run, run_dir, sharding, train
-from unitrain.config import MODEL_KEYS, load_config
+from unitrain.checks import load_checked
+from unitrain.config import MODEL_KEYS
 from unitrain.errors import ConfigError
 from unitrain.models import sources
 
@@ -54,7 +55,7 @@ def test_a_folder_without_tokenizer_files_stops_the_run(tmp_path, tiny_checkpoin
 
 
 def test_a_first_batch_without_loss_tokens_stops_the_run(tmp_path):
-    cfg = load_config(argv(tmp_path, "steps=1"))
+    cfg = load_checked(argv(tmp_path, "steps=1"))
     r, state = run.build_run(cfg)
     task = modes.create(r)
     batch = next(task.data_iterator)
@@ -94,7 +95,7 @@ def test_the_architecture_of_an_hf_checkpoint_is_the_runs(tmp_path, tiny_checkpo
     )
     run_cfg = tmp_path / "default" / "config.yml"
     assert yaml.safe_load(run_cfg.read_text())["rope_theta"] == 5e5
-    reloaded = load_config([str(run_cfg), f"load_parameters_path={tmp_path / 'default' / 'checkpoints'}"])
+    reloaded = load_checked([str(run_cfg), f"load_parameters_path={tmp_path / 'default' / 'checkpoints'}"])
     tokens = np.arange(1, 25)[None] % 384
     ours = logits_of(sources.build(reloaded, sharding.trainer_mesh(reloaded, sharding.layout_for(reloaded))), tokens)
     with torch.no_grad():
@@ -294,7 +295,7 @@ def test_a_command_that_cannot_resume_the_run_directory_says_so_in_one_line(tmp_
 
 
 def test_a_resume_on_another_device_count_keeps_the_global_batch(tmp_path):
-    cfg = load_config(argv(tmp_path, "per_device_batch_size=1"))
+    cfg = load_checked(argv(tmp_path, "per_device_batch_size=1"))
     now = sharding.layout_for(cfg).global_batch_size  # 8 devices here: 8 rows
     kept = run_dir.keep_global_batch(cfg, now, {"global_batch_size": 16, "per_device_batch_size": 1}, True)
     assert (kept.per_device_batch_size, sharding.layout_for(kept).global_batch_size) == (2, 16)

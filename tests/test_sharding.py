@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import REPO
 from unitrain import pipeline, sharding
 from unitrain.adapters import hf
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.errors import ConfigError
 from unitrain.models import decoder as model_lib
 
@@ -58,7 +58,7 @@ def sharded_forward(model, mesh, arrays):
 
 
 def layout(*overrides) -> sharding.Layout:
-    return sharding.layout_for(load_config([str(REPO / "configs" / "base.yml"), *overrides]))
+    return sharding.layout_for(load_checked([str(REPO / "configs" / "base.yml"), *overrides]))
 
 
 def layout_error(*overrides) -> str:
@@ -122,7 +122,7 @@ def test_every_stage_is_laid_out_before_the_first_runs(tmp_path):
         "stages: [{name: sft, steps: 2}, {name: wide, ici_fsdp_parallelism: 3}]\n"
     )
     with pytest.raises(ConfigError, match=r"stage 'wide' \(stage 2 of 2\): .*multiply to 3 but there are 8 devices"):
-        pipeline.stage_configs(load_config([str(recipe)]))
+        pipeline.stage_configs(load_checked([str(recipe)]))
 
 
 def test_default_rules_match_base_yml():

@@ -18,7 +18,7 @@ from helpers import sft_config as config
 from unitrain import checkpoint, modes, run, train
 from unitrain import step as step_lib
 from unitrain.adapters import hf
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.data.sft import make_sft_iterator
 
 
@@ -40,7 +40,7 @@ def test_builtin_run_evaluates_logs_and_checkpoints(tmp_path):
     assert all(0.0 <= l["eval_accuracy"] <= 1.0 and np.isfinite(l["eval_loss"]) for l in evals)
     assert sorted(p.name for p in (tmp_path / "default" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
     assert list((tmp_path / "default" / "tensorboard").glob("events.out.tfevents.*"))
-    assert load_config([str(tmp_path / "default" / "config.yml")]) == cfg
+    assert load_checked([str(tmp_path / "default" / "config.yml")]) == cfg
 
 
 def test_loss_equals_numpy_on_a_packed_batch(tmp_path):

@@ -16,10 +16,10 @@ from jax.sharding import PartitionSpec
 
 from unitrain import sharding
 from unitrain.adapters import tunix
+from unitrain.engines.base import SamplingParams
+from unitrain.engines.colocated import ColocatedSampler
+from unitrain.engines.programs import sharded_cache
 from unitrain.errors import ConfigError
-from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.colocated import ColocatedSampler
-from unitrain.rollout.programs import sharded_cache
 
 # Tunix 0.1.7 uses APIs that jax 0.10 and flax 0.12 deprecate (Variable.value, pxla.thread_resources, ...).
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -59,7 +59,7 @@ def packed_batch(rng, length=640, seg_lengths=(300, 200)):
 
 PACKED = packed_batch(np.random.default_rng(0))
 
-# The sampler's call pattern (rollout/colocated.py): a left-padded prompt block of P columns, then
+# The sampler's call pattern (engines/colocated.py): a left-padded prompt block of P columns, then
 # N-1 one-token steps, teacher-forced here with the packed batch's own sequences so that the packed
 # forward's logits are the reference. Rows: (packed row, start column, prompt length); the last row
 # is batch padding. The long prompt (80) and its decode steps cross gemma3's 64-position window.
@@ -379,7 +379,7 @@ def test_hidden_states_through_the_head_give_the_call_logits(families, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_cached_hidden_states_equal_the_uncached_forward_and_fill_the_calls_cache(families, name):
-    """The sampler's prefill (rollout/colocated.py): hidden states with the cache filled, then the head."""
+    """The sampler's prefill (engines/colocated.py): hidden states with the cache filled, then the head."""
     family = families(name)
     graphdef, params = nnx.split(family.model)
     B = len(DECODE_ROWS)

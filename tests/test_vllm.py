@@ -28,12 +28,12 @@ import transformers
 from helpers import REPO, cpu_env, make_cfg
 from unitrain import export, train
 from unitrain.data.prompt_ids import Prompt
+from unitrain.engines import vllm, vllm_server
+from unitrain.engines.base import SamplingParams
+from unitrain.engines.vllm_server import EngineError, group_members
 from unitrain.errors import ConfigError
-from unitrain.rollout import vllm, vllm_server
-from unitrain.rollout.base import SamplingParams
 from unitrain.rollout.driver import run_groups
 from unitrain.rollout.multi_turn import MultiTurn
-from unitrain.rollout.vllm_server import EngineError, group_members
 from unitrain.run import build_run
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, SFT_FAST, cpu_env
-from unitrain.config import DEFAULT_CONFIG, load_config, root_config
+from unitrain.checks import load_checked
+from unitrain.config import DEFAULT_CONFIG, root_config
 from unitrain.errors import ConfigError
 
 CONFIGS = REPO / "src" / "unitrain" / "configs"
@@ -72,7 +73,7 @@ def test_wheel_holds_every_module_and_the_configs_as_files(wheel):
         for package, folder in sources
         for path in folder.rglob("*.py")
     }
-    assert "unitrain/rollout/colocated.py" in modules
+    assert "unitrain/engines/colocated.py" in modules
     assert not modules - names, f"modules missing from the wheel: {sorted(modules - names)}"
     assert not any(n.startswith("adapters/") for n in names)  # never a top-level `adapters` package
     shipped = [*CONFIGS.rglob("*.yml"), *CONFIGS.rglob("*.jinja")]  # the chat templates too
@@ -145,14 +146,14 @@ def test_a_missing_relative_yml_is_the_shipped_one(tmp_path, monkeypatch, caplog
     caplog.set_level("INFO", logger="unitrain")
     assert root_config(Path("configs/base.yml")) == DEFAULT_CONFIG
     assert "config configs/base.yml: no such file here, taking the shipped" in caplog.text
-    assert load_config(["configs/gsm8k_grpo.yml"]).model_name == "qwen2.5-0.5b"
+    assert load_checked(["configs/gsm8k_grpo.yml"]).model_name == "qwen2.5-0.5b"
     (tmp_path / "recipe.yml").write_text("base_config: base.yml\nseed: 3\n")
-    assert root_config(Path("recipe.yml")) == DEFAULT_CONFIG and load_config(["recipe.yml"]).seed == 3
+    assert root_config(Path("recipe.yml")) == DEFAULT_CONFIG and load_checked(["recipe.yml"]).seed == 3
     # a base.yml beside the recipe comes first
     (tmp_path / "base.yml").write_text(DEFAULT_CONFIG.read_text().replace("seed: 0 ", "seed: 5 "))
     (tmp_path / "models").symlink_to(DEFAULT_CONFIG.parent / "models")
     (tmp_path / "other.yml").write_text("base_config: base.yml\n")
-    assert root_config(Path("other.yml")) == tmp_path / "base.yml" and load_config(["other.yml"]).seed == 5
+    assert root_config(Path("other.yml")) == tmp_path / "base.yml" and load_checked(["other.yml"]).seed == 5
     # a path that names no shipped config keeps its own message
     with pytest.raises(ConfigError, match="cannot read config file configs/nothing.yml"):
-        load_config(["configs/nothing.yml"])
+        load_checked(["configs/nothing.yml"])

@@ -106,21 +106,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unitrain import lora, metrics, modes, reward_model, sharding
+from unitrain import compile_cache, lora, metrics, modes, reward_model, sharding
 from unitrain import step as step_lib
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.context import RunContext
 from unitrain.data.preference import MARGIN
 from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.engines import mesh as rollout_mesh
+from unitrain.engines.base import SamplingParams, close
+from unitrain.engines.buckets import batch_parallelism, bucket_prompt_length
+from unitrain.engines.colocated import phase_ends
+from unitrain.engines.factory import make_sampler
 from unitrain.errors import ConfigError, UserError
 from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
-from unitrain.rollout import engines
-from unitrain.rollout import mesh as rollout_mesh
-from unitrain.rollout.base import SamplingParams, close
-from unitrain.rollout.buckets import batch_parallelism, bucket_prompt_length
-from unitrain.rollout.colocated import phase_ends
 from unitrain.rollout.groups import Group
 from unitrain.rollout.workflow import Sampled, Transcript
 from unitrain.run import build_model, build_run, device_layout
@@ -223,7 +223,7 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
         optimizer=optimizer,
         learning_rate=learning_rate,
         state_shardings=jax.tree.map(lambda x: x.sharding, state),
-        programs=step_lib.CompileCache(mesh),
+        programs=compile_cache.CompileCache(mesh),
     )
     return run, state
 
@@ -352,7 +352,9 @@ def compile_rm_score(cfg) -> dict:
     forward, params, batch, mesh = rm_score_program(cfg)
     start = time.perf_counter()
     rows, length = batch[0].shape
-    compiled = step_lib.CompileCache(mesh).compiled(f"reward model (rows {rows} x {length})", forward, params, *batch)
+    compiled = compile_cache.CompileCache(mesh).compiled(
+        f"reward model (rows {rows} x {length})", forward, params, *batch
+    )
     compile_seconds = time.perf_counter() - start
     return {
         "compile_only": True,
@@ -401,7 +403,7 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
             " (for the rollout mesh's, give the mesh keys its shape)"
         )
     run, state = abstract_run(cfg.replace(eval_interval=0))
-    sampler = engines.make_sampler(run)
+    sampler = make_sampler(run)
     sampler.update_weights(state["params"], 0)
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
     start = time.perf_counter()
@@ -441,7 +443,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     mesh, task = run.mesh, modes.create(run)
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     rows = run.layout.rows_per_update
-    batch = step_lib.local_rows_to_global(synthetic_batch(cfg, rows), task.batch_shardings())
+    batch = sharding.local_rows_to_global(synthetic_batch(cfg, rows), task.batch_shardings())
     compiled = run.programs.compiled("train_step", task.update, state, batch)
     times = []
     for i in range(warmup + steps):
@@ -514,7 +516,7 @@ def bench_sampler(
     long-tailed round) and the decode step is not split off.
     """
     run, state = build_run(cfg.replace(eval_interval=0))
-    sampler = engines.make_sampler(run)
+    sampler = make_sampler(run)
     sampler.update_weights(state["params"], 0)
     prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
     budgets = long_tail_budgets(batch, new_tokens, cfg.seed) if long_tail else ()
@@ -583,7 +585,7 @@ def bench_sampler_against(
     runs = [build_run(c.replace(eval_interval=0)) for c in (cfg, cfg_b)]  # each compiles its own programs
     samplers = []
     for (run, state), c in zip(runs, (cfg, cfg_b)):
-        sampler = engines.make_sampler(run)
+        sampler = make_sampler(run)
         sampler.update_weights(state["params"], 0)
         samplers.append((sampler, rollout_sampling(c, new_tokens, budgets)))
     tokenizer = runs[0][0].tokenizer
@@ -623,7 +625,7 @@ def decode_bytes_per_step(
 ) -> float:
     """Bytes one decode step reads, averaged over the new_tokens - 1 steps: every parameter in the
     compute `dtype` (as the sampler applies them; an untied input table is counted whole, though a
-    step reads a row per sequence) and the KV cache its phase attends over (rollout/colocated.py):
+    step reads a row per sequence) and the KV cache its phase attends over (engines/colocated.py):
     `rows` x (`prompt_columns` + the phase's last token count) positions."""
     weights = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
     ends = phase_ends(new_tokens, phases)
@@ -791,7 +793,7 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
     if cfg.sampler not in ("mesh", "vllm"):
         raise ConfigError("--mode push times the weight push of sampler=mesh or sampler=vllm")
     run, state = build_run(cfg)
-    sampler = engines.make_sampler(run)
+    sampler = make_sampler(run)
     times, parts, via_hosts = [], [], []
     for version in range(warmup + steps):
         start = time.perf_counter()
@@ -894,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_mode(opts, args: list[str]) -> dict:
     """The result of the benchmark or compile the options ask for."""
-    cfg = load_config(args)
+    cfg = load_checked(args)
     if opts.long_tail and (opts.mode != "sampler" or opts.compile_only):
         raise ConfigError("--long-tail times a long-tailed sampler round: --mode sampler, without --compile-only")
     if opts.against and (opts.mode not in ("sampler", "grpo_round") or opts.compile_only):
@@ -904,7 +906,7 @@ def run_mode(opts, args: list[str]) -> dict:
     if opts.mode == "grpo_round":
         if opts.compile_only or not 0 <= opts.long_fraction <= 1:
             raise ConfigError("--mode grpo_round times steps (no --compile-only) with --long-fraction in [0, 1]")
-        cfg_b = load_config([*args, *opts.against]) if opts.against else None
+        cfg_b = load_checked([*args, *opts.against]) if opts.against else None
         shape = (opts.prompts, opts.samples, opts.prompt_len, opts.new_tokens, opts.long_fraction)
         return bench_grpo_round(cfg, cfg_b, *shape, opts.steps, opts.warmup)
     if opts.compile_only and opts.mode == "push":
@@ -926,7 +928,7 @@ def run_mode(opts, args: list[str]) -> dict:
     if opts.mode == "sampler" and opts.against:
         return bench_sampler_against(
             cfg,
-            load_config([*args, *opts.against]),
+            load_checked([*args, *opts.against]),
             opts.batch,
             opts.prompt_len,
             opts.new_tokens,

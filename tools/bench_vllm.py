@@ -41,14 +41,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import bench_grpo, bench_push, bench_sampler, bench_sampler_against  # noqa: E402
-from unitrain.config import load_config  # noqa: E402
+from unitrain.checks import load_checked  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def config(ckpt: str, overrides: list[str], **keys):
     base = [str(REPO / "configs" / "base.yml"), f"load_parameters_path={ckpt}", "dtype=float32", *overrides]
-    return load_config([*base, *(f"{k}={v}" for k, v in keys.items())])
+    return load_checked([*base, *(f"{k}={v}" for k, v in keys.items())])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for where in opts.push_dirs if "push" not in opts.skip else []:
         keys = [f"model_name={opts.push_model}", "mode=grpo", f"base_output_directory={root}/push"]
         keys += [f"vllm_export_dir={where}", *(f"{k}={v}" for k, v in engine.items()), "vllm_args=--max-num-seqs 8"]
-        cfg = load_config([str(REPO / "configs" / "base.yml"), *keys])
+        cfg = load_checked([str(REPO / "configs" / "base.yml"), *keys])
         report(f"push_{opts.push_model}_{'memory' if where.startswith('/dev/shm') else 'disk'}", bench_push(cfg, 3, 1))
     return 0
 

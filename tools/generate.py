@@ -11,7 +11,7 @@ tokenizer's chat template, generation prompt included. --prompt-file holds one p
 lines skipped). Temperature 0 is greedy; each completion ends at EOS or after --max-new-tokens and is
 decoded up to and including the EOS. Plain output: a header line per sample, then its text; --json:
 one object per line {prompt, sample, completion, tokens, logprob_sum}. --beam W prints each prompt's
-W beams of beam search instead (rollout/beam.py), best first, `sample` being the rank; with
+W beams of beam search instead (engines/beam.py), best first, `sample` being the rank; with
 sid_index_path in the config the beams are constrained to its SIDs (and last one SID plus EOS), and
 extra_tokens extends the tokenizer as training does. User errors: exit 2 with `generate: <message>`
 on stderr.
@@ -26,13 +26,13 @@ import sys
 import jax
 
 from unitrain import sharding, vocab
-from unitrain.config import load_config
+from unitrain.checks import load_checked
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.engines.base import SamplingParams
+from unitrain.engines.colocated import ColocatedSampler
 from unitrain.errors import ConfigError, UserError
 from unitrain.models import sources
 from unitrain.recsys.rollout import sid_beams
-from unitrain.rollout.base import SamplingParams
-from unitrain.rollout.colocated import ColocatedSampler
 from unitrain.run import device_layout
 
 
@@ -74,7 +74,7 @@ def run(args) -> None:
         raise ConfigError(f"--n must be >= 1, got {args.n}")
     if args.beam < 0:
         raise ConfigError(f"--beam must be >= 0 (0 = sample), got {args.beam}")
-    cfg = load_config(args.config)
+    cfg = load_checked(args.config)
     layout = device_layout(cfg)
     tok = load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code)
     cfg = vocab.extend(cfg, tok)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from unitrain import losses, plugins, registry
+from unitrain.config import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +84,14 @@ def gae(r: Rollout) -> tuple[dict, dict]:
 def make_estimator(name: str):
     """The estimator `name`: a registry.ADVANTAGE_ESTIMATORS name or a plugin `pkg.module:fn`."""
     return plugins.resolve(name, registry.ADVANTAGE_ESTIMATORS, "advantage_estimator", "a function (Rollout)")
+
+
+@check("advantage_estimator", "mode")
+def _gae_needs_a_critic(c) -> str | None:
+    """GAE needs a critic's values, which only mode=ppo trains (and PPO estimates by GAE alone)."""
+    if c["advantage_estimator"] == "gae" and c["mode"] != "ppo":
+        return f"advantage_estimator gae needs a critic's values: mode=ppo (mode={c['mode']} has no critic)"
+    return None
+
+
+CONFIG_CHECKS = (_gae_needs_a_critic,)

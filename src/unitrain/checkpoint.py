@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from unitrain import lora
+from unitrain.config import check
 from unitrain.data.shards import merge_states
 from unitrain.errors import CheckpointError, UserError
 
@@ -312,3 +313,14 @@ def _read(item_dir: str, like, check=None):
         raise
     except Exception as e:  # whatever orbax and tensorstore raise on a file they cannot read or that differs
         raise CheckpointError(f"load_parameters_path: cannot read {item_dir} ({reason(e)})") from None
+
+
+@check("load_optimizer_state", "load_parameters_path")
+def _optimizer_state(c) -> str | None:
+    path = c["load_parameters_path"]
+    if not c["load_optimizer_state"] or path and not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    return "load_optimizer_state needs load_parameters_path on a unitrain checkpoint (an HF checkpoint has no optimizer state)"
+
+
+CONFIG_CHECKS = (_optimizer_state,)

@@ -9,7 +9,8 @@
   4. command-line `key=value` overrides (the last of a repeated key wins).
 A relative yml path (the first argument, or a base_config) that does not exist is taken from the
 configs shipped in the package when they hold it, a leading `configs/` dropped (find_config_file).
-Then each key is checked against RULES, the cross-key CHECKS run, and derive() adds computed values.
+Then each key is checked against RULES and derive() adds computed values. The checks of key
+combinations are their owners' (Check, declared beside the code they concern); unitrain.checks runs them.
 A user mistake raises ConfigError whose message is one sentence naming the key and where it came from.
 What depends on the devices (mesh shapes, batch sizes, the attention kernel's platform) is the run
 builder's (run.device_layout), so that reading a config imports no JAX and starts no backend.
@@ -43,7 +44,6 @@ from unitrain.registry import (
     MODEL_SOURCES,
     MODES,
     POLICY_LOSSES,
-    RL_MODES,
     ROLLOUT_IS_LEVELS,
     ROLLOUT_IS_MODES,
     SAMPLERS,
@@ -311,282 +311,21 @@ MODEL_KEYS = (
 )
 
 
-def _check_experts(c: dict) -> str | None:
-    """Experts belong to the mixture-of-experts families (and they to experts); a token takes at
-    most all of them; Mixtral always renormalises its top-k weights."""
-    family, experts = c["model_family"], c["num_experts"]
-    if family in MOE_FAMILIES and not experts:
-        return f"model_family {family} is a mixture of experts: set num_experts > 0"
-    if experts and family not in MOE_FAMILIES:
-        return f"num_experts={experts} needs a mixture-of-experts model_family ({' | '.join(MOE_FAMILIES)}); {family} is dense"
-    if experts and c["num_experts_per_tok"] > experts:
-        return f"num_experts_per_tok ({c['num_experts_per_tok']}) must be at most num_experts ({experts})"
-    if family == "mixtral" and not c["moe_norm_topk_prob"]:
-        return "model_family mixtral renormalises its top-k router weights: moe_norm_topk_prob must be true"
-    return None
+class Check(NamedTuple):
+    """A cross-key check, declared by what it concerns (CONFIG_CHECKS of the modules in
+    registry.CONFIG_CHECKS; unitrain.checks runs them after the load): the keys it reads, and
+    fn(cfg) -> None or what is wrong, one sentence."""
+
+    keys: tuple[str, ...]
+    fn: Callable[[Mapping], str | None]
+
+    def __call__(self, cfg: Mapping) -> str | None:
+        return self.fn(cfg)
 
 
-def _check_routing_replay(c: dict) -> str | None:
-    """Routing replay takes the routes the in-process JAX sampler records into GRPO's forwards of
-    our decoder; what carries no routes (vLLM, episodes, beams, packed rows, LoRA's forward) is refused."""
-    if not c["moe_routing_replay"]:
-        return None
-    unsupported = [
-        (not c["num_experts"], "replays a mixture of experts' routes; this model is dense (num_experts=0)"),
-        (c["mode"] != "grpo", f"replays the sampler's routes in grpo's passes; mode={c['mode']} has none"),
-        (
-            c["sampler"] not in ("colocated", "mesh"),
-            f"needs the JAX sampler's recorded routes (sampler colocated | mesh); sampler {c['sampler']} reports none",
-        ),
-        (
-            c["model_source"] != "unitrain",
-            f"needs model_source unitrain (our decoder takes the routes), not {c['model_source']}",
-        ),
-        (
-            c["rl_packing"],
-            "is not supported with rl_packing yet (the packed rows do not carry the routes): set rl_packing=false",
-        ),
-        (c["lora_rank"] > 0, "is not supported with LoRA yet (its forward takes no routes): set lora_rank=0"),
-        (
-            c["workflow"] != "single_turn",
-            f"replays single-turn rollouts; workflow {c['workflow']}'s episodes carry no routes",
-        ),
-        (c["rollout_decoding"] != "sample", "replays sampled rollouts; rollout_decoding=beam carries no routes"),
-    ]
-    return next((f"moe_routing_replay {why}" for bad, why in unsupported if bad), None)
-
-
-def _check_logical_axis_rules(c: dict) -> str | None:
-    seen = set()
-    for rule in c["logical_axis_rules"]:
-        name, mesh = rule if isinstance(rule, list) and len(rule) == 2 else (None, None)
-        axes = [] if mesh is None else [mesh] if isinstance(mesh, str) else mesh
-        if not isinstance(name, str) or not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
-            return f"logical_axis_rules entry {_show(rule)} must be [logical_name, mesh_axis | [mesh_axes] | null]"
-        if bad := [a for a in axes if a not in MESH_AXES]:
-            return f"logical_axis_rules entry '{name}' uses mesh axis '{bad[0]}', which is not one of {', '.join(MESH_AXES)}"
-        if len(set(axes)) < len(axes) or name in seen:
-            return f"logical_axis_rules entry '{name}' repeats a mesh axis or a logical name"
-        seen.add(name)
-    return None
-
-
-def _check_one_fill(c: dict) -> str | None:
-    for keys, which in ((TRAINER_MESH_KEYS, "ici_*/dcn_*"), (ROLLOUT_MESH_KEYS, "rollout_*")):
-        fills = [k for k in keys if c[k] == -1]
-        if len(fills) > 1:
-            return f"only one {which}_parallelism may be -1 (fill), got {' and '.join(fills)}"
-    return None
-
-
-def _check_episodes(c: dict) -> str | None:
-    """A workflow other than single_turn rolls out GRPO episodes; multi_turn talks to an environment;
-    an environment under sft is the source of its demonstrations."""
-    if c["workflow"] != "single_turn" and c["mode"] in ("sft", "dpo", "rm"):
-        return f"workflow {c['workflow']} rolls out RL episodes; mode={c['mode']} trains on none (use workflow single_turn)"
-    if c["workflow"] != "single_turn" and c["rollout_decoding"] != "sample":
-        return (
-            f"workflow {c['workflow']} samples its turns; rollout_decoding={c['rollout_decoding']} is single-turn only"
-        )
-    if c["workflow"] == "multi_turn" and not c["env"]:
-        return "workflow multi_turn needs an environment: set env (calculator | guess_number | reasoning_gym | pkg.module:make_env)"
-    if c["env"] and c["mode"] == "sft" and c["dataset_path"] != "builtin":
-        return f"env={c['env']} under mode=sft trains on its demonstrations of dataset_path builtin; dataset_path is {c['dataset_path']}"
-    if c["env"] and c["mode"] in RL_MODES and c["workflow"] == "single_turn":
-        return f"env={c['env']} is the environment of workflow multi_turn; workflow is single_turn"
-    if c["env"] and c["mode"] in ("dpo", "rm"):
-        return f"env names an environment for multi_turn episodes or sft demonstrations; mode={c['mode']} uses none"
-    if c["guess_number_low"] >= c["guess_number_high"]:
-        return f"guess_number_low ({c['guess_number_low']}) must be below guess_number_high ({c['guess_number_high']})"
-    return None
-
-
-def _check_reward_scoring(c: dict) -> str | None:
-    """reward rm needs a reward model; its normalisation needs whole rounds to score. (Whether the
-    path exists is the loader's check: a pipeline's earlier stage may be what writes it.)"""
-    if "rm" not in [e.strip() for e in c["reward"].split(",")]:
-        return None
-    if not c["reward_model_path"]:
-        return "reward names rm but reward_model_path is empty: set it to an HF *ForSequenceClassification folder or a mode=rm checkpoint"
-    if c["reward_model_normalize"] and c["workflow"] != "single_turn":
-        return (
-            f"reward_model_normalize standardises the scores of a round, but workflow {c['workflow']} has its "
-            "environment score each final answer alone; set reward_model_normalize=false"
-        )
-    return None
-
-
-def _check_ppo(c: dict) -> str | None:
-    """PPO learns from sampled tokens, discounts by gae_gamma; its critic keys serve it alone."""
-    if c["mode"] != "ppo":
-        return None if not c["critic_path"] else f"critic_path is mode=ppo's critic; mode={c['mode']} trains none"
-    if c["rollout_decoding"] != "sample":
-        return "mode=ppo learns from sampled rollouts; rollout_decoding=beam is grpo's (ranked groups)"
-    if c["turn_discount"] < 1:
-        return "mode=ppo discounts later tokens by gae_gamma; turn_discount is grpo's (set it to 1.0)"
-    return None
-
-
-def _check_gae(c: dict) -> str | None:
-    """GAE needs a critic's values, which only mode=ppo trains (and PPO estimates by GAE alone)."""
-    if c["advantage_estimator"] == "gae" and c["mode"] != "ppo":
-        return f"advantage_estimator gae needs a critic's values: mode=ppo (mode={c['mode']} has no critic)"
-    return None
-
-
-def _check_rl_packing(c: dict) -> str | None:
-    """Packed RL rows serve the RL modes and DPO, and hold the longest sequence the config allows."""
-    if not c["rl_packing"]:
-        return (
-            None
-            if not c["rl_packing_row_tokens"]
-            else "rl_packing_row_tokens sizes rl_packing's rows; set rl_packing=true"
-        )
-    if c["mode"] in ("sft", "rm"):
-        hint = " (sft packs with packing=true)" if c["mode"] == "sft" else ""
-        return f"rl_packing packs the updates of grpo, ppo and dpo; mode={c['mode']} has none{hint}"
-    if c["mode"] == "dpo":
-        longest, what = 2 * c["max_target_length"], "2 x max_target_length (a pair)"
-    else:
-        completion = c["episode_max_tokens"] if c["workflow"] != "single_turn" else c["rollout_max_response_len"]
-        longest = c["max_prompt_length"] + completion
-        what = "max_prompt_length + " + (
-            "episode_max_tokens" if c["workflow"] != "single_turn" else "rollout_max_response_len"
-        )
-    if 0 < c["rl_packing_row_tokens"] < longest:
-        return f"rl_packing_row_tokens ({c['rl_packing_row_tokens']}) must hold the longest sequence, {what} = {longest} (or 0)"
-    return None
-
-
-def _check_rollout_devices(c: dict) -> str | None:
-    """Devices set apart for rollouts serve a sampler that uses them, come equally from every process,
-    and leave the trainer some."""
-    if c["sampler"] == "mesh" and not c["rollout_devices"]:
-        return "sampler mesh samples on devices of its own: set rollout_devices (and the rollout_*_parallelism sizes)"
-    if c["sampler"] in ("colocated", "vllm") and c["rollout_devices"]:
-        return f"rollout_devices={c['rollout_devices']} needs a sampler that runs on them: sampler: mesh (or a plugin)"
-    if c["mode"] in ("sft", "dpo", "rm") and (c["rollout_devices"] or c["max_staleness"]):
-        return f"rollout_devices and max_staleness serve RL rollouts; mode={c['mode']} trains on no rollouts"
-    return None
-
-
-def _check_reward_model_mode(c: dict) -> str | None:
-    """mode=rm's keys belong to it; its margins are a field of data files; its head trains whole
-    beside the adapters, which a PEFT adapter folder of a causal LM cannot hold."""
-    if c["mode"] != "rm" and (c["rm_margin_key"] or c["rm_center_coef"]):
-        return f"rm_margin_key and rm_center_coef shape mode=rm's loss; mode is {c['mode']}"
-    if c["rm_margin_key"] and "builtin" in (c["dataset_path"], c["eval_dataset_path"]):
-        return "rm_margin_key reads a field of preference data files; the built-in task's pairs have no margin"
-    if c["mode"] == "rm" and c["lora_export_adapters"]:
-        return "lora_export_adapters writes a causal LM's PEFT adapters; mode=rm also trains its score head whole: export the merged model (export_hf_path)"
-    return None
-
-
-# Cross-key checks: each returns None or what is wrong (impossible combinations of valid values).
-# The data format's own checks run after the load (plugins.check_config): this module imports no format.
-CHECKS: list[Callable[[dict], str | None]] = [
-    lambda c: (
-        None
-        if c["num_query_heads"] % c["num_kv_heads"] == 0
-        else f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
-    ),
-    lambda c: (
-        None
-        if c["head_dim"] is not None or c["emb_dim"] % c["num_query_heads"] == 0
-        else f"head_dim is null but emb_dim ({c['emb_dim']}) is not a multiple of num_query_heads ({c['num_query_heads']}); set head_dim"
-    ),
-    lambda c: (
-        None
-        if c["rope_scaling_type"] != "llama3" or c["rope_high_freq_factor"] > c["rope_low_freq_factor"]
-        else "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor"
-    ),
-    _check_logical_axis_rules,
-    _check_experts,
-    _check_routing_replay,
-    lambda c: (
-        None
-        if c["attention"] in ("auto", "xla") or c["model_source"] == "unitrain"
-        else f"attention={c['attention']} is a kernel of model_source unitrain; model_source {c['model_source']} brings its own attention (use auto or xla)"
-    ),
-    _check_one_fill,
-    _check_rollout_devices,
-    _check_episodes,
-    _check_reward_scoring,
-    _check_reward_model_mode,
-    lambda c: (
-        None
-        if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"]
-        else f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})"
-    ),
-    lambda c: (
-        None
-        if c["process_id"] < c["num_processes"]
-        else f"process_id ({c['process_id']}) must be below num_processes ({c['num_processes']})"
-    ),
-    lambda c: None if c["action"] != "export" or c["export_hf_path"] else "action=export needs export_hf_path",
-    lambda c: (
-        None
-        if not c["load_optimizer_state"]
-        or c["load_parameters_path"]
-        and not os.path.isfile(os.path.join(c["load_parameters_path"], "config.json"))
-        else "load_optimizer_state needs load_parameters_path on a unitrain checkpoint (an HF checkpoint has no optimizer state)"
-    ),
-    lambda c: (
-        None
-        if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"]
-        else f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})"
-    ),
-    lambda c: (
-        None
-        if c["chat_template"] or c["workflow"] != "single_turn" or not c["system_prompt"]
-        else "system_prompt is set but chat_template is false; a system prompt needs the chat template (or write it into the data)"
-    ),
-    lambda c: (
-        None
-        if c["lora_rank"] or not (c["lora_base_dtype"] or c["lora_export_adapters"])
-        else "lora_base_dtype and lora_export_adapters need lora_rank > 0"
-    ),
-    lambda c: (
-        None
-        if not c["lora_export_adapters"] or (c["export_hf_path"] and c["model_source"] == "unitrain")
-        else "lora_export_adapters writes into export_hf_path with the unitrain decoder's HF names: set export_hf_path and model_source=unitrain"
-    ),
-    lambda c: (
-        None
-        if not (c["export_hf_path"] and c["tokenizer_path"].endswith(".model"))
-        else f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
-        "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "
-        'directory or export_hf_path=""'
-    ),
-    lambda c: (
-        None
-        if c["policy_loss"] != "gspo" or c["loss_agg_mode"] == "seq-mean-token-mean"
-        else f"policy_loss=gspo is a sequence-level objective and needs loss_agg_mode=seq-mean-token-mean, got {c['loss_agg_mode']}"
-    ),
-    lambda c: (
-        None
-        if c["policy_loss"] != "gspo" or c["eps_clip_c"] is None
-        else "policy_loss=gspo has no dual clip; set eps_clip_c=null"
-    ),
-    lambda c: (
-        None
-        if c["rollout_is_threshold_lower"] is None or c["rollout_is_mode"] == "mask"
-        else "rollout_is_threshold_lower bounds rollout_is_mode=mask only (truncate caps above); set it to null or rollout_is_mode=mask"
-    ),
-    lambda c: (
-        None
-        if not c["rollout_is"] or c["rollout_decoding"] == "sample"
-        else "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for"
-    ),
-    _check_ppo,
-    _check_gae,
-    _check_rl_packing,
-    lambda c: (
-        None
-        if c["overlong_buffer_len"] < c["rollout_max_response_len"]
-        else f"overlong_buffer_len ({c['overlong_buffer_len']}) must be below rollout_max_response_len ({c['rollout_max_response_len']})"
-    ),
-]
+def check(*keys: str) -> Callable[[Callable], Check]:
+    """`@check("mode", "critic_path")` over fn(cfg) -> str | None: a Check reading those keys alone."""
+    return lambda fn: Check(keys, fn)
 
 
 def derive(cfg: dict) -> dict:
@@ -689,6 +428,11 @@ class Config(Mapping):
         """A plain, yaml-serialisable copy (lists and dicts) of every value, derived ones included."""
         return {k: _thaw(v) for k, v in self._values.items()}
 
+    def inputs(self) -> dict:
+        """A plain copy of the values as set, before derive() computed any (head_dim null stays null):
+        what the checks of key combinations read (unitrain.checks)."""
+        return {k: _thaw(v) for k, v in self._inputs.items()}
+
     def replace(self, where: str = SET_BY_UNITRAIN, /, **changes) -> Config:
         """A new Config with some inputs changed; typed, validated and derived again like a load. A
         message about a change says it came `where` (e.g. "from stage 'grpo' of recipe.yml line 9")."""
@@ -717,9 +461,6 @@ def _build(inputs: dict, schema: dict, origin: dict, explicit: set) -> Config:
             raise ConfigError(
                 f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, SET_BY_UNITRAIN)})"
             )
-    for check in CHECKS:
-        if problem := check(inputs):
-            raise ConfigError(f"invalid config: {problem}")
     return Config(derive(inputs), inputs, schema, origin)
 
 

@@ -9,8 +9,7 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from unitrain import sharding
-from unitrain import step as step_lib
+from unitrain import compile_cache, sharding
 
 
 @dataclasses.dataclass
@@ -29,4 +28,4 @@ class RunContext:
     optimizer: optax.GradientTransformation
     learning_rate: optax.Schedule  # the optimizer's, by optimizer step
     state_shardings: dict  # shardings of {params, opt_state, step}
-    programs: step_lib.CompileCache  # the run's one ahead-of-time compile cache
+    programs: compile_cache.CompileCache  # the run's one ahead-of-time compile cache

@@ -15,6 +15,8 @@ import os
 
 import jax
 
+from unitrain.config import check
+
 log = logging.getLogger("unitrain")
 
 # Environments in which jax.distributed.initialize() finds coordinator, count and id by itself.
@@ -58,3 +60,13 @@ def _has_accelerator_plugin() -> bool:
     from importlib.metadata import distributions
 
     return any((d.metadata["Name"] or "").startswith(("jax-cuda", "jax_cuda", "libtpu")) for d in distributions())
+
+
+@check("process_id", "num_processes")
+def _process_id(c) -> str | None:
+    if c["process_id"] < c["num_processes"]:
+        return None
+    return f"process_id ({c['process_id']}) must be below num_processes ({c['num_processes']})"
+
+
+CONFIG_CHECKS = (_process_id,)

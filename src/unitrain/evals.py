@@ -19,8 +19,9 @@ import jax
 import numpy as np
 
 from unitrain import rewards
+from unitrain.config import check
 from unitrain.data.prompts import eval_prompts
-from unitrain.rollout.base import SamplingParams, release
+from unitrain.engines.base import SamplingParams, release
 from unitrain.rollout.driver import run_groups
 
 log = logging.getLogger("unitrain")
@@ -98,3 +99,13 @@ class TaskEvaluator:
             )
         release(self.sampler)
         return result
+
+
+@check("eval_n_samples", "eval_pass_k")
+def _pass_k(c) -> str | None:
+    if c["eval_n_samples"] == 0 or c["eval_pass_k"] <= c["eval_n_samples"]:
+        return None
+    return f"eval_pass_k ({c['eval_pass_k']}) cannot exceed eval_n_samples ({c['eval_n_samples']})"
+
+
+CONFIG_CHECKS = (_pass_k,)

@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 
 from unitrain.adapters import hf_config
+from unitrain.config import check
 
 POLICY_VERSION_FILE = "unitrain_version.json"  # beside an export_policy folder's weights: {"version": v}
 
@@ -64,3 +65,22 @@ def export_policy(run, params, version: int, root: str) -> str:
             if name.startswith("version_") and name != f"version_{version}":
                 shutil.rmtree(os.path.join(root, name))
     return path
+
+
+@check("action", "export_hf_path")
+def _export_path(c) -> str | None:
+    return None if c["action"] != "export" or c["export_hf_path"] else "action=export needs export_hf_path"
+
+
+@check("export_hf_path", "tokenizer_path")
+def _exported_tokenizer(c) -> str | None:
+    if not (c["export_hf_path"] and c["tokenizer_path"].endswith(".model")):
+        return None
+    return (
+        f"export_hf_path writes the run's tokenizer beside the model, but tokenizer_path ({c['tokenizer_path']}) is a "
+        "SentencePiece .model file, which transformers does not load as a tokenizer folder; use an HF tokenizer "
+        'directory or export_hf_path=""'
+    )
+
+
+CONFIG_CHECKS = (_export_path, _exported_tokenizer)

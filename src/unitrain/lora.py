@@ -36,6 +36,7 @@ import qwix
 from flax import nnx
 
 from unitrain import sharding
+from unitrain.config import check
 from unitrain.errors import ConfigError
 from unitrain.models.base import SharedPrefixModel
 
@@ -357,3 +358,20 @@ class SharedPrefixLoraModel(LoraModel):
 
     def hidden_states_shared_prefix(self, *args, **kwargs):
         return self.merged().hidden_states_shared_prefix(*args, **kwargs)
+
+
+@check("lora_rank", "lora_base_dtype", "lora_export_adapters")
+def _needs_adapters(c) -> str | None:
+    if c["lora_rank"] or not (c["lora_base_dtype"] or c["lora_export_adapters"]):
+        return None
+    return "lora_base_dtype and lora_export_adapters need lora_rank > 0"
+
+
+@check("lora_export_adapters", "export_hf_path", "model_source")
+def _adapter_export(c) -> str | None:
+    if not c["lora_export_adapters"] or (c["export_hf_path"] and c["model_source"] == "unitrain"):
+        return None
+    return "lora_export_adapters writes into export_hf_path with the unitrain decoder's HF names: set export_hf_path and model_source=unitrain"
+
+
+CONFIG_CHECKS = (_needs_adapters, _adapter_export)

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from unitrain.config import check
 from unitrain.registry import (
     GROUP_ESTIMATORS,
     KL_TYPES,
@@ -683,3 +684,24 @@ def reward_model_loss(chosen, rejected, *, margin=None, center_coef: float = 0.0
         "rewards/rejected": mean_of(r_r),
     }
     return jnp.where(w > 0, per_pair, 0.0).sum(), (pairs, metrics)
+
+
+@check("policy_loss", "loss_agg_mode", "eps_clip_c")
+def _gspo(c) -> str | None:
+    if c["policy_loss"] != "gspo":
+        return None
+    if c["loss_agg_mode"] != "seq-mean-token-mean":
+        return f"policy_loss=gspo is a sequence-level objective and needs loss_agg_mode=seq-mean-token-mean, got {c['loss_agg_mode']}"
+    return None if c["eps_clip_c"] is None else "policy_loss=gspo has no dual clip; set eps_clip_c=null"
+
+
+@check("rollout_is", "rollout_is_mode", "rollout_is_threshold_lower", "rollout_decoding")
+def _rollout_is(c) -> str | None:
+    if c["rollout_is_threshold_lower"] is not None and c["rollout_is_mode"] != "mask":
+        return "rollout_is_threshold_lower bounds rollout_is_mode=mask only (truncate caps above); set it to null or rollout_is_mode=mask"
+    if c["rollout_is"] and c["rollout_decoding"] != "sample":
+        return "rollout_is needs sampled rollouts: beam search (rollout_decoding=beam) draws from no distribution to correct for"
+    return None
+
+
+CONFIG_CHECKS = (_gspo, _rollout_is)

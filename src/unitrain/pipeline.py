@@ -27,9 +27,8 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
-from unitrain import run_dir
+from unitrain import checks, run_dir
 from unitrain.config import FROM_COMMAND_LINE, write_config
-from unitrain.data import format_choice
 from unitrain.errors import ConfigError
 from unitrain.run import device_layout
 
@@ -67,7 +66,7 @@ def stage_configs(cfg) -> list:
         own = _without_command_line_keys(cfg, name, _resolve_stage_references(name, own, stages))
         try:
             stage_cfg = cfg.replace(**changes).replace(f"from the stages of {recipe}", **own)
-            format_choice.check_config(stage_cfg)
+            checks.check_config(stage_cfg)
             device_layout(stage_cfg)
         except ConfigError as e:
             raise ConfigError(f"stage '{name}' ({where}): {e}") from None

@@ -14,9 +14,9 @@ MODEL_SOURCES = {
 
 # sampler: fn(run) -> Sampler
 SAMPLERS = {
-    "colocated": "unitrain.rollout.colocated:from_run",
-    "mesh": "unitrain.rollout.mesh:from_run",
-    "vllm": "unitrain.rollout.vllm:from_run",
+    "colocated": "unitrain.engines.colocated:from_run",
+    "mesh": "unitrain.engines.mesh:from_run",
+    "vllm": "unitrain.engines.vllm:from_run",
 }
 
 # dynamic_sampling_filter: fn(group) -> bool
@@ -71,6 +71,32 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 POLICY_LOSSES = ("ppo", "gspo")
 ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_IS_MODES = ("truncate", "mask")
+
+# The modules whose CONFIG_CHECKS (config.Check: the keys read, fn(cfg) -> None or what is wrong)
+# checks.check_config runs after every load, each beside the code it concerns; the data format's
+# own checks run with them (DataFormat.check)
+CONFIG_CHECKS = (
+    "unitrain.models.sources:CONFIG_CHECKS",
+    "unitrain.models.moe:CONFIG_CHECKS",
+    "unitrain.sharding:CONFIG_CHECKS",
+    "unitrain.distributed:CONFIG_CHECKS",
+    "unitrain.checkpoint:CONFIG_CHECKS",
+    "unitrain.export:CONFIG_CHECKS",
+    "unitrain.lora:CONFIG_CHECKS",
+    "unitrain.losses:CONFIG_CHECKS",
+    "unitrain.advantages:CONFIG_CHECKS",
+    "unitrain.evals:CONFIG_CHECKS",
+    "unitrain.reward_model:CONFIG_CHECKS",
+    "unitrain.data.prompt_ids:CONFIG_CHECKS",
+    "unitrain.data.rl_packing:CONFIG_CHECKS",
+    "unitrain.engines.factory:CONFIG_CHECKS",
+    "unitrain.rollout.driver:CONFIG_CHECKS",
+    "unitrain.rollout.shaping:CONFIG_CHECKS",
+    "unitrain.envs.guess:CONFIG_CHECKS",
+    "unitrain.tasks.rl:CONFIG_CHECKS",
+    "unitrain.tasks.ppo:CONFIG_CHECKS",
+    "unitrain.tasks.rm:CONFIG_CHECKS",
+)
 
 _PLUGIN_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 

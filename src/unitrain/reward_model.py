@@ -3,7 +3,7 @@ mesh under the same logical rules, or in pinned host memory between uses with
 `reward_model_host_offload`), refusing before the load one whose parameters cannot fit, rendering
 each (prompt, completion) as the reward model's own conversation with its own tokenizer (so its
 vocabulary need not be the policy's), and scoring a round in length buckets: the texts sorted by
-length, each bucket (rollout/buckets.py's rule) right-padded and run `reward_model_batch_size` rows
+length, each bucket (engines/buckets.py's rule) right-padded and run `reward_model_batch_size` rows
 at a time through one compiled forward pooled at the last real token (models/scalar_head.pool_last).
 Memory is bounded by that batch and `reward_model_max_length`, whatever the round's size; a text
 longer than the limit loses tokens from its prompt's start. The reward is a rewards.BatchReward:
@@ -25,14 +25,15 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from unitrain import checkpoint, sharding
+from unitrain import checkpoint, compile_cache, sharding
 from unitrain import step as step_lib
 from unitrain.adapters import hf
+from unitrain.config import check
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.engines.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length
 from unitrain.errors import ConfigError
 from unitrain.models.scalar_head import build_scalar_model, pool_last
 from unitrain.rewards import BatchReward
-from unitrain.rollout.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length
 
 log = logging.getLogger("unitrain")
 
@@ -97,7 +98,7 @@ class RewardModelScorer:
         offload = cfg.reward_model_host_offload
         self.forward = scoring_forward(graphdef, params, offload)
         self.params = sharding.with_memory_kind(params, "pinned_host") if offload else params
-        self.programs = step_lib.CompileCache(mesh)
+        self.programs = compile_cache.CompileCache(mesh)
         self.rows_sharding = sharding.batch_sharding(mesh, rules)
         self.row_multiple = batch_parallelism(mesh, rules)
         self.warned = False
@@ -168,7 +169,7 @@ class RewardModelScorer:
             tokens[r, : len(row)] = row
             positions[r, : len(row)] = np.arange(len(row))
             segment_ids[r, : len(row)] = 1
-        batch = step_lib.full_rows_to_global(
+        batch = sharding.full_rows_to_global(
             {"tokens": tokens, "positions": positions, "segment_ids": segment_ids}, self.rows_sharding
         )
         out = self.programs(
@@ -179,7 +180,7 @@ class RewardModelScorer:
             batch["positions"],
             batch["segment_ids"],
         )
-        return step_lib.to_host(out)[: len(ids)]
+        return sharding.to_host(out)[: len(ids)]
 
     # -- metrics
     def _reset(self) -> None:
@@ -325,3 +326,22 @@ def check_fits(cfg, mesh, rules) -> None:
             f"{per_device / 2**30:.2f} GiB per device in {cfg.weight_dtype}, more than {what}: "
             f"{have / 2**30:.2f} GiB; {hint}shard it over more devices (fsdp/tensor) or use a smaller reward model"
         )
+
+
+@check("reward", "reward_model_path", "reward_model_normalize", "workflow")
+def _reward_scoring(c) -> str | None:
+    """reward rm needs a reward model; its normalisation needs whole rounds to score. (Whether the
+    path exists is the loader's check: a pipeline's earlier stage may be what writes it.)"""
+    if "rm" not in [e.strip() for e in c["reward"].split(",")]:
+        return None
+    if not c["reward_model_path"]:
+        return "reward names rm but reward_model_path is empty: set it to an HF *ForSequenceClassification folder or a mode=rm checkpoint"
+    if c["reward_model_normalize"] and c["workflow"] != "single_turn":
+        return (
+            f"reward_model_normalize standardises the scores of a round, but workflow {c['workflow']} has its "
+            "environment score each final answer alone; set reward_model_normalize=false"
+        )
+    return None
+
+
+CONFIG_CHECKS = (_reward_scoring,)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from unitrain import lora, modes, sharding, vocab
+from unitrain import compile_cache, lora, modes, sharding, vocab
 from unitrain import step as step_lib
 from unitrain.context import RunContext
 from unitrain.data.tokenizer import load_tokenizer
@@ -80,6 +80,6 @@ def build_run(cfg) -> tuple[RunContext, dict]:
         optimizer=optimizer,
         learning_rate=learning_rate,
         state_shardings=jax.tree.map(lambda x: x.sharding, state),
-        programs=step_lib.CompileCache(mesh),
+        programs=compile_cache.CompileCache(mesh),
     )
     return run, state

@@ -1,4 +1,5 @@
-"""The devices a run is laid out on, its meshes, logical axis rules, and the shardings of state and batches.
+"""The devices a run is laid out on, its meshes, logical axis rules, the shardings of state and batches,
+and the moves of rows between host and global arrays.
 
 `layout_for(cfg)` is what the config gives on the target devices (mesh shapes, batch sizes, updates
 per step). Parameters and activations name their dimensions logically (`embed`, `mlp`, `heads`,
@@ -16,10 +17,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import mesh_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from unitrain.config import MESH_AXES, ROLLOUT_MESH_KEYS, TRAINER_MESH_KEYS
+from unitrain.config import MESH_AXES, ROLLOUT_MESH_KEYS, TRAINER_MESH_KEYS, check
 from unitrain.errors import ConfigError
 from unitrain.registry import RL_MODES
 
@@ -323,3 +324,58 @@ def with_memory_kind(tree, kind: str):
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+# ---------------------------------------------------------------- rows between host and device
+
+
+def local_rows_to_global(batch: dict, shardings) -> dict:
+    """This process's rows -> global arrays (SFT data: each process reads its own rows)."""
+    shardings = _per_key(batch, shardings)
+    return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in batch.items()}
+
+
+def full_rows_to_global(batch: dict, shardings) -> dict:
+    """Rows every process holds in full -> global arrays; each device takes its slice (rollouts:
+    every process computes the same batch)."""
+    shardings = _per_key(batch, shardings)
+    return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx]) for k, v in batch.items()}
+
+
+def _per_key(batch: dict, shardings) -> dict:
+    return shardings if isinstance(shardings, dict) else {k: shardings for k in batch}
+
+
+def to_host(x) -> np.ndarray:
+    """A global array as one numpy array on every process (gathered when it spans processes)."""
+    if not x.is_fully_addressable:
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+@check("logical_axis_rules")
+def _logical_axis_rules(c) -> str | None:
+    seen = set()
+    for rule in c["logical_axis_rules"]:
+        name, mesh = rule if isinstance(rule, list) and len(rule) == 2 else (None, None)
+        axes = [] if mesh is None else [mesh] if isinstance(mesh, str) else mesh
+        if not isinstance(name, str) or not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
+            return f"logical_axis_rules entry {rule} must be [logical_name, mesh_axis | [mesh_axes] | null]"
+        if bad := [a for a in axes if a not in MESH_AXES]:
+            return f"logical_axis_rules entry '{name}' uses mesh axis '{bad[0]}', which is not one of {', '.join(MESH_AXES)}"
+        if len(set(axes)) < len(axes) or name in seen:
+            return f"logical_axis_rules entry '{name}' repeats a mesh axis or a logical name"
+        seen.add(name)
+    return None
+
+
+@check(*TRAINER_MESH_KEYS, *ROLLOUT_MESH_KEYS)
+def _one_fill(c) -> str | None:
+    for keys, which in ((TRAINER_MESH_KEYS, "ici_*/dcn_*"), (ROLLOUT_MESH_KEYS, "rollout_*")):
+        fills = [k for k in keys if c[k] == -1]
+        if len(fills) > 1:
+            return f"only one {which}_parallelism may be -1 (fill), got {' and '.join(fills)}"
+    return None
+
+
+CONFIG_CHECKS = (_logical_axis_rules, _one_fill)

@@ -1,6 +1,6 @@
 """The step machinery every mode shares: the train state and its shardings, the exact-accumulation
-train step over any loss, the jitted and donated update, the run's one ahead-of-time compile cache,
-and the moves of rows between host and global arrays.
+train step over any loss, the jitted and donated update. Programs compile through the run's
+compile cache (compile_cache.py); rows move between host and global arrays with sharding.py.
 
     state = init_state(params, optimizer, mesh)                       # {params, opt_state, step}
     update = make_train_step(task.loss, StepConfig.from_config(cfg, learning_rate), optimizer, state_shardings, task.batch_shardings())
@@ -9,22 +9,15 @@ and the moves of rows between host and global arrays.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-import re
-import time
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from unitrain import lora, sharding
-from unitrain.errors import ConfigError
 from unitrain.models import moe
 
 log = logging.getLogger("unitrain")
@@ -188,171 +181,3 @@ def make_train_step(loss_fn, settings: StepConfig, optimizer, state_shardings, b
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-
-
-# ---------------------------------------------------------------- compilation
-
-
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple(
-        (getattr(x, "shape", None), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves
-    )
-
-
-class CompileCache:
-    """The run's one ahead-of-time compile cache: every jitted program (train step, eval, logprobs,
-    the sampler) is lowered and compiled once per (name, static choices, argument shapes, dtypes
-    and shardings), inside the run's mesh, and every compilation is logged with its time and
-    memory. Rows are bucketed upstream, so a run compiles a bounded number of times. A program the
-    compiler finds too big for the device is a one-line ConfigError (program_too_big).
-    """
-
-    def __init__(self, mesh=None):
-        self.mesh = mesh
-        self._compiled: dict = {}
-
-    def __call__(
-        self,
-        name: str,
-        jitted: Callable | None,
-        *args,
-        static: Any = (),
-        build: Callable | None = None,
-        options: dict | None = None,
-    ):
-        """Runs the program `name` on `args`, compiling it first if this signature is new. `build`
-        (called only then) makes the jitted function when it depends on the `static` choices;
-        `options` are XLA compiler options for this program alone (jax's `compiler_options`)."""
-        return self.compiled(name, jitted, *args, static=static, build=build, options=options)(*args)
-
-    def compiled(
-        self,
-        name: str,
-        jitted: Callable | None,
-        *args,
-        static: Any = (),
-        build: Callable | None = None,
-        options: dict | None = None,
-    ):
-        key = (name, static, _signature(args), tuple(sorted((options or {}).items())))
-        program = self._compiled.get(key)
-        if program is None:
-            program = self._compile(name, build() if build is not None else jitted, args, options)
-            self._compiled[key] = program
-        return program if self.mesh is None else _in_mesh(program, self.mesh)
-
-    def __len__(self) -> int:
-        return len(self._compiled)
-
-    def _compile(self, name, jitted, args, options):
-        start = time.perf_counter()
-        with in_mesh(self.mesh):
-            lowered = jitted.lower(*args)
-            try:
-                compiled = lowered.compile(compiler_options=options)
-            except jax.errors.JaxRuntimeError as e:
-                too_big = program_too_big(name, str(e))
-                if too_big is None:
-                    raise
-                raise too_big from None
-        log.info(
-            "compiled %s in %.1f s%s", name, time.perf_counter() - start, f" (XLA options {options})" if options else ""
-        )
-        memory = compiled.memory_analysis()
-        if memory is not None:
-            log.info(
-                "%s memory per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
-                name,
-                memory.argument_size_in_bytes / 2**20,
-                memory.output_size_in_bytes / 2**20,
-                memory.temp_size_in_bytes / 2**20,
-            )
-        return compiled
-
-
-# XLA's words when a program does not fit the device's memory at compile time (XLA:TPU):
-# "... required for HLO temporaries (476.00G) exceeds available HBM (15.75G)" and
-# "... Used 22.54G of 15.48G hbm. Exceeded hbm capacity by 7.06G."; sizes in XLA's binary units.
-_SIZE = r"[\d.]+[KMGT]?i?B?"
-_XLA_TOO_BIG = (
-    re.compile(
-        rf"required for (?P<what>[\w ]+?) \((?P<need>{_SIZE})\) exceeds available (?P<mem>\w+) \((?P<have>{_SIZE})\)"
-    ),
-    re.compile(rf"Used (?P<need>{_SIZE}) of (?P<have>{_SIZE}) (?P<mem>\w+)\b"),
-)
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def _xla_bytes(size: str) -> int:
-    """XLA's human-readable size ("15.75G", "258.0M", "0B") in bytes."""
-    number = re.match(r"[\d.]+", size).group()
-    return round(float(number) * _UNITS[size[len(number) :].rstrip("iB")[:1]])
-
-
-def program_too_big(name: str, message: str) -> ConfigError | None:
-    """The one-line error for XLA's compile-time RESOURCE_EXHAUSTED of program `name` (None for any
-    other error): the bytes the program needs and the bytes the device has, and what shrinks it."""
-    if "RESOURCE_EXHAUSTED" not in message:
-        return None
-    found = next(filter(None, (pattern.search(message) for pattern in _XLA_TOO_BIG)), None)
-    if found is None:
-        detail = " (XLA: " + message.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0] + ")"
-    else:
-        need, have = (_xla_bytes(found[k]) for k in ("need", "have"))
-        what = found.groupdict().get("what") or "the whole program"
-        detail = (
-            f": it needs {need:,} bytes ({need / 2**30:.2f} GiB, {what}) of {found['mem']} and the device has "
-            f"{have:,} bytes ({have / 2**30:.2f} GiB)"
-        )
-    return ConfigError(
-        f"{name} does not fit the device{detail}; lower per_device_batch_size or max_target_length, "
-        "set remat_policy, or shard over more devices"
-    )
-
-
-def in_mesh(mesh):
-    """`with in_mesh(mesh):` sets the mesh for what runs inside (None: leaves the caller's)."""
-    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
-
-def _in_mesh(program, mesh):
-    def call(*args):
-        with jax.set_mesh(mesh):
-            return program(*args)
-
-    call.memory_analysis, call.cost_analysis, call.out_info = (
-        program.memory_analysis,
-        program.cost_analysis,
-        program.out_info,
-    )
-    return call
-
-
-# ---------------------------------------------------------------- rows between host and device
-
-
-def local_rows_to_global(batch: dict, shardings) -> dict:
-    """This process's rows -> global arrays (SFT data: each process reads its own rows)."""
-    shardings = _per_key(batch, shardings)
-    return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in batch.items()}
-
-
-def full_rows_to_global(batch: dict, shardings) -> dict:
-    """Rows every process holds in full -> global arrays; each device takes its slice (rollouts:
-    every process computes the same batch)."""
-    shardings = _per_key(batch, shardings)
-    return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx]) for k, v in batch.items()}
-
-
-def _per_key(batch: dict, shardings) -> dict:
-    return shardings if isinstance(shardings, dict) else {k: shardings for k in batch}
-
-
-def to_host(x) -> np.ndarray:
-    """A global array as one numpy array on every process (gathered when it spans processes)."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)

@@ -30,10 +30,9 @@ from pathlib import Path
 
 import jax
 
-from unitrain import checkpoint, distributed, export, metrics, modes, pipeline, run_dir
+from unitrain import checkpoint, checks, distributed, export, metrics, modes, pipeline, run_dir
 from unitrain.config import DEFAULT_CONFIG, describe_keys, load_config, root_config
 from unitrain.context import RunContext
-from unitrain.data import format_choice
 from unitrain.errors import ConfigError, RunEndedEarly, UserError
 from unitrain.run import build_run, device_layout
 from unitrain.tasks.base import Task
@@ -407,7 +406,7 @@ def _run_command(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         distributed.maybe_initialize(cfg)  # before anything counts devices
-        format_choice.check_config(cfg)
+        checks.check_config(cfg)
         if jax.process_index() != 0:  # only after jax.distributed has started
             log.setLevel(logging.WARNING)
         with run_dir.no_empty_dirs_left(cfg.run_dir):  # a command that failed early leaves no run directory

@@ -9,7 +9,8 @@ third party's) subclasses it and overrides what it does differently.
     fmt.prompt_records(cfg, path)            # GRPO's {prompt, label} records
     fmt.evaluator(cfg, tokenizer, sampler)   # an evaluator in place of the mode's generation eval, or None
     fmt.workflow(cfg)                        # the workflow GRPO's rollouts take (rollout/workflow.py)
-    fmt.ranked_rollout(cfg, tokenizer)       # how workflow ranked ranks (rollout/beam.py BeamParams), or None
+    fmt.ranked_rollout(cfg, tokenizer)       # how workflow ranked ranks (engines/beam.py BeamParams); None = plain beams
+    fmt.ranking(cfg)                         # what of the config ranks with beam search, or None
     fmt.check(cfg)                           # what is wrong with the config for this format, or None
 """
 
@@ -18,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from unitrain.data.sources import file_records, read_prompt_records
-from unitrain.rollout import engines
-from unitrain.rollout.beam import BeamParams
 
 
 def _sid_index_needs_a_format(c) -> str | None:
@@ -53,27 +52,16 @@ class DataFormat:
         """The workflow GRPO's rollouts take: ranked where the format ranks them, else `workflow`."""
         return "ranked" if self.ranks_rollouts(cfg) else cfg["workflow"]
 
-    def ranked_rollout(self, cfg, tokenizer) -> BeamParams | None:
-        """GRPO's rollouts as ranked groups: the n_samples_per_prompt beams of rollout_decoding=beam,
-        best first; None = the format does not rank."""
-        if not self.ranks_rollouts(cfg):
-            return None
-        return BeamParams(
-            cfg.n_samples_per_prompt,
-            cfg.rollout_max_response_len,
-            length_penalty=cfg.beam_length_penalty,
-            temperature=cfg.rollout_temperature,
-            stop_token_ids=(tokenizer.eos_id,),
-        )
+    def ranked_rollout(self, cfg, tokenizer):
+        """How workflow ranked ranks, as engines/beam.py's BeamParams; None = the n_samples_per_prompt
+        plain beams of rollout_decoding=beam (rollout/ranked.py)."""
+        return None
 
     def ranking(self, cfg) -> str | None:
         """What of the config ranks with beam search, so that the sampler must be able to; None = nothing."""
         return "rollout_decoding=beam" if cfg["mode"] == "grpo" and self.ranks_rollouts(cfg) else None
 
     def check(self, cfg) -> str | None:
-        """The first of the format's checks that fails, then whether the sampler can rank where the config ranks."""
-        for check in self.checks:
-            if problem := check(cfg):
-                return problem
-        what = self.ranking(cfg)
-        return None if what is None else engines.check_ranking(cfg, what)
+        """The first of the format's checks that fails, or None. (Whether the sampler can rank where
+        `ranking` says the config ranks is the engines' check, engines/factory.py.)"""
+        return next((problem for check in self.checks if (problem := check(cfg))), None)

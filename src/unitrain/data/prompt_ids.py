@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from unitrain.config import check
 from unitrain.errors import ConfigError, DataError
 
 # How many records the not-empty check (and eval prompts) read before concluding that nothing fits;
@@ -69,3 +70,13 @@ def fitting_prompts(cfg, tokenizer, count: int, records, path: str) -> list[Prom
             f"shortest has {shortest} tokens"
         )
     return out
+
+
+@check("system_prompt", "chat_template", "workflow")
+def _system_prompt(c) -> str | None:
+    if c["chat_template"] or c["workflow"] != "single_turn" or not c["system_prompt"]:
+        return None
+    return "system_prompt is set but chat_template is false; a system prompt needs the chat template (or write it into the data)"
+
+
+CONFIG_CHECKS = (_system_prompt,)

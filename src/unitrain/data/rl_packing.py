@@ -6,7 +6,7 @@ fields between the unpacked layout of the modes (GRPO's [rows, P + C] inputs wit
 completion fields; DPO's chosen/rejected pair rows) and packed [rows, width] arrays. In packed rows
 every field is aligned with `inputs`: column t holds what concerns the token predicted from column
 t (its target, loss mask, logprobs, advantage), so a completion token's fields sit one column
-before the token itself. Row counts and widths come from rollout/buckets.py's rule (bounded
+before the token itself. Row counts and widths come from engines/buckets.py's rule (bounded
 compiles; the tasks bucket them). NumPy only: no loop over tokens.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from unitrain.config import check
 
 
 def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -185,3 +187,35 @@ def pair_rows_needed(batch: dict, sides: tuple[str, str], width: int) -> int:
     """How many rows of `width` pack_pairs fills with the batch's pairs."""
     pair_lengths = sum((batch[f"{side}_inputs_segmentation"] > 0).sum(axis=1) for side in sides)
     return packed_rows_needed(pair_lengths[pair_lengths > 0], width)
+
+
+@check(
+    "rl_packing",
+    "rl_packing_row_tokens",
+    "mode",
+    "max_target_length",
+    "max_prompt_length",
+    "workflow",
+    "episode_max_tokens",
+    "rollout_max_response_len",
+)
+def _rl_packing(c) -> str | None:
+    """Packed RL rows serve the RL modes and DPO, and hold the longest sequence the config allows."""
+    if not c["rl_packing"]:
+        return (
+            "rl_packing_row_tokens sizes rl_packing's rows; set rl_packing=true" if c["rl_packing_row_tokens"] else None
+        )
+    if c["mode"] in ("sft", "rm"):
+        hint = " (sft packs with packing=true)" if c["mode"] == "sft" else ""
+        return f"rl_packing packs the updates of grpo, ppo and dpo; mode={c['mode']} has none{hint}"
+    if c["mode"] == "dpo":
+        longest, what = 2 * c["max_target_length"], "2 x max_target_length (a pair)"
+    else:
+        completion = "episode_max_tokens" if c["workflow"] != "single_turn" else "rollout_max_response_len"
+        longest, what = c["max_prompt_length"] + c[completion], f"max_prompt_length + {completion}"
+    if 0 < c["rl_packing_row_tokens"] < longest:
+        return f"rl_packing_row_tokens ({c['rl_packing_row_tokens']}) must hold the longest sequence, {what} = {longest} (or 0)"
+    return None
+
+
+CONFIG_CHECKS = (_rl_packing,)

@@ -27,7 +27,6 @@ from unitrain.data import format_choice
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import file_records, split_path
-from unitrain.envs.factory import env_factory
 from unitrain.errors import ConfigError, DataError
 
 BATCH_FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
@@ -131,11 +130,12 @@ def _to_batch(packed: dict) -> dict:
     }
 
 
-def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
-    """The split's raw records: {prompt, completion}, {messages} (the data format's) or {ids} (synthetic)."""
+def _records(cfg, tokenizer, split: str, path: str, demonstration=None) -> grain.MapDataset:
+    """The split's raw records: {prompt, completion}, {messages} (the data format's), {ids}
+    (synthetic), or the built-in task's problems as `demonstration(prompt, answer)` makes them (an
+    environment's, envs/factory.py) when given."""
     if path == "builtin":
         digits, ops, stream = cfg.builtin_task_digits, cfg.builtin_task_ops, split
-        demonstration = _demonstrations(cfg)
 
         def problem(i):
             prompt, answer = builtin_problem(int(i), stream, digits, ops)
@@ -148,20 +148,6 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
             lambda i: {"ids": np.random.default_rng([*seed, int(i)]).integers(0, vocab, length).tolist()}
         )
     return grain.MapDataset.source(format_choice.data_format(cfg).sft_records(cfg, tokenizer, path))
-
-
-def _demonstrations(cfg):
-    """With `env` set: (prompt, label) -> the environment's demonstration as a chat record with its
-    tools (envs/base.py), the built-in task's SFT warm start for episodes; else None."""
-    if not cfg.env:
-        return None
-    env = env_factory(cfg)(cfg)
-    if not callable(getattr(env, "demonstration", None)):
-        raise ConfigError(f"env={cfg.env} has no demonstration(record) to train on with mode=sft")
-    return lambda prompt, label: {
-        "messages": env.demonstration({"prompt": prompt, "label": label}),
-        "tools": env.tools or None,
-    }
 
 
 def eval_prompt_records(cfg, tokenizer) -> list[dict]:
@@ -179,7 +165,7 @@ def eval_prompt_records(cfg, tokenizer) -> list[dict]:
 
 
 def make_sft_dataset(
-    cfg, tokenizer, rows: int, split: str = "train", shard: int = 0, num_shards: int = 1
+    cfg, tokenizer, rows: int, split: str = "train", shard: int = 0, num_shards: int = 1, demonstration=None
 ) -> grain.IterDataset:
     """The grain pipeline of one virtual data shard (see unitrain.data.shards): it reads
     records[shard::num_shards] and yields batches of `rows` rows (see the module docstring)."""
@@ -192,7 +178,9 @@ def make_sft_dataset(
             f"{cfg.builtin_task_digits}; it needs {max_builtin_length(cfg.builtin_task_digits)}"
         )
 
-    records_of_shard, where = shard_records(_records(cfg, tokenizer, split, path), path, shard, num_shards)
+    records_of_shard, where = shard_records(
+        _records(cfg, tokenizer, split, path, demonstration), path, shard, num_shards
+    )
     to_example = _example_fn(cfg, tokenizer)
     _check_not_empty(records_of_shard.map(to_example), where, max_len)
 
@@ -221,18 +209,24 @@ def make_sft_dataset(
 
 
 def make_sft_iterator(
-    cfg, tokenizer, global_batch_size: int, split: str = "train", process_index: int = 0, process_count: int = 1
+    cfg,
+    tokenizer,
+    global_batch_size: int,
+    split: str = "train",
+    process_index: int = 0,
+    process_count: int = 1,
+    demonstration=None,
 ) -> ShardedIterator:
     """This process's rows of each global batch of `global_batch_size` rows, drawn from
     cfg.data_shards virtual shards (unitrain.data.shards): the global batch does not depend on the
-    process count. get_state()/set_state() save and restore the position exactly, and the state
+    process count. `demonstration` makes the built-in task's records (see _records). get_state()/set_state() save and restore the position exactly, and the state
     of every shard, merged over processes (shards.merge_states), restores on any process count."""
     return sharded_iterator(
         cfg.data_shards,
         global_batch_size,
         process_index,
         process_count,
-        lambda rows, s: make_sft_dataset(cfg, tokenizer, rows, split, s, cfg.data_shards),
+        lambda rows, s: make_sft_dataset(cfg, tokenizer, rows, split, s, cfg.data_shards, demonstration),
     )
 
 

@@ -18,9 +18,9 @@ model, not an exception. An exception raised by step ends that episode (recorded
 on, and the record's group is left out). Neither stops the run, unless every reset of a step's
 episodes fails: that is one line naming the environment and the first error.
 
-Optional: `demonstration(record) -> messages`, an expert's whole conversation for the record
-(assistant turns with their tool calls), which `mode=sft` trains on with `dataset_path: builtin`
-and `env` set: the demos' warm start before GRPO.
+Optional capability (DemonstratingEnvironment): `demonstration(record) -> messages`, an expert's
+whole conversation for the record (assistant turns with their tool calls), which `mode=sft` trains
+on with `dataset_path: builtin` and `env` set: the demos' warm start before GRPO.
 """
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ class Environment(Protocol):
 
     def step(self, turn: AssistantTurn) -> StepResult:
         """The environment's answer to the assistant's turn."""
+
+
+@runtime_checkable
+class DemonstratingEnvironment(Environment, Protocol):
+    def demonstration(self, record: dict) -> list[dict]:
+        """An expert's whole conversation for the record: the SFT demonstration of its episode."""
 
 
 @dataclasses.dataclass(frozen=True)

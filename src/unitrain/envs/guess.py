@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 
+from unitrain.config import check
 from unitrain.envs.base import AssistantTurn, StepResult
 from unitrain.errors import ConfigError
 
@@ -74,3 +75,13 @@ def make_guess_number(cfg) -> GuessNumber:
         return GuessNumber(cfg.guess_number_low, cfg.guess_number_high)
     except ValueError as e:
         raise ConfigError(f"config keys guess_number_low and guess_number_high: {e}") from None
+
+
+@check("guess_number_low", "guess_number_high")
+def _range(c) -> str | None:
+    if c["guess_number_low"] < c["guess_number_high"]:
+        return None
+    return f"guess_number_low ({c['guess_number_low']}) must be below guess_number_high ({c['guess_number_high']})"
+
+
+CONFIG_CHECKS = (_range,)

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from unitrain import sharding
+from unitrain.adapters.hf_config import MOE_TYPES
+from unitrain.config import check
 
 # The layer parameters of a sparse MLP: the router [embed, experts] and each expert's SwiGLU
 # stacked on a leading `expert` axis.
@@ -245,3 +247,63 @@ def report(stats: RouterStats | None) -> None:
     collected = _collector.get()
     if collected is not None and stats is not None:
         collected.append(stats)
+
+
+@check("model_family", "num_experts", "num_experts_per_tok", "moe_norm_topk_prob")
+def _experts(c) -> str | None:
+    """Experts belong to the mixture-of-experts families (and they to experts); a token takes at
+    most all of them; Mixtral always renormalises its top-k weights."""
+    family, experts = c["model_family"], c["num_experts"]
+    if family in MOE_TYPES and not experts:
+        return f"model_family {family} is a mixture of experts: set num_experts > 0"
+    if experts and family not in MOE_TYPES:
+        return f"num_experts={experts} needs a mixture-of-experts model_family ({' | '.join(MOE_TYPES)}); {family} is dense"
+    if experts and c["num_experts_per_tok"] > experts:
+        return f"num_experts_per_tok ({c['num_experts_per_tok']}) must be at most num_experts ({experts})"
+    if family == "mixtral" and not c["moe_norm_topk_prob"]:
+        return "model_family mixtral renormalises its top-k router weights: moe_norm_topk_prob must be true"
+    return None
+
+
+@check(
+    "moe_routing_replay",
+    "num_experts",
+    "mode",
+    "sampler",
+    "model_source",
+    "rl_packing",
+    "lora_rank",
+    "workflow",
+    "rollout_decoding",
+)
+def _routing_replay(c) -> str | None:
+    """Routing replay takes the routes the in-process JAX sampler records into GRPO's forwards of
+    our decoder; what carries no routes (vLLM, episodes, beams, packed rows, LoRA's forward) is refused."""
+    if not c["moe_routing_replay"]:
+        return None
+    unsupported = [
+        (not c["num_experts"], "replays a mixture of experts' routes; this model is dense (num_experts=0)"),
+        (c["mode"] != "grpo", f"replays the sampler's routes in grpo's passes; mode={c['mode']} has none"),
+        (
+            c["sampler"] not in ("colocated", "mesh"),
+            f"needs the JAX sampler's recorded routes (sampler colocated | mesh); sampler {c['sampler']} reports none",
+        ),
+        (
+            c["model_source"] != "unitrain",
+            f"needs model_source unitrain (our decoder takes the routes), not {c['model_source']}",
+        ),
+        (
+            c["rl_packing"],
+            "is not supported with rl_packing yet (the packed rows do not carry the routes): set rl_packing=false",
+        ),
+        (c["lora_rank"] > 0, "is not supported with LoRA yet (its forward takes no routes): set lora_rank=0"),
+        (
+            c["workflow"] != "single_turn",
+            f"replays single-turn rollouts; workflow {c['workflow']}'s episodes carry no routes",
+        ),
+        (c["rollout_decoding"] != "sample", "replays sampled rollouts; rollout_decoding=beam carries no routes"),
+    ]
+    return next((f"moe_routing_replay {why}" for bad, why in unsupported if bad), None)
+
+
+CONFIG_CHECKS = (_experts, _routing_replay)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 
 from unitrain import plugins, registry
+from unitrain.config import check
 from unitrain.errors import ConfigError
 
 
@@ -29,3 +30,34 @@ def build(cfg, mesh, output_head: bool = True):
             "critic or a reward model; give its fn an output_head parameter (models/__init__.py)"
         )
     return source(cfg, mesh, output_head=False)
+
+
+@check("num_query_heads", "num_kv_heads")
+def _heads_group(c) -> str | None:
+    if c["num_query_heads"] % c["num_kv_heads"] == 0:
+        return None
+    return f"num_query_heads ({c['num_query_heads']}) must be a multiple of num_kv_heads ({c['num_kv_heads']})"
+
+
+@check("head_dim", "emb_dim", "num_query_heads")
+def _head_dim(c) -> str | None:
+    if c["head_dim"] is not None or c["emb_dim"] % c["num_query_heads"] == 0:
+        return None
+    return f"head_dim is null but emb_dim ({c['emb_dim']}) is not a multiple of num_query_heads ({c['num_query_heads']}); set head_dim"
+
+
+@check("rope_scaling_type", "rope_high_freq_factor", "rope_low_freq_factor")
+def _llama3_rope(c) -> str | None:
+    if c["rope_scaling_type"] != "llama3" or c["rope_high_freq_factor"] > c["rope_low_freq_factor"]:
+        return None
+    return "rope_scaling_type llama3 needs rope_high_freq_factor > rope_low_freq_factor"
+
+
+@check("attention", "model_source")
+def _attention_kernel(c) -> str | None:
+    if c["attention"] in ("auto", "xla") or c["model_source"] == "unitrain":
+        return None
+    return f"attention={c['attention']} is a kernel of model_source unitrain; model_source {c['model_source']} brings its own attention (use auto or xla)"
+
+
+CONFIG_CHECKS = (_heads_group, _head_dim, _llama3_rope, _attention_kernel)

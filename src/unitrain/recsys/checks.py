@@ -1,5 +1,5 @@
 """The config checks of `data_format: minionerec` (format.MiniOneRec.checks), run by
-plugins.check_config right after the config loads: each returns None or what is wrong, and the
+unitrain.checks right after the config loads: each returns None or what is wrong, and the
 entry prints it as one line and exits 2, before anything compiles."""
 
 from __future__ import annotations

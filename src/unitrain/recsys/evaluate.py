@@ -21,9 +21,9 @@ import numpy as np
 
 from unitrain.data.prompt_ids import fitting_prompts
 from unitrain.data.sources import split_path
+from unitrain.engines.base import release
 from unitrain.recsys.data import history_prompt, read_examples
 from unitrain.recsys.rollout import sid_beams
-from unitrain.rollout.base import release
 
 
 def hr_ndcg(ranked: list[list[str]], targets: list[str], ks) -> dict:

@@ -29,7 +29,7 @@ class MiniOneRec(DataFormat):
         return cfg["rollout_decoding"] == "beam" or bool(cfg["sid_index_path"])
 
     def ranked_rollout(self, cfg, tokenizer):
-        return rollout.ranked_rollout(cfg, tokenizer) if self.ranks_rollouts(cfg) else None
+        return rollout.ranked_rollout(cfg, tokenizer)
 
     def ranking(self, cfg) -> str | None:
         if cfg["evaluates"] and cfg["eval_num_samples"]:

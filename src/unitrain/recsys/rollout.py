@@ -1,4 +1,4 @@
-"""Beam search over the SIDs (rollout/beam.py): the settings of every SID search, constrained to the
+"""Beam search over the SIDs (engines/beam.py): the settings of every SID search, constrained to the
 trie of `sid_index_path`'s SIDs when it is set, and GRPO's ranked rollouts: the n_samples_per_prompt
 beams (rollout_decoding=beam) or samples constrained to the SIDs, best first, so that a group's
 rewards (sid_rank) see the ranks."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 
+from unitrain.engines.beam import BeamParams
 from unitrain.recsys.trie import sid_trie
-from unitrain.rollout.beam import BeamParams
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,5 +1,5 @@
 """The semantic IDs (SIDs) of a MiniOneRec index file (item id -> SID tokens) and their trie for
-constrained decoding (rollout/trie.py): every SID followed by EOS, so EOS is allowed only after a
+constrained decoding (engines/trie.py): every SID followed by EOS, so EOS is allowed only after a
 complete SID and every finished constrained sequence is a valid item.
 
     trie, sids = sid_trie(index_path, tokenizer)
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
+from unitrain.engines.trie import Trie
 from unitrain.errors import DataError
-from unitrain.rollout.trie import Trie
 
 
 def read_sid_index(path: str) -> dict[str, str]:

@@ -22,9 +22,11 @@ import jax
 import numpy as np
 
 from unitrain import plugins, registry
+from unitrain.config import check
 from unitrain.data import format_choice
+from unitrain.engines.base import Completions, SamplingParams, submit
 from unitrain.errors import ConfigError, DataError, UserError
-from unitrain.rollout.base import Completions, SamplingParams, submit
+from unitrain.registry import RL_MODES
 from unitrain.rollout.groups import Group
 from unitrain.rollout.workflow import Generate, Rank, Sampled, Score, Trajectory, Workflow, WorkflowError
 
@@ -193,3 +195,26 @@ def make_workflow(run, name: str | None = None) -> Workflow:
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ConfigError(f"workflow {name} is not a subclass of unitrain.rollout.workflow.Workflow")
     return cls(run)
+
+
+@check("workflow", "mode", "rollout_decoding", "env", "dataset_path")
+def _episodes(c) -> str | None:
+    """A workflow other than single_turn rolls out RL episodes; multi_turn talks to an environment;
+    an environment under sft is the source of its demonstrations."""
+    workflow, mode = c["workflow"], c["mode"]
+    if workflow != "single_turn" and mode in ("sft", "dpo", "rm"):
+        return f"workflow {workflow} rolls out RL episodes; mode={mode} trains on none (use workflow single_turn)"
+    if workflow != "single_turn" and c["rollout_decoding"] != "sample":
+        return f"workflow {workflow} samples its turns; rollout_decoding={c['rollout_decoding']} is single-turn only"
+    if workflow == "multi_turn" and not c["env"]:
+        return "workflow multi_turn needs an environment: set env (calculator | guess_number | reasoning_gym | pkg.module:make_env)"
+    if c["env"] and mode == "sft" and c["dataset_path"] != "builtin":
+        return f"env={c['env']} under mode=sft trains on its demonstrations of dataset_path builtin; dataset_path is {c['dataset_path']}"
+    if c["env"] and mode in RL_MODES and workflow == "single_turn":
+        return f"env={c['env']} is the environment of workflow multi_turn; workflow is single_turn"
+    if c["env"] and mode in ("dpo", "rm"):
+        return f"env names an environment for multi_turn episodes or sft demonstrations; mode={mode} uses none"
+    return None
+
+
+CONFIG_CHECKS = (_episodes,)

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from unitrain import rewards
+from unitrain.config import check
 
 
 def reward_shapers(cfg, max_tokens: int) -> list:
@@ -41,3 +42,13 @@ def overlong_filter(groups) -> tuple[np.ndarray, dict]:
     token) leave the loss."""
     truncated = np.asarray([t.end == "length" for g in groups for t in g.trajectories])
     return ~truncated, {"overlong_filtered_fraction": float(truncated.mean())}
+
+
+@check("overlong_buffer_len", "rollout_max_response_len")
+def _overlong_buffer(c) -> str | None:
+    if c["overlong_buffer_len"] < c["rollout_max_response_len"]:
+        return None
+    return f"overlong_buffer_len ({c['overlong_buffer_len']}) must be below rollout_max_response_len ({c['rollout_max_response_len']})"
+
+
+CONFIG_CHECKS = (_overlong_buffer,)

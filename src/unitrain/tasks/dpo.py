@@ -43,7 +43,7 @@ from unitrain.context import RunContext
 from unitrain.data.preference import PAIR_FIELDS, SIDES, eval_pair_batches, make_preference_iterator
 from unitrain.data.rl_packing import pack_pairs, pair_rows_needed
 from unitrain.data.sft import BATCH_FIELDS
-from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows
+from unitrain.engines.buckets import batch_parallelism, bucket_packed_rows
 from unitrain.tasks.base import Task
 from unitrain.tasks.reference import Reference
 
@@ -206,7 +206,7 @@ class DPOTask(Task):
         truncated = int(batch.pop("num_truncated"))
         if self.packing:
             batch = self.packed(batch)
-        batch = step_lib.local_rows_to_global(batch, self.rows2d)
+        batch = sharding.local_rows_to_global(batch, self.rows2d)
         name = f"pair_logps ({len(batch['inputs'])} packed rows)" if self.packing else "pair_logps"
         batch = {**batch, **self.pair_logps_of_both(name, self.logps_fn, state["params"], batch)}
         state, metrics = self.run.programs("train_step", self.update, state, batch)
@@ -218,7 +218,7 @@ class DPOTask(Task):
         if not cfg.eval_dataset_path and cfg.dataset_path != "builtin":
             return []  # files without an eval split: nothing to evaluate on
         batches = eval_pair_batches(cfg, self.run.tokenizer, self.run.layout.global_batch_size, cfg.eval_steps)
-        return [step_lib.full_rows_to_global(b, self.rows2d) for b in batches]
+        return [sharding.full_rows_to_global(b, self.rows2d) for b in batches]
 
     def _eval_sums(self, logps, weights):
         loss_sum, (pairs, metrics) = losses.dpo_loss(

@@ -31,6 +31,7 @@ from flax import nnx
 
 from unitrain import losses, sharding
 from unitrain import step as step_lib
+from unitrain.config import check
 from unitrain.models.scalar_head import build_scalar_model
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.tasks.base import RunContext
@@ -142,3 +143,18 @@ class PPOTask(RLTask):
 
     def trains_policy(self, step: int) -> bool:
         return step >= self.cfg.critic_warmup_steps
+
+
+@check("mode", "critic_path", "rollout_decoding", "turn_discount")
+def _ppo(c) -> str | None:
+    """PPO learns from sampled tokens, discounts by gae_gamma; its critic keys serve it alone."""
+    if c["mode"] != "ppo":
+        return None if not c["critic_path"] else f"critic_path is mode=ppo's critic; mode={c['mode']} trains none"
+    if c["rollout_decoding"] != "sample":
+        return "mode=ppo learns from sampled rollouts; rollout_decoding=beam is grpo's (ranked groups)"
+    if c["turn_discount"] < 1:
+        return "mode=ppo discounts later tokens by gae_gamma; turn_discount is grpo's (set it to 1.0)"
+    return None
+
+
+CONFIG_CHECKS = (_ppo,)

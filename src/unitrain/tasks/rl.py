@@ -6,7 +6,7 @@ as named stages (`RLTask.step`):
      the reward shapers (rollout/shaping.py: DAPO's overlong penalty), until `rollout_batch_size`
      groups pass the filter (rollout/groups.py). Rounds sampled ahead (max_staleness) come first; a
      round the step samples itself, and the rounds it leaves in flight for the steps after, use its
-     parameters, pushed to the sampler first (rollout/base.py; colocated by default: no copy;
+     parameters, pushed to the sampler first (engines/base.py; colocated by default: no copy;
      sampler mesh: a timed copy to its devices);
   2. rows: the groups as the train batch's rows (the layout below);
   3. passes: what the updates read of the models before they change them, in one program per chunk of
@@ -67,15 +67,16 @@ from flax import nnx
 from unitrain import advantages as advantages_lib
 from unitrain import losses, rewards, sharding
 from unitrain import step as step_lib
+from unitrain.config import check
 from unitrain.data import format_choice
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
+from unitrain.engines.base import SamplingParams, TimedSampler, close, release
+from unitrain.engines.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
+from unitrain.engines.factory import make_sampler
 from unitrain.evals import TaskEvaluator
 from unitrain.models import moe
 from unitrain.models.base import SharedPrefixModel
-from unitrain.rollout import engines
-from unitrain.rollout.base import SamplingParams, TimedSampler, close, release
-from unitrain.rollout.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
 from unitrain.rollout.buffer import RolloutBuffer
 from unitrain.rollout.driver import make_workflow, start_groups
 from unitrain.rollout.groups import make_filter
@@ -185,7 +186,7 @@ class RLTask(Task):
         cfg, tokenizer = self.cfg, run.tokenizer
         self.reward_fn = rewards.make_reward_fn(cfg)
         self.keep = make_filter(cfg.dynamic_sampling_filter)
-        self.sampler = engines.make_sampler(run)
+        self.sampler = make_sampler(run)
         self.timed_pushes = isinstance(self.sampler, TimedSampler)  # push_timings: the parts of a push, logged
         self.workflow = make_workflow(run)
         self.max_completion = self.workflow.max_tokens
@@ -456,10 +457,10 @@ class RLTask(Task):
         shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
         chunks = self.chunks(batch, keys)
         outs = [
-            self.run.programs(self.program_name(name, rows), fn, *args, step_lib.full_rows_to_global(rows, shardings))
+            self.run.programs(self.program_name(name, rows), fn, *args, sharding.full_rows_to_global(rows, shardings))
             for rows, _, _ in chunks
         ]
-        outs = jax.tree.map(step_lib.to_host, outs)
+        outs = jax.tree.map(sharding.to_host, outs)
         outs = [
             o if plan is None else {k: plan.unpack(v, n) for k, v in o.items()} for o, (_, plan, n) in zip(outs, chunks)
         ]
@@ -506,7 +507,7 @@ class RLTask(Task):
     def updates(self, name: str, update_fn, state, batch, shardings):
         """num_iterations passes of update_fn over the rows in mini-batches of the keys of `shardings`,
         one optimizer update each: (state, metrics averaged over the updates)."""
-        chunks = [step_lib.full_rows_to_global(rows, shardings) for rows, _, _ in self.chunks(batch, shardings)]
+        chunks = [sharding.full_rows_to_global(rows, shardings) for rows, _, _ in self.chunks(batch, shardings)]
         collected = []
         for _ in range(self.cfg.num_iterations):
             for mb in chunks:
@@ -534,3 +535,13 @@ class RLTask(Task):
             values = np.concatenate([g.per_reward[name] for g in groups])
             metrics.update({f"reward_{name}_{stat}": getattr(values, stat)() for stat in ("mean", "std", "min", "max")})
         return {k: float(v) for k, v in metrics.items()}
+
+
+@check("over_sampling_batch_size", "rollout_batch_size")
+def _over_sampling(c) -> str | None:
+    if c["over_sampling_batch_size"] == 0 or c["over_sampling_batch_size"] >= c["rollout_batch_size"]:
+        return None
+    return f"over_sampling_batch_size ({c['over_sampling_batch_size']}) must be 0 or at least rollout_batch_size ({c['rollout_batch_size']})"
+
+
+CONFIG_CHECKS = (_over_sampling,)

@@ -23,6 +23,7 @@ from flax import nnx
 
 from unitrain import losses, sharding
 from unitrain import step as step_lib
+from unitrain.config import check
 from unitrain.context import RunContext
 from unitrain.data.preference import MARGIN, PAIR_FIELDS, eval_pair_batches, make_preference_iterator
 from unitrain.models.scalar_head import pool_last
@@ -86,7 +87,7 @@ class RMTask(Task):
     def step(self, state, step):
         batch = next(self.data_iterator)
         truncated = int(batch.pop("num_truncated"))
-        batch = step_lib.local_rows_to_global(batch, self.batch_shardings())
+        batch = sharding.local_rows_to_global(batch, self.batch_shardings())
         state, metrics = self.run.programs("train_step", self.update, state, batch)
         return state, {**metrics, "num_truncated": truncated}
 
@@ -96,7 +97,7 @@ class RMTask(Task):
         if not cfg.eval_dataset_path and cfg.dataset_path != "builtin":
             return []  # files without an eval split: nothing to evaluate on
         batches = eval_pair_batches(cfg, self.run.tokenizer, self.run.layout.global_batch_size, cfg.eval_steps)
-        return [step_lib.full_rows_to_global(b, self.batch_shardings()) for b in batches]
+        return [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
 
     def _eval_sums(self, params, batch):
         loss_sum, (pairs, metrics) = self.loss(params, batch)
@@ -106,3 +107,19 @@ class RMTask(Task):
         if not self.eval_batches:
             return {}
         return eval_means([self.run.programs("rm_eval", self.eval_fn, params, b) for b in self.eval_batches])
+
+
+@check("mode", "rm_margin_key", "rm_center_coef", "dataset_path", "eval_dataset_path", "lora_export_adapters")
+def _reward_model_mode(c) -> str | None:
+    """mode=rm's keys belong to it; its margins are a field of data files; its head trains whole
+    beside the adapters, which a PEFT adapter folder of a causal LM cannot hold."""
+    if c["mode"] != "rm" and (c["rm_margin_key"] or c["rm_center_coef"]):
+        return f"rm_margin_key and rm_center_coef shape mode=rm's loss; mode is {c['mode']}"
+    if c["rm_margin_key"] and "builtin" in (c["dataset_path"], c["eval_dataset_path"]):
+        return "rm_margin_key reads a field of preference data files; the built-in task's pairs have no margin"
+    if c["mode"] == "rm" and c["lora_export_adapters"]:
+        return "lora_export_adapters writes a causal LM's PEFT adapters; mode=rm also trains its score head whole: export the merged model (export_hf_path)"
+    return None
+
+
+CONFIG_CHECKS = (_reward_model_mode,)

@@ -22,10 +22,11 @@ from unitrain import step as step_lib
 from unitrain.data import format_choice
 from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator
 from unitrain.data.sources import split_path
+from unitrain.engines.base import close
+from unitrain.engines.factory import make_sampler
+from unitrain.envs.factory import demonstrations
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
-from unitrain.rollout import engines
-from unitrain.rollout.base import close
 from unitrain.rollout.driver import make_workflow
 from unitrain.tasks.base import RunContext, Task
 
@@ -35,8 +36,9 @@ class SFTTask(Task):
         super().__init__(run)
         cfg = self.cfg
         rows = run.layout.rows_per_update
+        self.demonstration = demonstrations(cfg)
         self.data_iterator = make_sft_iterator(
-            cfg, run.tokenizer, rows, "train", jax.process_index(), jax.process_count()
+            cfg, run.tokenizer, rows, "train", jax.process_index(), jax.process_count(), self.demonstration
         )
         self.tokens_per_step = rows * cfg.max_target_length
         self.update = step_lib.make_train_step(
@@ -52,7 +54,7 @@ class SFTTask(Task):
         self._seen_loss_tokens = False
         eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
         if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
-            self.sampler = sampler = engines.make_sampler(run)
+            self.sampler = sampler = make_sampler(run)
             self.task_eval = format_choice.data_format(cfg).evaluator(cfg, run.tokenizer, sampler)
             if self.task_eval is None:
                 records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
@@ -91,7 +93,7 @@ class SFTTask(Task):
                     f"step {step}: the batch has no completion tokens to train on (check tokenizer_path, "
                     f"{self.cfg.completion_key!r}/{self.cfg.messages_key!r} in {self.cfg.dataset_path})"
                 )
-        batch = step_lib.local_rows_to_global(batch, self.batch_shardings())
+        batch = sharding.local_rows_to_global(batch, self.batch_shardings())
         state, metrics = self.run.programs("train_step", self.update, state, batch)
         return state, {**metrics, "num_truncated": truncated}
 
@@ -110,11 +112,13 @@ class SFTTask(Task):
 
     def _eval_batches(self) -> list:
         cfg, rows = self.cfg, self.run.layout.global_batch_size
-        iterator = make_sft_iterator(cfg, self.run.tokenizer, rows, "eval", jax.process_index(), jax.process_count())
+        iterator = make_sft_iterator(
+            cfg, self.run.tokenizer, rows, "eval", jax.process_index(), jax.process_count(), self.demonstration
+        )
         batches = []
         for batch in itertools.islice(iterator, cfg.eval_steps):  # fewer when the eval data runs out
             batch.pop("num_truncated")
-            batches.append(step_lib.local_rows_to_global(batch, self.batch_shardings()))
+            batches.append(sharding.local_rows_to_global(batch, self.batch_shardings()))
         if not batches:
             raise ConfigError(
                 f"eval_dataset_path ({split_path(cfg, 'eval')}) does not fill one eval batch of "

@@ -19,8 +19,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from unitrain import sharding
+from unitrain.engines.colocated import ColocatedSampler
 from unitrain.errors import ConfigError
-from unitrain.rollout.colocated import ColocatedSampler
 
 log = logging.getLogger("unitrain")
 

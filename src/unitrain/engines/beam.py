@@ -1,5 +1,5 @@
 """Beam search (and W-way sampling) as a decoding strategy of the colocated sampler, optionally
-constrained to a prefix trie of valid sequences (rollout/trie.py: the SIDs of a recommender).
+constrained to a prefix trie of valid sequences (engines/trie.py: the SIDs of a recommender).
 
     ranked = sampler.beam_search(prompt_ids, BeamParams(width=16, max_new_tokens=trie.depth, trie=trie), key)
     ranked.tokens [B, W, N], ranked.scores [B, W]     # per prompt, best first; scores = total logprob
@@ -33,8 +33,8 @@ import numpy as np
 from flax import nnx, struct
 
 from unitrain import sharding
-from unitrain.rollout.base import Completions
-from unitrain.rollout.programs import (
+from unitrain.engines.base import Completions
+from unitrain.engines.programs import (
     PromptBlock,
     argmax,
     compacted,
@@ -44,8 +44,8 @@ from unitrain.rollout.programs import (
     gumbel_noise,
     sharded_cache,
 )
-from unitrain.rollout.trie import Trie
-from unitrain.step import full_rows_to_global, to_host
+from unitrain.engines.trie import Trie
+from unitrain.sharding import full_rows_to_global, to_host
 
 # Stand-in trie of an unconstrained search: one node, no tokens (the program ignores it).
 _NO_TRIE = Trie(np.full((1, 1), -1, np.int32), np.zeros((1, 1), np.int32), 0, 0)

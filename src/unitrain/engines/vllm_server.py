@@ -1,4 +1,4 @@
-"""The vLLM server process of `sampler: vllm` (rollout/vllm.py): started on 127.0.0.1 from the engine's
+"""The vLLM server process of `sampler: vllm` (engines/vllm.py): started on 127.0.0.1 from the engine's
 own interpreter, watched, and ended with everything it started.
 
     server = Server(python, model_path, server_args, log_path)

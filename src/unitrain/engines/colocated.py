@@ -7,7 +7,7 @@ of a left-padded prompt block, then decode in `lax.while_loop`s.
     out.tokens, out.mask, out.logprobs, out.lengths, out.version   # numpy, one row per prompt
 
 Everything from prefill to the last token runs inside one jitted function (no Python loop over
-tokens, no host sync). Shapes are bucketed (rollout/buckets.py) so that a run compiles a bounded
+tokens, no host sync). Shapes are bucketed (engines/buckets.py) so that a run compiles a bounded
 number of times:
 
   - prompt block P: the longest prompt rounded up to a power of two, at least `MIN_PROMPT_BUCKET`;
@@ -61,11 +61,11 @@ import numpy as np
 from flax import nnx, struct
 
 from unitrain import sharding
-from unitrain.models import moe
-from unitrain.rollout import beam
-from unitrain.rollout.base import Completions, SamplingParams
-from unitrain.rollout.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length, row_buckets
-from unitrain.rollout.programs import (
+from unitrain.compile_cache import CompileCache, in_mesh
+from unitrain.engines import beam
+from unitrain.engines.base import Completions, SamplingParams
+from unitrain.engines.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length, row_buckets
+from unitrain.engines.programs import (
     PromptBlock,
     argmax,
     cache_rows,
@@ -77,7 +77,8 @@ from unitrain.rollout.programs import (
     left_padded,
     sharded_cache,
 )
-from unitrain.step import CompileCache, full_rows_to_global, in_mesh, to_host
+from unitrain.models import moe
+from unitrain.sharding import full_rows_to_global, to_host
 
 # ---------------------------------------------------------------------------------------------
 # Sampling from one step's logits
@@ -358,7 +359,7 @@ def _build(key: GenerateKey):
 
 
 class ColocatedSampler:
-    """The sampler interface (rollout/base.py) over parameters that live where training keeps them.
+    """The sampler interface (engines/base.py) over parameters that live where training keeps them.
 
     Under a mesh the parameters must already be sharded; the prompt block is split over the
     logical `batch` axis of `rules`. With several processes every process passes the same prompts
@@ -523,7 +524,7 @@ class ColocatedSampler:
         )
 
     def beam_search(self, prompt_ids: list[list[int]], beams: beam.BeamParams, key: jax.Array) -> beam.Ranked:
-        """The `beams.width` best sequences of each prompt with their total logprobs (rollout/beam.py:
+        """The `beams.width` best sequences of each prompt with their total logprobs (engines/beam.py:
         beam search or W-way sampling, optionally constrained to a trie), from the same bucketed
         prompt block and compile cache as generate."""
         lens = [len(p) for p in prompt_ids]

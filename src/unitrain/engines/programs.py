@@ -15,7 +15,7 @@ import numpy as np
 from flax import struct
 
 from unitrain import sharding
-from unitrain.step import full_rows_to_global
+from unitrain.sharding import full_rows_to_global
 
 FEW_ROWS = 32
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import typing
 
 from unitrain import plugins, registry
-from unitrain.rollout.base import RankingSampler
+from unitrain.config import check
+from unitrain.engines.base import RankingSampler
 
 
 def _factory(cfg):
@@ -38,5 +39,20 @@ def check_ranking(cfg, what: str) -> str | None:
         return None
     return (
         f"{what} ranks with beam search, but sampler {cfg['sampler']} is not declared a RankingSampler "
-        "(beam_search, rollout/base.py; its factory's return annotation); use sampler colocated or mesh"
+        "(beam_search, engines/base.py; its factory's return annotation); use sampler colocated or mesh"
     )
+
+
+@check("sampler", "rollout_devices", "mode", "max_staleness")
+def _rollout_devices(c) -> str | None:
+    """Devices set apart for rollouts serve a sampler that uses them; rollouts serve the RL modes."""
+    if c["sampler"] == "mesh" and not c["rollout_devices"]:
+        return "sampler mesh samples on devices of its own: set rollout_devices (and the rollout_*_parallelism sizes)"
+    if c["sampler"] in ("colocated", "vllm") and c["rollout_devices"]:
+        return f"rollout_devices={c['rollout_devices']} needs a sampler that runs on them: sampler: mesh (or a plugin)"
+    if c["mode"] in ("sft", "dpo", "rm") and (c["rollout_devices"] or c["max_staleness"]):
+        return f"rollout_devices and max_staleness serve RL rollouts; mode={c['mode']} trains on no rollouts"
+    return None
+
+
+CONFIG_CHECKS = (_rollout_devices,)

@@ -19,7 +19,7 @@ here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TP
               died is restarted from the newest exported version (vllm_restarts times) and the
               round's unfinished rows are sent again; otherwise, and when a reload fails, one line
               with the end of the server's log. The server's process group ends with the trainer
-              (close(), or its supervisor: rollout/vllm_server.py).
+              (close(), or its supervisor: engines/vllm_server.py).
 
 Several processes: each exports (a collective), process 0 alone talks to the server and broadcasts.
 """
@@ -46,9 +46,9 @@ import safetensors.numpy
 from jax.experimental import multihost_utils
 
 from unitrain import export
+from unitrain.engines.base import Completions, SamplingParams
+from unitrain.engines.vllm_server import EngineError, Server
 from unitrain.errors import ConfigError
-from unitrain.rollout.base import Completions, SamplingParams
-from unitrain.rollout.vllm_server import EngineError, Server
 
 log = logging.getLogger("unitrain")
 

@@ -3,7 +3,7 @@
     sampler.update_weights(params, version)       # the policy to sample from from now on
     out = sampler.generate(prompt_ids, sampling, key)   # -> Completions
 
-The colocated JAX sampler (rollout/colocated.py) samples with the training parameters themselves;
+The colocated JAX sampler (engines/colocated.py) samples with the training parameters themselves;
 a sampler on its own devices or an external engine (vLLM, SGLang) is one more implementation,
 named in the config as `sampler: pkg.module:factory` with factory(run: RunContext) -> Sampler.
 Nothing downstream depends on where the tokens came from: the trainer recomputes the logprobs it
@@ -53,7 +53,7 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
   timings  Optional (TimedSampler): `push_timings`, {metric: seconds} of the last update_weights' parts (vLLM:
            time_weight_export, time_weight_reload); GRPO logs them beside time_weight_push.
   ranking  A sampler that can rank is a RankingSampler: it also has `beam_search(prompt_ids,
-           beams, key)` (rollout/beam.py: the `beams.width` best sequences of each prompt, or W
+           beams, key)` (engines/beam.py: the `beams.width` best sequences of each prompt, or W
            samples, optionally constrained to a trie; -> beam.Ranked). Ranked rollouts and ranking
            evaluators (a data format's, e.g. the recommender's HR/NDCG) call it. The sampler's
            factory says so in its return annotation (`def from_run(run) -> ColocatedSampler`):
