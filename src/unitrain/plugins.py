@@ -1,6 +1,5 @@
 """One loader for everything a config may name as `pkg.module:symbol`: rewards, dynamic-sampling
-filters, model sources, samplers, modes and data formats; and the checks of the configured data
-format, which config.py (a leaf that imports no implementation) cannot run.
+filters, model sources, samplers, modes, workflows, environments and data formats.
 
 Built-ins keep short names; registry.py keeps each seam's table of them (as "module:symbol" strings,
 imported only when chosen) and config validation reads the same tables.
