@@ -175,7 +175,7 @@ def test_topology_compile_that_does_not_fit_is_one_line_and_exit_2():
 def test_xla_compile_oom_messages_become_one_line(message, need, have, memory):
     """XLA's two compile-time out-of-memory sentences (sizes in binary units) -> needed and available
     bytes; another RESOURCE_EXHAUSTED keeps XLA's first line; any other error is not ours."""
-    from unitrain.step import program_too_big
+    from unitrain.compile_cache import program_too_big
 
     error = str(program_too_big("train_step", message))
     assert "\n" not in error and error.startswith("train_step does not fit the device: it needs ")
