@@ -352,9 +352,10 @@ def test_sft_on_an_environments_demonstrations_trains_on_the_assistant_turns():
     turns (the call and the answer, each with the template's end of turn), not on the question or the
     tool's result."""
     from unitrain.data.sft import make_sft_dataset
+    from unitrain.envs.factory import demonstrations
 
     cfg = make_cfg(mode="sft", env="calculator", chat_template_file=TEMPLATE, max_target_length=128, packing=False)
-    batch = next(iter(make_sft_dataset(cfg, TOK, 4)))
+    batch = next(iter(make_sft_dataset(cfg, TOK, 4, demonstration=demonstrations(cfg))))
     for row in range(4):
         ids, weights = batch["inputs"][row], batch["targets_segmentation"][row] > 0
         targets = batch["targets"][row]
