@@ -13,12 +13,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from helpers import read_events
+from helpers import REPO, read_events
 from unitrain import metrics, sharding
 from unitrain.checks import load_checked
 from unitrain.models import decoder as model
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def read_jsonl(path: Path) -> list[dict]:
