@@ -255,6 +255,39 @@ def grpo_update(cfg, batch_np):
     return float(m["loss"]), jax.device_get(state["params"])
 
 
+# ---------------------------------------------------------------- a scripted environment
+
+
+class ScriptEnv:
+    """Feedback "ok" to every turn; reward 1 and done on "done"; raises on "boom" (and on reset of
+    the prompt "bad"); a tool call is answered by its error count. test_episodes.py's
+    multi-turn episodes and test_vllm.py's name it in configs, `env: helpers:ScriptEnv`."""
+
+    tools = []
+
+    def __init__(self, cfg=None):
+        self.steps = 0
+
+    def reset(self, record):
+        if record["prompt"] == "bad":
+            raise RuntimeError("no such record")
+        return [{"role": "user", "content": record["prompt"]}]
+
+    def step(self, turn):
+        from unitrain.envs.base import StepResult
+
+        self.steps += 1
+        if "boom" in turn.content:
+            raise RuntimeError("boom")
+        if turn.tool_calls or turn.tool_call_errors:
+            return StepResult([{"role": "tool", "content": f"errors={len(turn.tool_call_errors)}"}])
+        if "tuple" in turn.content:
+            return [], 0.0, False
+        if "done" in turn.content:
+            return StepResult([], reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "ok"}], reward=0.25)
+
+
 # ---------------------------------------------------------------- tiny models
 
 
