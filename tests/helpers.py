@@ -51,6 +51,7 @@ RL_FAST = [
     "peak_flops_per_device=1e12",  # not measured at start-up (tens of seconds on a loaded CPU)
 ]
 GRPO_FAST = ["mode=grpo", *RL_FAST]
+PPO_FAST = ["mode=ppo", *RL_FAST]
 # A 4-expert Qwen3-MoE in place of the default model's dense MLP.
 TINY_MOE = ["model_family=qwen3_moe", "qk_norm=true", "num_experts=4", "num_experts_per_tok=2", "moe_mlp_dim=32"]
 
