@@ -1,5 +1,5 @@
 """metrics.py: jsonl + TensorBoard writing, rank-0 gating, resume, progress line, FLOPs, peak, profiler
-(tools/plot_metrics.py: tests/test_plot_metrics.py)."""
+(tools/plot_metrics.py: tests/tools/test_plot_metrics.py)."""
 
 import json
 import math
