@@ -51,6 +51,7 @@ RL_FAST = [
     "peak_flops_per_device=1e12",  # not measured at start-up (tens of seconds on a loaded CPU)
 ]
 GRPO_FAST = ["mode=grpo", *RL_FAST]
+PPO_FAST = ["mode=ppo", *RL_FAST]
 # A 4-expert Qwen3-MoE in place of the default model's dense MLP.
 TINY_MOE = ["model_family=qwen3_moe", "qk_norm=true", "num_experts=4", "num_experts_per_tok=2", "moe_mlp_dim=32"]
 
@@ -253,6 +254,39 @@ def grpo_update(cfg, batch_np):
     batch = {k: jax.device_put(v, shardings[k]) for k, v in batch_np.items()}
     state, m = built.programs("grpo_update", task.update_fn, state, batch)
     return float(m["loss"]), jax.device_get(state["params"])
+
+
+# ---------------------------------------------------------------- a scripted environment
+
+
+class ScriptEnv:
+    """Feedback "ok" to every turn; reward 1 and done on "done"; raises on "boom" (and on reset of
+    the prompt "bad"); a tool call is answered by its error count. test_episodes.py's
+    multi-turn episodes and test_vllm.py's name it in configs, `env: helpers:ScriptEnv`."""
+
+    tools = []
+
+    def __init__(self, cfg=None):
+        self.steps = 0
+
+    def reset(self, record):
+        if record["prompt"] == "bad":
+            raise RuntimeError("no such record")
+        return [{"role": "user", "content": record["prompt"]}]
+
+    def step(self, turn):
+        from unitrain.envs.base import StepResult
+
+        self.steps += 1
+        if "boom" in turn.content:
+            raise RuntimeError("boom")
+        if turn.tool_calls or turn.tool_call_errors:
+            return StepResult([{"role": "tool", "content": f"errors={len(turn.tool_call_errors)}"}])
+        if "tuple" in turn.content:
+            return [], 0.0, False
+        if "done" in turn.content:
+            return StepResult([], reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "ok"}], reward=0.25)
 
 
 # ---------------------------------------------------------------- tiny models

@@ -11,17 +11,17 @@ import os
 import pickle
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers import REPO
 from unitrain import pipeline, sharding
 from unitrain.checks import _Declared, check_config, load_checked, owner_checks
 from unitrain.config import MODEL_KEYS, Check, Config, write_config
 from unitrain.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = REPO / "configs"
 BASE = str(CONFIGS / "base.yml")
 MODELS = sorted(p.stem for p in (CONFIGS / "models").glob("*.yml"))
 

@@ -122,7 +122,7 @@ def test_importing_config_loads_no_jax_and_only_its_leaves():
 def test_no_test_file_imports_another():
     """A test file takes shared builders from helpers.py (or conftest.py's fixtures), never from another
     test file: importing one would also run its module-level set-up and tie the two files' edits."""
-    tests = {path.stem: path for path in (REPO / "tests").glob("test_*.py")}
+    tests = {path.stem: path for path in (REPO / "tests").rglob("test_*.py")}
     found = {
         f"{name} imports {imported}" for name, path in tests.items() for imported in imported_names(name, path, tests)
     }

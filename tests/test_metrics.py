@@ -1,5 +1,5 @@
 """metrics.py: jsonl + TensorBoard writing, rank-0 gating, resume, progress line, FLOPs, peak, profiler
-(tools/plot_metrics.py: tests/test_plot_metrics.py)."""
+(tools/plot_metrics.py: tests/tools/test_plot_metrics.py)."""
 
 import json
 import math
@@ -13,12 +13,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from helpers import read_events
+from helpers import REPO, read_events
 from unitrain import metrics, sharding
 from unitrain.checks import load_checked
 from unitrain.models import decoder as model
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def read_jsonl(path: Path) -> list[dict]:

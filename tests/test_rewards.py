@@ -5,17 +5,16 @@ import json
 import math
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers import REPO
 from unitrain.checks import load_checked
 from unitrain.errors import ConfigError, UserError
 from unitrain.rewards import RewardError, final_answer, make_reward_fn, overlong_penalty
 
-REPO = Path(__file__).resolve().parents[1]
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl"
+GSM8K_TEST = REPO.parent / "shared/data/gsm8k/test.jsonl"
 
 
 def rewards(*overrides):

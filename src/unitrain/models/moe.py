@@ -125,7 +125,7 @@ def expert_parallel(x, experts, weights, w_gate, w_up, w_down, rules) -> jax.Arr
     up = P(ep, None, mlp or None)
     down = P(ep, mlp or None, None)
     # check_vma off: with it, JAX 0.10 gets the tokens' gradient wrong where an expert axis does not
-    # split the tokens (EP over tensor); tests/test_moe_sharding.py compares every layout's gradients.
+    # split the tokens (EP over tensor); tests/models/test_moe_sharding.py compares every layout's gradients.
     run = jax.shard_map(local, in_specs=(tokens, tokens, tokens, up, up, down), out_specs=tokens, check_vma=False)
     return run(x, experts, weights, w_gate, w_up, w_down)
 

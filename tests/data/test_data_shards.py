@@ -2,12 +2,12 @@
 process count (unitrain.data.shards)."""
 
 import json
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import REPO
 from unitrain import checkpoint
 from unitrain.checks import load_checked
 from unitrain.data import sft
@@ -17,14 +17,13 @@ from unitrain.data.shards import local_shards, merge_states
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 TOK = load_tokenizer("")
 ROWS = 8  # global rows per step
 FIELDS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
 
 
 def make_cfg(**overrides):
-    return load_checked([str(ROOT / "configs/base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
+    return load_checked([str(REPO / "configs/base.yml"), *(f"{k}={v}" for k, v in overrides.items())])
 
 
 def qa_rows(n):

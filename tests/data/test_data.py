@@ -2,18 +2,17 @@
 file formats, error messages and the three tokenizer sources."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import make_cfg, write_jsonl
+from helpers import REPO, make_cfg, write_jsonl
 from unitrain.data.builtin import builtin_problem, problem_split
 from unitrain.data.sft import BATCH_FIELDS, make_sft_iterator
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = REPO.parent / "shared" / "data"
 TOK = load_tokenizer("")  # built-in character tokenizer: <pad>=0, <bos>, <eos>
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import REPO
 from unitrain import metrics, reward_model, sharding
 from unitrain.checks import load_checked
 from unitrain.engines.factory import make_sampler
@@ -22,7 +23,6 @@ from unitrain.models import decoder
 from unitrain.models.scalar_head import build_scalar_model
 from unitrain.run import build_run
 
-REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = ["model_name=tiny", "per_device_batch_size=2", "max_target_length=32", "matmul_peak_size=128"]
 
 

@@ -9,7 +9,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from helpers import REPO, RL_FAST, sigterm_after_step
+from helpers import PPO_FAST as FAST
+from helpers import REPO, sigterm_after_step
 from unitrain import losses, modes, run, train
 from unitrain.checks import load_checked
 
@@ -199,8 +200,6 @@ def test_explained_variance_as_verl():
 
 
 # ---------------------------------------------------------------- the PPO task
-
-FAST = ["mode=ppo", *RL_FAST]
 
 
 def config(tmp_path, *overrides):

@@ -3,17 +3,16 @@ order, shards, checkpoints, over-long prompts and the fixed eval prompts."""
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
-from helpers import make_cfg, write_jsonl
+from helpers import REPO, make_cfg, write_jsonl
 from unitrain.data.builtin import builtin_problem, problem_split
 from unitrain.data.prompts import Prompt, eval_prompts, make_prompt_iterator
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
 
-GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"
+GSM8K_TRAIN = REPO.parent / "shared/data/gsm8k/train.jsonl"
 TOK = load_tokenizer("")  # built-in character tokenizer: <pad>=0, <bos>, <eos>
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench import long_tailed_groups
-from helpers import REPO
+from helpers import REPO, RL_FAST
 from unitrain import modes, run
 from unitrain.checks import load_checked
 from unitrain.data.rl_packing import first_fit_decreasing
@@ -18,22 +18,17 @@ from unitrain.data.rl_packing import first_fit_decreasing
 # sums round differently; relative 1e-4 (of the largest parameter change, for the update) bounds that.
 RTOL, ATOL = 1e-4, 1e-5
 
+# The RL modes' fast run (helpers.RL_FAST), its later keys in place of its own: longer completions,
+# so that rows differ in length and pack, and a constant step from the first.
 FAST = [
-    "per_device_batch_size=2",
-    "rollout_batch_size=4",
-    "n_samples_per_prompt=4",
+    *RL_FAST,
     "rollout_max_response_len=32",
-    "max_prompt_length=16",
-    "eval_interval=0",
-    "log_period=1",
-    "builtin_task_digits=1",
     "rollout_temperature=1.0",
     "lr_schedule=constant",
     # adam_eps >> |gradient|: the first update is about learning_rate * gradient, so it shows any
     # difference in the gradient instead of Adam's sign.
     "adam_eps=1.0",
     "learning_rate=1.0",
-    "warmup_steps=0",
 ]
 
 

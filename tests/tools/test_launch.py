@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 sys.path.insert(0, str(REPO / "tools" / "launch"))
 
 from local import child_env, exit_code, launch  # noqa: E402

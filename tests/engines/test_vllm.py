@@ -158,13 +158,14 @@ def test_each_row_has_its_own_seed_drawn_from_the_key(served):
 
 @needs_vllm
 def test_multi_turn_episodes_sample_through_the_same_calls(served, ckpt):
-    """Episodes of three turns on the server (test_episodes' scripted environment): the sampled
-    tokens' logprobs equal transformers' forward over the whole trajectory, tool and user turns between."""
+    """Episodes of three turns on the server (helpers.ScriptEnv, test_episodes' scripted environment):
+    the sampled tokens' logprobs equal transformers' forward over the whole trajectory, tool and user
+    turns between."""
     run, _, sampler = served
     cfg = make_cfg(
         mode="grpo",
         workflow="multi_turn",
-        env="test_episodes:ScriptEnv",
+        env="helpers:ScriptEnv",
         tokenizer_path=ckpt,
         max_turns=3,
         rollout_max_response_len=6,

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import REPO, make_cfg
+from helpers import REPO, ScriptEnv, make_cfg
 from unitrain import train
 from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.engines.base import Completions, SamplingParams
 from unitrain.engines.buckets import bucket_prompt_length
 from unitrain.engines.factory import make_sampler
-from unitrain.envs.base import StepResult
 from unitrain.errors import ConfigError
 from unitrain.rollout.driver import _group, run_groups
 from unitrain.rollout.multi_turn import MultiTurn
@@ -26,33 +25,6 @@ from unitrain.rollout.workflow import Generate, Sampled, Trajectory, Transcript,
 TEMPLATE = str(REPO / "configs" / "templates" / "tiny_chat.jinja")
 TOK = load_tokenizer("", chat_template_file=TEMPLATE)
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
-
-
-class ScriptEnv:
-    """Feedback "ok" to every turn; reward 1 and done on "done"; raises on "boom" (and on reset of
-    the prompt "bad"); a tool call is answered by its error count."""
-
-    tools = []
-
-    def __init__(self, cfg=None):
-        self.steps = 0
-
-    def reset(self, record):
-        if record["prompt"] == "bad":
-            raise RuntimeError("no such record")
-        return [{"role": "user", "content": record["prompt"]}]
-
-    def step(self, turn):
-        self.steps += 1
-        if "boom" in turn.content:
-            raise RuntimeError("boom")
-        if turn.tool_calls or turn.tool_call_errors:
-            return StepResult([{"role": "tool", "content": f"errors={len(turn.tool_call_errors)}"}])
-        if "tuple" in turn.content:
-            return [], 0.0, False
-        if "done" in turn.content:
-            return StepResult([], reward=1.0, done=True)
-        return StepResult([{"role": "user", "content": "ok"}], reward=0.25)
 
 
 class ScriptedSampler:
@@ -88,7 +60,7 @@ def workflow(**overrides):
         mode="grpo",
         workflow="multi_turn",
         chat_template_file=TEMPLATE,
-        **{"env": "test_episodes:ScriptEnv", "max_turns": 4, "episode_max_tokens": 256, "rollout_max_response_len": 128}
+        **{"env": "helpers:ScriptEnv", "max_turns": 4, "episode_max_tokens": 256, "rollout_max_response_len": 128}
         | overrides,
     )
     return MultiTurn(types.SimpleNamespace(cfg=cfg, tokenizer=TOK))
@@ -269,7 +241,7 @@ def test_sampler_logprobs_of_a_multi_turn_episode_equal_a_full_forward():
         mode="grpo",
         model_name="tiny",
         workflow="multi_turn",
-        env="test_episodes:ScriptEnv",
+        env="helpers:ScriptEnv",
         chat_template_file=TEMPLATE,
         max_turns=3,
         rollout_max_response_len=6,
