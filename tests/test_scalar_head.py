@@ -199,8 +199,9 @@ def test_tunix_causal_lm_start_drops_its_lm_head(tiny_checkpoint, tmp_path):
 
 
 def test_a_plugin_source_builds_the_backbone_of_a_reward_model_from_an_hf_classifier(tiny_checkpoint):
-    import plugin_model_source
     from safetensors.numpy import load_file
+
+    import plugin_model_source
 
     path = classifier(tiny_checkpoint, "qwen3")
     plugin_model_source.BUILT.clear()
