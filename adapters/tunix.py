@@ -697,7 +697,7 @@ def source(cfg, mesh, output_head: bool = True) -> TunixModel:
     if not path or not (Path(path) / "config.json").is_file():
         raise ConfigError(
             f"model_source tunix loads an HF checkpoint directory (config.json + safetensors); "
-            f"load_parameters_path is '{path}'"
+            f"load_parameters_path is '{path}'" + ("" if path else " (it initialises no model at random)")
         )
     return load(
         path,
