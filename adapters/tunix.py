@@ -625,6 +625,11 @@ def load(
     if max_replicated_param_mib is not None:
         sharding.check_not_replicated(logical, mesh, rules, max_replicated_param_mib)
     hf_tensors = _tensor_shapes(path)
+    if not hf.tie_word_embeddings and "lm_head.weight" not in dict(hf_tensors):
+        raise ConfigError(
+            f"{path}: untied embeddings and no lm_head.weight (an untied classifier has no lm_head.weight), "
+            "which Tunix's loader requires; use model_source unitrain"
+        )
     net = family.loader.create_model_from_safe_tensors(str(path), config, mesh=mesh, dtype=jnp.dtype(weight_dtype))
     if not output_head and "lm_head" in vars(net):
         net.lm_head = _PassThrough()
@@ -685,13 +690,14 @@ def _with_logical_axes(net: nnx.Module, logical, shardings) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
 
 
-def source(cfg, mesh) -> TunixModel:
-    """`model_source: tunix`: the HF checkpoint at load_parameters_path through Tunix's model library."""
+def source(cfg, mesh, output_head: bool = True) -> TunixModel:
+    """`model_source: tunix`: the HF checkpoint at load_parameters_path through Tunix's model library;
+    without `output_head`, a scalar head's backbone (load's output_head; its vocabulary the checkpoint's)."""
     path = cfg.load_parameters_path
     if not path or not (Path(path) / "config.json").is_file():
         raise ConfigError(
             f"model_source tunix loads an HF checkpoint directory (config.json + safetensors); "
-            f"load_parameters_path is '{path}'"
+            f"load_parameters_path is '{path}'" + ("" if path else " (it initialises no model at random)")
         )
     return load(
         path,
@@ -702,5 +708,6 @@ def source(cfg, mesh) -> TunixModel:
         max_replicated_param_mib=cfg.max_replicated_param_mib,
         weight_dtype=cfg.weight_dtype,
         remat_policy=cfg.remat_policy,
-        vocab_size=cfg.vocab_size if cfg.extra_tokens else 0,
+        vocab_size=cfg.vocab_size if cfg.extra_tokens and output_head else 0,
+        output_head=output_head,
     )

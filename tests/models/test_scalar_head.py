@@ -193,3 +193,19 @@ def test_tunix_causal_lm_start_drops_its_lm_head(tiny_checkpoint, tmp_path):
     )
     with pytest.raises(ConfigError, match="untied classifier has no lm_head.weight"):  # Tunix's loader needs it
         build(tmp_path / "out", model_source="tunix")
+
+
+# ---------------------------------------------------------------- a plugin model source
+
+
+def test_a_plugin_source_builds_the_backbone_of_a_reward_model_from_an_hf_classifier(tiny_checkpoint):
+    from safetensors.numpy import load_file
+
+    import plugin_model_source
+
+    path = classifier(tiny_checkpoint, "qwen3")
+    plugin_model_source.BUILT.clear()
+    model = build(path, require_classifier=True, model_source="plugin_model_source:source")
+    assert plugin_model_source.BUILT == [False] and "lm_head" not in vars(model.backbone)  # built headless
+    score = load_file(str(path / "model.safetensors"))["score.weight"]  # the head: the classifier's
+    np.testing.assert_array_equal(np.asarray(model.score[...]), score.T)

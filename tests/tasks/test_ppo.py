@@ -307,6 +307,7 @@ def test_a_ppo_run_raises_the_reward(tmp_path):
         (["mode=grpo", "critic_path=/tmp/x"], "critic_path"),
         (["rollout_decoding=beam"], "rollout_decoding=beam"),
         (["workflow=multi_turn", "env=calculator", "turn_discount=0.5"], "turn_discount"),
+        (["advantage_estimator=rloo"], "ppo estimates advantages by GAE"),
     ],
 )
 def test_bad_ppo_keys_stop_with_one_line(tmp_path, capsys, overrides, named):

@@ -2,18 +2,18 @@
 [E, num_labels] without bias, a value per position (HF's `*ForSequenceClassification`, whose
 `score.weight` is this matrix transposed). The critic reads every position; a reward model pools the
 last real token (`pool_last`, as transformers pools). The backbone is any model of models/base.py
-built without its LM head (our decoder with `output_head=False`, a Tunix model headless), so
-nothing unused is held, decayed or sought in a classifier checkpoint.
+that the model source builds without its LM head (`sources.build(cfg, mesh, output_head=False)`,
+the same call for our decoder, Tunix's models and a plugin), so nothing unused is held, decayed or
+sought in a classifier checkpoint.
 
 `build_scalar_model` places one on the mesh from an HF classifier, a unitrain checkpoint of one, a
 causal LM (HF or unitrain: its backbone, a fresh head, which is how a reward model or a critic
-starts from a policy) or the config's model keys (random init); `save_hf` writes the classifier
-that transformers reloads.
+starts from a policy) or the config's model keys (random init); the source reads the backbone, this
+module the head. `save_hf` writes the classifier that transformers reloads.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from unitrain import checkpoint, sharding
 from unitrain.adapters import hf, hf_config
 from unitrain.errors import CheckpointError, ConfigError
-from unitrain.models import decoder, sources
+from unitrain.models import sources
 
 log = logging.getLogger("unitrain")
 
@@ -106,68 +106,79 @@ def pool_last(values, mask):
 def build_scalar_model(
     cfg, mesh, path: str, num_labels: int = 1, *, require_classifier: bool = False
 ) -> ScalarHeadModel:
-    """A scalar-head model of `num_labels` outputs on `mesh`, its backbone from cfg.model_source:
+    """A scalar-head model of `num_labels` outputs on `mesh` over the backbone that cfg.model_source
+    builds without its LM head (sources.build(..., output_head=False)) from `path`:
 
     path an HF *ForSequenceClassification folder   backbone and score from it (num_labels must match)
     path an HF causal LM folder                     its backbone, a fresh score (logged); refused
                                                     with `require_classifier` (a reward model to
                                                     score with must have been trained as one)
-    path a unitrain checkpoint                      a scalar-head model's parameters, or a causal
-                                                    LM's backbone with a fresh score, as above
-    path ""                                         random init from the config's model keys
+    path a unitrain checkpoint of a scalar-head     its parameters, read whole into the model the
+      model (it holds a `score`)                    source builds at random (load_parameters_path "")
+    path "" or anything else                        what the source builds from it as its
+                                                    load_parameters_path (our decoder: random init,
+                                                    a unitrain causal LM's backbone), a fresh score;
+                                                    refused with `require_classifier`
 
-    The architecture is the checkpoint's (config.json or the run's config.yml); where `path` is
-    cfg.load_parameters_path the config loader has already made the config's keys equal it. The
-    execution choices (dtype, remat, attention, sharding rules) are the config's."""
+    The architecture is the checkpoint's (config.json or the run's config.yml): the source gets the
+    config with load_parameters_path = `path`, its architecture keys taken as the config loader takes
+    them. The execution choices (dtype, remat, attention, sharding rules) are the config's."""
     rules = sharding.rules_from_config(cfg.logical_axis_rules)
     is_hf = bool(path) and os.path.isfile(os.path.join(path, "config.json"))
     classifier = is_hf and _hf_classifier(path, num_labels, require_classifier, cfg.trust_remote_code)
-    if cfg.model_source == "tunix":
-        return _tunix_scalar_model(cfg, mesh, path, num_labels, classifier, rules)
-    if cfg.model_source != "unitrain":
-        return _source_scalar_model(cfg, mesh, path, num_labels, classifier, rules)
-    model_cfg = _backbone_config(cfg, path)
-    if is_hf:
-        unused = () if classifier else ("lm_head.weight",)  # a causal LM's head: not part of the backbone
-        backbone = hf.load(path, mesh=mesh, model_cfg=model_cfg, other_tensors=(SCORE_TENSOR, *unused))
-        model = _placed(_with_head(backbone, model_cfg, num_labels, cfg.seed, _pad_id(path, cfg)), mesh, rules)
-        if classifier:
-            return _with_hf_score(model, path, mesh, rules)
-        log.info("%s is a causal LM: its backbone under a freshly initialised score head", path)
-        return model
-    model = sharding.init_sharded(
-        lambda: _with_head(decoder.create(model_cfg, cfg.seed, hf.save), model_cfg, num_labels, cfg.seed), mesh, rules
-    )
-    return _with_unitrain_params(model, path, require_classifier, model_cfg, mesh, rules) if path else model
-
-
-def _backbone_config(cfg, path: str) -> decoder.ModelConfig:
-    """The decoder's ModelConfig without an output head: the config's keys, the architecture of
-    `path` where it is not load_parameters_path (whose keys the config already took)."""
-    model_cfg = decoder.ModelConfig.from_config(cfg, sharding.target_platform(), output_head=False)
-    if path and path != cfg.load_parameters_path:
-        from unitrain.config import checkpoint_architecture  # config imports no JAX; only this path needs it
-
-        found = checkpoint_architecture(path, cfg)
-        model_cfg = dataclasses.replace(model_cfg, **found[0]) if found else model_cfg
-    return model_cfg
-
-
-def _with_head(backbone, model_cfg, num_labels: int, seed: int, pad_token_id: int | None = None) -> ScalarHeadModel:
-    return ScalarHeadModel(
+    restored = bool(path) and not is_hf and _holds_scalar_model(path, require_classifier)
+    if path and not is_hf and require_classifier and not restored:
+        raise CheckpointError(f"{path}: the checkpoint has no '{SCORE}' parameter; it is not a reward model")
+    source_cfg = cfg if path == cfg.load_parameters_path else cfg.replace(load_parameters_path=path)
+    if restored:
+        source_cfg = source_cfg.replace(load_parameters_path="")
+    backbone = sources.build(source_cfg, mesh, output_head=False)
+    model = ScalarHeadModel(
         backbone,
-        model_cfg.emb_dim,
+        _hidden_size(backbone, source_cfg.emb_dim),
         num_labels,
-        weight_dtype=model_cfg.weight_dtype,
-        dtype=model_cfg.dtype,
-        rngs=nnx.Rngs(params=seed + 1),  # not the backbone's draws
-        pad_token_id=pad_token_id,
+        weight_dtype=cfg.weight_dtype,
+        dtype=cfg.dtype,
+        rngs=nnx.Rngs(params=cfg.seed + 1),  # not the backbone's draws
+        pad_token_id=_pad_id(path, cfg) if is_hf else None,
     )
+    model = _placed(model, mesh, rules)
+    if classifier:
+        return _with_hf_score(model, path, mesh, rules)
+    if restored:
+        return _with_unitrain_params(model, path)
+    if path:
+        log.info("%s: its backbone (model_source %s) under a freshly initialised score head", path, cfg.model_source)
+    return model
+
+
+def _holds_scalar_model(path: str, require_classifier: bool) -> bool:
+    """Whether `path` is a unitrain checkpoint of a scalar-head model. A path that is no unitrain
+    checkpoint is the model source's to read (or refuse), except where a reward model is required."""
+    try:
+        return SCORE in checkpoint.stored_params(path)
+    except CheckpointError:
+        if require_classifier:
+            raise
+        return False
+
+
+def _hidden_size(backbone, default: int) -> int:
+    """The width E of the backbone's hidden states: the size of its parameters' `embed` axis (the
+    logical names of every model's param_axes, base.py), else `default` (the config's emb_dim)."""
+    axes, _ = jax.tree_util.tree_flatten_with_path(backbone.param_axes(), is_leaf=lambda x: isinstance(x, tuple))
+    params, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(backbone, nnx.Param)))
+    shapes = {jax.tree_util.keystr(k): np.shape(v) for k, v in params}
+    sizes = set()
+    for key, names in axes:
+        shape = shapes.get(jax.tree_util.keystr(key), ())
+        sizes |= {n for n, name in zip(shape, names) if name == "embed"}
+    return sizes.pop() if len(sizes) == 1 else default
 
 
 def _placed(model, mesh, rules):
-    """`model` with every parameter in the sharding its logical axes give (the loaded backbone's
-    already are: only the new head moves)."""
+    """`model` with every parameter in the sharding its logical axes give (the backbone's already
+    are: only the new head moves)."""
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules)))
 
@@ -202,85 +213,8 @@ def _with_hf_score(model: ScalarHeadModel, path: str, mesh, rules) -> ScalarHead
     return model
 
 
-def _with_unitrain_params(
-    model: ScalarHeadModel, path: str, require_classifier: bool, model_cfg, mesh, rules
-) -> ScalarHeadModel:
-    """The parameters of the unitrain checkpoint at `path`: a scalar-head model's all, or a causal
-    LM's backbone under the fresh head (the LM read as it was saved, its output head then dropped)."""
+def _with_unitrain_params(model: ScalarHeadModel, path: str) -> ScalarHeadModel:
+    """`model` with all the parameters of the unitrain checkpoint of a scalar-head model at `path`."""
     graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    if SCORE in checkpoint.stored_params(path):
-        params = checkpoint.load_params(path, params)
-    elif require_classifier:
-        raise CheckpointError(f"{path}: the checkpoint has no '{SCORE}' parameter; it is not a reward model")
-    else:
-        causal = nnx.state(nnx.eval_shape(lambda: decoder.create(dataclasses.replace(model_cfg, output_head=True))))
-        like = jax.tree.map(
-            lambda var, s: jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=s),
-            nnx.to_pure_dict(causal),
-            nnx.to_pure_dict(sharding.state_shardings(causal, mesh, rules)),
-        )
-        lm = checkpoint.load_params(path, like)
-        params = {**params, "backbone": {k: v for k, v in lm.items() if k in params["backbone"]}}
-        log.info("%s holds a causal LM: its backbone under a freshly initialised score head", path)
-    nnx.replace_by_pure_dict(state, params)
+    nnx.replace_by_pure_dict(state, checkpoint.load_params(path, nnx.to_pure_dict(state)))
     return nnx.merge(graphdef, state)
-
-
-def _source_scalar_model(cfg, mesh, path: str, num_labels: int, classifier: bool, rules) -> ScalarHeadModel:
-    """A fresh head over the headless model that a plugin model source builds from `path`
-    (its fn(cfg, mesh, output_head=False); models.build)."""
-
-    if classifier:
-        raise ConfigError(
-            f"{path} is an HF classifier, whose score head model_source unitrain or tunix reads; "
-            f"model_source {cfg.model_source} builds its scalar models with a fresh head"
-        )
-    backbone = sources.build(cfg.replace(load_parameters_path=path), mesh, output_head=False)
-    log.info("model_source %s: its headless model under a freshly initialised score head", cfg.model_source)
-    model = ScalarHeadModel(
-        backbone,
-        cfg.emb_dim,
-        num_labels,
-        weight_dtype=cfg.weight_dtype,
-        dtype=cfg.dtype,
-        rngs=nnx.Rngs(params=cfg.seed + 1),
-    )
-    return _placed(model, mesh, rules)
-
-
-def _tunix_scalar_model(cfg, mesh, path: str, num_labels: int, classifier: bool, rules) -> ScalarHeadModel:
-    """The head over a headless Tunix model of the HF folder at `path`."""
-    from unitrain.adapters import tunix
-
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model_source tunix loads an HF checkpoint directory; the scalar model's path is '{path}'")
-    if classifier and not hf_config.read_hf_config(path, cfg.trust_remote_code).tie_word_embeddings:
-        raise ConfigError(
-            f"{path}: an untied classifier has no lm_head.weight, which Tunix's loader requires; use model_source unitrain"
-        )
-    backbone = tunix.load(
-        path,
-        cfg.dtype,
-        mesh,
-        rules=rules,
-        trust_remote_code=cfg.trust_remote_code,
-        max_replicated_param_mib=cfg.max_replicated_param_mib,
-        weight_dtype=cfg.weight_dtype,
-        remat_policy=cfg.remat_policy,
-        output_head=False,
-    )
-    model = ScalarHeadModel(
-        backbone,
-        backbone.dims.emb,
-        num_labels,
-        weight_dtype=backbone.weight_dtype,
-        dtype=backbone.dtype,
-        rngs=nnx.Rngs(params=cfg.seed + 1),
-        pad_token_id=_pad_id(path, cfg),
-    )
-    model = _placed(model, mesh, rules)
-    if classifier:
-        return _with_hf_score(model, path, mesh, rules)
-    log.info("%s is a causal LM: its backbone under a freshly initialised score head", path)
-    return model

@@ -1,13 +1,16 @@
 """The model source of `model_source: unitrain`: our decoder (decoder.py) built from the config for
 the platform the programs are built for, its parameters placed in their shardings: randomly
-initialised, read from an HF checkpoint (adapters.hf) or from a unitrain checkpoint.
+initialised, read from an HF checkpoint (adapters.hf) or from a unitrain checkpoint; with or
+without its LM head (sources.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
+import jax
 from flax import nnx
 
 from unitrain import checkpoint, sharding
@@ -17,12 +20,17 @@ from unitrain.models.attention import attention_kernel
 
 log = logging.getLogger("unitrain")
 
+# An HF checkpoint's output heads, a causal LM's and a classifier's: tensors a headless decoder does
+# not hold, and no error in the folder it is read from (a scalar head reads the classifier's score).
+HEAD_TENSORS = ("lm_head.weight", "score.weight")
 
-def source(cfg, mesh) -> decoder.Decoder:
+
+def source(cfg, mesh, output_head: bool = True) -> decoder.Decoder:
     """The decoder of the config with its parameters placed in their shardings: random init, HF
-    weights, or the parameters of a unitrain checkpoint (`load_parameters_path`)."""
+    weights, or the parameters of a unitrain checkpoint (`load_parameters_path`). Without
+    `output_head`, a scalar head's backbone: no LM head, that of the checkpoint (HF or unitrain) not read."""
     platform = sharding.target_platform()
-    model_cfg = decoder.ModelConfig.from_config(cfg, platform)
+    model_cfg = decoder.ModelConfig.from_config(cfg, platform, output_head=output_head)
     kernel = attention_kernel(model_cfg.attention, platform, model_cfg.dtype)
     log.info("attention: %s%s", kernel, f" (auto on {platform})" if model_cfg.attention == "auto" else "")
     rules = model_cfg.logical_axis_rules
@@ -32,9 +40,28 @@ def source(cfg, mesh) -> decoder.Decoder:
     )
     path = cfg.load_parameters_path
     if path and os.path.isfile(os.path.join(path, "config.json")):
-        return hf.load(path, mesh=mesh, model_cfg=model_cfg)
+        return hf.load(path, mesh=mesh, model_cfg=model_cfg, other_tensors=() if output_head else HEAD_TENSORS)
     model = sharding.init_sharded(lambda: decoder.create(model_cfg, cfg.seed, hf.save), mesh, rules)
-    if path:
+    if path and output_head:
         graphdef, params = nnx.split(model)
         model = nnx.merge(graphdef, checkpoint.load_params(path, nnx.to_pure_dict(params)))
+    elif path:
+        model = _backbone_of_causal_lm(model, path, model_cfg, mesh)
     return model
+
+
+def _backbone_of_causal_lm(model: decoder.Decoder, path: str, model_cfg, mesh) -> decoder.Decoder:
+    """The headless `model` with the parameters of the causal LM in the unitrain checkpoint at
+    `path`: the LM read as it was saved, its output head then dropped."""
+    rules = model_cfg.logical_axis_rules
+    causal = nnx.state(nnx.eval_shape(lambda: decoder.create(dataclasses.replace(model_cfg, output_head=True))))
+    like = jax.tree.map(
+        lambda var, s: jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=s),
+        nnx.to_pure_dict(causal),
+        nnx.to_pure_dict(sharding.state_shardings(causal, mesh, rules)),
+    )
+    lm = checkpoint.load_params(path, like)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(state, {k: v for k, v in lm.items() if k in params})
+    return nnx.merge(graphdef, state)

@@ -1,12 +1,15 @@
 """Who builds the model: `model_source` (registry.MODEL_SOURCES) picks a model source. Beside the
 sources, which do not import it.
 
-
 unitrain   our decoder (source.py): random init, HF safetensors or a unitrain checkpoint
 tunix      Tunix's model library (unitrain.adapters.tunix; the `tunix` extra): HF checkpoints
-pkg.module:fn   any fn(cfg, mesh) -> Model; with an `output_head` parameter, fn(cfg, mesh,
-                output_head=False) builds it without its LM head, under which a scalar head
-                (models/scalar_head.py) makes it a critic or a reward model
+pkg.module:fn   any fn(cfg, mesh) -> Model
+
+A source is fn(cfg, mesh, output_head=True) -> Model, the model of cfg.load_parameters_path with
+its parameters placed. The built-ins take `output_head`, and so may a plugin: fn(cfg, mesh,
+output_head=False) builds the model without its LM head (an HF folder's head tensors, a causal LM's
+or a classifier's score, left unread), under which a scalar head (models/scalar_head.py, which
+reads or initialises the head) makes it a critic or a reward model.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def build(cfg, mesh, output_head: bool = True):
     if "output_head" not in inspect.signature(source).parameters:
         raise ConfigError(
             f"model_source {cfg.model_source} takes no output_head, so it builds no headless model for a "
-            "critic or a reward model; give its fn an output_head parameter (models/__init__.py)"
+            "critic or a reward model; give its fn an output_head parameter (models/sources.py)"
         )
     return source(cfg, mesh, output_head=False)
 

@@ -157,4 +157,15 @@ def _ppo(c) -> str | None:
     return None
 
 
-CONFIG_CHECKS = (_ppo,)
+@check("mode", "advantage_estimator")
+def _ppo_estimator(c) -> str | None:
+    """PPO estimates by GAE from its critic: another estimator would go unused."""
+    if c["mode"] != "ppo" or c["advantage_estimator"] in ("grpo", "gae"):  # grpo: the default
+        return None
+    return (
+        f"mode=ppo estimates advantages by GAE from its critic; advantage_estimator {c['advantage_estimator']} "
+        "would go unused (leave it unset, or set gae)"
+    )
+
+
+CONFIG_CHECKS = (_ppo, _ppo_estimator)
