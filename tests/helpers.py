@@ -196,7 +196,7 @@ def make_step(cfg):
 
 def first_groups(task, params):
     """The groups of step 0, sampled with `params`."""
-    return task.rollouts.take(0, lambda version: task.sampler.update_weights(params, version))
+    return task.rollouts.prepare_batch(0, lambda version: task.sampler.update_weights(params, version))
 
 
 def grpo_rows(rng, prompts, n, P, C, vocab):

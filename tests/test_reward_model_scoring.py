@@ -232,7 +232,7 @@ def test_another_vocabulary_than_the_policys_scores_the_decoded_rollouts(tiny_ch
     built, state = run.build_run(cfg)
     assert built.tokenizer.vocab_size != reward_model._scorer(cfg).tokenizer.vocab_size
     task = modes.create(built)
-    groups, _ = task.rollouts.take(0, lambda version: task.sampler.update_weights(state["params"], version))
+    groups, _ = task.rollouts.prepare_batch(0, lambda version: task.sampler.update_weights(state["params"], version))
     prompts = [g.prompt.text for g in groups for _ in g.trajectories]
     completions = [t.text for g in groups for t in g.trajectories]
     got = np.concatenate([g.per_reward["rm"] for g in groups])

@@ -749,7 +749,7 @@ def bench_grpo_round(
     sides = []
     for run, state in runs:
         task = GRPOTask(run, prompts=_SamePrompts({"num_dropped": 0, "prompts": []}))
-        task.rollouts.take = lambda step, push: (groups, {})
+        task.rollouts.prepare_batch = lambda step, push: (groups, {})
         sides.append([task, task.train_state(state)])
     times, parts = tuple([] for _ in sides), tuple([] for _ in sides)
     for step in range(warmup + steps):

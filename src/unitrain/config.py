@@ -135,6 +135,7 @@ RULES: dict[str, Rule] = {
     **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn", "rollout") for axis in MESH_AXES},
     "rollout_devices": NON_NEGATIVE_INT,
     "max_staleness": NON_NEGATIVE_INT,
+    "max_concurrent_rollouts": NON_NEGATIVE_INT,
     "mode": builtin_or_plugin(MODES),
     "model_source": builtin_or_plugin(MODEL_SOURCES),
     "sampler": builtin_or_plugin(SAMPLERS),

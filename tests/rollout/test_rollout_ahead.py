@@ -13,6 +13,7 @@ from helpers import GRPO_FAST, REPO
 from unitrain import run, sharding, train
 from unitrain.checks import load_checked
 from unitrain.engines.mesh import push
+from unitrain.tasks.rl import RLTask
 
 GRPO = [*GRPO_FAST, "rollout_batch_size=2", "lr_schedule=constant", "kl_coef=0.01", "reward=scored_prompts:score"]
 SPLIT = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2"]  # 8 rows per update, as colocated on 8
@@ -80,7 +81,7 @@ def test_rollouts_run_ahead_by_at_most_max_staleness_versions(tmp_path, reward_l
     # From the samples' version tags: step s trains on samples of version s - 1 (step 0: its own).
     assert [m[s]["rollout_staleness_max"] for s in range(4)] == [0, 1, 1, 1]
     assert [m[s]["rollout_staleness_mean"] for s in range(4)] == [0, 1, 1, 1]
-    assert [m[s]["rollouts_in_flight"] for s in range(4)] == [1, 1, 1, 0]  # none beyond the last step
+    assert [m[s]["rollouts_in_flight"] for s in range(4)] == [2, 2, 2, 0]  # a round's groups; none beyond the last step
     assert "rollout_tokens_per_sec" not in m[1]  # sampled ahead, their time is not time_rollout
     assert all(np.isfinite(m[s]["loss"]) and m[s]["grad_norm"] > 0 for s in m)
     assert len(set(m[s]["kl"] for s in m)) > 1  # the policy moves away from the reference
@@ -93,21 +94,32 @@ def test_rollouts_run_ahead_by_at_most_max_staleness_versions(tmp_path, reward_l
         np.testing.assert_allclose([c[s][key] for s in m], [m[s][key] for s in m], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-def test_a_run_stopped_with_rounds_in_flight_resumes_at_the_next_unused_prompt(tmp_path, reward_log):
-    straight = reward_log("straight")
+def test_a_run_stopped_with_groups_in_flight_resumes_with_each_prompt_trained_on_once(
+    tmp_path, reward_log, monkeypatch
+):
+    """Groups in flight or waiting at a stop are sampled again after the resume: the prompts the
+    steps train on are those of the uninterrupted run, in its order, none skipped, none twice."""
+    trained = []
+    to_rows = RLTask.to_rows
+    monkeypatch.setattr(
+        RLTask, "to_rows", lambda self, groups: trained.extend(g.prompt.text for g in groups) or to_rows(self, groups)
+    )
+    reward_log("straight")
     assert run_grpo(tmp_path, "straight", "steps=5", *SPLIT, "max_staleness=2") == 0
-    stopped = reward_log("stopped")
-    os.environ["KILL_AFTER"] = "16"  # SIGTERM while step 1 scores its samples: it finishes, saves and stops
+    straight, trained[:] = list(trained), []
+    reward_log("stopped")
+    os.environ["KILL_AFTER"] = "28"  # SIGTERM while a later step scores its samples: it finishes, saves and stops
     try:
         assert run_grpo(tmp_path, "stopped", "steps=5", *SPLIT, "max_staleness=2") == train.EXIT_SIGTERM
     finally:
         del os.environ["KILL_AFTER"]
-    assert metrics(tmp_path, "stopped")[1]["rollouts_in_flight"] == 2  # two rounds were sampled ahead, unused
+    done = metrics(tmp_path, "stopped")
+    assert sorted(done) == list(range(len(done))) and len(done) < 5
+    assert done[len(done) - 1]["rollouts_in_flight"] > 0  # groups sampled ahead, not trained on
     assert run_grpo(tmp_path, "stopped", "steps=5", *SPLIT, "max_staleness=2") == 0
     assert sorted(metrics(tmp_path, "stopped")) == [0, 1, 2, 3, 4]
-    trained_on = straight.read_text().splitlines()
-    assert len(trained_on) == 5 * 2 * 4
-    assert stopped.read_text().splitlines() == trained_on  # neither repeated nor skipped
+    assert len(straight) == 5 * 2 and len(set(straight)) == len(straight)
+    assert trained == straight  # neither repeated nor skipped
 
 
 def test_push_places_the_weights_on_the_rollout_mesh():

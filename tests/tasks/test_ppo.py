@@ -223,7 +223,7 @@ def test_the_critic_starts_as_the_policys_backbone_and_values_the_state_before_e
     for a, b in zip(jax.tree.leaves(critic["backbone"]), jax.tree.leaves({k: policy[k] for k in critic["backbone"]})):
         np.testing.assert_array_equal(a, b)
     task.sampler.update_weights(state["params"], 0)
-    groups, _ = task.rollouts.take(0, lambda version: None)
+    groups, _ = task.rollouts.prepare_batch(0, lambda version: None)
     rows = task.to_rows(groups)
     values = task.rollout_passes(state, rows)["values"]
     # The value of token t's state is the critic's output at the last position of prompt + completion[:t].

@@ -148,7 +148,7 @@ def test_the_overlong_filter_drops_the_answers_without_a_stop_token():
 def _step_seeing(task, params):
     """Runs task.step(0) and returns (its metrics, the groups it sampled, the batch its update got)."""
     seen = {}
-    take, update = task.rollouts.take, task.update
+    take, update = task.rollouts.prepare_batch, task.update
 
     def record_take(step, push):
         seen["groups"], stats = take(step, push)
@@ -158,7 +158,7 @@ def _step_seeing(task, params):
         seen["batch"] = dict(batch)
         return update(state, batch, step)
 
-    task.rollouts.take, task.update = record_take, record_update
+    task.rollouts.prepare_batch, task.update = record_take, record_update
     state = {"params": params, "opt_state": task.run.optimizer.init(params), "step": jnp.int32(0)}
     _, m = task.step(state, 0)
     return m, seen["groups"], seen["batch"]

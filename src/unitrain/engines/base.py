@@ -37,7 +37,7 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            current one: a sampler that runs ahead reports the version it really used.
   submit   Optional (SubmittingSampler): `submit(prompt_ids, sampling, key)` starts what generate would compute and
            returns at once an object whose `.result()` gives those Completions. With it, rollouts
-           sampled ahead of the trainer (max_staleness, rollout/buffer.py) run while the trainer
+           sampled ahead of the trainer (max_staleness, rollout/executor.py) run while the trainer
            updates; without it they are generated when submitted. Calls to submit and result
            happen in the same order on every process.
   release  Optional (ReleasingSampler): `release()` frees what the sampler holds for sampling that the trainer's update

@@ -43,15 +43,17 @@ def check_ranking(cfg, what: str) -> str | None:
     )
 
 
-@check("sampler", "rollout_devices", "mode", "max_staleness")
+@check("sampler", "rollout_devices", "mode", "max_staleness", "max_concurrent_rollouts")
 def _rollout_devices(c) -> str | None:
     """Devices set apart for rollouts serve a sampler that uses them; rollouts serve the RL modes."""
     if c["sampler"] == "mesh" and not c["rollout_devices"]:
         return "sampler mesh samples on devices of its own: set rollout_devices (and the rollout_*_parallelism sizes)"
     if c["sampler"] in ("colocated", "vllm") and c["rollout_devices"]:
         return f"rollout_devices={c['rollout_devices']} needs a sampler that runs on them: sampler: mesh (or a plugin)"
-    if c["mode"] in ("sft", "dpo", "rm") and (c["rollout_devices"] or c["max_staleness"]):
-        return f"rollout_devices and max_staleness serve RL rollouts; mode={c['mode']} trains on no rollouts"
+    if c["mode"] in ("sft", "dpo", "rm") and (
+        c["rollout_devices"] or c["max_staleness"] or c["max_concurrent_rollouts"]
+    ):
+        return f"rollout_devices, max_staleness and max_concurrent_rollouts serve RL rollouts; mode={c['mode']} trains on no rollouts"
     return None
 
 

@@ -1,7 +1,7 @@
 """`sampler: mesh`: the JAX sampler on devices of its own (`rollout_devices`, laid out by the
 rollout_*_parallelism sizes), with its own copy of the weights, pushed from the trainer's mesh by
 every update_weights. While the trainer updates on its devices, rollouts dispatched ahead
-(`max_staleness`, rollout/buffer.py) sample on these.
+(`max_staleness`, rollout/executor.py) sample on these.
 
 The push copies every parameter into the rollout mesh's shardings (the same logical axis rules,
 another mesh). In one process that is a device-to-device copy. Across processes JAX cannot copy

@@ -35,31 +35,15 @@ def start_groups(
     sampler, workflow, records: list, n: int, sampling: SamplingParams, key: jax.Array, reward_fn
 ) -> Callable[[], list[Group]]:
     """Every record's group, started; the function returned runs the rest and returns the groups."""
-    name = f"{type(workflow).__module__}:{type(workflow).__qualname__}"  # for error lines
-    runs = [_Run(workflow.group(r, n), r, name) for r in records]
-    for run in runs:
-        run.advance(None)
-    calls = [0]
-
-    def next_key():
-        c, calls[0] = calls[0], calls[0] + 1
-        return key if c == 0 else jax.random.fold_in(key, c)
-
-    pending = _serve(runs, sampler, sampling, reward_fn, next_key)
+    driver = Driver(sampler, workflow, n, sampling, reward_fn)
+    runs = driver.start(records, key)
+    driver.dispatch()
 
     def finish() -> list[Group]:
-        nonlocal pending
-        while pending is not None:
-            live, handle = pending
-            out, row = handle.result(), 0
-            for run in live:
-                turns = [
-                    _row(out, row + i, g.max_new_tokens, sampling.stop_token_ids) for i, g in enumerate(run.request)
-                ]
-                row += len(turns)
-                run.advance(turns)
-            pending = _serve(runs, sampler, sampling, reward_fn, next_key)
-        return [_group(run.record, run.result) for run in runs if run.result is not None]
+        while driver.pending is not None:
+            driver.collect()
+            driver.dispatch()
+        return [make_group(run.record, run.result) for run in runs if run.result is not None]
 
     return finish
 
@@ -69,25 +53,83 @@ def run_groups(sampler, workflow, records: list, n: int, sampling: SamplingParam
     return start_groups(sampler, workflow, records, n, sampling, key, reward_fn)()
 
 
-def _serve(runs, sampler, sampling, reward_fn, next_key):
-    """Serves the Score and Rank requests until every live run waits on a turn; then submits those
-    turns in one generate call -> (the runs, its handle), or None when every run has returned."""
-    while True:
-        scores = [r for r in runs if isinstance(r.request, Score)]
-        ranks = [r for r in runs if isinstance(r.request, Rank)]
-        if not scores and not ranks:
-            break
-        if scores:
-            _score(scores, reward_fn)
-        if ranks:
-            _rank(ranks, sampler, next_key())
-    live = [r for r in runs if r.request is not None]
-    if not live:
-        return None
-    rows = [g for r in live for g in r.request]
-    budgets = tuple(sampling.max_new_tokens if g.max_new_tokens is None else g.max_new_tokens for g in rows)
-    call = dataclasses.replace(sampling, row_budgets=tuple(min(b, sampling.max_new_tokens) for b in budgets))
-    return live, submit(sampler, [g.context for g in rows], call, next_key())
+class Driver:
+    """The runs of workflow groups in flight, served together. `start` begins a batch of records'
+    runs (their round: a key whose sampler calls it numbers); `dispatch` serves the Score and Rank
+    requests until every live run waits on a turn, then submits those turns in one generate call
+    (`pending`); `collect` waits for it and hands each run its turns. A call takes the next key of
+    the round of its first run: a round served alone numbers its calls as start_groups always did."""
+
+    def __init__(self, sampler, workflow, n: int, sampling: SamplingParams, reward_fn):
+        self.sampler, self.workflow, self.n, self.sampling, self.reward_fn = sampler, workflow, n, sampling, reward_fn
+        self.name = f"{type(workflow).__module__}:{type(workflow).__qualname__}"  # for error lines
+        self.runs: list[_Run] = []
+        self.pending = None  # (the runs of the generate call in flight, its handle)
+
+    def start(self, records: list, key: jax.Array, tags: list | None = None) -> list[_Run]:
+        """Starts the records' runs (each up to its first request); each run carries its `tags` entry."""
+        keys, tags = _Keys(key), tags or [None] * len(records)
+        runs = [_Run(self.workflow.group(r, self.n), r, self.name, keys, tag) for r, tag in zip(records, tags)]
+        for run in runs:
+            run.advance(None)
+        self.runs += runs
+        return runs
+
+    def finished(self) -> list[_Run]:
+        """The runs that have returned (their result a list of trajectories, or None), taken out."""
+        done = [r for r in self.runs if r.request is None]
+        self.runs = [r for r in self.runs if r.request is not None]
+        return done
+
+    def drop(self, runs) -> None:
+        """Ends runs without waiting for them (their episodes will never be trained on)."""
+        self.runs = [r for r in self.runs if r not in runs]
+
+    def dispatch(self) -> None:
+        """Serves Score and Rank requests until every live run waits on a turn; then submits those
+        turns in one generate call (pending), or leaves pending None when no run waits on one."""
+        while True:
+            scores = [r for r in self.runs if isinstance(r.request, Score)]
+            ranks = [r for r in self.runs if isinstance(r.request, Rank)]
+            if not scores and not ranks:
+                break
+            if scores:
+                _score(scores, self.reward_fn)
+            if ranks:
+                _rank(ranks, self.sampler, ranks[0].keys.next())
+        live = [r for r in self.runs if isinstance(r.request, list)]
+        if not live:
+            self.pending = None
+            return
+        rows = [g for r in live for g in r.request]
+        budgets = tuple(self.sampling.max_new_tokens if g.max_new_tokens is None else g.max_new_tokens for g in rows)
+        call = dataclasses.replace(
+            self.sampling, row_budgets=tuple(min(b, self.sampling.max_new_tokens) for b in budgets)
+        )
+        self.pending = live, submit(self.sampler, [g.context for g in rows], call, live[0].keys.next())
+
+    def collect(self) -> None:
+        """Waits for the pending generate call and hands each of its runs its turns."""
+        live, handle = self.pending
+        self.pending = None
+        out, row = handle.result(), 0
+        stops = self.sampling.stop_token_ids
+        for run in live:
+            turns = [_row(out, row + i, g.max_new_tokens, stops) for i, g in enumerate(run.request)]
+            row += len(turns)
+            run.advance(turns)
+
+
+class _Keys:
+    """A round's key and the number of sampler calls made with it: call c takes the key folded with
+    c (the first: the key itself)."""
+
+    def __init__(self, key):
+        self.key, self.calls = key, 0
+
+    def next(self):
+        c, self.calls = self.calls, self.calls + 1
+        return self.key if c == 0 else jax.random.fold_in(self.key, c)
 
 
 def _score(runs, reward_fn) -> None:
@@ -129,10 +171,11 @@ def _row(out: Completions, row: int, budget: int | None, stop_ids: tuple[int, ..
 
 
 class _Run:
-    """One record's workflow generator and the request it waits on (None: it has returned)."""
+    """One record's workflow generator and the request it waits on (None: it has returned), with its
+    round's keys and what the caller tagged it with."""
 
-    def __init__(self, gen, record, name: str):
-        self.gen, self.record, self.name = gen, record, name
+    def __init__(self, gen, record, name: str, keys: _Keys, tag):
+        self.gen, self.record, self.name, self.keys, self.tag = gen, record, name, keys, tag
         self.request = None
         self.result: list[Trajectory] | None = None
 
@@ -172,7 +215,7 @@ def _is_turn(g) -> bool:
     return isinstance(g, Generate) and bool(g.context) and (g.max_new_tokens is None or g.max_new_tokens >= 1)
 
 
-def _group(record, trajectories: list[Trajectory]) -> Group:
+def make_group(record, trajectories: list[Trajectory]) -> Group:
     """A record's trajectories as its Group, the rewards as float32 arrays."""
     if len({t.prompt_ids for t in trajectories}) > 1:
         raise DataError(

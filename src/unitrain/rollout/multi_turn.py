@@ -47,7 +47,7 @@ class MultiTurn(Workflow):
         self.cfg, self.make_env = cfg, env_factory(cfg)
         self.chat = ChatTurns(self.tokenizer, self._tools() or None)
         self.system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        # The episodes a step samples before it gives up short (rollout/buffer.py): if none of them could
+        # The episodes a step samples before it gives up short (rollout/executor.py): if none of them could
         # reset, the environment is broken, not the prompts.
         self.step_episodes = (
             (cfg.over_sampling_batch_size or cfg.rollout_batch_size)

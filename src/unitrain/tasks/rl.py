@@ -1,13 +1,13 @@
 """The RL step every RL mode shares (GRPO and PPO are siblings over it: tasks/grpo.py, tasks/ppo.py),
 as named stages (`RLTask.step`):
 
-  1. rollouts: the step's groups from the buffer (rollout/buffer.py): rounds of `over_sampling_batch_size`
-     prompts, a workflow's group of n trajectories each (rollout/workflow.py), scored, reshaped by
-     the reward shapers (rollout/shaping.py: DAPO's overlong penalty), until `rollout_batch_size`
-     groups pass the filter (rollout/groups.py). Rounds sampled ahead (max_staleness) come first; a
-     round the step samples itself, and the rounds it leaves in flight for the steps after, use its
-     parameters, pushed to the sampler first (engines/base.py; colocated by default: no copy;
-     sampler mesh: a timed copy to its devices);
+  1. rollouts: the step's groups from the executor (rollout/executor.py): rounds of
+     `over_sampling_batch_size` prompts, a workflow's group of n trajectories each (rollout/workflow.py),
+     scored, reshaped by the reward shapers (rollout/shaping.py: DAPO's overlong penalty) and judged
+     by the filter (rollout/groups.py) as each finishes, until `rollout_batch_size` groups pass.
+     Groups in flight from earlier steps (max_staleness) go on first, with this step's parameters,
+     pushed to the sampler first (engines/base.py; colocated by default: no copy; sampler mesh: a
+     timed copy to its devices), as do the rounds the step starts;
   2. rows: the groups as the train batch's rows (the layout below);
   3. passes: what the updates read of the models before they change them, in one program per chunk of
      rows: the sampled tokens' logprobs under the trainer's forward (the PPO "old" policy), with a
@@ -77,8 +77,8 @@ from unitrain.engines.factory import make_sampler
 from unitrain.evals import TaskEvaluator
 from unitrain.models import moe
 from unitrain.models.base import SharedPrefixModel
-from unitrain.rollout.buffer import RolloutBuffer
-from unitrain.rollout.driver import make_workflow, start_groups
+from unitrain.rollout.driver import Driver, make_workflow
+from unitrain.rollout.executor import RolloutExecutor
 from unitrain.rollout.groups import make_filter
 from unitrain.rollout.shaping import reward_shapers, row_filters
 from unitrain.tasks.base import RunContext, Task
@@ -196,14 +196,15 @@ class RLTask(Task):
         self.learners: list = []
         # Every process samples the same prompts with the same key (the sampler wants identical
         # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
-        if prompts is None:
-            prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
-        self.rollouts = RolloutBuffer(cfg, prompts, self.start_round, self.keep)
-        self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the rounds in flight
         self.sampling = sampling or SamplingParams.from_config(cfg, stop_token_ids=(tokenizer.eos_id,))
         self.replay = cfg.moe_routing_replay
         if self.replay:
             self.sampling = dataclasses.replace(self.sampling, record_routes=True)
+        if prompts is None:
+            prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+        driver = Driver(self.sampler, self.workflow, cfg.n_samples_per_prompt, self.sampling, self.reward_fn)
+        self.rollouts = RolloutExecutor(cfg, prompts, driver, self.shape, self.keep)
+        self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the groups not yet consumed
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
         self.packing = cfg.rl_packing
         self.group_rows = shared_prompt_rows(
@@ -342,7 +343,7 @@ class RLTask(Task):
 
     # -- the stages of a step
     def take_rollouts(self, state, step: int) -> tuple[list, dict]:
-        """The step's groups from the buffer, the step's weights pushed to the sampler before it samples."""
+        """The step's groups from the executor, the step's weights pushed to the sampler before it samples."""
         pushed, parts = {}, {}
 
         def push(version):
@@ -359,25 +360,17 @@ class RLTask(Task):
             # round is taken, with this step's weights (the colocated sampler's earlier ones were donated).
             push(step)
         self.reward_fn.metrics()  # drop what an evaluation's scoring measured: the rm/* metrics are the step's rounds'
-        groups, stats = self.rollouts.take(step, push)
+        groups, stats = self.rollouts.prepare_batch(step, push)
         stats.update(self.reward_fn.metrics())
         release(self.sampler)  # no sampling before the next push: what it kept goes before the update
         stats.update(parts, time_weight_push=sum(pushed.values()))
         return groups, stats
 
-    def start_round(self, prompts, key):
-        """One prompt batch's rollouts, started (rollout/buffer.py): -> the function that waits for
-        its groups, scored and reshaped (before a dynamic-sampling filter sees them)."""
-        n = self.cfg.n_samples_per_prompt
-        finish = start_groups(self.sampler, self.workflow, prompts, n, self.sampling, key, self.reward_fn)
-
-        def groups():
-            out = finish()
-            for shape in self.shapers:
-                out = [shape(g) for g in out]
-            return out
-
-        return groups
+    def shape(self, group):
+        """A finished group through the reward shapers (before a dynamic-sampling filter sees it)."""
+        for shaper in self.shapers:
+            group = shaper(group)
+        return group
 
     def to_rows(self, groups) -> dict:
         """The rows of the module docstring's layout, from the groups' prompts and completions."""
