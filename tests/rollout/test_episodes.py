@@ -18,7 +18,7 @@ from unitrain.engines.base import Completions, SamplingParams
 from unitrain.engines.buckets import bucket_prompt_length
 from unitrain.engines.factory import make_sampler
 from unitrain.errors import ConfigError
-from unitrain.rollout.driver import _group, run_groups
+from unitrain.rollout.driver import make_group, run_groups
 from unitrain.rollout.multi_turn import MultiTurn
 from unitrain.rollout.workflow import Generate, Sampled, Trajectory, Transcript, Workflow, WorkflowError
 
@@ -218,13 +218,13 @@ def test_episodes_of_a_record_form_a_group_over_everything_after_the_prompt():
         tr.add_context([5, 5])
         return tr.trajectory(reward, "max_turns", per_reward={"env": reward})
 
-    group = _group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), trajectory(4, 1.0)])
+    group = make_group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), trajectory(4, 1.0)])
     assert group.prompt.ids == (7, 8) and [len(t.ids) for t in group.trajectories] == [4, 6]
     assert [t.loss_mask.tolist() for t in group.trajectories] == [[1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]
     assert group.version == 3 and group.rewards.tolist() == [0.0, 1.0] and group.correct.tolist() == [False, True]
     other = Trajectory((9,), *(np.zeros(0, np.int32),) * 5, 0.0, 0, "max_turns")
     with pytest.raises(Exception, match="start from different prompts"):
-        _group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), other])
+        make_group(Prompt((1,), "p", "l"), [trajectory(2, 0.0), other])
 
 
 def test_multi_turn_needs_an_environment():
@@ -284,7 +284,7 @@ def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
                 tr.add_context([5, 6, 7])
         return tr.trajectory(1.0, end)
 
-    group = _group(Prompt((), "p", "l"), [episode([2, 3], "env_done"), episode([4], "length")])
+    group = make_group(Prompt((), "p", "l"), [episode([2, 3], "env_done"), episode([4], "length")])
     task = types.SimpleNamespace(
         cfg=types.SimpleNamespace(n_samples_per_prompt=2),
         run=types.SimpleNamespace(tokenizer=TOK),
