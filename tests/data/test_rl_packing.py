@@ -10,9 +10,9 @@ import pytest
 
 from bench import long_tailed_groups
 from helpers import REPO, RL_FAST
-from unitrain import modes, run
+from unitrain import modes, run, sharding
 from unitrain.checks import load_checked
-from unitrain.data.rl_packing import first_fit_decreasing
+from unitrain.data.rl_packing import RolloutPacking, first_fit_decreasing
 
 # float32 on CPU: a packed row computes each sequence with other matmul shapes than its own row, so
 # sums round differently; relative 1e-4 (of the largest parameter change, for the update) bounds that.
@@ -163,7 +163,10 @@ def test_packing_fills_fewer_rows_than_the_round_has_sequences(tmp_path):
     built, _ = run.build_run(cfg)
     task = modes.create(built)
     batch = task.to_rows(fixed_groups(cfg, built.tokenizer))
-    ((rows, plan, n),) = task.chunks(batch, ("inputs", "inputs_segmentation", "targets", "loss_mask"))
+    step_rows = task.step_rows(batch)
+    (chunk,) = step_rows.chunks
+    rows = {k: step_rows.host(chunk, k) for k in ("inputs", "inputs_segmentation", "targets", "loss_mask")}
+    plan, n = chunk.plan, chunk.sequences
     assert rows["inputs"].shape == (8, batch["inputs"].shape[1]) and n == 16
     assert rows["inputs_segmentation"].max() > 2  # rows hold several sequences
     assert rows["loss_mask"].sum() == batch["loss_mask"].sum()
@@ -175,6 +178,25 @@ def test_packing_fills_fewer_rows_than_the_round_has_sequences(tmp_path):
     follows = (seg[:, :-1] == seg[:, 1:]) & (rows["loss_mask"][:, :-1] > 0)
     np.testing.assert_array_equal(rows["targets"][:, :-1][follows], ids[:, 1:][follows])
     assert not (rows["loss_mask"][:, :-1][seg[:, :-1] != seg[:, 1:]]).any()  # no loss across a segment's end
+
+
+@pytest.mark.parametrize("mode,packing", [("grpo", True), ("ppo", True), ("ppo", False)])
+def test_a_step_plans_its_rows_once_and_puts_their_inputs_on_the_devices_once(tmp_path, monkeypatch, mode, packing):
+    """One step of 2 chunks of 8 rows, 2 iterations, with a KL term: the logprob pass (and PPO's
+    value pass) and every update (PPO's critic's too) take the chunks packed once, and the fields
+    they share go to the devices once a chunk; the updates send only their own."""
+    plans, puts = [], []
+    plan, to_global = RolloutPacking.plan.__func__, sharding.full_rows_to_global
+    monkeypatch.setattr(RolloutPacking, "plan", classmethod(lambda cls, *a: plans.append(1) or plan(cls, *a)))
+    monkeypatch.setattr(sharding, "full_rows_to_global", lambda b, s: puts.append(set(b)) or to_global(b, s))
+    overrides = ["per_device_batch_size=1", "gradient_accumulation_steps=1", "num_iterations=2", "kl_coef=0.1"]
+    metrics, *_ = one_step(config(tmp_path, f"mode={mode}", f"rl_packing={packing}", *overrides))
+    assert np.isfinite(metrics["loss"]) and (mode == "grpo" or np.isfinite(metrics["critic/value_loss"]))
+    assert len(plans) == (2 if packing else 0)
+    shared = {"inputs", "inputs_position", "inputs_segmentation", "targets"}
+    assert [keys >= shared for keys in puts].count(True) == 2  # the first pass's, once a chunk
+    assert not any(keys & shared for keys in puts if "inputs" not in keys)  # the others: none of them
+    assert len(puts) == 2 * (3 if mode == "ppo" else 2)  # a chunk's: the passes', the critic's, the policy's
 
 
 def test_gspo_with_two_mini_batches_packed_equals_unpacked(tmp_path):

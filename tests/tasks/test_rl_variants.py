@@ -154,9 +154,9 @@ def _step_seeing(task, params):
         seen["groups"], stats = take(step, push)
         return seen["groups"], stats
 
-    def record_update(state, batch, step):
-        seen["batch"] = dict(batch)
-        return update(state, batch, step)
+    def record_update(state, rows, step):
+        seen["batch"] = dict(rows.batch)  # the step's StepRows: its host batch as the update sees it
+        return update(state, rows, step)
 
     task.rollouts.prepare_batch, task.update = record_take, record_update
     state = {"params": params, "opt_state": task.run.optimizer.init(params), "step": jnp.int32(0)}

@@ -16,8 +16,9 @@ classifier or causal LM, or a unitrain checkpoint), else the policy's starting b
 (load_parameters_path, or the same random draws) under a fresh head. It trains whole, also when the
 policy trains LoRA adapters. The train state holds it as state["critic"] = {params, opt_state,
 step}, which checkpoint.py saves and restores as an item of its own. With rl_packing the critic's
-value pass and its updates take the packed rows GRPO's do (its values aligned with the targets, the
-value loss's seq-mean modes per segment); GAE runs on the host in the unpacked layout.
+value pass and its updates take the packed rows GRPO's do, planned once a step for all of them (its
+values aligned with the targets, the value loss's seq-mean modes per segment); GAE runs on the host
+in the unpacked layout.
 """
 
 from __future__ import annotations
@@ -117,12 +118,12 @@ class Critic:
         )
         return loss_sum, (denom, metrics)
 
-    def passes(self, state, batch) -> dict:
-        """The critic's values of the sampled tokens' states."""
-        return self.task.row_pass("values", self.value_fn, state["critic"]["params"], batch)
+    def passes(self, state, rows) -> dict:
+        """The critic's values of the sampled tokens' states, over the step's rows (tasks/rl.py's StepRows)."""
+        return self.task.row_pass("values", self.value_fn, state["critic"]["params"], rows)
 
-    def update(self, state, batch):
-        critic, metrics = self.task.updates("critic_update", self.update_fn, state["critic"], batch, self.shardings)
+    def update(self, state, rows):
+        critic, metrics = self.task.updates("critic_update", self.update_fn, state["critic"], rows, self.shardings)
         return {**state, "critic": critic}, {critic_metric(k): v for k, v in metrics.items()}
 
 

@@ -8,7 +8,10 @@ as named stages (`RLTask.step`):
      Groups in flight from earlier steps (max_staleness) go on first, with this step's parameters,
      pushed to the sampler first (engines/base.py; colocated by default: no copy; sampler mesh: a
      timed copy to its devices), as do the rounds the step starts;
-  2. rows: the groups as the train batch's rows (the layout below);
+  2. rows: the groups as the train batch's rows (the layout below), cut once into the update-sized
+     chunks every pass and update of the step takes (`StepRows`: with rl_packing, packed once); the
+     fields they share (the inputs, their positions and segments, the targets, the routes) go to the
+     devices once a step, each program's others (loss mask, advantages, logprobs...) when it runs;
   3. passes: what the updates read of the models before they change them, in one program per chunk of
      rows: the sampled tokens' logprobs under the trainer's forward (the PPO "old" policy), with a
      KL term the reference's (tasks/reference.py), and each extra learner's (PPO's critic values).
@@ -87,6 +90,8 @@ from unitrain.tasks.reference import Reference
 log = logging.getLogger("unitrain")
 
 ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "sampler_logprobs")
+# The fields a step's passes and updates share: put on the devices once a step (StepRows).
+FIXED_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "routes")
 
 
 def token_stats(
@@ -171,10 +176,63 @@ def turn_discounts(groups, columns: int, discount: float) -> np.ndarray:
     return out
 
 
+@dataclasses.dataclass
+class Chunk:
+    """An update-sized run of a step's rows: `rows` of the host batch, `plan` their packing (None:
+    unpacked), `device` its FIXED_KEYS fields on the devices once a program has taken them."""
+
+    rows: slice
+    plan: RolloutPacking | None
+    device: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def sequences(self) -> int:
+        return self.rows.stop - self.rows.start
+
+
+@dataclasses.dataclass
+class StepRows:
+    """A step's rows as its passes and updates take them, planned once (RLTask.step_rows): `batch`
+    on the host in the module docstring's layout (the step adds the passes' outputs, the advantages
+    and the row filters' masks to it; no row leaves it), cut into the same chunks for every program."""
+
+    batch: dict
+    chunks: list[Chunk]
+    pad_id: int
+
+    def host(self, chunk: Chunk, key: str) -> np.ndarray:
+        """A field of the chunk's rows as the programs take it (packed with rl_packing)."""
+        values = self.batch[key][chunk.rows]
+        return values if chunk.plan is None else chunk.plan.pack(key, values, self.pad_id)
+
+    def on_device(self, keys, shardings) -> list[dict]:
+        """Each chunk's `keys` as global arrays (`shardings`: one, or one per key): the FIXED_KEYS
+        put once a step, the others (the passes' outputs, the advantages, the masks) on every call."""
+        shardings = shardings if isinstance(shardings, dict) else dict.fromkeys(keys, shardings)
+        out = []
+        for chunk in self.chunks:
+            new = [k for k in keys if k not in chunk.device]
+            put = sharding.full_rows_to_global({k: self.host(chunk, k) for k in new}, shardings) if new else {}
+            chunk.device.update({k: v for k, v in put.items() if k in FIXED_KEYS})
+            held = {**chunk.device, **put}
+            out.append({k: held[k] for k in keys})
+        return out
+
+    def unpack(self, outs: list[dict]) -> dict:
+        """The programs' [rows, C] outputs, one dict per chunk -> on the host in the batch's layout."""
+        outs = jax.tree.map(sharding.to_host, outs)
+        outs = [
+            o if c.plan is None else {k: c.plan.unpack(v, c.sequences) for k, v in o.items()}
+            for o, c in zip(outs, self.chunks)
+        ]
+        return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+
+
 class RLTask(Task):
     """The RL step of the module docstring. A mode picks its estimator (`estimator`, a registry name
-    or plugin) and its extra learners (`learners`: objects with passes(state, batch) -> {key: [rows, C]}
-    and update(state, batch) -> (state, metrics), trained before the policy on the same rows)."""
+    or plugin) and its extra learners (`learners`: objects with passes(state, rows) -> {key: [rows, C]}
+    and update(state, rows) -> (state, metrics) over the step's StepRows (row_pass, updates),
+    trained before the policy on the same rows)."""
 
     estimator: str
 
@@ -311,7 +369,8 @@ class RLTask(Task):
         groups, stats = self.take_rollouts(state, step)
         t1 = time.perf_counter()
         batch = self.to_rows(groups)
-        batch.update(self.rollout_passes(state, batch))
+        rows = self.step_rows(batch)  # the passes and the updates take the same chunks
+        batch.update(self.rollout_passes(state, rows))
         if self.replay:
             stats["moe/replay_changed_fraction"] = self.replay_changed_fraction(batch)
         mask = batch["loss_mask"].astype(bool)
@@ -319,11 +378,11 @@ class RLTask(Task):
         batch.update(advantages)
         stats.update(advantage_metrics)
         for row_filter in self.row_filters:
-            keep, filter_metrics = row_filter(groups)
+            keep, filter_metrics = row_filter(groups)  # rows out of the loss, not of the chunks
             batch["loss_mask"] = batch["loss_mask"] * keep[:, None]
             stats.update(filter_metrics)
         t2 = time.perf_counter()
-        state, update_metrics = self.update(state, batch, step)
+        state, update_metrics = self.update(state, rows, step)
         t3 = time.perf_counter()
         # time_rollout is the time the step waited for its rollouts; only on-policy is that their sampling time.
         metrics = {
@@ -398,12 +457,13 @@ class RLTask(Task):
             arrays["sampler_logprobs"][r, :length] = t.logprobs
         return arrays
 
-    def rollout_passes(self, state, batch) -> dict:
+    def rollout_passes(self, state, rows: StepRows | dict) -> dict:
         """What the updates read of the models before they change them, [rows, C] each: the old and
         the reference logprobs (rollout_logprobs), where the config needs them, and each learner's."""
-        out = self.logprobs(state["params"], batch) if self.logprob_fn is not None else {}
+        rows = self.step_rows(rows)
+        out = self.logprobs(state["params"], rows) if self.logprob_fn is not None else {}
         for learner in self.learners:
-            out.update(learner.passes(state, batch))
+            out.update(learner.passes(state, rows))
         return out
 
     def replay_changed_fraction(self, batch) -> float:
@@ -437,59 +497,53 @@ class RLTask(Task):
             arrays["advantages"] = arrays["advantages"][:, None] * turn_discounts(groups, columns, cfg.turn_discount)
         return arrays, metrics
 
-    def logprobs(self, params, batch) -> dict:
+    def logprobs(self, params, rows: StepRows | dict) -> dict:
         """rollout_logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
         ref_params = None if self.reference is None else self.reference.of(params)
-        return self.row_pass("logprobs", self.logprob_fn, params, ref_params, batch)
+        return self.row_pass("logprobs", self.logprob_fn, params, ref_params, self.step_rows(rows))
 
-    def row_pass(self, name: str, fn, *args_and_batch) -> dict:
-        """fn(*args, rows) -> {name: [rows, C]} over the batch's rows in update-sized chunks (one
-        compiled shape), gathered on the host; `args_and_batch` ends with the batch."""
-        *args, batch = args_and_batch
+    def row_pass(self, name: str, fn, *args_and_rows) -> dict:
+        """fn(*args, chunk) -> {name: [rows, C]} over the step's chunks, gathered on the host in the
+        batch's layout; `args_and_rows` ends with the StepRows."""
+        *args, rows = args_and_rows
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets", *["routes"] * self.replay)
-        shardings = sharding.batch_sharding(self.run.mesh, self.run.rules)
-        chunks = self.chunks(batch, keys)
-        outs = [
-            self.run.programs(self.program_name(name, rows), fn, *args, sharding.full_rows_to_global(rows, shardings))
-            for rows, _, _ in chunks
-        ]
-        outs = jax.tree.map(sharding.to_host, outs)
-        outs = [
-            o if plan is None else {k: plan.unpack(v, n) for k, v in o.items()} for o, (_, plan, n) in zip(outs, chunks)
-        ]
-        return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+        chunks = rows.on_device(keys, sharding.batch_sharding(self.run.mesh, self.run.rules))
+        return rows.unpack([self.run.programs(self.program_name(name, c), fn, *args, c) for c in chunks])
 
-    def chunks(self, batch, keys) -> list[tuple[dict, RolloutPacking | None, int]]:
-        """The update-sized chunks of the batch's `keys` as the programs take them: (rows, the
-        packing that brings a packed output back to the batch's layout (None: unpacked), the
-        chunk's sequences). With rl_packing every chunk of a step has the same packed rows (the
-        most any needs, bucketed to whole micro-batches on every device): one compiled shape."""
-        chunk = self.run.layout.rows_per_update
-        parts = [{k: v[s : s + chunk] for k, v in batch.items()} for s in range(0, len(batch["inputs"]), chunk)]
-        if not self.packing:
-            return [({k: p[k] for k in keys}, None, len(p["inputs"])) for p in parts]
+    def step_rows(self, batch: dict | StepRows) -> StepRows:
+        """The batch's update-sized chunks, planned once for the step's passes and updates (a
+        StepRows is already planned). With rl_packing every chunk of a step has the same packed rows
+        (the most any needs, bucketed to whole micro-batches on every device): one compiled shape."""
+        if isinstance(batch, StepRows):
+            return batch
+        size, count = self.run.layout.rows_per_update, len(batch["inputs"])
+        spans = [slice(s, min(s + size, count)) for s in range(0, count, size)]
+        plans = self.packing_plans(batch, spans) if self.packing else [None] * len(spans)
+        return StepRows(batch, [Chunk(s, plan) for s, plan in zip(spans, plans)], self.run.tokenizer.pad_id)
+
+    def packing_plans(self, batch: dict, spans: list[slice]) -> list[RolloutPacking]:
+        """The packing of each span of rows into the same number of packed rows."""
+        parts = [{k: batch[k][s] for k in ("inputs", "inputs_segmentation", "targets")} for s in spans]
         width = self.cfg.rl_packing_row_tokens or batch["inputs"].shape[1]
         need = max(packed_rows_needed(sum(completion_rows(p)), width) for p in parts)
         multiple = self.cfg.gradient_accumulation_steps * batch_parallelism(self.run.mesh, self.run.rules)
         rows = bucket_packed_rows(need, multiple)
-        pad = self.run.tokenizer.pad_id
-        plans = [RolloutPacking.plan(p, width, rows) for p in parts]
-        return [({k: plan.pack(k, p[k], pad) for k in keys}, plan, len(p["inputs"])) for p, plan in zip(parts, plans)]
+        return [RolloutPacking.plan(p, width, rows) for p in parts]
 
     def program_name(self, name: str, rows: dict) -> str:
         count, width = rows["inputs"].shape
         return f"{name} ({count} packed rows of {width})" if self.packing else f"{name} (rows of {width})"
 
-    def update(self, state, batch, step: int):
+    def update(self, state, rows: StepRows | dict, step: int):
         """The learners' updates, then (unless trains_policy says not yet) the policy's: num_iterations
         passes over the rows in mini-batches; metrics are averaged over updates."""
-        metrics = {}
+        rows, metrics = self.step_rows(rows), {}
         for learner in self.learners:
-            state, learner_metrics = learner.update(state, batch)
+            state, learner_metrics = learner.update(state, rows)
             metrics.update(learner_metrics)
         if self.trains_policy(step):
             policy = {k: state[k] for k in ("params", "opt_state", "step")}
-            policy, policy_metrics = self.updates("grpo_update", self.update_fn, policy, batch, self.batch_shardings())
+            policy, policy_metrics = self.updates("grpo_update", self.update_fn, policy, rows, self.batch_shardings())
             state = {**state, **policy}
             metrics.update(policy_metrics)
         return state, metrics
@@ -497,10 +551,10 @@ class RLTask(Task):
     def trains_policy(self, step: int) -> bool:
         return True
 
-    def updates(self, name: str, update_fn, state, batch, shardings):
-        """num_iterations passes of update_fn over the rows in mini-batches of the keys of `shardings`,
-        one optimizer update each: (state, metrics averaged over the updates)."""
-        chunks = [sharding.full_rows_to_global(rows, shardings) for rows, _, _ in self.chunks(batch, shardings)]
+    def updates(self, name: str, update_fn, state, rows: StepRows, shardings):
+        """num_iterations passes of update_fn over the step's chunks, in mini-batches of the keys of
+        `shardings`, one optimizer update each: (state, metrics averaged over the updates)."""
+        chunks = rows.on_device(tuple(shardings), shardings)
         collected = []
         for _ in range(self.cfg.num_iterations):
             for mb in chunks:
