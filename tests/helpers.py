@@ -289,6 +289,28 @@ class ScriptEnv:
         return StepResult([{"role": "user", "content": "ok"}], reward=0.25)
 
 
+_game_starts = 0
+
+
+def make_logged_game(cfg):
+    """The guessing game (env guess_number), logging every record it starts to $RECORD_LOG (the
+    records a step trains on, in order) and killing its process at the $KILL_AT-th start:
+    test_episodes_grpo.py's runs name it, `env: helpers:make_logged_game`."""
+    from unitrain.envs.guess import GuessNumber
+
+    class LoggedGame(GuessNumber):
+        def reset(self, record):
+            global _game_starts
+            _game_starts += 1
+            with open(os.environ["RECORD_LOG"], "a") as f:
+                f.write(record["prompt"] + "\n")
+            if _game_starts == int(os.environ.get("KILL_AT", 0)):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().reset(record)
+
+    return LoggedGame(cfg.guess_number_low, cfg.guess_number_high)
+
+
 # ---------------------------------------------------------------- tiny models
 
 

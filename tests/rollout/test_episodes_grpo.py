@@ -12,33 +12,13 @@ import sys
 import numpy as np
 import pytest
 
+import helpers
 from helpers import REPO, cpu_env
 from unitrain import train
 from unitrain.checks import load_checked
-from unitrain.envs.guess import GuessNumber
 
 # One worker runs the module: the warm start and the straight run are made once for all three tests.
 pytestmark = pytest.mark.xdist_group("episodes_grpo")
-
-# The environment of these runs: the game, logging every record it starts (the records a step
-# trains on, in order) and killing its process at the KILL_AT-th start.
-starts = 0
-
-
-def make_logged_game(cfg):
-    return LoggedGame(cfg.guess_number_low, cfg.guess_number_high)
-
-
-class LoggedGame(GuessNumber):
-    def reset(self, record):
-        global starts
-        starts += 1
-        with open(os.environ["RECORD_LOG"], "a") as f:
-            f.write(record["prompt"] + "\n")
-        if starts == int(os.environ.get("KILL_AT", 0)):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().reset(record)
-
 
 WARM_START = [
     "mode=sft",
@@ -68,7 +48,7 @@ def grpo_args(warm_start, tmp_path, name):
         f"run_name={name}",
         "mode=grpo",
         "workflow=multi_turn",
-        "env=test_episodes_grpo:make_logged_game",
+        "env=helpers:make_logged_game",
         f"load_parameters_path={warm_start}",
         "chat_template_file=templates/tiny_chat.jinja",
         "max_turns=3",
@@ -89,8 +69,7 @@ def grpo_args(warm_start, tmp_path, name):
 
 
 def run_in_process(args, record_log, monkeypatch) -> int:
-    global starts
-    starts = 0
+    monkeypatch.setattr(helpers, "_game_starts", 0)
     monkeypatch.setenv("RECORD_LOG", str(record_log))
     return train.train(load_checked([str(REPO / "configs" / "base.yml"), *args]))
 
