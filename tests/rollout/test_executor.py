@@ -1,0 +1,145 @@
+"""The rollout executor (rollout/executor.py) on a scripted sampler and workflow, no model: on-policy
+it is the synchronous round; with max_staleness a step takes the groups that finished while a
+long-tailed one samples on into the next step (its later turns with the new weights, each token
+tagged with its version), none older than the bound; max_concurrent_rollouts caps the groups in
+flight; a checkpoint's position brings back exactly the groups no step consumed."""
+
+import types
+
+import numpy as np
+
+from unitrain.data.prompt_ids import Prompt
+from unitrain.engines.base import Completions, SamplingParams
+from unitrain.rollout.driver import Driver
+from unitrain.rollout.executor import RolloutExecutor
+from unitrain.rollout.workflow import Generate, Transcript, Workflow
+
+N = 2  # episodes per group
+
+
+class CountingSampler:
+    """One token a turn (the row's index in the call), drawn with the weights version last pushed;
+    it records how many groups each call served."""
+
+    def __init__(self):
+        self.version, self.calls = -1, []
+
+    def update_weights(self, params, version):
+        self.version = version
+
+    def generate(self, prompt_ids, sampling, key):
+        rows = len(prompt_ids)
+        self.calls.append(rows // N)
+        tokens = np.arange(rows, dtype=np.int32)[:, None]
+        ones = np.ones((rows, 1), np.int32)
+        return Completions(tokens, ones, np.zeros((rows, 1), np.float32), ones[:, 0], self.version)
+
+
+class Turns(Workflow):
+    """A record's episodes take as many one-token turns as its label says; reward: the record's index."""
+
+    def __init__(self):
+        self.max_tokens = 64
+
+    def episode(self, record):
+        transcript = Transcript(record.ids)
+        for _ in range(int(record.label)):
+            transcript.add_sampled((yield Generate(transcript.context(), 1)))
+        return transcript.trajectory(float(record.ids[0] % 3), "stop")
+
+
+class Stream:
+    """Prompt batches of `size` records; record i takes turns[i % len(turns)] turns."""
+
+    def __init__(self, size, turns):
+        self.size, self.turns, self.next_record = size, turns, 0
+
+    def __next__(self):
+        first, self.next_record = self.next_record, self.next_record + self.size
+        prompts = [Prompt((i,), f"p{i}", str(self.turns[i % len(self.turns)])) for i in range(first, first + self.size)]
+        return {"prompts": prompts, "num_dropped": 0}
+
+    def get_state(self):
+        return self.next_record
+
+    def set_state(self, state):
+        self.next_record = state
+
+
+def executor(sampler, stream, **keys):
+    cfg = dict(
+        max_staleness=0,
+        max_concurrent_rollouts=0,
+        over_sampling_batch_size=0,
+        rollout_batch_size=stream.size,
+        max_sampling_rounds=4,
+        steps=100,
+        seed=0,
+    )
+    cfg = types.SimpleNamespace(**(cfg | keys))
+    driver = Driver(sampler, Turns(), N, SamplingParams(1), reward_fn=None)
+    return RolloutExecutor(cfg, stream, driver, lambda group: group, keep=None)
+
+
+def steps(ex, sampler, count, first=0):
+    """`count` steps' prepare_batch, each after the step's weights are pushed (as RLTask does)."""
+    out = []
+    for step in range(first, first + count):
+        sampler.update_weights(None, step)
+        groups, stats = ex.prepare_batch(step, lambda version: sampler.update_weights(None, version))
+        out.append((groups, stats))
+    return out
+
+
+def record(group_or_run) -> int:
+    prompt = getattr(group_or_run, "prompt", None) or group_or_run.record
+    return prompt.ids[0]
+
+
+def test_on_policy_a_step_waits_for_its_round_and_trains_on_it_in_record_order():
+    sampler = CountingSampler()
+    ex = executor(sampler, Stream(4, turns=[1, 1, 1, 6]))  # one long-tailed record a round
+    for step, (groups, stats) in enumerate(steps(ex, sampler, 3)):
+        assert [record(g) for g in groups] == list(range(4 * step, 4 * step + 4))
+        assert all(g.version == step for g in groups) and stats["rollouts_in_flight"] == 0
+    assert sampler.calls == [4, 1, 1, 1, 1, 1] * 3  # the round waits for its slowest group
+
+
+def test_with_max_staleness_a_step_takes_what_finished_and_the_long_tail_samples_on():
+    sampler = CountingSampler()
+    ex = executor(sampler, Stream(4, turns=[1, 1, 1, 1, 1, 1, 1, 3]), max_staleness=1)  # 7, 15, 23: 3 turns
+    trained, spanning = [], set()
+    for step, (groups, _) in enumerate(steps(ex, sampler, 6)):
+        trained += [record(g) for g in groups]
+        for g in groups:  # each token carries the version that drew it; the group's is its oldest
+            versions = np.concatenate([t.versions for t in g.trajectories])
+            assert versions.min() == g.version and versions.max() <= step and step - g.version <= 1
+            spanning |= {record(g)} if versions.max() > versions.min() else set()
+    assert len(trained) == len(set(trained)) == 24  # each record trained on once
+    assert spanning == {7, 15, 23}  # the long-tailed records: their last turns sampled after a push
+    assert trained.index(7) < trained.index(8)  # in submission order among the finished
+
+
+def test_max_concurrent_rollouts_caps_the_groups_in_flight():
+    free, capped = CountingSampler(), CountingSampler()
+    steps(executor(free, Stream(2, turns=[1, 4]), max_staleness=3), free, 5)
+    steps(executor(capped, Stream(2, turns=[1, 4]), max_staleness=3, max_concurrent_rollouts=2), capped, 5)
+    assert max(free.calls) > 2 and max(capped.calls) <= 3  # a round starts below the cap: at most one over
+
+
+def test_the_checkpoint_position_brings_back_exactly_the_groups_not_consumed():
+    sampler = CountingSampler()
+    ex = executor(sampler, Stream(4, turns=[1, 2, 5, 1]), max_staleness=2)
+    trained = [record(g) for groups, _ in steps(ex, sampler, 3) for g in groups]
+    state = ex.get_state()
+    position, open_rounds = state["position"], state["consumed"]
+    assert open_rounds and len(set(trained)) == len(trained)
+    assert set(range(position)) <= set(trained)  # before the position: every record trained on
+    resumed = executor(sampler, Stream(4, turns=[1, 2, 5, 1]), max_staleness=2)
+    resumed.set_state(state)
+    for _ in open_rounds:
+        resumed.submit(3, lambda version: None)
+    again = sorted(record(run) for run in resumed.driver.runs)
+    expected = [position + 4 * j + i for j, done in enumerate(open_rounds) for i in range(4) if i not in done]
+    assert again == expected and not set(again) & set(trained)  # none skipped, none twice
+    assert set(trained) | set(again) == set(range(position + 4 * len(open_rounds)))
