@@ -338,6 +338,16 @@ def test_rollout_device_errors():
     assert "'max_staleness' expects an int >= 0" in error([BASE, "max_staleness=-2"])
 
 
+def test_the_stream_keys_need_groups_that_sample_across_steps():
+    assert "max_concurrent_rollouts bounds the groups in flight" in error(
+        [BASE, "mode=grpo", "max_concurrent_rollouts=4"]
+    )
+    assert "rollout_chunk_tokens lets a weight update interrupt" in error([BASE, "mode=grpo", "rollout_chunk_tokens=4"])
+    assert "max_concurrent_rollouts serve RL rollouts; mode=sft" in error([BASE, "max_concurrent_rollouts=4"])
+    cfg = load("mode=grpo", "max_staleness=1", "max_concurrent_rollouts=4", "rollout_chunk_tokens=4")
+    assert (cfg.max_concurrent_rollouts, cfg.rollout_chunk_tokens) == (4, 4)
+
+
 @pytest.mark.parametrize(
     "rules, message",
     [

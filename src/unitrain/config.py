@@ -136,6 +136,7 @@ RULES: dict[str, Rule] = {
     "rollout_devices": NON_NEGATIVE_INT,
     "max_staleness": NON_NEGATIVE_INT,
     "max_concurrent_rollouts": NON_NEGATIVE_INT,
+    "rollout_chunk_tokens": NON_NEGATIVE_INT,
     "mode": builtin_or_plugin(MODES),
     "model_source": builtin_or_plugin(MODEL_SOURCES),
     "sampler": builtin_or_plugin(SAMPLERS),

@@ -213,7 +213,12 @@ def test_episodes_of_a_record_form_a_group_over_everything_after_the_prompt():
     def trajectory(n_sampled, reward):
         tr = Transcript([7, 8])
         tr.add_sampled(
-            Sampled(np.arange(n_sampled, dtype=np.int32) + 10, np.full(n_sampled, -1.0, np.float32), 3, True)
+            Sampled(
+                np.arange(n_sampled, dtype=np.int32) + 10,
+                np.full(n_sampled, -1.0, np.float32),
+                np.full(n_sampled, 3),
+                True,
+            )
         )
         tr.add_context([5, 5])
         return tr.trajectory(reward, "max_turns", per_reward={"env": reward})
@@ -279,7 +284,9 @@ def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
     def episode(turns, end):
         tr = Transcript([1, 7, 8])
         for i, n in enumerate(turns):
-            tr.add_sampled(Sampled(np.full(n, 40 + i, np.int32), np.full(n, -0.1 * (i + 1), np.float32), i, True))
+            tr.add_sampled(
+                Sampled(np.full(n, 40 + i, np.int32), np.full(n, -0.1 * (i + 1), np.float32), np.full(n, i), True)
+            )
             if i + 1 < len(turns):
                 tr.add_context([5, 6, 7])
         return tr.trajectory(1.0, end)

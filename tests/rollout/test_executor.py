@@ -6,6 +6,7 @@ flight; a checkpoint's position brings back exactly the groups no step consumed.
 
 import types
 
+import jax
 import numpy as np
 
 from unitrain.data.prompt_ids import Prompt
@@ -36,15 +37,16 @@ class CountingSampler:
 
 
 class Turns(Workflow):
-    """A record's episodes take as many one-token turns as its label says; reward: the record's index."""
+    """A record's episodes take as many turns as its label says, of `tokens` tokens each (None: the
+    call's max_new_tokens); reward: the record's index mod 3."""
 
-    def __init__(self):
-        self.max_tokens = 64
+    def __init__(self, tokens: int | None = 1):
+        self.max_tokens, self.tokens = 64, tokens
 
     def episode(self, record):
         transcript = Transcript(record.ids)
         for _ in range(int(record.label)):
-            transcript.add_sampled((yield Generate(transcript.context(), 1)))
+            transcript.add_sampled((yield Generate(transcript.context(), self.tokens)))
         return transcript.trajectory(float(record.ids[0] % 3), "stop")
 
 
@@ -143,3 +145,40 @@ def test_the_checkpoint_position_brings_back_exactly_the_groups_not_consumed():
     expected = [position + 4 * j + i for j, done in enumerate(open_rounds) for i in range(4) if i not in done]
     assert again == expected and not set(again) & set(trained)  # none skipped, none twice
     assert set(trained) | set(again) == set(range(position + 4 * len(open_rounds)))
+
+
+def test_an_interrupted_turn_keeps_its_tokens_and_continues_under_the_new_weights():
+    """rollout_chunk_tokens: a weight update between two calls of a turn keeps the tokens drawn
+    before it bit for bit and draws the rest from the new weights, re-prefilled from the whole
+    prefix: each continuation token's logprob is the new model's full forward over that prefix
+    (float32, 1e-5), and each token's version says which weights drew it."""
+    from flax import nnx
+
+    import helpers
+    from helpers import full_logits, log_softmax, scaled, tiny_model
+    from unitrain.engines.colocated import ColocatedSampler
+    from unitrain.models import decoder
+
+    old, new = tiny_model(), scaled(decoder.create(helpers.ROLLOUT_CFG, 1))  # another seed: other weights
+    sampler = ColocatedSampler(old)
+    driver = Driver(sampler, Turns(tokens=None), 1, SamplingParams(max_new_tokens=8), None, chunk_tokens=3)
+    prompt = (3, 4, 5)
+    (run,) = driver.start([Prompt(prompt, "p", "1")], jax.random.key(0))
+    driver.dispatch()
+    driver.collect()
+    before = run.rows[0].context()[len(prompt) :]
+    sampler.update_weights(nnx.to_pure_dict(nnx.state(new)), 1)
+    while driver.pending is not None or run.request is not None:
+        driver.dispatch()
+        if driver.pending is not None:
+            driver.collect()
+    (trajectory,) = run.result
+    assert list(trajectory.ids[:3]) == before and len(trajectory.ids) == 8
+    assert list(trajectory.versions) == [0] * 3 + [1] * 5
+    seq = [*prompt, *(int(t) for t in trajectory.ids)]
+    for k, model in enumerate([old] * 3 + [new] * 5):
+        at = len(prompt) + k
+        expected = log_softmax(full_logits(model, seq[:at])[-1])[seq[at]]
+        np.testing.assert_allclose(trajectory.logprobs[k], expected, rtol=1e-5, atol=1e-5)
+    stale = log_softmax(full_logits(old, seq[: len(prompt) + 3])[-1])[seq[len(prompt) + 3]]
+    assert abs(stale - trajectory.logprobs[3]) > 1e-3  # the old weights would have drawn it otherwise

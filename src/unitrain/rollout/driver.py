@@ -60,8 +60,12 @@ class Driver:
     (`pending`); `collect` waits for it and hands each run its turns. A call takes the next key of
     the round of its first run: a round served alone numbers its calls as start_groups always did."""
 
-    def __init__(self, sampler, workflow, n: int, sampling: SamplingParams, reward_fn):
+    def __init__(self, sampler, workflow, n: int, sampling: SamplingParams, reward_fn, chunk_tokens: int = 0):
+        """`chunk_tokens` > 0 serves a turn at most that many tokens a call: a weight update between
+        calls continues it under the new weights, re-prefilled from the tokens so far (interruptible
+        generation); each token records the version that drew it."""
         self.sampler, self.workflow, self.n, self.sampling, self.reward_fn = sampler, workflow, n, sampling, reward_fn
+        self.chunk_tokens = chunk_tokens
         self.name = f"{type(workflow).__module__}:{type(workflow).__qualname__}"  # for error lines
         self.runs: list[_Run] = []
         self.pending = None  # (the runs of the generate call in flight, its handle)
@@ -101,23 +105,66 @@ class Driver:
         if not live:
             self.pending = None
             return
-        rows = [g for r in live for g in r.request]
-        budgets = tuple(self.sampling.max_new_tokens if g.max_new_tokens is None else g.max_new_tokens for g in rows)
-        call = dataclasses.replace(
-            self.sampling, row_budgets=tuple(min(b, self.sampling.max_new_tokens) for b in budgets)
+        rows = [row for run in live for row in run.turns(self.sampling.max_new_tokens) if not row.done]
+        budgets = tuple(min(row.remaining, self.chunk_tokens or row.remaining) for row in rows)
+        call = dataclasses.replace(self.sampling, row_budgets=budgets)
+        self.pending = (
+            live,
+            rows,
+            budgets,
+            submit(self.sampler, [row.context() for row in rows], call, live[0].keys.next()),
         )
-        self.pending = live, submit(self.sampler, [g.context for g in rows], call, live[0].keys.next())
 
     def collect(self) -> None:
-        """Waits for the pending generate call and hands each of its runs its turns."""
-        live, handle = self.pending
+        """Waits for the pending generate call, adds each row's tokens to its turn, and hands each run
+        whose turns are all done its turns."""
+        live, rows, budgets, handle = self.pending
         self.pending = None
-        out, row = handle.result(), 0
-        stops = self.sampling.stop_token_ids
+        out, stops = handle.result(), self.sampling.stop_token_ids
+        for i, (row, budget) in enumerate(zip(rows, budgets)):
+            row.add(_row(out, i, budget, stops), budget, whole=not self.chunk_tokens)
         for run in live:
-            turns = [_row(out, row + i, g.max_new_tokens, stops) for i, g in enumerate(run.request)]
-            row += len(turns)
-            run.advance(turns)
+            if all(row.done for row in run.rows):
+                run.advance([row.sampled() for row in run.rows])
+
+
+class _Turn:
+    """One Generate request's turn, sampled in one call or (chunk_tokens) several: its pieces so far."""
+
+    def __init__(self, request: Generate, max_new_tokens: int):
+        self.request, self.pieces, self.done = request, [], False
+        self.budget = min(request.max_new_tokens or max_new_tokens, max_new_tokens)
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - sum(len(p.tokens) for p in self.pieces)
+
+    def context(self) -> list[int]:
+        return [*self.request.context, *(int(t) for p in self.pieces for t in p.tokens)]
+
+    def add(self, piece: Sampled, call_budget: int, whole: bool) -> None:
+        """A call's tokens; the turn is done when the call was to be the whole turn, at a stop token,
+        at its budget, or when the engine ended the row short of the call's budget."""
+        self.pieces.append(piece)
+        self.done = whole or piece.stopped or self.remaining == 0 or len(piece.tokens) < call_budget
+
+    def sampled(self) -> Sampled:
+        """The whole turn: its pieces joined (the prompt's routes are the first call's)."""
+        if len(self.pieces) == 1:
+            return self.pieces[0]
+
+        def joined(field):
+            parts = [getattr(p, field) for p in self.pieces]
+            return None if parts[0] is None else np.concatenate(parts)
+
+        return Sampled(
+            joined("tokens"),
+            joined("logprobs"),
+            joined("versions"),
+            self.pieces[-1].stopped,
+            joined("routes"),
+            self.pieces[0].prompt_routes,
+        )
 
 
 class _Keys:
@@ -163,7 +210,7 @@ def _row(out: Completions, row: int, budget: int | None, stop_ids: tuple[int, ..
     return Sampled(
         tokens,
         out.logprobs[row, :n].astype(np.float32),
-        out.version,
+        np.full(n, out.version, np.int32),
         stopped,
         None if out.routes is None else out.routes[row, :n],
         None if out.prompt_routes is None else out.prompt_routes[row],
@@ -172,14 +219,21 @@ def _row(out: Completions, row: int, budget: int | None, stop_ids: tuple[int, ..
 
 class _Run:
     """One record's workflow generator and the request it waits on (None: it has returned), with its
-    round's keys and what the caller tagged it with."""
+    round's keys and what the caller tagged it with; `rows`: the turns of a Generate request."""
 
     def __init__(self, gen, record, name: str, keys: _Keys, tag):
         self.gen, self.record, self.name, self.keys, self.tag = gen, record, name, keys, tag
-        self.request = None
+        self.request, self.rows = None, None
+
+    def turns(self, max_new_tokens: int) -> list[_Turn]:
+        """The turns its Generate request asks for, made when first served."""
+        if self.rows is None:
+            self.rows = [_Turn(g, max_new_tokens) for g in self.request]
+        return self.rows
         self.result: list[Trajectory] | None = None
 
     def advance(self, answer) -> None:
+        self.rows = None
         try:
             request = self.gen.send(answer)
         except StopIteration as stop:

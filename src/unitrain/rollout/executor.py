@@ -234,11 +234,16 @@ def _order(entry) -> tuple:
     return tag.round.number, tag.index
 
 
-@check("max_concurrent_rollouts", "max_staleness")
-def _capacity(c) -> str | None:
-    if not c["max_concurrent_rollouts"] or c["max_staleness"]:
+@check("max_concurrent_rollouts", "rollout_chunk_tokens", "max_staleness")
+def _stream_keys(c) -> str | None:
+    """The stream's keys act where groups sample across steps."""
+    if c["max_staleness"]:
         return None
-    return "max_concurrent_rollouts bounds the groups in flight of the stream (max_staleness >= 1); on-policy (max_staleness 0) a step runs one round at a time"
+    if c["max_concurrent_rollouts"]:
+        return "max_concurrent_rollouts bounds the groups in flight of the stream (max_staleness >= 1); on-policy (max_staleness 0) a step runs one round at a time"
+    if c["rollout_chunk_tokens"]:
+        return "rollout_chunk_tokens lets a weight update interrupt a generation, which happens only when groups sample across steps (max_staleness >= 1)"
+    return None
 
 
-CONFIG_CHECKS = (_capacity,)
+CONFIG_CHECKS = (_stream_keys,)

@@ -74,7 +74,7 @@ class Sampled:
 
     tokens: np.ndarray  # [n] int32, the stop token included when it stopped
     logprobs: np.ndarray  # [n] float32, under the distribution each token was drawn from
-    version: int  # the weights version that sampled it
+    versions: np.ndarray  # [n] int32, the weights version that sampled each token
     stopped: bool  # ended by one of the call's stop tokens (else cut at its token budget)
     routes: np.ndarray | None = None  # [n, L, k]: routing replay's experts of each token
     prompt_routes: np.ndarray | None = None  # [P, L, k]: of the call's left-padded prompt block
@@ -126,7 +126,7 @@ class Transcript:
         self.ids += [int(t) for t in turn.tokens]
         self.mask += [1] * n
         self.logprobs += [float(x) for x in turn.logprobs]
-        self.versions += [turn.version] * n
+        self.versions += [int(v) for v in turn.versions]
         self.turn += [self.turns] * n
         self.turns += 1
 

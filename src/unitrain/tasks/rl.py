@@ -260,7 +260,14 @@ class RLTask(Task):
             self.sampling = dataclasses.replace(self.sampling, record_routes=True)
         if prompts is None:
             prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
-        driver = Driver(self.sampler, self.workflow, cfg.n_samples_per_prompt, self.sampling, self.reward_fn)
+        driver = Driver(
+            self.sampler,
+            self.workflow,
+            cfg.n_samples_per_prompt,
+            self.sampling,
+            self.reward_fn,
+            cfg.rollout_chunk_tokens,
+        )
         self.rollouts = RolloutExecutor(cfg, prompts, driver, self.shape, self.keep)
         self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the groups not yet consumed
         self.stats = functools.partial(token_stats, run.graphdef, cfg.rollout_temperature, cfg.logits_chunk_size)
