@@ -122,6 +122,26 @@ def test_a_run_stopped_with_groups_in_flight_resumes_with_each_prompt_trained_on
     assert trained == straight  # neither repeated nor skipped
 
 
+def test_interrupted_generations_span_two_versions_and_are_logged(tmp_path, reward_log):
+    """rollout_chunk_tokens with max_staleness 1: a round started before an update samples its first
+    chunk with the old weights and the rest with the new ones; its trajectories span two versions.
+    Without chunks the same round is sampled whole before the update (a spread of 0)."""
+    reward_log("chunked")
+    assert (
+        run_grpo(tmp_path, "chunked", "steps=4", "per_device_batch_size=1", "max_staleness=1", "rollout_chunk_tokens=2")
+        == 0
+    )
+    m = metrics(tmp_path, "chunked")
+    # Step 1 trains on step 0's second round (sampled whole with the first weights), step 2 on the
+    # round step 1 started before its update.
+    assert [m[s]["rollout_version_spread_max"] for s in range(3)] == [0, 0, 1]
+    assert [m[s]["rollout_staleness_max"] for s in range(4)] == [0, 1, 1, 1]
+    assert all(np.isfinite(m[s]["loss"]) for s in m)
+    reward_log("whole")
+    assert run_grpo(tmp_path, "whole", "steps=4", "per_device_batch_size=1", "max_staleness=1") == 0
+    assert [metrics(tmp_path, "whole")[s]["rollout_version_spread_max"] for s in range(4)] == [0, 0, 0, 0]
+
+
 def test_push_places_the_weights_on_the_rollout_mesh():
     cfg = load_checked([str(REPO / "configs" / "base.yml"), "mode=grpo", *SPLIT, "rollout_fsdp_parallelism=2"])
     built, state = run.build_run(cfg)

@@ -588,7 +588,16 @@ class RLTask(Task):
         for name in groups[0].per_reward:
             values = np.concatenate([g.per_reward[name] for g in groups])
             metrics.update({f"reward_{name}_{stat}": getattr(values, stat)() for stat in ("mean", "std", "min", "max")})
+        if self.cfg.max_staleness:  # a trajectory sampled across weight updates: its versions' spread
+            spread = np.asarray([version_spread(t) for t in trajectories(groups)])
+            metrics.update(rollout_version_spread_mean=spread.mean(), rollout_version_spread_max=spread.max())
         return {k: float(v) for k, v in metrics.items()}
+
+
+def version_spread(trajectory) -> int:
+    """Newest minus oldest weights version of a trajectory's sampled tokens (0: one version)."""
+    versions = trajectory.versions[trajectory.loss_mask == 1]
+    return int(versions.max() - versions.min()) if len(versions) else 0
 
 
 @check("over_sampling_batch_size", "rollout_batch_size")
