@@ -1,16 +1,19 @@
-"""The batched driver of workflows (rollout/workflow.py): every record of a round at once.
+"""The batched driver of workflows (rollout/workflow.py): every group in flight served together.
 
     finish = start_groups(sampler, workflow, records, n, sampling, key, reward_fn)
     groups = finish()      # one Group per record not rejected, in record order
+    driver = Driver(...); driver.start(records, key, tags); driver.dispatch(); driver.collect()
 
 Each round of requests is served kind by kind, one call each: the Score requests in one reward call
 (the texts of every group in order, so a GroupReward sees whole groups and a batch reward the
-round), the Rank requests in one beam search, the rows waiting on a turn in one generate call
-(rows in record order, finished rows leave, each row with its own token budget). The first generate
-call is submitted when the round starts (rollout/base.submit: it samples while the trainer goes on,
-max_staleness); later ones when the round is taken, with the weights the sampler has then (each
-token records its version). Sampler call c takes the key folded with c (the first: the key itself).
-It runs on the main thread in a fixed order, so every process makes the same sampler calls.
+call's), the Rank requests in one beam search, the rows waiting on a turn in one generate call
+(rows in order, finished rows leave, each row with its own token budget). `dispatch` submits the
+generate call (engines/base.submit: it may sample while the trainer goes on), `collect` waits for it;
+each token records the weights version that drew it. With `chunk_tokens` a turn takes several calls
+(interruptible generation: a push between two continues it under the new weights). A call takes the
+next key of the round of its first group: call c of a round, its key folded with c (the first: the
+key itself). It runs on the main thread in a fixed order, so every process makes the same calls.
+The executor (rollout/executor.py) keeps a Driver's groups in flight across steps.
 """
 
 from __future__ import annotations
