@@ -401,7 +401,10 @@ def test_gspo_loss_and_gradient_match_numpy():
 
     def loss(lp):
         settings = losses.PolicyLossConfig(
-            eps_clip=eps_lo, eps_clip_high=eps_hi, loss_agg_mode="seq-mean-token-mean", policy_loss_type="gspo"
+            eps_clip=eps_lo,
+            eps_clip_high=eps_hi,
+            loss_agg_mode="seq-mean-token-mean",
+            log_ratio=losses.sequence_log_ratio,
         )
         s, n, met = losses.policy_loss(lp, old, d["adv"], d["mask"], settings)
         return s / n, met
@@ -426,7 +429,7 @@ def test_gspo_refuses_token_level_aggregation_and_dual_clip():
                 d["old"],
                 d["adv"],
                 d["mask"],
-                losses.PolicyLossConfig(eps_clip=0.2, policy_loss_type="gspo", **kw),
+                losses.PolicyLossConfig(eps_clip=0.2, log_ratio=losses.sequence_log_ratio, **kw),
             )
 
 
@@ -511,3 +514,32 @@ def test_rollout_correction_weights_are_constants():
     g = np.asarray(jax.grad(loss)(jnp.asarray(d["logp"])))
     w = np.minimum(np.exp(np.clip(d["logp"].astype(np.float64) - d["old"], -20, 20)), 2.0) * d["mask"]
     np.testing.assert_allclose(g, -d["adv"][:, None] * w / d["mask"].sum(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_plugin_policy_loss_is_the_surrogate_s_log_ratio():
+    """policy_loss: pkg.module:fn names the log-ratio of the clipped surrogate; the loss is then the
+    NumPy recomputation with that ratio (tests/plugin_policy_loss.py clamps it to +-0.05)."""
+    from helpers import make_cfg
+    from plugin_policy_loss import BOUND, tight_log_ratio
+
+    settings = losses.PolicyLossConfig.from_config(
+        make_cfg(mode="grpo", policy_loss="plugin_policy_loss:tight_log_ratio")
+    )
+    assert settings.log_ratio is tight_log_ratio
+    d = _batch()
+    old = (d["logp"] - np.random.default_rng(2).normal(0, 0.2, (B, T))).astype(np.float32)
+    s, n, _ = losses.policy_loss(jnp.asarray(d["logp"]), old, d["adv"], d["mask"], settings)
+    ratio = np.exp(np.clip(d["logp"] - old, -BOUND, BOUND))
+    adv = np.broadcast_to(d["adv"][:, None], (B, T))
+    clipped = np.clip(ratio, 1 - settings.eps_clip, 1 + (settings.eps_clip_high or settings.eps_clip))
+    per_token = np.maximum(-adv * ratio, -adv * clipped)
+    m = d["mask"].astype(bool)
+    np.testing.assert_allclose(float(s / n), per_token[m].mean(), rtol=1e-5)
+    plain = losses.policy_loss(
+        jnp.asarray(d["logp"]),
+        old,
+        d["adv"],
+        d["mask"],
+        losses.PolicyLossConfig(eps_clip=settings.eps_clip, eps_clip_high=settings.eps_clip_high),
+    )
+    assert abs(float(plain[0] / plain[1]) - float(s / n)) > 1e-4  # the plugin's ratio, not the built-in's

@@ -239,7 +239,7 @@ RULES: dict[str, Rule] = {
     "eps_clip_high": optional(POSITIVE),
     "eps_clip_c": optional(Rule(lambda v: _is_num(v) and v > 1, "a number > 1")),
     "loss_agg_mode": choices(*LOSS_AGG_MODES),
-    "policy_loss": choices(*POLICY_LOSSES),
+    "policy_loss": builtin_or_plugin(POLICY_LOSSES),
     "rollout_is_level": choices(*ROLLOUT_IS_LEVELS),
     "rollout_is_mode": choices(*ROLLOUT_IS_MODES),
     "rollout_is_threshold": Rule(lambda v: _is_num(v) and v > 1, "a number > 1"),

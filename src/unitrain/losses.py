@@ -5,11 +5,13 @@ micro-batches, and averaging over hosts, is exact at token level: the step divid
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from unitrain import plugins
 from unitrain.config import check
 from unitrain.registry import (
     GROUP_ESTIMATORS,
@@ -252,35 +254,33 @@ def aggregate(values, mask, loss_agg_mode: str = "token-mean", horizon: int | No
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
-def log_importance_ratio(logprobs, old_logprobs, mask, policy_loss_type: str = "ppo", sequences: Sequences = ROWS):
-    """log(ratio) per token [B,T], float32, for the clipped surrogate of `policy_loss_type`:
+def token_log_ratio(logprobs, old_logprobs, mask, sequences: Sequences = ROWS):
+    """policy_loss ppo: clip(logp - old, -20, 20), each token's own log-ratio (verl "vanilla")."""
+    del mask, sequences  # the token's ratio reads no other token
+    return jnp.clip(logprobs - old_logprobs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
 
-    - "ppo":  clip(logp - old, -20, 20), the token's own ratio (verl "vanilla").
-    - "gspo": GSPO's length-normalised sequence ratio s_i = exp(mean_t (logp - old)) over row i's
-              masked tokens (Zheng et al. 2025), in verl's token-level form (compute_policy_loss_gspo):
-              log s_i,t = sg(log s_i) + logp_t - sg(logp_t), clamped above at 10. Its value is
-              log s_i at every token of the row; its gradient is that of logp_t alone, so with
-              seq-mean-token-mean each row's gradient is s_i * A_i * mean_t grad logp_t = grad s_i * A_i.
-              With packed rows (`sequences`) i runs over the rows' sequences.
-    """
-    logp = jnp.asarray(logprobs, jnp.float32)
-    old = jnp.asarray(old_logprobs, jnp.float32)
-    if policy_loss_type == "ppo":
-        return jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    if policy_loss_type == "gspo":
-        m = jnp.asarray(mask, jnp.float32)
-        seq = sequences.total((logp - old) * m) / jnp.maximum(sequences.total(m), 1.0)
-        sg = jax.lax.stop_gradient
-        return jnp.minimum(sequences.spread(sg(seq), logp.shape) + logp - sg(logp), _GSPO_LOG_RATIO_MAX)
-    raise ValueError(f"unknown policy loss {policy_loss_type!r}; expected one of {POLICY_LOSSES}")
+
+def sequence_log_ratio(logprobs, old_logprobs, mask, sequences: Sequences = ROWS):
+    """policy_loss gspo: GSPO's length-normalised sequence ratio s_i = exp(mean_t (logp - old)) over
+    row i's masked tokens (Zheng et al. 2025), in verl's token-level form (compute_policy_loss_gspo):
+    log s_i,t = sg(log s_i) + logp_t - sg(logp_t), clamped above at 10. Its value is log s_i at every
+    token of the row; its gradient is that of logp_t alone, so with seq-mean-token-mean each row's
+    gradient is s_i * A_i * mean_t grad logp_t = grad s_i * A_i. With packed rows (`sequences`) i runs
+    over the rows' sequences."""
+    m = jnp.asarray(mask, jnp.float32)
+    seq = sequences.total((logprobs - old_logprobs) * m) / jnp.maximum(sequences.total(m), 1.0)
+    sg = jax.lax.stop_gradient
+    return jnp.minimum(sequences.spread(sg(seq), logprobs.shape) + logprobs - sg(logprobs), _GSPO_LOG_RATIO_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """What policy_loss reads of the config (static: fixed for the run). The fields are the config
-    keys of the same names, but for policy_loss_type (key `policy_loss`) and horizon (the maximum
-    response length, for seq-mean-token-sum-norm). kl_coef is the KL term's weight in the loss: 0
-    when there is none or it goes into the reward (use_kl_in_reward)."""
+    keys of the same names, but for log_ratio (key `policy_loss`, as its function: registry.POLICY_LOSSES
+    or a plugin `fn(logprobs, old_logprobs, mask, sequences) -> [B, T]`, the log importance ratio of
+    the clipped surrogate) and horizon (the maximum response length, for
+    seq-mean-token-sum-norm). kl_coef is the KL term's weight in the loss: 0 when there is none or
+    it goes into the reward (use_kl_in_reward)."""
 
     eps_clip: float
     eps_clip_high: float | None = None
@@ -290,12 +290,12 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
     entropy_coef: float = 0.0
-    policy_loss_type: str = "ppo"
+    log_ratio: Callable = token_log_ratio
 
     def __post_init__(self):
         if self.eps_clip_c is not None and not self.eps_clip_c > 1.0:
             raise ValueError(f"eps_clip_c (dual-clip constant) must be > 1, got {self.eps_clip_c}")
-        if self.policy_loss_type == "gspo" and (
+        if self.log_ratio is sequence_log_ratio and (
             self.loss_agg_mode != "seq-mean-token-mean" or self.eps_clip_c is not None
         ):
             raise ValueError("gspo needs loss_agg_mode 'seq-mean-token-mean' and no dual clip (eps_clip_c None)")
@@ -312,7 +312,9 @@ class PolicyLossConfig:
             kl_coef=cfg.kl_coef if kl_in_loss else 0.0,
             kl_type=cfg.kl_type,
             entropy_coef=cfg.entropy_coef,
-            policy_loss_type=cfg.policy_loss,
+            log_ratio=plugins.resolve(
+                cfg.policy_loss, POLICY_LOSSES, "policy_loss", "a log-ratio fn(logprobs, old_logprobs, mask, sequences)"
+            ),
         )
 
 
@@ -333,8 +335,8 @@ def policy_loss(
     `settings`' fields.
 
     logprobs, old_logprobs, mask (and ref_logprobs, entropy, pg_weights when given) [B,T]; advantages
-    [B] (broadcast over tokens) or [B,T]. Per token, with ratio = exp(log_importance_ratio(...,
-    policy_loss_type)) (PPO: the token's ratio; GSPO: the row's length-normalised sequence ratio):
+    [B] (broadcast over tokens) or [B,T]. Per token, with ratio = exp(settings.log_ratio(...)) (PPO:
+    the token's ratio; GSPO: the row's length-normalised sequence ratio):
         pg1 = -A * ratio
         pg2 = -A * clip(ratio, 1 - eps_clip, 1 + (eps_clip_high or eps_clip))
         pg  = max(pg1, pg2)
@@ -368,7 +370,7 @@ def policy_loss(
         adv = adv[..., None]
     adv = jnp.broadcast_to(adv, logp.shape)
 
-    log_ratio = log_importance_ratio(logp, old_logprobs, m, settings.policy_loss_type, sequences)
+    log_ratio = settings.log_ratio(logp, jnp.asarray(old_logprobs, jnp.float32), m, sequences)
     ratio = jnp.exp(log_ratio)
     high = settings.eps_clip if settings.eps_clip_high is None else settings.eps_clip_high
     pg1 = -adv * ratio

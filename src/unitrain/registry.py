@@ -68,7 +68,8 @@ GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp")  # losses.compute_
 # The RL objective's choices (losses.py)
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "gspo")
+# policy_loss: the clipped surrogate's log importance ratio, fn(logprobs, old_logprobs, mask, sequences) -> [B, T]
+POLICY_LOSSES = {"ppo": "unitrain.losses:token_log_ratio", "gspo": "unitrain.losses:sequence_log_ratio"}
 ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_IS_MODES = ("truncate", "mask")
 
