@@ -721,7 +721,7 @@ def long_tailed_groups(
         rows = []
         for t, lp, n, reward in zip(tokens, logprobs, lengths, rewards):
             transcript = Transcript(ids)
-            transcript.add_sampled(Sampled(t[:n], lp[:n], 0, True))
+            transcript.add_sampled(Sampled(t[:n], lp[:n], np.zeros(n, np.int32), True))
             rows.append(transcript.trajectory(reward, "stop"))
         groups.append(Group(Prompt(ids, "", ""), tuple(rows), rewards, {}))
     return groups

@@ -103,7 +103,7 @@ def one_step(cfg):
     task = modes.create(built)
     if cfg.mode != "dpo":
         groups = fixed_groups(cfg, built.tokenizer)
-        task.rollouts.take = lambda step, push: (groups, {})
+        task.rollouts.prepare_batch = lambda step, push: (groups, {})
     before = jax.tree.map(np.asarray, state["params"])
     state = task.train_state(state)
     state, metrics = task.step(state, 0)
