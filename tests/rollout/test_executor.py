@@ -8,9 +8,11 @@ import types
 
 import jax
 import numpy as np
+import pytest
 
 from unitrain.data.prompt_ids import Prompt
 from unitrain.engines.base import Completions, SamplingParams
+from unitrain.errors import CheckpointError
 from unitrain.rollout.driver import Driver
 from unitrain.rollout.executor import RolloutExecutor
 from unitrain.rollout.workflow import Generate, Transcript, Workflow
@@ -145,6 +147,8 @@ def test_the_checkpoint_position_brings_back_exactly_the_groups_not_consumed():
     expected = [position + 4 * j + i for j, done in enumerate(open_rounds) for i in range(4) if i not in done]
     assert again == expected and not set(again) & set(trained)  # none skipped, none twice
     assert set(trained) | set(again) == set(range(position + 4 * len(open_rounds)))
+    with pytest.raises(CheckpointError, match="not the rollout executor's"):
+        executor(sampler, Stream(4, turns=[1])).set_state(position)  # an earlier unitrain's bare position
 
 
 def test_an_interrupted_turn_keeps_its_tokens_and_continues_under_the_new_weights():

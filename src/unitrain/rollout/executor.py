@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from unitrain.config import check
+from unitrain.errors import CheckpointError
 from unitrain.rollout.driver import Driver, make_group
 from unitrain.rollout.groups import select_groups
 
@@ -102,6 +103,12 @@ class RolloutExecutor:
     def set_state(self, state) -> None:
         if self.rounds:
             raise RuntimeError("the prompt position can only be restored before rollouts start")
+        if not (isinstance(state, dict) and {"position", "consumed"} <= set(state)):
+            raise CheckpointError(
+                "the checkpoint's prompt position is not the rollout executor's ({position, consumed}: a checkpoint "
+                "of an earlier unitrain, which recorded rounds); start a new run from its weights: another "
+                "run_name and load_parameters_path=<its checkpoints folder>"
+            )
         self.prompts.set_state(state["position"])
         self.skip = [set(c) for c in state["consumed"]]
 
