@@ -1,6 +1,6 @@
 """Rollouts on devices of their own (sampler: mesh) and ahead of the trainer (max_staleness): the
 split is the colocated run when nothing runs ahead, every sample is at most max_staleness versions
-old (from its version tag), and a run stopped with rounds in flight resumes at the right prompt."""
+old (from its version tag), and a run stopped with groups in flight resumes with each prompt trained on once."""
 
 import json
 import os
@@ -85,7 +85,7 @@ def test_rollouts_run_ahead_by_at_most_max_staleness_versions(tmp_path, reward_l
     assert "rollout_tokens_per_sec" not in m[1]  # sampled ahead, their time is not time_rollout
     assert all(np.isfinite(m[s]["loss"]) and m[s]["grad_norm"] > 0 for s in m)
     assert len(set(m[s]["kl"] for s in m)) > 1  # the policy moves away from the reference
-    # Ahead on the trainer's own devices: the round in flight reads the weights the next update
+    # Ahead on the trainer's own devices: the call in flight reads the weights the next update
     # donates, and still samples from them (the same samples, so the same losses).
     reward_log("colocated_ahead")
     assert run_grpo(tmp_path, "colocated_ahead", "steps=4", "per_device_batch_size=1", "max_staleness=1") == 0

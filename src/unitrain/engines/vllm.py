@@ -13,7 +13,7 @@ here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TP
               from the key (a batched request would give GRPO's copies of a prompt one seed and one
               sample), token ids in and out, the stop ids as the only stops, and the logprobs of the
               distribution each token was drawn from (--logprobs-mode processed_logprobs).
-              `submit` returns at once: rounds sampled ahead (max_staleness) run on the server while
+              `submit` returns at once: the generate calls sampled ahead (max_staleness) run on the server while
               the trainer updates.
     failures  a request that times out or gets a 5xx is retried (vllm_max_retries); a server that
               died is restarted from the newest exported version (vllm_restarts times) and the

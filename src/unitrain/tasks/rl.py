@@ -422,10 +422,10 @@ class RLTask(Task):
                 parts[name] = parts.get(name, 0.0) + seconds
 
         if self.cfg.max_staleness:
-            # The later turns of the rounds sampled ahead (a multi-turn episode's) are sampled when their
-            # round is taken, with this step's weights (the colocated sampler's earlier ones were donated).
+            # The groups in flight go on with this step's weights (the colocated sampler's earlier ones
+            # were donated).
             push(step)
-        self.reward_fn.metrics()  # drop what an evaluation's scoring measured: the rm/* metrics are the step's rounds'
+        self.reward_fn.metrics()  # drop what an evaluation's scoring measured: the rm/* metrics are the step's rollouts'
         groups, stats = self.rollouts.prepare_batch(step, push)
         stats.update(self.reward_fn.metrics())
         release(self.sampler)  # no sampling before the next push: what it kept goes before the update
