@@ -71,7 +71,7 @@ class Driver:
         self.chunk_tokens = chunk_tokens
         self.name = f"{type(workflow).__module__}:{type(workflow).__qualname__}"  # for error lines
         self.runs: list[_Run] = []
-        self.pending = None  # (the runs of the generate call in flight, its handle)
+        self.pending = None  # the generate call in flight: (its runs, its turns, their budgets, its handle)
 
     def start(self, records: list, key: jax.Array, tags: list | None = None) -> list[_Run]:
         """Starts the records' runs (each up to its first request); each run carries its `tags` entry."""
@@ -227,13 +227,13 @@ class _Run:
     def __init__(self, gen, record, name: str, keys: _Keys, tag):
         self.gen, self.record, self.name, self.keys, self.tag = gen, record, name, keys, tag
         self.request, self.rows = None, None
+        self.result: list[Trajectory] | None = None
 
     def turns(self, max_new_tokens: int) -> list[_Turn]:
         """The turns its Generate request asks for, made when first served."""
         if self.rows is None:
             self.rows = [_Turn(g, max_new_tokens) for g in self.request]
         return self.rows
-        self.result: list[Trajectory] | None = None
 
     def advance(self, answer) -> None:
         self.rows = None

@@ -130,10 +130,9 @@ class RolloutExecutor:
         self.rounds.append(round_)
         fresh = [i for i in range(round_.size) if i not in round_.consumed]  # a restore's re-read skips the consumed
         self.driver.start([batch["prompts"][i] for i in fresh], key, [_Tag(round_, i, step) for i in fresh])
-        self._retire()
         return True
 
-    def wait(self, step: int) -> None:
+    def wait(self) -> None:
         """Serves one round of requests of the groups in flight (one generate call, and the Score and
         Rank requests before it), then files the groups that finished."""
         if self.driver.pending is None:
@@ -150,7 +149,7 @@ class RolloutExecutor:
         stale = self._discard(lambda version: version < stale_before)
         while len(self.accepted) < cfg.rollout_batch_size or self._in_flight(older_than=step + 1 - self.bound):
             if self.driver.runs or self.driver.pending is not None:
-                self.wait(step)
+                self.wait()
             elif self.submitted >= cfg.max_sampling_rounds or not self.submit(step, push):
                 break  # out of rounds (select_groups refills) or of prompts (select_groups says so)
             while (
