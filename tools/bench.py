@@ -114,7 +114,7 @@ from unitrain.data.preference import MARGIN
 from unitrain.data.prompt_ids import Prompt
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.engines import mesh as rollout_mesh
-from unitrain.engines.base import SamplingParams, close
+from unitrain.engines.base import MeasuredSampler, SamplingParams, close
 from unitrain.engines.buckets import batch_parallelism, bucket_prompt_length
 from unitrain.engines.colocated import phase_ends
 from unitrain.engines.factory import make_sampler
@@ -799,7 +799,11 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
         start = time.perf_counter()
         sampler.update_weights(state["params"], version)
         times.append(sampler.push_seconds if cfg.sampler == "mesh" else time.perf_counter() - start)
-        parts.append(getattr(sampler, "push_timings", {}))
+        parts.append(
+            {k: v for k, v in sampler.metrics().items() if k.startswith("time_")}
+            if isinstance(sampler, MeasuredSampler)
+            else {}
+        )
         if cfg.sampler == "mesh":  # the multi-process path (each parameter through the hosts), in one process
             start = time.perf_counter()
             jax.block_until_ready(jax.tree.map(rollout_mesh.through_hosts, state["params"], sampler.shardings))

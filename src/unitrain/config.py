@@ -141,7 +141,14 @@ RULES: dict[str, Rule] = {
     "model_source": builtin_or_plugin(MODEL_SOURCES),
     "sampler": builtin_or_plugin(SAMPLERS),
     "vllm_python": NAME,
-    "vllm_url": Rule(lambda v: v == "" or v.startswith(("http://", "https://")), '"" or an http:// URL'),
+    "vllm_servers": POSITIVE_INT,
+    "vllm_urls": Rule(
+        lambda v: (
+            isinstance(v, (list, tuple))
+            and all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in v)
+        ),
+        "a list of http:// URLs ([] = start vllm_servers servers)",
+    ),
     "vllm_startup_timeout": POSITIVE,
     "vllm_request_timeout": POSITIVE,
     "vllm_max_retries": NON_NEGATIVE_INT,

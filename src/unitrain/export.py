@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Collection
 
 import jax
 from flax import nnx
@@ -53,18 +54,24 @@ def export_hf(run, params, path: str) -> None:
 def export_policy(run, params, version: int, root: str) -> str:
     """The policy of `version` as an HF folder an inference engine (vLLM, SGLang) loads as it loads any
     model: export_hf of `params` into <root>/version_<version>, with POLICY_VERSION_FILE saying the
-    version. Earlier version_* folders under `root` are removed once the new one is complete, so a
-    long run keeps one copy on disk. An engine's Sampler calls this from update_weights (every
-    process must: gathering is a collective; process 0 writes); returns the folder."""
+    version. An engine's Sampler calls this from update_weights (every process must: gathering is a
+    collective; process 0 writes), and prune_versions once its servers have loaded it; returns the
+    folder."""
     path = os.path.join(root, f"version_{version}")
     export_hf(run, params, path)
     if jax.process_index() == 0:
         with open(os.path.join(path, POLICY_VERSION_FILE), "w") as f:
             json.dump({"version": version}, f)
-        for name in os.listdir(root):
-            if name.startswith("version_") and name != f"version_{version}":
-                shutil.rmtree(os.path.join(root, name))
     return path
+
+
+def prune_versions(root: str, keep: Collection[str]) -> None:
+    """Removes the version_* folders under `root` but those in `keep` (the newest, and any a server is
+    still starting from), so that a long run keeps one copy on disk."""
+    kept = {os.path.basename(p) for p in keep}
+    for name in os.listdir(root):
+        if name.startswith("version_") and name not in kept:
+            shutil.rmtree(os.path.join(root, name))
 
 
 @check("action", "export_hf_path")

@@ -91,6 +91,7 @@ CONFIG_CHECKS = (
     "unitrain.data.prompt_ids:CONFIG_CHECKS",
     "unitrain.data.rl_packing:CONFIG_CHECKS",
     "unitrain.engines.factory:CONFIG_CHECKS",
+    "unitrain.engines.vllm:CONFIG_CHECKS",
     "unitrain.rollout.driver:CONFIG_CHECKS",
     "unitrain.rollout.executor:CONFIG_CHECKS",
     "unitrain.rollout.shaping:CONFIG_CHECKS",

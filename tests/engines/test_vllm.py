@@ -1,9 +1,10 @@
 """`sampler: vllm` against a real vLLM server (the engine's venv of ./setup.sh --vllm) on 127.0.0.1, with a
 tiny random Qwen2 whose head_dim (32) vLLM's CPU attention serves: greedy tokens and sampled logprobs
 against transformers' forward on the same weights, weight reloads and versions, per-row seeds, a
-server already running (vllm_url), failures (a server that never comes up, dies, or answers 5xx),
-and GRPO runs: on-policy with the server killed and restarted mid-run, two processes sampling a
-version ahead, and a trainer killed with SIGKILL that leaves no server behind and resumes.
+servers already running (vllm_urls), rows spread over several servers and sent again when one stops
+answering, failures (a server that never comes up, dies, or answers 5xx), and GRPO runs: on two
+servers with one killed and restarted mid-run, two processes sampling a version ahead, and a trainer
+killed with SIGKILL that leaves no server behind and resumes.
 
 The tests that start servers share one xdist group (one worker, one server at a time) and the
 module's server; `--enforce-eager` (through vllm_args) spares each start torch.compile's warm-up."""
@@ -203,9 +204,11 @@ def test_a_new_version_serves_the_new_weights(served, tmp_path):
     expected = [hf_greedy(hf_model(tmp_path / "new"), p, 8) for p in PROMPTS]
     out = sampler.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
     assert out.tokens.tolist() == expected and out.version == 1
-    assert set(sampler.push_timings) == {"time_weight_export", "time_weight_reload"}
+    measured = sampler.metrics()
+    assert {"time_weight_export", "time_weight_reload"} <= set(measured) and measured["engine_servers_up"] == 1
+    assert 0 < measured["engine_busy_fraction"] < 1
     sampler.update_weights(new, 1)  # the same version again (an eval after the step's push): nothing to do
-    assert sampler.push_timings == {}
+    assert "time_weight_export" not in sampler.metrics()
     exported = os.listdir(sampler.export_root)
     assert exported == ["version_1"]  # one copy on disk
 
@@ -213,13 +216,14 @@ def test_a_new_version_serves_the_new_weights(served, tmp_path):
 @needs_vllm
 def test_a_server_already_running_is_reloaded_and_left_running(served, ckpt, tmp_path):
     run, params, sampler = served
-    cfg = engine_cfg(tmp_path, ckpt, vllm_url=sampler.server.url, vllm_python="/nonexistent")
+    [engine] = sampler.engines
+    cfg = engine_cfg(tmp_path, ckpt, vllm_urls=[engine.url], vllm_python="/nonexistent")
     guest = vllm.VLLMSampler(build_run(cfg)[0])
     guest.update_weights(params, 5)
     out = guest.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
     assert out.version == 5 and out.tokens.tolist() == [hf_greedy(hf_model(ckpt), p, 8) for p in PROMPTS]
     guest.close()
-    assert sampler.server.alive()
+    assert engine.server.alive()
     sampler.update_weights(params, 6)  # the module's sampler takes its server back
 
 
@@ -227,8 +231,8 @@ def test_a_server_already_running_is_reloaded_and_left_running(served, ckpt, tmp
 def test_a_dead_server_without_restarts_is_one_line_with_the_end_of_its_log(served):
     """The last test of the module's server: it is killed."""
     _, _, sampler = served
-    os.killpg(sampler.server.process.pid, signal.SIGKILL)
-    sampler.server.process.wait()
+    os.killpg(sampler.engines[0].server.process.pid, signal.SIGKILL)
+    sampler.engines[0].server.process.wait()
     with pytest.raises(EngineError) as e:
         sampler.generate(PROMPTS, SamplingParams(8), jax.random.key(0))
     message = str(e.value)
@@ -255,7 +259,8 @@ def test_a_server_that_does_not_come_up_in_time_is_stopped(tmp_path, ckpt):
     sampler = vllm.VLLMSampler(run)
     with pytest.raises(EngineError, match="did not come up within vllm_startup_timeout=3 s"):
         sampler.update_weights(state["params"], 0)
-    assert sampler.server.process.poll() is not None and not group_members(sampler.server.process.pid)
+    server = sampler.engines[0].server
+    assert server.process.poll() is not None and not group_members(server.process.pid)
 
 
 def test_an_engine_interpreter_that_is_not_there_is_a_config_error(tmp_path, tiny_checkpoint):
@@ -350,8 +355,10 @@ def test_5xx_and_timeouts_are_retried_then_one_line(flaky, monkeypatch):
 
 
 class FakeEngine(http.server.BaseHTTPRequestHandler):
-    """The weight endpoints of a vLLM server: a reload fails while `server.fail_reload`; /weight_info
-    says `server.reports` (None: the version last set)."""
+    """The endpoints of a vLLM server the sampler calls: a reload fails while `server.fail_reload`;
+    /weight_info says `server.reports` (None: the version last set); /v1/completions answers
+    `server.answers` requests (None: all; then it drops each connection unanswered, as a dead server),
+    each with tokens made from the request's seed."""
 
     def do_GET(self):
         if self.path == "/v1/models":
@@ -360,11 +367,25 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"null")
+        if self.path == "/v1/completions":
+            return self.complete(body)
         if self.path == "/collective_rpc" and self.server.fail_reload:
             return self.answer(500, {"error": "reload failed"})
         if self.path == "/update_weight_version":
             self.server.version = body["new_version"]
         self.answer(200, {})
+
+    def complete(self, body):
+        with self.server.lock:
+            self.server.requests += 1
+            if self.server.answers is not None and self.server.requests > self.server.answers:
+                self.close_connection = True
+                return
+        threading.Event().wait(0.05)  # a while in flight, so that rows overlap
+        tokens = [(body["seed"] + i) % 1000 for i in range(body["max_tokens"])]
+        with self.server.lock:
+            self.server.answered += 1
+        self.answer(200, {"choices": [{"token_ids": tokens, "logprobs": {"token_logprobs": [-0.5] * len(tokens)}}]})
 
     def answer(self, status, body):
         data = json.dumps(body).encode()
@@ -377,15 +398,48 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def fake_engine(answers=None):
+    """A FakeEngine serving on a port of its own: (server, its url)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
+    server.fail_reload, server.reports, server.version = False, None, "default"
+    server.lock, server.requests, server.answered, server.answers = threading.Lock(), 0, 0, answers
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def fake_sampler(tmp_path, *urls):
+    run, _ = build_run(make_cfg(mode="grpo", base_output_directory=tmp_path, per_device_batch_size=1))
+    return run, vllm.VLLMSampler(dataclasses.replace(run, cfg=run.cfg.replace(sampler="vllm", vllm_urls=urls)))
+
+
+def test_rows_spread_over_the_servers_and_go_to_the_others_when_one_stops_answering(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm.time, "sleep", lambda s: None)
+    (a, url_a), (b, url_b) = fake_engine(), fake_engine(answers=3)
+    run, sampler = fake_sampler(tmp_path, url_a, url_b)
+    sampler.update_weights(run.init_params, 1)
+    key = jax.random.key(0)
+    out = sampler.generate([[1, 2, 3]] * 16, SamplingParams(4), key)
+    # Every row as its seed makes it, wherever it ran: 3 on b, the rest (its lost ones again) on a.
+    assert out.tokens.tolist() == [[(seed + i) % 1000 for i in range(4)] for seed in vllm.row_seeds(key, 16)]
+    assert out.version == 1 and (a.answered, b.answered) == (13, 3) and b.requests > 3
+    measured = sampler.metrics()
+    assert measured["engine_servers_up"] == 1 and 0 < measured["engine_busy_fraction"] <= 1
+    sampler.update_weights(run.init_params, 2)  # the servers up only
+    assert (a.version, b.version) == ("2", "1")
+    assert sampler.generate([[4, 5]] * 2, SamplingParams(4), key).version == 2 and a.answered == 15
+    a.answers = a.requests
+    with pytest.raises(EngineError, match=f"the vLLM server at {url_a} stopped answering while sampling"):
+        sampler.generate([[4, 5]] * 2, SamplingParams(4), key)
+    sampler.close()
+    a.shutdown()
+    b.shutdown()
+
+
 @pytest.mark.parametrize("fault", ["reload fails", "another version reported"])
 def test_a_failed_reload_stops_before_any_sample_is_tagged(tmp_path, monkeypatch, fault):
     monkeypatch.setattr(vllm.time, "sleep", lambda s: None)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
-    server.fail_reload, server.reports, server.version = False, None, "default"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    run, _ = build_run(make_cfg(mode="grpo", base_output_directory=tmp_path, per_device_batch_size=1))
-    sampler = vllm.VLLMSampler(dataclasses.replace(run, cfg=run.cfg.replace(sampler="vllm", vllm_url=url)))
+    server, url = fake_engine()
+    run, sampler = fake_sampler(tmp_path, url)
     sampler.update_weights(run.init_params, 1)
     assert sampler.version == 1
     if fault == "reload fails":
@@ -432,7 +486,9 @@ def assert_trained(steps: dict, count: int, on_policy: tuple[int, ...]):
 
 
 @needs_vllm
-def test_grpo_trains_on_policy_through_a_server_killed_and_restarted_mid_run(tmp_path, ckpt, monkeypatch):
+def test_grpo_on_two_servers_goes_on_through_one_killed_with_sigkill_and_restarted(tmp_path, ckpt, monkeypatch):
+    """Server 1 is killed once step 0's line is written: step 1 reloads and samples on server 0 alone
+    while server 1 restarts; from step 3 on (step 2's line waits for it) both serve again."""
     made = []
     original_init = vllm.VLLMSampler.__init__
     monkeypatch.setattr(
@@ -444,15 +500,26 @@ def test_grpo_trains_on_policy_through_a_server_killed_and_restarted_mid_run(tmp
 
     def write_then_kill(self, step, scalars):
         write(self, step, scalars)
+        killed = made[0].engines[1]
         if step == 0 and "loss" in scalars:
-            os.killpg(made[0].server.process.pid, signal.SIGKILL)
+            os.killpg(killed.server.process.pid, signal.SIGKILL)
+        if step == 2 and "loss" in scalars:
+            deadline = time.monotonic() + 600
+            while killed.state != "up":
+                assert time.monotonic() < deadline and killed.state != "gone", killed.error
+                time.sleep(0.5)
 
     monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_then_kill)
-    assert train.main(grpo_args(tmp_path, ckpt, "steps=3", "vllm_restarts=1")) == 0
-    assert_trained(metrics(tmp_path / "default"), 3, on_policy=(0, 1, 2))
-    log = (tmp_path / "default" / "vllm_server.log").read_text()
-    assert log.count("==== unitrain:") == 2  # started, then restarted once
-    assert made[0].server is None  # closed with the run
+    assert train.main(grpo_args(tmp_path, ckpt, "steps=5", "vllm_servers=2", "vllm_restarts=1")) == 0
+    steps = metrics(tmp_path / "default")
+    assert_trained(steps, 5, on_policy=tuple(range(5)))
+    up = [steps[s]["engine_servers_up"] for s in range(5)]
+    assert up[0] == up[4] == 2 and min(up) == 1, up
+    logs = [(tmp_path / "default" / name).read_text() for name in ("vllm_server.log", "vllm_server_1.log")]
+    assert [log.count("==== unitrain:") for log in logs] == [1, 2]  # server 1 started, then restarted once
+    restarted = logs[1].split("==== unitrain:")[2]
+    assert "POST /v1/completions" in logs[0] and "POST /v1/completions" in restarted  # both served rows
+    assert all(not e.server.alive() for e in made[0].engines)  # closed with the run
 
 
 @needs_vllm

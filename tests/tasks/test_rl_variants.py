@@ -202,6 +202,7 @@ def test_export_policy_writes_the_given_weights_and_version(tmp_path):
     # Version 2 = other weights: the folder must hold exactly these, and version 1 is gone.
     params = jax.tree.map(lambda x: x * 1.5, state["params"])
     path = export.export_policy(built, params, 2, str(root))
+    export.prune_versions(str(root), [path])
     assert sorted(p.name for p in root.iterdir()) == ["version_2"] and path == str(root / "version_2")
     assert json.load(open(root / "version_2" / export.POLICY_VERSION_FILE)) == {"version": 2}
     tokens = np.array([[3, 17, 42, 9, 100]], np.int32)

@@ -50,8 +50,9 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            mesh samplers; an engine that cannot report them is refused by the config).
   close    Optional (ClosingSampler): `close()` ends what the sampler started (an engine's server); the trainer calls it
            when the run ends, however it ends.
-  timings  Optional (TimedSampler): `push_timings`, {metric: seconds} of the last update_weights' parts (vLLM:
-           time_weight_export, time_weight_reload); GRPO logs them beside time_weight_push.
+  metrics  Optional (MeasuredSampler): `metrics()`, {metric: value} of what the sampler did since the
+           last call (vLLM: time_weight_export and time_weight_reload summed over its pushes, the
+           servers' busy fraction and how many are up); GRPO logs them with each step.
   ranking  A sampler that can rank is a RankingSampler: it also has `beam_search(prompt_ids,
            beams, key)` (engines/beam.py: the `beams.width` best sequences of each prompt, or W
            samples, optionally constrained to a trie; -> beam.Ranked). Ranked rollouts and ranking
@@ -176,8 +177,9 @@ class ClosingSampler(Protocol):
 
 
 @runtime_checkable
-class TimedSampler(Protocol):
-    push_timings: dict  # {metric: seconds} of the last update_weights' parts
+class MeasuredSampler(Protocol):
+    def metrics(self) -> dict[str, float]:
+        """What the sampler did since the last call."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,24 +2,30 @@
 here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TPU, `vllm` or
 `tpu-inference` installed there expose the same server).
 
+    servers   vllm_servers servers started on 127.0.0.1 (vllm_python; a port and a log each:
+              vllm_server.log, vllm_server_1.log, ...), or the servers of vllm_urls already running
+              (started with VLLM_SERVER_DEV_MODE=1, on the same filesystem). Every server serves
+              every version; each row goes to the server with the fewest of our rows in flight.
     weights   update_weights(params, v) exports the policy as an HF folder (export.export_policy: any
               model source, LoRA merged; under vllm_export_dir, e.g. /dev/shm), waits for this
-              sampler's requests in flight (none straddles two versions), then the server pauses,
+              sampler's rows in flight (none straddles two versions), then each server pauses,
               reloads from the folder, drops its prefix cache (else prefixes of the old weights are
               served), takes version v and resumes; v must then be what it reports. The first
-              version starts the server (vllm_python; or vllm_url, a server already running with
-              VLLM_SERVER_DEV_MODE=1, on the same filesystem).
+              version starts the servers (or reaches those of vllm_urls).
     generate  one request per row, sent at once (vLLM batches them), each with its own seed drawn
               from the key (a batched request would give GRPO's copies of a prompt one seed and one
               sample), token ids in and out, the stop ids as the only stops, and the logprobs of the
               distribution each token was drawn from (--logprobs-mode processed_logprobs).
-              `submit` returns at once: the generate calls sampled ahead (max_staleness) run on the server while
-              the trainer updates.
-    failures  a request that times out or gets a 5xx is retried (vllm_max_retries); a server that
-              died is restarted from the newest exported version (vllm_restarts times) and the
-              round's unfinished rows are sent again; otherwise, and when a reload fails, one line
-              with the end of the server's log. The server's process group ends with the trainer
-              (close(), or its supervisor: engines/vllm_server.py).
+              `submit` returns at once: the calls sampled ahead (rollout/executor.py) run on the
+              servers while the trainer updates.
+    failures  a request that times out or gets a 5xx is retried (vllm_max_retries). A server that
+              stops answering loses its rows to the others (sent again with their seeds, so a row
+              is the same wherever it runs); one of ours is stopped and restarted in the background
+              from the newest version (vllm_restarts times in all), a server of vllm_urls is left
+              out. With no server left, or a failed reload of every server, one line with the end of
+              the server's log. The servers' process groups end with the trainer (close(), or their
+              supervisors: engines/vllm_server.py).
+    metrics   metrics(): the pushes' parts, engine_busy_fraction and engine_servers_up.
 
 Several processes: each exports (a collective), process 0 alone talks to the server and broadcasts.
 """
@@ -34,6 +40,7 @@ import logging
 import os
 import shlex
 import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -46,6 +53,7 @@ import safetensors.numpy
 from jax.experimental import multihost_utils
 
 from unitrain import export
+from unitrain.config import check
 from unitrain.engines.base import Completions, SamplingParams
 from unitrain.engines.vllm_server import EngineError, Server
 from unitrain.errors import ConfigError
@@ -54,6 +62,7 @@ log = logging.getLogger("unitrain")
 
 SERVED_NAME = "unitrain"  # the model name our server answers to, whatever folder it loaded last
 MAX_CONCURRENT_ROWS = 1024  # rows in flight at once (threads; vLLM's own scheduler batches them)
+SUPERVISOR_NOTICE_SECONDS = 2.0  # a server's supervisor sees its child's end within 0.5 s
 
 
 class ServerGone(EngineError):
@@ -101,13 +110,29 @@ class _Round:
     sampler: VLLMSampler
     prompt_ids: list
     sampling: SamplingParams
-    seeds: list
     futures: list | None  # None on the other processes
     version: int | None
-    server_start: int = 0  # the server's starts when the round was sent (a restart since sends it again)
 
     def result(self) -> Completions:
         return self.sampler._collect(self)
+
+
+@dataclasses.dataclass
+class _Engine:
+    """One server of the sampler's: started by it (`server`, restarted when it dies) or given in
+    vllm_urls (left out when it dies). Its fields change under the sampler's lock."""
+
+    url: str
+    server: Server | None = None
+    log_path: str = ""
+    client: Client | None = None
+    served_name: str = SERVED_NAME
+    state: str = "starting"  # starting | up | gone
+    path: str = ""  # the export it serves (or starts from)
+    error: str = ""  # why it is gone
+    rows: int = 0  # rows in flight on it
+    busy: float = 0.0  # seconds with a row in flight since the last metrics()
+    busy_since: float = 0.0  # when its rows went from none to one
 
 
 class VLLMSampler:
@@ -115,25 +140,24 @@ class VLLMSampler:
         cfg = run.cfg
         self.run, self.cfg = run, cfg
         self.export_root = cfg.vllm_export_dir or os.path.join(cfg.run_dir, "vllm_weights")
-        self.log_path = os.path.join(cfg.run_dir, "vllm_server.log")
         self.leader = jax.process_index() == 0
-        self.server, self.client, self.model_path, self.served_name = None, None, None, SERVED_NAME
-        self.version = None  # the version the server has loaded
-        self.server_starts = 0
+        self.engines: list[_Engine] = []  # made with the first version (process 0)
+        self.version, self.model_path = None, None  # the newest version pushed, and its export
         self.restarts_left = cfg.vllm_restarts
-        self.push_timings: dict[str, float] = {}  # the last update_weights' parts, for the step's metrics
-        self.in_flight, self.idle = 0, threading.Condition()
+        self.pushed: dict[str, float] = {}  # the pushes' parts since the last metrics()
+        self.measured_since = time.perf_counter()
+        self.in_flight, self.lock = 0, threading.Condition()  # rows submitted and not yet answered
+        self.closed = False
         self.pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_ROWS, thread_name_prefix="vllm-row")
-        if self.leader and not cfg.vllm_url and not os.access(cfg.vllm_python, os.X_OK):
+        if self.leader and not cfg.vllm_urls and not os.access(cfg.vllm_python, os.X_OK):
             raise ConfigError(
                 f"vllm_python: {cfg.vllm_python} is not an executable; make the engine's venv with "
-                "./setup.sh --vllm, or set vllm_python (or vllm_url for a server already running)"
+                "./setup.sh --vllm, or set vllm_python (or vllm_urls for servers already running)"
             )
 
     # -- weights
     def update_weights(self, params, version: int) -> None:
         if version == self.version:  # a version is one set of weights: the eval's push of the step's own
-            self.push_timings = {}
             return
         start = time.perf_counter()
         path = export.export_policy(self.run, params, version, self.export_root)
@@ -143,122 +167,246 @@ class VLLMSampler:
             try:
                 untie_embeddings(path)
                 self._load(path, version)
+                with self.lock:  # a server restarting reads the folder it started from
+                    keep = {path} | {e.path for e in self.engines if e.state == "starting"}
+                export.prune_versions(self.export_root, keep)
             except EngineError as e:
                 failure = str(e)
         self._agree(failure, "the weight reload")
         self.version, self.model_path = version, path
-        self.push_timings = {
-            "time_weight_export": exported - start,
-            "time_weight_reload": time.perf_counter() - exported,
-        }
+        for name, seconds in (
+            ("time_weight_export", exported - start),
+            ("time_weight_reload", time.perf_counter() - exported),
+        ):
+            self.pushed[name] = self.pushed.get(name, 0.0) + seconds
 
     def _load(self, path: str, version: int) -> None:
-        """The server serves `path` as `version`: started with it, or paused, reloaded and resumed."""
-        with self.idle:  # no row of ours straddles the two versions
-            self.idle.wait_for(lambda: self.in_flight == 0)
-        if self.client is None and not self.cfg.vllm_url:
-            self._start(path)
-        else:
-            if self.client is None:
-                self._connect()
-            try:
-                self.client.call("/pause?mode=wait")
-                self.client.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
-                self.client.call("/reset_prefix_cache")
-            except ServerGone:
-                self._restart(path, "during the weight reload")
-        self.client.call("/update_weight_version", {"new_version": str(version)})
-        self.client.call("/resume")
-        served = self.client.call("/weight_info", method="GET")["weight_version"]
-        if served != str(version):
-            raise EngineError(f"the vLLM server reports weights version {served!r} after loading version {version}")
+        """Every server serves `path` as `version`: the first version starts them (or reaches those of
+        vllm_urls); later ones reload the servers up, and a server starting meanwhile catches up. On a
+        failure the sampler keeps the version it had (the run stops)."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.in_flight == 0)  # no row straddles two versions
+            previous = self.version, self.model_path
+            self.version, self.model_path = version, path  # what a server (re)started from now loads
+            first, up = not self.engines, self._up()
+        if first:
+            self.engines = up = self._engines()
+        load = self._first if first else lambda e: self._reload_or_lose(e, path, version)
+        failures = [str(e) for e in self._each(load, up) if e]
+        with self.lock:
+            if not failures and all(e.state == "gone" for e in self.engines):
+                failures = [self.engines[0].error]
+            if failures:
+                self.version, self.model_path = previous
+        if failures:
+            raise EngineError(failures[0])
 
-    def _connect(self) -> None:
-        """The server at vllm_url, if it serves a model this sampler can reload."""
-        cfg = self.cfg
-        self.client = Client(cfg.vllm_url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
+    def _engines(self) -> list[_Engine]:
+        cfg, logs = self.cfg, os.path.join(self.cfg.run_dir, "vllm_server")
+        if cfg.vllm_urls:
+            return [_Engine(url.rstrip("/")) for url in cfg.vllm_urls]
+        return [_Engine("", log_path=f"{logs}{f'_{i}' if i else ''}.log") for i in range(cfg.vllm_servers)]
+
+    def _each(self, fn, engines: list[_Engine]) -> list[Exception | None]:
+        """fn(engine) for every engine at once; the EngineError each raised, or None."""
+
+        def call(engine):
+            try:
+                fn(engine)
+            except EngineError as e:
+                return e
+            return None
+
+        with concurrent.futures.ThreadPoolExecutor(max(len(engines), 1)) as pool:
+            return list(pool.map(call, engines))
+
+    def _first(self, engine: _Engine) -> None:
+        """The first version on `engine`: a server of vllm_urls reached and reloaded, or one of ours started."""
+        if engine.server is None and engine.url:
+            self._connect(engine)
+            self._reload(engine, self.model_path, self.version)
+        else:
+            self._start(engine)
+        with self.lock:
+            engine.state = "up"
+            self.lock.notify_all()
+
+    def _reload_or_lose(self, engine: _Engine, path: str, version: int) -> None:
         try:
-            model = self.client.call("/v1/models", method="GET")["data"][0]
+            self._reload(engine, path, version)
+        except ServerGone:
+            self._lost(engine, "during the weight reload")
+
+    def _reload(self, engine: _Engine, path: str, version: int) -> None:
+        """`engine` paused, reloaded from `path` (its prefix cache dropped: prefixes of the old weights
+        would be served), tagged `version` and resumed."""
+        engine.client.call("/pause?mode=wait")
+        engine.client.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        engine.client.call("/reset_prefix_cache")
+        self._tag(engine, path, version)
+
+    def _tag(self, engine: _Engine, path: str, version: int) -> None:
+        engine.client.call("/update_weight_version", {"new_version": str(version)})
+        engine.client.call("/resume")
+        served = engine.client.call("/weight_info", method="GET")["weight_version"]
+        if served != str(version):
+            raise EngineError(
+                f"the vLLM server at {engine.url} reports weights version {served!r} after loading version {version}"
+            )
+        engine.path = path
+
+    def _connect(self, engine: _Engine) -> None:
+        """The server at `engine.url`, if it serves a model this sampler can reload."""
+        cfg = self.cfg
+        engine.client = Client(engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
+        try:
+            model = engine.client.call("/v1/models", method="GET")["data"][0]
         except ServerGone as e:
-            raise EngineError(f"vllm_url: {e}") from None
+            raise EngineError(f"vllm_urls: {e}") from None
         if tied(model["root"]):
             raise EngineError(
-                f"vllm_url: the server at {cfg.vllm_url} serves {model['root']}, a model with tied "
+                f"vllm_urls: the server at {engine.url} serves {model['root']}, a model with tied "
                 "embeddings, whose lm_head vLLM's reload leaves stale; start it from a folder this "
                 "sampler exported (<vllm_export_dir>/version_N: untied)"
             )
-        self.served_name = model["id"]
+        engine.served_name = model["id"]
 
-    def _start(self, path: str) -> None:
-        """A server of our own, serving `path`."""
+    def _start(self, engine: _Engine) -> None:
+        """A server of our own for `engine`, serving the newest version (and any pushed while it started)."""
         cfg, started = self.cfg, time.perf_counter()
         # On a CPU, vLLM otherwise asks for 92% of the machine's memory, which the trainer holds part of.
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_SERVER_DEV_MODE": "1"}
-        self.server = Server(cfg.vllm_python, server_args(cfg, path, free_port()), self.log_path, env)
-        self.server.wait_ready(cfg.vllm_startup_timeout)
-        self.client = Client(self.server.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
-        self.server_starts += 1
-        log.info(
-            "vLLM server up at %s in %.1f s (log: %s)", self.server.url, time.perf_counter() - started, self.log_path
-        )
+        with self.lock:
+            if self.closed:
+                raise EngineError("the sampler is closed")
+            path, version = self.model_path, self.version
+            engine.path = path  # kept on disk while it starts
+        engine.server = Server(cfg.vllm_python, server_args(cfg, path, free_port()), engine.log_path, env)
+        engine.url = engine.server.url
+        engine.server.wait_ready(cfg.vllm_startup_timeout)
+        engine.client = Client(engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
+        self._tag(engine, path, version)
+        log.info("vLLM server up at %s in %.1f s (log: %s)", engine.url, time.perf_counter() - started, engine.log_path)
+        while True:  # versions pushed while it started
+            with self.lock:
+                if engine.path == self.model_path or self.closed:
+                    return
+                path, version = self.model_path, self.version
+            self._reload(engine, path, version)
 
-    def _restart(self, path: str, when: str) -> None:
-        """A server that died comes back with `path`, if vllm_restarts allows; else one line."""
-        if self.server is None or self.server.alive():
-            where = self.server.url if self.server else self.cfg.vllm_url
-            raise EngineError(f"the vLLM server at {where} stopped answering {when}")
-        if not self.restarts_left:
-            raise EngineError(
-                f"the vLLM server died {when} (status {self.server.process.returncode}; vllm_restarts="
-                f"{self.cfg.vllm_restarts} used); the end of {self.log_path}: {self.server.tail()}"
+    def _lost(self, engine: _Engine, when: str) -> None:
+        """`engine` stopped answering: its rows go to the other servers; one of ours is stopped and
+        restarted in the background while vllm_restarts allows; else it is gone, and with it the run
+        when no server is left."""
+        with self.lock:
+            if engine.state != "up":  # another row saw it first
+                return
+            engine.state = "starting" if engine.server and self.restarts_left else "gone"
+            self.restarts_left -= engine.state == "starting"
+        if engine.server is None:
+            engine.error = f"the vLLM server at {engine.url} stopped answering {when}"
+        else:
+            how = _stop(engine.server)
+            engine.error = (
+                f"the vLLM server at {engine.url} {how} {when} (status {engine.server.process.returncode}; "
+                f"vllm_restarts={self.cfg.vllm_restarts} used); the end of {engine.log_path}: {engine.server.tail()}"
             )
-        self.restarts_left -= 1
-        log.warning("the vLLM server died %s; restarting it with %s (%d restarts left)", when, path, self.restarts_left)
-        self.server.stop()
-        self._start(path)
+        if engine.state == "starting":
+            log.warning(
+                "the vLLM server at %s %s; restarting it (%d restarts left)", engine.url, when, self.restarts_left
+            )
+            threading.Thread(target=self._restart, args=(engine,), daemon=True).start()
+        else:
+            log.warning("%s; its rows go to the other servers", engine.error)
+        with self.lock:
+            self.lock.notify_all()
+
+    def _restart(self, engine: _Engine) -> None:
+        try:
+            self._start(engine)
+            state = "up"
+        except EngineError as e:
+            engine.error, state = str(e), "gone"
+        with self.lock:
+            closed = self.closed
+            if engine.state == "starting":
+                engine.state = state
+            self.lock.notify_all()
+        if closed:  # close() may have run while it started
+            engine.server.stop()
 
     # -- sampling
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key) -> _Round:
         seeds = row_seeds(key, len(prompt_ids))
         if not self.leader:
-            return _Round(self, prompt_ids, sampling, seeds, None, None)
+            return _Round(self, prompt_ids, sampling, None, None)
         if self.version is None:
             raise RuntimeError("VLLMSampler.submit before update_weights: the server has no weights yet")
-        with self.idle:
+        with self.lock:
             self.in_flight += len(prompt_ids)
         futures = [
             self.pool.submit(self._row, ids, sampling, seed, sampling.budget(r))
             for r, (ids, seed) in enumerate(zip(prompt_ids, seeds))
         ]
-        return _Round(self, prompt_ids, sampling, seeds, futures, self.version, self.server_starts)
+        return _Round(self, prompt_ids, sampling, futures, self.version)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key) -> Completions:
         return self.submit(prompt_ids, sampling, key).result()
 
     def _row(self, ids: list[int], sampling: SamplingParams, seed: int, budget: int) -> tuple[list[int], list[float]]:
-        """One row's (token ids, logprobs); ServerGone if the server went away."""
+        """One row's (token ids, logprobs) from the least loaded server, again on another (with its
+        seed) while the one it went to is lost; EngineError when none is left."""
+        body = {
+            "prompt": ids,
+            "max_tokens": budget,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "seed": seed,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "ignore_eos": True,  # the stop ids above are the only stops
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "detokenize": False,
+        }
         try:
-            body = {
-                "model": self.served_name,
-                "prompt": ids,
-                "max_tokens": budget,
-                "temperature": sampling.temperature,
-                "top_k": sampling.top_k,
-                "top_p": sampling.top_p,
-                "seed": seed,
-                "stop_token_ids": list(sampling.stop_token_ids),
-                "ignore_eos": True,  # the stop ids above are the only stops
-                "logprobs": 0,
-                "return_token_ids": True,
-                "return_tokens_as_token_ids": True,
-                "detokenize": False,
-            }
-            choice = self.client.call("/v1/completions", body)["choices"][0]
-            return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+            while True:
+                engine = self._take()
+                try:
+                    choice = engine.client.call("/v1/completions", {**body, "model": engine.served_name})["choices"][0]
+                    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+                except ServerGone:
+                    self._lost(engine, "while sampling")
+                finally:
+                    self._give_back(engine)
         finally:
-            with self.idle:
+            with self.lock:
                 self.in_flight -= 1
-                self.idle.notify_all()
+                self.lock.notify_all()
+
+    def _take(self) -> _Engine:
+        """The server up with the fewest rows in flight (waiting while one restarts); EngineError when
+        every server is gone."""
+        with self.lock:
+            self.lock.wait_for(lambda: not any(e.state == "starting" for e in self.engines) or self._up())
+            up = self._up()
+            if not up:
+                raise EngineError(next(e.error for e in self.engines if e.state == "gone"))
+            engine = min(up, key=lambda e: e.rows)
+            if not engine.rows:
+                engine.busy_since = time.perf_counter()
+            engine.rows += 1
+            return engine
+
+    def _up(self) -> list[_Engine]:
+        return [e for e in self.engines if e.state == "up"]
+
+    def _give_back(self, engine: _Engine) -> None:
+        with self.lock:
+            engine.rows -= 1
+            if not engine.rows:
+                engine.busy += time.perf_counter() - engine.busy_since
 
     def _collect(self, round_: _Round) -> Completions:
         """The round's Completions on every process (process 0 gathers, restarting a dead server and
@@ -286,39 +434,14 @@ class VLLMSampler:
         return out
 
     def _gather(self, round_: _Round, out: Completions) -> int:
-        """Fills `out` with the round's rows; -> the version they were sampled with. Rows lost with a
-        dead server go again, with their seeds, to the server restarted (by this round or an earlier
-        one) with the newest version: all of the round's rows if that is not the round's own version,
-        so that one version tag stays true of every row."""
-        futures, version, start = dict(enumerate(round_.futures)), round_.version, round_.server_start
-        while futures:
-            lost = []
-            for r, future in futures.items():
-                try:
-                    tokens, logprobs = future.result()
-                except ServerGone:
-                    lost.append(r)
-                    continue
-                length = len(tokens)
-                out.tokens[r, :length], out.logprobs[r, :length] = tokens, logprobs
-                out.mask[r, :length], out.lengths[r] = 1, length
-            futures = {}
-            if lost:
-                if start == self.server_starts:  # no round has restarted it yet
-                    self._restart(self.model_path, f"while sampling ({len(lost)} rows lost)")
-                if version != self.version:
-                    lost, version = list(range(len(round_.prompt_ids))), self.version
-                    out.tokens.fill(self.run.tokenizer.pad_id)
-                    out.mask.fill(0)
-                    out.logprobs.fill(0)
-                start = self.server_starts
-                with self.idle:
-                    self.in_flight += len(lost)
-                for r in lost:
-                    futures[r] = self.pool.submit(
-                        self._row, round_.prompt_ids[r], round_.sampling, round_.seeds[r], round_.sampling.budget(r)
-                    )
-        return version
+        """Fills `out` with the round's rows; -> the version they were sampled with (a server restarted
+        meanwhile serves the newest version, which no push has changed while rows are in flight)."""
+        for r, future in enumerate(round_.futures):
+            tokens, logprobs = future.result()
+            length = len(tokens)
+            out.tokens[r, :length], out.logprobs[r, :length] = tokens, logprobs
+            out.mask[r, :length], out.lengths[r] = 1, length
+        return round_.version
 
     def _agree(self, failure: str, what: str) -> None:
         """Every process raises if process 0 failed (its message there; a pointer to it elsewhere)."""
@@ -329,12 +452,45 @@ class VLLMSampler:
         if failure:
             raise EngineError(failure)
 
+    def metrics(self) -> dict[str, float]:
+        """What the engine did since the last call: the pushes' parts (time_weight_export and
+        time_weight_reload, summed), the servers' mean busy fraction (a row of ours in flight on it)
+        and how many are up."""
+        now, out, self.pushed = time.perf_counter(), self.pushed, {}
+        if self.engines:
+            with self.lock:
+                busy = [e.busy + (now - e.busy_since if e.rows else 0.0) for e in self.engines]
+                for e in self.engines:
+                    e.busy, e.busy_since = 0.0, now
+                up = sum(e.state == "up" for e in self.engines)
+            wall = max(now - self.measured_since, 1e-9)
+            out.update(engine_busy_fraction=float(np.mean(busy)) / wall, engine_servers_up=float(up))
+        self.measured_since = now
+        return out
+
     def close(self) -> None:
-        """Ends the server this sampler started (a server at vllm_url stays)."""
+        """Ends the servers this sampler started (those of vllm_urls stay), a restart under way included."""
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        with self.lock:
+            self.closed = True
+            for engine in self.engines:
+                engine.state = "gone"
+            self.lock.notify_all()
+        for engine in self.engines:
+            if engine.server is not None:
+                engine.server.stop()
+
+
+def _stop(server: Server) -> str:
+    """Stops a server that stopped answering: -> "died" if it had exited by itself (its supervisor
+    sees its child's end within half a second), else "stopped answering"."""
+    try:
+        server.process.wait(SUPERVISOR_NOTICE_SECONDS)
+        how = "died"
+    except subprocess.TimeoutExpired:
+        how = "stopped answering"
+    server.stop()
+    return how
 
 
 def tied(path: str) -> bool:
@@ -399,6 +555,22 @@ def row_seeds(key, rows: int) -> list[int]:
     """One sampling seed per row, drawn from the key (the same on every process)."""
     data = np.asarray(jax.random.key_data(key)).ravel().tolist()
     return np.random.default_rng(data).integers(0, 2**31 - 1, rows).tolist()
+
+
+@check("sampler", "vllm_servers", "vllm_urls", "vllm_restarts")
+def _servers(c) -> str | None:
+    """The trainer starts servers, or is given them: not both."""
+    if c["sampler"] != "vllm" or not c["vllm_urls"]:
+        return None
+    given = f"vllm_urls names {len(c['vllm_urls'])} servers already running"
+    if c["vllm_servers"] != 1:
+        return f"vllm_servers={c['vllm_servers']} starts servers, but {given}; set one of them"
+    if c["vllm_restarts"]:
+        return f"vllm_restarts={c['vllm_restarts']} restarts servers the trainer started, but {given}"
+    return None
+
+
+CONFIG_CHECKS = (_servers,)
 
 
 def from_run(run) -> VLLMSampler:

@@ -74,7 +74,7 @@ from unitrain.config import check
 from unitrain.data import format_choice
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
-from unitrain.engines.base import SamplingParams, TimedSampler, close, release
+from unitrain.engines.base import MeasuredSampler, SamplingParams, close, release
 from unitrain.engines.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
 from unitrain.engines.factory import make_sampler
 from unitrain.evals import TaskEvaluator
@@ -245,7 +245,7 @@ class RLTask(Task):
         self.reward_fn = rewards.make_reward_fn(cfg)
         self.keep = make_filter(cfg.dynamic_sampling_filter)
         self.sampler = make_sampler(run)
-        self.timed_pushes = isinstance(self.sampler, TimedSampler)  # push_timings: the parts of a push, logged
+        self.measured = isinstance(self.sampler, MeasuredSampler)  # what the engine did, logged with each step
         self.workflow = make_workflow(run)
         self.max_completion = self.workflow.max_tokens
         self.shapers = reward_shapers(cfg, self.max_completion)
@@ -410,7 +410,7 @@ class RLTask(Task):
     # -- the stages of a step
     def take_rollouts(self, state, step: int) -> tuple[list, dict]:
         """The step's groups from the executor, the step's weights pushed to the sampler before it samples."""
-        pushed, parts = {}, {}
+        pushed = {}
 
         def push(version):
             if version in pushed:
@@ -418,8 +418,6 @@ class RLTask(Task):
             start = time.perf_counter()
             self.sampler.update_weights(state["params"], version)
             pushed[version] = time.perf_counter() - start
-            for name, seconds in (self.sampler.push_timings if self.timed_pushes else {}).items():
-                parts[name] = parts.get(name, 0.0) + seconds
 
         if self.cfg.max_staleness:
             # The groups in flight go on with this step's weights (the colocated sampler's earlier ones
@@ -429,7 +427,7 @@ class RLTask(Task):
         groups, stats = self.rollouts.prepare_batch(step, push)
         stats.update(self.reward_fn.metrics())
         release(self.sampler)  # no sampling before the next push: what it kept goes before the update
-        stats.update(parts, time_weight_push=sum(pushed.values()))
+        stats.update(self.sampler.metrics() if self.measured else {}, time_weight_push=sum(pushed.values()))
         return groups, stats
 
     def shape(self, group):
