@@ -5,6 +5,7 @@
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --against rollout_cache_phases=1
     python tools/bench.py [CONFIG_YML] --mode sampler --batch 64 --new-tokens 256 --long-tail --against rollout_compaction=0
+    python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --new-tokens 256 --chunk-tokens 32
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT kl_coef=0.04 --mode grpo [--prompts 4 --samples 4 --new-tokens 64]
     python tools/bench.py [CONFIG_YML] model_name=qwen2.5-0.5b mode=grpo sampler=mesh rollout_devices=4 --mode push
     python tools/bench.py [CONFIG_YML] mode=grpo kl_coef=0.04 --mode grpo_round --against rl_packing=true [--long-fraction 0.125]
@@ -20,6 +21,10 @@ at the mercy of a shared machine's drift than two runs), and whether both drew t
 With `--long-tail` every row has its own token budget (SamplingParams.row_budgets: one row in 16
 runs to --new-tokens, the others geometric lengths of mean --new-tokens / 8): the round that decode
 compaction (rollout_compaction) is for; tokens/s counts the budgets' sum.
+With `--chunk-tokens C` it times instead, A B A B, the rows' --new-tokens in one call (what a
+continuation on a kept KV cache decodes) and the same rows C tokens a call, each call prefilling the
+prompt and the tokens so far again (interruptible generation's re-prefill, rollout_chunk_tokens), and
+reports both medians and the median of the pairs' B/A ratios.
 --mode grpo times `--steps` whole GRPO steps (rollout, rewards, advantages, logprobs, update) on
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
 its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
@@ -620,6 +625,46 @@ def bench_sampler_against(
     }
 
 
+def bench_chunked(cfg, batch: int, prompt_len: int, new_tokens: int, chunk: int, reps: int, warmup: int) -> dict:
+    """Interruptible generation's two ways, side by side: `new_tokens` per row in one call (A: what a
+    continuation on the kept KV cache decodes, its lower bound) against the same rows served `chunk`
+    tokens a call, each call re-prefilling the prompt and the tokens so far (B: rollout_chunk_tokens,
+    what the driver does so that a push between calls continues under the new weights)."""
+    run, state = build_run(cfg.replace(eval_interval=0))
+    sampler = make_sampler(run)
+    sampler.update_weights(state["params"], 0)
+    prompts = random_prompts(batch, prompt_len, run.model.vocab_size, cfg.seed)
+    whole, piece = rollout_sampling(cfg, new_tokens), rollout_sampling(cfg, chunk)
+
+    def chunked(key):
+        contexts = [list(p) for p in prompts]
+        for c in range(math.ceil(new_tokens / chunk)):
+            out = sampler.generate(contexts, piece, jax.random.fold_in(key, c))
+            contexts = [ctx + t[:n].tolist() for ctx, t, n in zip(contexts, out.tokens, out.lengths)]
+
+    times = ([], [])
+    for i in range(warmup + reps):
+        for series, call in zip(times, (lambda k: sampler.generate(prompts, whole, k), chunked)):
+            start = time.perf_counter()
+            call(jax.random.key(i))
+            series.append(time.perf_counter() - start)
+    close(sampler)
+    a, b = (t[warmup:] for t in times)
+    return {
+        "mode": "sampler",
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "chunk_tokens": chunk,
+        "one_call_time_median": statistics.median(a),
+        "chunked_time_median": statistics.median(b),
+        "chunked_over_one_call_median": statistics.median(y / x for x, y in zip(a, b)),
+        "call_times": a,
+        "chunked_times": b,
+        "device_kind": jax.devices()[0].device_kind,
+    }
+
+
 def decode_bytes_per_step(
     model, params, dtype: str, rows: int, prompt_columns: int, new_tokens: int, phases: int
 ) -> float:
@@ -865,6 +910,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sampler: a long-tailed round, each row its own token budget (1 in 16 rows runs to --new-tokens)",
     )
     parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        help="sampler: also serve the rows this many tokens a call (re-prefilled), A B A B against one call",
+    )
+    parser.add_argument(
         "--topology",
         metavar="NAME",
         help="with --compile-only: compile for this TPU slice (JAX's name, e.g. v5e:2x2) ahead of time",
@@ -929,6 +980,11 @@ def run_mode(opts, args: list[str]) -> dict:
         return bench_push(cfg, opts.steps, opts.warmup)
     if opts.mode == "sampler" and opts.compile_only:
         return compile_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens)
+    if opts.mode == "sampler" and opts.chunk_tokens:
+        if opts.against or opts.long_tail or not 0 < opts.chunk_tokens < opts.new_tokens:
+            raise ConfigError("--chunk-tokens C times one sampler config, 0 < C < --new-tokens, no --long-tail")
+        shape = (opts.batch, opts.prompt_len, opts.new_tokens, opts.chunk_tokens)
+        return bench_chunked(cfg, *shape, opts.steps, opts.warmup)
     if opts.mode == "sampler" and opts.against:
         return bench_sampler_against(
             cfg,
