@@ -188,18 +188,19 @@ class BadWorkflow(Workflow):
     def episode(self, record):
         if self.how == "yield":
             yield "not a request"
-        if self.how == "raise":
+        if self.how == "raise" and record.text != "fine":
             raise KeyError("label")
-        turn = yield Generate(TOK.encode("Q:q\n"), 2)
+        turn = yield Generate(TOK.encode(f"Q:{record.text}\n"), 2)
+        if self.how == "raise":
+            return Transcript(TOK.encode("Q:fine\n")).trajectory(1.0, "stop")
         return {"tokens": turn.tokens}
 
 
 @pytest.mark.parametrize(
     "how, says",
     [
-        ("yield", "it must yield Generate"),
-        ("raise", "raised KeyError: 'label'"),
-        ("return", "an episode returned a dict; it returns a Trajectory or None"),
+        ("yield", "workflow test_episodes:BadWorkflow: an episode yielded 'not a request'; it must yield Generate"),
+        ("return", "workflow test_episodes:BadWorkflow: an episode returned a dict; it returns a Trajectory or None"),
     ],
 )
 def test_a_workflow_plugin_that_breaks_the_contract_is_one_line(how, says):
@@ -207,6 +208,21 @@ def test_a_workflow_plugin_that_breaks_the_contract_is_one_line(how, says):
         episodes(
             ScriptedSampler({"q": ["a"]}), BadWorkflow(how), [Prompt((), "q", "")], SamplingParams(4), jax.random.key(0)
         )
+
+
+def test_a_workflow_that_raises_leaves_its_group_out_and_every_group_raising_is_one_line(caplog):
+    records = [Prompt((), p, "") for p in ("fine", "q")]
+    sampler, sampling = ScriptedSampler({"fine": ["a"], "q": ["a"]}), SamplingParams(4)
+    played = episodes(sampler, BadWorkflow("raise"), records, sampling, jax.random.key(0))
+    assert played[0].end == "stop" and played[1] is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == "workflow test_episodes:BadWorkflow raised on prompt 'q', its group left out: KeyError: 'label'"
+    with pytest.raises(WorkflowError) as e:  # an evaluation's every prompt: no group at all
+        episodes(sampler, BadWorkflow("raise"), records[1:] * 2, sampling, jax.random.key(0))
+    assert str(e.value) == (
+        "workflow test_episodes:BadWorkflow raised on 2 groups in a row, so no group comes out; "
+        "the first error: KeyError: 'label'"
+    )
 
 
 def test_episodes_of_a_record_form_a_group_over_everything_after_the_prompt():
