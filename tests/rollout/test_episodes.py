@@ -1,8 +1,11 @@
 """Multi-turn episodes (rollout/multi_turn.py) through the workflow driver (rollout/driver.py) against
 a scripted sampler (one call per turn, live rows only, in order), trajectories token in and token
 out (the loss mask is exactly the sampled tokens; the sampler's logprobs equal a full forward of the
-trajectory), every way an episode ends, and bad input as a recorded end or one line."""
+trajectory), every way an episode ends (an environment that hangs past env_timeout included), and
+bad input as a recorded end or one line."""
 
+import threading
+import time
 import types
 
 import jax
@@ -116,6 +119,68 @@ def test_every_way_an_episode_ends():
     # The episode budget counts every id after the prompt: the second turn does not fit.
     (t,), _ = play(workflow(episode_max_tokens=8), {"tight": ["abcde", "done"]})
     assert t.end == "length" and t.turns == 1 and len(t.ids) < 8
+
+
+class SlowEnv(ScriptEnv):
+    """ScriptEnv whose reset of the prompt "stuck" and step on "hang" take 30 s, and step on "nap"
+    0.6 s; it notes the thread of each step."""
+
+    threads = []
+
+    def reset(self, record):
+        if record["prompt"] == "stuck":
+            time.sleep(30)
+        return super().reset(record)
+
+    def step(self, turn):
+        SlowEnv.threads.append(threading.current_thread())
+        time.sleep(30 if "hang" in turn.content else 0.6 if "nap" in turn.content else 0)
+        return super().step(turn)
+
+
+def slow(**overrides):
+    return workflow(env="test_episodes:SlowEnv", **overrides)
+
+
+def test_a_step_past_env_timeout_ends_the_episode_as_it_stands_without_waiting_for_it():
+    start = time.monotonic()
+    (t, fine), _ = play(slow(env_timeout=0.5), {"late": ["x", "hang"], "fine": ["x", "done"]})
+    assert time.monotonic() - start < 10  # the 30 s step is abandoned at the limit
+    # Every sampled token and the reward so far: a recorded episode, trained on as any other.
+    assert (t.end, t.turns, t.reward, fine.end) == ("env_timeout", 2, 0.25, "env_done")
+    last = TOK.encode("hang") + [TOK.eos_id]
+    assert t.ids[-len(last) :].tolist() == last and t.loss_mask.sum() == len(TOK.encode("x")) + 1 + len(last)
+    assert slow().metrics([t, fine])["episode_end_env_timeout"] == 0.5
+
+
+def test_env_timeout_bounds_an_episodes_environment_calls_together():
+    (t,), _ = play(slow(env_timeout=1.5), {"naps": ["nap"] * 4})
+    assert (t.end, t.turns, t.reward) == ("env_timeout", 3, 0.5)  # 0.6 s twice, the third past 1.5 s
+
+
+def test_a_reset_past_env_timeout_rejects_the_episode(caplog):
+    wf, start = slow(env_timeout=0.5), time.monotonic()
+    (stuck, fine), sampler = play(wf, {"stuck": ["done"], "fine": ["done"]})
+    assert time.monotonic() - start < 10
+    assert stuck is None and fine.end == "env_done" and len(sampler.calls[0]) == 1
+    assert wf.failed_resets == 1  # toward the line of a step whose every reset fails
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "env test_episodes:SlowEnv: reset failed on prompt 'stuck', episode rejected: no answer within "
+        "env_timeout=0.5s, the call abandoned"
+    ]
+
+
+def test_the_environment_runs_inline_without_env_timeout_and_on_a_daemon_thread_with_it():
+    SlowEnv.threads.clear()
+    play(slow(), {"a": ["done"]})
+    play(slow(env_timeout=5), {"a": ["done"]})
+    inline, limited = SlowEnv.threads
+    assert inline is threading.main_thread() and limited is not inline and limited.daemon
+
+
+def test_a_negative_env_timeout_is_one_line():
+    with pytest.raises(ConfigError, match="config key 'env_timeout' expects a number of seconds >= 0"):
+        make_cfg(env_timeout=-1)
 
 
 def test_an_episode_that_uses_all_its_turns_ends_max_turns_without_the_unanswered_reply():

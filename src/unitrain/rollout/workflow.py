@@ -41,8 +41,8 @@ from unitrain.errors import UserError
 log = logging.getLogger("unitrain")
 
 # How a trajectory ended: its stop token (a single answer), the environment said done, its turns or
-# tokens ran out, the environment raised.
-END_REASONS = ("stop", "env_done", "max_turns", "length", "env_error")
+# tokens ran out, the environment raised, the environment took longer than the episode's env_timeout.
+END_REASONS = ("stop", "env_done", "max_turns", "length", "env_error", "env_timeout")
 
 
 class WorkflowError(UserError):
