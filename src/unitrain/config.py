@@ -163,6 +163,7 @@ RULES: dict[str, Rule] = {
     ),
     "max_turns": POSITIVE_INT,
     "episode_max_tokens": POSITIVE_INT,
+    "env_timeout": Rule(lambda v: _is_num(v) and 0 <= v < math.inf, "a number of seconds >= 0 (0: no limit)"),
     "tool_call_format": choices(*TOOL_CALL_FORMATS),
     "turn_discount": Rule(lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
     "guess_number_low": Rule(lambda v: isinstance(v, int), "an int"),

@@ -3,7 +3,8 @@
 (the task reward, the first named in `reward`; an environment's) gives it 1. GRPO evaluates its
 prompt files; SFT its eval files, the label being label_key's field or else the completion
 (data.sft.eval_prompt_records). The greedy samples' workflow metrics are logged too (a multi-turn
-workflow's eval_episode_*).
+workflow's eval_episode_*). A prompt whose workflow raised is left out of the scores and counted
+(eval_workflow_errors, when any did); every prompt's raising is one line.
 SFT scores what the data's answer is: labels that end in a '#### <answer>' line (GSM8K's worked
 solutions) are checked by the math reward on that answer unless `reward` is set (sft_reward_fn),
 and answers longer than rollout_max_response_len are said to be cut (warn_if_answers_cut).
@@ -22,7 +23,7 @@ from unitrain import rewards
 from unitrain.config import check
 from unitrain.data.prompts import eval_prompts
 from unitrain.engines.base import SamplingParams, release
-from unitrain.rollout.driver import run_groups
+from unitrain.rollout.driver import Driver
 
 log = logging.getLogger("unitrain")
 
@@ -78,25 +79,32 @@ class TaskEvaluator:
         self.prompts = eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
         self.samples = ""
 
-    def correct(self, n: int, sampling: SamplingParams, key) -> tuple[np.ndarray, list]:
-        """([prompts, n] bool: which samples are correct, the groups)."""
-        groups = run_groups(self.sampler, self.workflow, self.prompts, n, sampling, key, self.reward_fn)
-        return np.stack([g.correct for g in groups]), groups
+    def correct(self, n: int, sampling: SamplingParams, key) -> tuple[np.ndarray, list, int]:
+        """([groups, n] bool: which samples are correct, the groups, how many prompts' workflow
+        raised: their groups are left out, as rejected ones are)."""
+        driver = Driver(self.sampler, self.workflow, n, sampling, self.reward_fn, give_up_after=len(self.prompts))
+        driver.start(self.prompts, key)
+        driver.dispatch()
+        groups = driver.groups()
+        return np.stack([g.correct for g in groups]), groups, driver.errors
 
     def __call__(self, params, step: int) -> dict:
         cfg, stop = self.cfg, (self.tokenizer.eos_id,)
         self.sampler.update_weights(params, step)
         greedy = SamplingParams(cfg.rollout_max_response_len, temperature=0.0, stop_token_ids=stop)
-        correct, answers = self.correct(1, greedy, jax.random.key(0))
+        correct, answers, errors = self.correct(1, greedy, jax.random.key(0))
         result = {"eval_accuracy": float(correct.mean())}
         result.update(self.workflow.metrics([t for g in answers for t in g.trajectories], prefix="eval_"))
         self.samples = self.workflow.markdown(answers)
         if cfg.eval_n_samples:
             sampled = SamplingParams.from_config(cfg, stop_token_ids=stop)
-            counts = self.correct(cfg.eval_n_samples, sampled, jax.random.key(1))[0].sum(axis=1)
+            sampled_correct, _, sampled_errors = self.correct(cfg.eval_n_samples, sampled, jax.random.key(1))
             result[f"eval_pass_at_{cfg.eval_pass_k}"] = float(
-                np.mean([pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in counts])
+                np.mean([pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in sampled_correct.sum(axis=1)])
             )
+            errors += sampled_errors
+        if errors:  # shown on the eval's line only when a workflow raised
+            result["eval_workflow_errors"] = float(errors)
         release(self.sampler)
         return result
 

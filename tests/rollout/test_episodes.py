@@ -1,8 +1,11 @@
 """Multi-turn episodes (rollout/multi_turn.py) through the workflow driver (rollout/driver.py) against
 a scripted sampler (one call per turn, live rows only, in order), trajectories token in and token
 out (the loss mask is exactly the sampled tokens; the sampler's logprobs equal a full forward of the
-trajectory), every way an episode ends, and bad input as a recorded end or one line."""
+trajectory), every way an episode ends (an environment that hangs past env_timeout included), and
+bad input as a recorded end or one line."""
 
+import threading
+import time
 import types
 
 import jax
@@ -118,6 +121,68 @@ def test_every_way_an_episode_ends():
     assert t.end == "length" and t.turns == 1 and len(t.ids) < 8
 
 
+class SlowEnv(ScriptEnv):
+    """ScriptEnv whose reset of the prompt "stuck" and step on "hang" take 30 s, and step on "nap"
+    0.6 s; it notes the thread of each step."""
+
+    threads = []
+
+    def reset(self, record):
+        if record["prompt"] == "stuck":
+            time.sleep(30)
+        return super().reset(record)
+
+    def step(self, turn):
+        SlowEnv.threads.append(threading.current_thread())
+        time.sleep(30 if "hang" in turn.content else 0.6 if "nap" in turn.content else 0)
+        return super().step(turn)
+
+
+def slow(**overrides):
+    return workflow(env="test_episodes:SlowEnv", **overrides)
+
+
+def test_a_step_past_env_timeout_ends_the_episode_as_it_stands_without_waiting_for_it():
+    start = time.monotonic()
+    (t, fine), _ = play(slow(env_timeout=0.5), {"late": ["x", "hang"], "fine": ["x", "done"]})
+    assert time.monotonic() - start < 10  # the 30 s step is abandoned at the limit
+    # Every sampled token and the reward so far: a recorded episode, trained on as any other.
+    assert (t.end, t.turns, t.reward, fine.end) == ("env_timeout", 2, 0.25, "env_done")
+    last = TOK.encode("hang") + [TOK.eos_id]
+    assert t.ids[-len(last) :].tolist() == last and t.loss_mask.sum() == len(TOK.encode("x")) + 1 + len(last)
+    assert slow().metrics([t, fine])["episode_end_env_timeout"] == 0.5
+
+
+def test_env_timeout_bounds_an_episodes_environment_calls_together():
+    (t,), _ = play(slow(env_timeout=1.5), {"naps": ["nap"] * 4})
+    assert (t.end, t.turns, t.reward) == ("env_timeout", 3, 0.5)  # 0.6 s twice, the third past 1.5 s
+
+
+def test_a_reset_past_env_timeout_rejects_the_episode(caplog):
+    wf, start = slow(env_timeout=0.5), time.monotonic()
+    (stuck, fine), sampler = play(wf, {"stuck": ["done"], "fine": ["done"]})
+    assert time.monotonic() - start < 10
+    assert stuck is None and fine.end == "env_done" and len(sampler.calls[0]) == 1
+    assert wf.failed_resets == 1  # toward the line of a step whose every reset fails
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "env test_episodes:SlowEnv: reset failed on prompt 'stuck', episode rejected: no answer within "
+        "env_timeout=0.5s, the call abandoned"
+    ]
+
+
+def test_the_environment_runs_inline_without_env_timeout_and_on_a_daemon_thread_with_it():
+    SlowEnv.threads.clear()
+    play(slow(), {"a": ["done"]})
+    play(slow(env_timeout=5), {"a": ["done"]})
+    inline, limited = SlowEnv.threads
+    assert inline is threading.main_thread() and limited is not inline and limited.daemon
+
+
+def test_a_negative_env_timeout_is_one_line():
+    with pytest.raises(ConfigError, match="config key 'env_timeout' expects a number of seconds >= 0"):
+        make_cfg(env_timeout=-1)
+
+
 def test_an_episode_that_uses_all_its_turns_ends_max_turns_without_the_unanswered_reply():
     chat = workflow().chat
     turn = TOK.encode("x") + [TOK.eos_id]
@@ -188,18 +253,19 @@ class BadWorkflow(Workflow):
     def episode(self, record):
         if self.how == "yield":
             yield "not a request"
-        if self.how == "raise":
+        if self.how == "raise" and record.text != "fine":
             raise KeyError("label")
-        turn = yield Generate(TOK.encode("Q:q\n"), 2)
+        turn = yield Generate(TOK.encode(f"Q:{record.text}\n"), 2)
+        if self.how == "raise":
+            return Transcript(TOK.encode("Q:fine\n")).trajectory(1.0, "stop")
         return {"tokens": turn.tokens}
 
 
 @pytest.mark.parametrize(
     "how, says",
     [
-        ("yield", "it must yield Generate"),
-        ("raise", "raised KeyError: 'label'"),
-        ("return", "an episode returned a dict; it returns a Trajectory or None"),
+        ("yield", "workflow test_episodes:BadWorkflow: an episode yielded 'not a request'; it must yield Generate"),
+        ("return", "workflow test_episodes:BadWorkflow: an episode returned a dict; it returns a Trajectory or None"),
     ],
 )
 def test_a_workflow_plugin_that_breaks_the_contract_is_one_line(how, says):
@@ -207,6 +273,21 @@ def test_a_workflow_plugin_that_breaks_the_contract_is_one_line(how, says):
         episodes(
             ScriptedSampler({"q": ["a"]}), BadWorkflow(how), [Prompt((), "q", "")], SamplingParams(4), jax.random.key(0)
         )
+
+
+def test_a_workflow_that_raises_leaves_its_group_out_and_every_group_raising_is_one_line(caplog):
+    records = [Prompt((), p, "") for p in ("fine", "q")]
+    sampler, sampling = ScriptedSampler({"fine": ["a"], "q": ["a"]}), SamplingParams(4)
+    played = episodes(sampler, BadWorkflow("raise"), records, sampling, jax.random.key(0))
+    assert played[0].end == "stop" and played[1] is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == "workflow test_episodes:BadWorkflow raised on prompt 'q', its group left out: KeyError: 'label'"
+    with pytest.raises(WorkflowError) as e:  # an evaluation's every prompt: no group at all
+        episodes(sampler, BadWorkflow("raise"), records[1:] * 2, sampling, jax.random.key(0))
+    assert str(e.value) == (
+        "workflow test_episodes:BadWorkflow raised on 2 groups in a row, so no group comes out; "
+        "the first error: KeyError: 'label'"
+    )
 
 
 def test_episodes_of_a_record_form_a_group_over_everything_after_the_prompt():

@@ -2,8 +2,11 @@
 it is the synchronous round; with max_staleness a step takes the groups that finished while a
 long-tailed one samples on into the next step (its later turns with the new weights, each token
 tagged with its version), none older than the bound; max_concurrent_rollouts caps the groups in
-flight; a checkpoint's position brings back exactly the groups no step consumed."""
+flight; a checkpoint's position brings back exactly the groups no step consumed. A workflow that
+raises costs its group (counted, consumed; left out of an evaluation), and a step's worth of groups
+raising is one line."""
 
+import dataclasses
 import types
 
 import jax
@@ -15,7 +18,7 @@ from unitrain.engines.base import Completions, SamplingParams
 from unitrain.errors import CheckpointError
 from unitrain.rollout.driver import Driver
 from unitrain.rollout.executor import RolloutExecutor
-from unitrain.rollout.workflow import Generate, Transcript, Workflow
+from unitrain.rollout.workflow import Generate, Transcript, Workflow, WorkflowError
 
 N = 2  # episodes per group
 
@@ -70,7 +73,22 @@ class Stream:
         self.next_record = state
 
 
-def executor(sampler, stream, **keys):
+class Raising(Turns):
+    """Turns whose records named in `bad` (None: every record) raise once their turns are sampled;
+    each trajectory's reward is also its task reward (an evaluation's)."""
+
+    def __init__(self, bad: set | None = None):
+        super().__init__()
+        self.bad = bad
+
+    def episode(self, record):
+        trajectory = yield from super().episode(record)
+        if self.bad is None or record.text in self.bad:
+            raise RuntimeError(f"no verifier for {record.text}")
+        return dataclasses.replace(trajectory, per_reward={"task": trajectory.reward})
+
+
+def executor(sampler, stream, workflow=None, **keys):
     cfg = dict(
         max_staleness=0,
         max_concurrent_rollouts=0,
@@ -81,7 +99,8 @@ def executor(sampler, stream, **keys):
         seed=0,
     )
     cfg = types.SimpleNamespace(**(cfg | keys))
-    driver = Driver(sampler, Turns(), N, SamplingParams(1), reward_fn=None)
+    give_up_after = stream.size * cfg.max_sampling_rounds  # as RLTask's driver
+    driver = Driver(sampler, workflow or Turns(), N, SamplingParams(1), None, give_up_after=give_up_after)
     return RolloutExecutor(cfg, stream, driver, lambda group: group, keep=None)
 
 
@@ -186,3 +205,39 @@ def test_an_interrupted_turn_keeps_its_tokens_and_continues_under_the_new_weight
         np.testing.assert_allclose(trajectory.logprobs[k], expected, rtol=1e-5, atol=1e-5)
     stale = log_softmax(full_logits(old, seq[: len(prompt) + 3])[-1])[seq[len(prompt) + 3]]
     assert abs(stale - trajectory.logprobs[3]) > 1e-3  # the old weights would have drawn it otherwise
+
+
+def test_a_group_whose_workflow_raises_is_counted_and_consumed_like_a_rejected_one():
+    sampler = CountingSampler()
+    ex = executor(sampler, Stream(4, turns=[1, 2]), Raising({"p1", "p6"}))
+    ((groups, stats),) = steps(ex, sampler, 1)
+    # Each round of 4 loses a group: a second round fills the step's 4.
+    assert [record(g) for g in groups] == [0, 2, 3, 4] and stats["sampling_rounds"] == 2
+    assert stats["rollout_workflow_errors"] == 2
+    assert ex.get_state() == {"position": 8, "consumed": []}  # both rounds consumed: p1 and p6 never come back
+
+
+def test_a_steps_worth_of_groups_raising_in_a_row_is_one_line():
+    sampler = CountingSampler()
+    ex = executor(sampler, Stream(4, turns=[2]), Raising(), max_sampling_rounds=2)
+    with pytest.raises(WorkflowError) as e:
+        steps(ex, sampler, 1)
+    assert str(e.value) == (
+        "workflow test_executor:Raising raised on 8 groups in a row, so no group comes out; "
+        "the first error: RuntimeError: no verifier for p0"
+    )
+
+
+def test_an_evaluation_leaves_out_and_counts_the_prompts_whose_workflow_raised():
+    from helpers import make_cfg
+    from unitrain.data.tokenizer import load_tokenizer
+    from unitrain.evals import TaskEvaluator
+
+    cfg = make_cfg(mode="grpo", eval_num_samples=4, eval_n_samples=2, eval_pass_k=1)
+    records = [{"prompt": f"p{i}", "label": "1"} for i in range(4)]
+    evaluator = TaskEvaluator(cfg, load_tokenizer(""), CountingSampler(), None, Raising({"p1"}), records)
+    metrics = evaluator(None, 0)
+    assert metrics["eval_workflow_errors"] == 2  # p1 in the greedy pass and in the sampled one
+    assert [g.prompt.text for g in evaluator.correct(1, SamplingParams(1), jax.random.key(0))[1]] == ["p0", "p2", "p3"]
+    with pytest.raises(WorkflowError, match="raised on 4 groups in a row"):
+        TaskEvaluator(cfg, load_tokenizer(""), CountingSampler(), None, Raising(), records)(None, 0)

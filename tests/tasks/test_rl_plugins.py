@@ -1,7 +1,7 @@
 """The RL seams taken by plugins outside the package, end to end: a fourth rollout shape (a verifier
-that re-prompts after a wrong answer, tests/plugin_verifier.py), an advantage estimator
-(tests/plugin_estimator.py) and a model source serving as PPO's policy and critic
-(tests/plugin_model_source.py)."""
+that re-prompts after a wrong answer, tests/plugin_verifier.py), workflows that raise
+(tests/plugin_flaky.py), an advantage estimator (tests/plugin_estimator.py) and a model source
+serving as PPO's policy and critic (tests/plugin_model_source.py)."""
 
 import json
 
@@ -75,6 +75,33 @@ def test_a_plugin_workflow_trains_end_to_end(tmp_path):
     # The untrained model never answers right: every trajectory is two answers and the feedback.
     assert all(line["response_length_mean"] > 6 for line in lines)
     assert "wrong, try again" in (tmp_path / "default" / "samples.txt").read_text()
+
+
+def test_a_workflow_that_raises_on_some_groups_is_counted_and_the_run_goes_on(tmp_path, capsys):
+    lines = train_lines(tmp_path, "workflow=plugin_flaky:Flaky")
+    assert len(lines) == 2 and all(np.isfinite(line["loss"]) for line in lines)
+    # Rounds of 4 records whose second group raises: 3 groups a round, so two rounds a step.
+    assert [(line["rollout_workflow_errors"], line["sampling_rounds"]) for line in lines] == [(2, 2), (2, 2)]
+    warnings = [l for l in capsys.readouterr().out.splitlines() if "its group left out" in l]
+    assert len(warnings) == 4
+    assert all(
+        "workflow plugin_flaky:Flaky raised on prompt " in l and "RuntimeError: the verifier" in l for l in warnings
+    )
+
+
+def test_a_workflow_that_always_raises_stops_with_one_line(tmp_path, capsys):
+    argv = [
+        str(REPO / "configs" / "base.yml"),
+        f"base_output_directory={tmp_path}",
+        *FAST,
+        "workflow=plugin_flaky:Broken",
+    ]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (  # a step's worth: 4 rounds (max_sampling_rounds) of 4 records
+        "unitrain: workflow plugin_flaky:Broken raised on 16 groups in a row, so no group comes out; the first "
+        "error: ConnectionError: the verifier at localhost:9 refused the connection"
+    )
 
 
 def test_a_plugin_advantage_estimator_trains_end_to_end(tmp_path):

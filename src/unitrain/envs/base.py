@@ -15,8 +15,11 @@ tool schemas (the "function" format of chat templates and OpenAI) the prompt off
 A malformed tool call reaches `step` as an entry of `turn.tool_call_errors`: feedback for the
 model, not an exception. An exception raised by step ends that episode (recorded as end reason
 "env_error" and logged); one raised by reset rejects it (logged: there is no conversation to train
-on, and the record's group is left out). Neither stops the run, unless every reset of a step's
-episodes fails: that is one line naming the environment and the first error.
+on, and the record's group is left out). With `env_timeout`, a step that has not returned when the
+episode's time is up ends it too ("env_timeout"), a reset rejects it, and the environment is never
+called again (the call runs on a thread of its own, and is left to itself). None of these stops
+the run, unless every reset of a step's episodes fails: that is one line naming the environment
+and the first error.
 
 Optional capability (DemonstratingEnvironment): `demonstration(record) -> messages`, an expert's
 whole conversation for the record (assistant turns with their tool calls), which `mode=sft` trains

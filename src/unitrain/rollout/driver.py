@@ -14,11 +14,17 @@ each token records the weights version that drew it. With `chunk_tokens` a turn 
 next key of the round of its first group: call c of a round, its key folded with c (the first: the
 key itself). It runs on the main thread in a fixed order, so every process makes the same calls.
 The executor (rollout/executor.py) keeps a Driver's groups in flight across steps.
+
+A workflow that raises ends that group: one warning line, the group left out as a rejected one and
+counted (`errors`); so many groups raising in a row that none comes out (`give_up_after`: a step's
+worth, or every record of start_groups) is one WorkflowError line quoting the first. A broken
+contract (a wrong request or result) and a UserError stop the run at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import jax
@@ -31,24 +37,20 @@ from unitrain.engines.base import Completions, SamplingParams, submit
 from unitrain.errors import ConfigError, DataError, UserError
 from unitrain.registry import RL_MODES
 from unitrain.rollout.groups import Group
-from unitrain.rollout.workflow import Generate, Rank, Sampled, Score, Trajectory, Workflow, WorkflowError
+from unitrain.rollout.workflow import Generate, Rank, Sampled, Score, Trajectory, Workflow, WorkflowError, name_of
+
+log = logging.getLogger("unitrain")
 
 
 def start_groups(
     sampler, workflow, records: list, n: int, sampling: SamplingParams, key: jax.Array, reward_fn
 ) -> Callable[[], list[Group]]:
-    """Every record's group, started; the function returned runs the rest and returns the groups."""
-    driver = Driver(sampler, workflow, n, sampling, reward_fn)
-    runs = driver.start(records, key)
+    """Every record's group, started; the function returned runs the rest and returns the groups.
+    A group whose workflow raised is left out; all of them raising is one WorkflowError line."""
+    driver = Driver(sampler, workflow, n, sampling, reward_fn, give_up_after=len(records))
+    driver.start(records, key)
     driver.dispatch()
-
-    def finish() -> list[Group]:
-        while driver.pending is not None:
-            driver.collect()
-            driver.dispatch()
-        return [make_group(run.record, run.result) for run in runs if run.result is not None]
-
-    return finish
+    return driver.groups
 
 
 def run_groups(sampler, workflow, records: list, n: int, sampling: SamplingParams, key, reward_fn) -> list[Group]:
@@ -63,15 +65,27 @@ class Driver:
     (`pending`); `collect` waits for it and hands each run its turns. A call takes the next key of
     the round of its first run: a round served alone numbers its calls as start_groups always did."""
 
-    def __init__(self, sampler, workflow, n: int, sampling: SamplingParams, reward_fn, chunk_tokens: int = 0):
+    def __init__(
+        self,
+        sampler,
+        workflow,
+        n: int,
+        sampling: SamplingParams,
+        reward_fn,
+        chunk_tokens: int = 0,
+        give_up_after: int = 0,
+    ):
         """`chunk_tokens` > 0 serves a turn at most that many tokens a call: a weight update between
         calls continues it under the new weights, re-prefilled from the tokens so far (interruptible
-        generation); each token records the version that drew it."""
+        generation); each token records the version that drew it. `give_up_after` > 0: that many
+        groups in a row whose workflow raised stop the run (a broken plugin, not a bad record)."""
         self.sampler, self.workflow, self.n, self.sampling, self.reward_fn = sampler, workflow, n, sampling, reward_fn
-        self.chunk_tokens = chunk_tokens
-        self.name = f"{type(workflow).__module__}:{type(workflow).__qualname__}"  # for error lines
+        self.chunk_tokens, self.give_up_after = chunk_tokens, give_up_after
+        self.name = name_of(workflow)  # for error lines
         self.runs: list[_Run] = []
         self.pending = None  # the generate call in flight: (its runs, its turns, their budgets, its handle)
+        self.errors = 0  # groups whose workflow raised, of the runs taken out by `finished`
+        self.in_a_row, self.first_in_row = 0, ""  # those since a run last returned, and the first's error
 
     def start(self, records: list, key: jax.Array, tags: list | None = None) -> list[_Run]:
         """Starts the records' runs (each up to its first request); each run carries its `tags` entry."""
@@ -83,10 +97,34 @@ class Driver:
         return runs
 
     def finished(self) -> list[_Run]:
-        """The runs that have returned (their result a list of trajectories, or None), taken out."""
+        """The runs that have ended (their result a list of trajectories, or None: rejected or raised),
+        taken out and their errors counted."""
         done = [r for r in self.runs if r.request is None]
         self.runs = [r for r in self.runs if r.request is not None]
+        for run in done:
+            self._count(run)
         return done
+
+    def groups(self) -> list[Group]:
+        """Serves every run to its end: the groups of those that returned one, in the order they started."""
+        while self.pending is not None:
+            self.collect()
+            self.dispatch()
+        return [make_group(run.record, run.result) for run in self.finished() if run.result is not None]
+
+    def _count(self, run: _Run) -> None:
+        """Counts a run that raised; so many in a row that no group comes out is the plugin's fault."""
+        if not run.error:
+            self.in_a_row = 0
+            return
+        self.errors, self.in_a_row = self.errors + 1, self.in_a_row + 1
+        self.first_in_row = run.error if self.in_a_row == 1 else self.first_in_row
+        if self.give_up_after and self.in_a_row >= self.give_up_after:
+            k = self.in_a_row
+            raise WorkflowError(
+                f"workflow {self.name} raised on {k} group{'s' * (k > 1)} in a row, so no group comes out; "
+                f"the first error: {self.first_in_row}"
+            )
 
     def drop(self, runs) -> None:
         """Ends runs without waiting for them (their episodes will never be trained on)."""
@@ -228,6 +266,7 @@ class _Run:
         self.gen, self.record, self.name, self.keys, self.tag = gen, record, name, keys, tag
         self.request, self.rows = None, None
         self.result: list[Trajectory] | None = None
+        self.error = ""  # what the workflow raised, in one line ("": it did not)
 
     def turns(self, max_new_tokens: int) -> list[_Turn]:
         """The turns its Generate request asks for, made when first served."""
@@ -244,8 +283,12 @@ class _Run:
             return
         except UserError:
             raise
-        except Exception as e:
-            raise WorkflowError(f"workflow {self.name} raised {plugins.one_line(e)}") from None
+        except Exception as e:  # the workflow's own failure ends its group, as a rejection does, and is counted
+            self.request, self.error = None, plugins.one_line(e)
+            log.warning(
+                "workflow %s raised on prompt %r, its group left out: %s", self.name, self.record.text[:80], self.error
+            )
+            return
         self.request = self._valid(request)
 
     def _valid(self, request):

@@ -28,9 +28,9 @@ A step starts at most `max_sampling_rounds` rounds; still short when they are do
 groups the filter dropped (select_groups). Every process makes the same calls in the same order.
 
 Nothing is lost on a kill: the checkpoint records the stream's position before the oldest round
-with a group not yet consumed (trained on, filtered out, rejected or discarded), and the indices
-consumed in each open round; a resumed run re-reads those rounds, skips what was consumed and
-samples the rest again: no prompt skipped, none trained twice.
+with a group not yet consumed (trained on, filtered out, rejected, raised or discarded), and the
+indices consumed in each open round; a resumed run re-reads those rounds, skips what was consumed
+and samples the rest again: no prompt skipped, none trained twice.
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ class RolloutExecutor:
         on the sampler (idempotent within a step)."""
         cfg, stale_before = self.cfg, step - self.bound
         self.submitted, self.num_dropped, self.dropped = 0, 0, []
+        errors_before = self.driver.errors  # the groups filed in this step's waits
         stale = self._discard(lambda version: version < stale_before)
         while len(self.accepted) < cfg.rollout_batch_size or self._in_flight(older_than=step + 1 - self.bound):
             if self.driver.runs or self.driver.pending is not None:
@@ -173,6 +174,7 @@ class RolloutExecutor:
             "groups_discarded": discarded,
             "groups_refilled": refilled,
             "prompts_dropped": self.num_dropped,
+            "rollout_workflow_errors": self.driver.errors - errors_before,
             "rollout_staleness_mean": float(staleness.mean()),
             "rollout_staleness_max": int(staleness.max()),
         }
@@ -208,7 +210,8 @@ class RolloutExecutor:
         return any(run.tag.version < older_than for run in self.driver.runs)
 
     def _file(self, runs) -> None:
-        """Finished runs: rejected ones consumed; groups reshaped, then accepted or dropped."""
+        """Finished runs: rejected ones (and those whose workflow raised) consumed; groups reshaped,
+        then accepted or dropped."""
         for run in runs:
             if run.result is None:
                 run.tag.consume()

@@ -5,8 +5,11 @@ what the step logs of episodes: their metrics and their text."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
-from collections.abc import Generator
+import threading
+import time
+from collections.abc import Callable, Generator
 
 import numpy as np
 
@@ -21,7 +24,7 @@ from unitrain.rollout.workflow import Generate, Sampled, Trajectory, Transcript,
 
 log = logging.getLogger("unitrain")
 
-EPISODE_ENDS = ("env_done", "max_turns", "length", "env_error")
+EPISODE_ENDS = ("env_done", "max_turns", "length", "env_error", "env_timeout")
 
 
 class MultiTurn(Workflow):
@@ -32,11 +35,20 @@ class MultiTurn(Workflow):
     parsed (tool_call_format), and the environment's reply is appended as the template's ids for that
     message delta (data/turns.py), never by re-encoding the conversation. The episode ends when the
     environment says done (env_done), after max_turns turns (max_turns), when a turn is cut without its
-    stop token or the episode reaches episode_max_tokens (length), or when the environment raises
-    (env_error); the environment's reply to the last allowed turn, which no turn answers, is left out.
-    Its reward is the sum of the environment's rewards. An episode whose first prompt has more than
-    max_prompt_length ids, or whose environment's reset raises, is rejected; a step whose episodes all
-    fail their resets stops the run with one line.
+    stop token or the episode reaches episode_max_tokens (length), when the environment raises
+    (env_error), or when a step does not return within the time the episode has left (env_timeout);
+    the environment's reply to the last allowed turn, which no turn answers, is left out. Its reward
+    is the sum of the environment's rewards. An episode whose first prompt has more than
+    max_prompt_length ids, or whose environment's reset raises or does not return in time, is
+    rejected; a step whose episodes all fail their resets stops the run with one line.
+
+    env_timeout > 0 bounds an episode's environment calls (reset and steps) together: each runs on a
+    daemon thread waited on for the time left, and one still running then is abandoned with its
+    environment, which the episode never calls again (a thread cannot be stopped: it runs on, but
+    never holds the process at exit). The episode is recorded as it stands: every token sampled so
+    far, the reward so far. With 0 the calls run inline. The limit is wall-clock time: with several
+    processes, each playing the same episodes, set it well above the calls' usual times (it is for
+    the call that hangs), or one process may end an episode that another goes on with.
     """
 
     def __init__(self, run):
@@ -77,9 +89,9 @@ class MultiTurn(Workflow):
             )
 
     def episode(self, record: Prompt) -> Generator[Generate, Sampled, Trajectory | None]:
-        cfg, env = self.cfg, self.make_env(self.cfg)
+        cfg, env, clock = self.cfg, self.make_env(self.cfg), _TimeLimit(self.cfg.env_timeout)
         try:
-            first = env.reset({"prompt": record.text, "label": record.label})
+            first = clock.call(env.reset, {"prompt": record.text, "label": record.label})
         except Exception as e:  # no conversation to record: the episode is rejected, and said so
             self._reset_failed(record, e)
             return None
@@ -107,7 +119,13 @@ class MultiTurn(Workflow):
             calls += len(parsed.tool_calls) + len(parsed.tool_call_errors)
             invalid += len(parsed.tool_call_errors)
             try:
-                result = env.step(parsed)
+                result = clock.call(env.step, parsed)
+            except EnvTimeout as e:  # the tokens so far are the episode: recorded, trained on
+                log.warning(
+                    "env %s: a step on prompt %r: %s, episode ended (env_timeout)", cfg.env, record.text[:80], e
+                )
+                end = "env_timeout"
+                break
             except Exception as e:
                 log.warning("env %s: step failed, episode ended (env_error): %s", cfg.env, e)
                 end = "env_error"
@@ -170,3 +188,35 @@ class MultiTurn(Workflow):
             lines += [f"**[{m['role']}]** {m.get('content', '')}" for m in t.messages]
             parts.append("\n\n".join(lines))
         return "\n\n---\n\n".join(parts)
+
+
+class EnvTimeout(Exception):
+    """An environment call still running when its episode's env_timeout ran out."""
+
+
+class _TimeLimit:
+    """An episode's environment calls, `limit` seconds for all of them together (0: no limit, each
+    call inline)."""
+
+    def __init__(self, limit: float):
+        self.limit, self.left = limit, limit
+
+    def call(self, fn: Callable, arg):
+        """fn(arg): its result or its exception; EnvTimeout when it has not returned in the time left."""
+        if not self.limit:
+            return fn(arg)
+        outcome, start = concurrent.futures.Future(), time.monotonic()
+        # A daemon thread, not a pool's: a pool joins its threads at exit, and a hung call never ends.
+        threading.Thread(target=_settle, args=(outcome, fn, arg), name="env call", daemon=True).start()
+        done, _ = concurrent.futures.wait([outcome], timeout=max(self.left, 0.0))
+        self.left -= time.monotonic() - start
+        if not done:
+            raise EnvTimeout(f"no answer within env_timeout={self.limit:g}s, the call abandoned")
+        return outcome.result()
+
+
+def _settle(outcome: concurrent.futures.Future, fn: Callable, arg) -> None:
+    try:
+        outcome.set_result(fn(arg))
+    except BaseException as e:  # the caller's thread raises it, as an inline call would
+        outcome.set_exception(e)

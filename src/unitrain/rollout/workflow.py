@@ -18,6 +18,11 @@ A workflow whose episodes are independent writes `episode(record)` instead (a ge
 `Generate` at a time and returning one Trajectory or None); `Workflow.group` runs n of them in
 lockstep and rejects the group if any episode is rejected.
 
+An exception a workflow raises ends that record's group, logged, counted (rollout_workflow_errors)
+and left out as a rejected one: a bad record or a flaky service costs its group, not the run. A
+broken contract (a wrong request or result: WorkflowError) and a UserError stop the run with one
+line, as do so many groups raising in a row that no group comes out (rollout/driver.py).
+
 The built-in workflows (registry.WORKFLOWS): single_turn (one answer per row, scored by `reward`),
 multi_turn (a conversation with an environment, rollout/multi_turn.py) and ranked (the sampler's
 ranked beams, rollout/ranked.py); `workflow: pkg.module:Class` is any Workflow subclass, made as
@@ -36,12 +41,18 @@ from unitrain.errors import UserError
 log = logging.getLogger("unitrain")
 
 # How a trajectory ended: its stop token (a single answer), the environment said done, its turns or
-# tokens ran out, the environment raised.
-END_REASONS = ("stop", "env_done", "max_turns", "length", "env_error")
+# tokens ran out, the environment raised, the environment took longer than the episode's env_timeout.
+END_REASONS = ("stop", "env_done", "max_turns", "length", "env_error", "env_timeout")
 
 
 class WorkflowError(UserError):
-    """A workflow plugin broke its contract: one line naming it, exit 2."""
+    """A workflow plugin broke its contract, or raised on every group a step needed: one line naming
+    it, exit 2."""
+
+
+def name_of(workflow) -> str:
+    """A workflow as its error lines name it: module:Class."""
+    return f"{type(workflow).__module__}:{type(workflow).__qualname__}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,16 +202,19 @@ class Workflow:
     def group(self, record, n: int):
         """n episodes of the record in lockstep: each request of the driver is the live episodes'
         Generate list; None if any episode is rejected."""
+        name = name_of(self)
         episodes = [self.episode(record) for _ in range(n)]
-        requests = [_first(e) for e in episodes]
+        requests = [_send(e, None, name) for e in episodes]
         while any(isinstance(r, Generate) for r in requests):
             live = [i for i, r in enumerate(requests) if isinstance(r, Generate)]
             turns = yield [requests[i] for i in live]
             for i, turn in zip(live, turns):
-                requests[i] = _send(episodes[i], turn)
+                requests[i] = _send(episodes[i], turn, name)
         results = [r.value for r in requests]
         if wrong := next((t for t in results if t is not None and not isinstance(t, Trajectory)), None):
-            raise TypeError(f"an episode returned a {type(wrong).__name__}; it returns a Trajectory or None")
+            raise WorkflowError(
+                f"workflow {name}: an episode returned a {type(wrong).__name__}; it returns a Trajectory or None"
+            )
         if any(t is None for t in results):
             log.info("a record's group is left out: %d of its %d episodes were rejected", results.count(None), n)
             return None
@@ -226,16 +240,15 @@ class _Returned:
     value: object
 
 
-def _first(episode):
-    return _send(episode, None)
-
-
-def _send(episode, turn):
-    """The episode's next request, or _Returned(its result)."""
+def _send(episode, turn, name: str):
+    """The episode's next request, or _Returned(its result); a wrong request is the workflow's
+    broken contract (its own exceptions pass through: the driver records them)."""
     try:
         request = episode.send(turn)
     except StopIteration as stop:
         return _Returned(stop.value)
     if not isinstance(request, Generate):
-        raise TypeError(f"an episode yielded {request!r:.120}; it must yield Generate(context ids, max_new_tokens)")
+        raise WorkflowError(
+            f"workflow {name}: an episode yielded {request!r:.120}; it must yield Generate(context ids, max_new_tokens)"
+        )
     return request

@@ -258,8 +258,9 @@ class RLTask(Task):
         self.replay = cfg.moe_routing_replay
         if self.replay:
             self.sampling = dataclasses.replace(self.sampling, record_routes=True)
+        round_size = cfg.over_sampling_batch_size or cfg.rollout_batch_size
         if prompts is None:
-            prompts = make_prompt_iterator(cfg, tokenizer, cfg.over_sampling_batch_size or cfg.rollout_batch_size)
+            prompts = make_prompt_iterator(cfg, tokenizer, round_size)
         driver = Driver(
             self.sampler,
             self.workflow,
@@ -267,6 +268,8 @@ class RLTask(Task):
             self.sampling,
             self.reward_fn,
             cfg.rollout_chunk_tokens,
+            # A step's worth of groups raising in a row, none returned: the workflow, not its records.
+            give_up_after=round_size * cfg.max_sampling_rounds,
         )
         self.rollouts = RolloutExecutor(cfg, prompts, driver, self.shape, self.keep)
         self.data_iterator = self.rollouts  # the checkpoint's prompt position: before the groups not yet consumed
