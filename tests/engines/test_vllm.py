@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import types
+import urllib.request
 
 import jax
 import numpy as np
@@ -227,6 +228,46 @@ def test_a_server_already_running_is_reloaded_and_left_running(served, ckpt, tmp
     sampler.update_weights(params, 6)  # the module's sampler takes its server back
 
 
+def generated_tokens(url: str) -> float:
+    """The tokens the server at `url` has generated so far (its Prometheus counter)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
+
+
+@needs_vllm
+def test_a_weight_update_interrupts_the_rows_in_flight_which_go_on_under_the_new_weights(served, ckpt, tmp_path):
+    """vllm_interrupt: a push aborts the rows in flight; each comes back marked interrupted with the
+    tokens it had, drawn by the old weights (their logprobs the old model's forward), and its
+    continuation from those tokens is the new weights' (the new model's forward over the whole prefix)."""
+    run, params, sampler = served
+    [engine] = sampler.engines
+    cfg = engine_cfg(tmp_path, ckpt, vllm_urls=[engine.url], vllm_interrupt=True, max_staleness=1)
+    guest = vllm.VLLMSampler(build_run(cfg)[0])
+    guest.update_weights(params, 1)
+    new = perturbed(params)
+    prompts = PROMPTS * 32  # rows that sample for seconds: the push comes while they run
+    before = generated_tokens(engine.url)
+    handle = guest.submit(prompts, SamplingParams(500), jax.random.key(4))
+    while generated_tokens(engine.url) < before + 20 * len(prompts):
+        time.sleep(0.01)
+    guest.update_weights(new, 2)
+    cut = handle.result()
+    assert cut.version == 1 and cut.interrupted.all() and 0 < cut.lengths.min() and cut.lengths.max() < 500
+    export.export_hf(run, new, str(tmp_path / "new"))
+    contexts = [p + t[:n].tolist() for p, t, n in zip(prompts[:3], cut.tokens, cut.lengths)]
+    rest = guest.generate(contexts, SamplingParams(4), jax.random.key(5))
+    assert rest.version == 2 and not rest.interrupted.any()
+    for model, starts, out in ((hf_model(ckpt), prompts[:3], cut), (hf_model(tmp_path / "new"), contexts, rest)):
+        for prompt, tokens, logprobs, n in zip(starts, out.tokens, out.logprobs, out.lengths):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + tokens[:n].tolist()])).logits[0, len(prompt) - 1 : -1]
+            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[:n, None]).long())[:, 0].numpy()
+            np.testing.assert_allclose(logprobs[:n], expected, atol=5e-4)
+    guest.close()
+    sampler.update_weights(params, 7)  # the module's sampler takes its server back
+
+
 @needs_vllm
 def test_a_dead_server_without_restarts_is_one_line_with_the_end_of_its_log(served):
     """The last test of the module's server: it is killed."""
@@ -385,7 +426,18 @@ class FakeEngine(http.server.BaseHTTPRequestHandler):
         tokens = [(body["seed"] + i) % 1000 for i in range(body["max_tokens"])]
         with self.server.lock:
             self.server.answered += 1
-        self.answer(200, {"choices": [{"token_ids": tokens, "logprobs": {"token_logprobs": [-0.5] * len(tokens)}}]})
+        self.answer(
+            200,
+            {
+                "choices": [
+                    {
+                        "token_ids": tokens,
+                        "logprobs": {"token_logprobs": [-0.5] * len(tokens)},
+                        "finish_reason": "length",
+                    }
+                ]
+            },
+        )
 
     def answer(self, status, body):
         data = json.dumps(body).encode()

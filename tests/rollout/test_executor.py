@@ -207,6 +207,47 @@ def test_an_interrupted_turn_keeps_its_tokens_and_continues_under_the_new_weight
     assert abs(stale - trajectory.logprobs[3]) > 1e-3  # the old weights would have drawn it otherwise
 
 
+class InterruptingSampler:
+    """Samples token 7 + the version; its first call is interrupted after `cut` tokens of each row
+    (an engine's abort at a weight update, vllm_interrupt), row 1's before it was sent (none)."""
+
+    def __init__(self, cut: int):
+        self.version, self.cut, self.calls = 0, cut, []
+
+    def update_weights(self, params, version):
+        self.version = version
+
+    def generate(self, prompt_ids, sampling, key):
+        rows, first = len(prompt_ids), not self.calls
+        self.calls.append(sampling.row_budgets)
+        lengths = np.array([0 if first and r == 1 else self.cut if first else sampling.budget(r) for r in range(rows)])
+        width = max(int(lengths.max()), 1)
+        mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
+        tokens = np.where(mask, 7 + self.version, 0).astype(np.int32)
+        interrupted = np.full(rows, first)
+        return Completions(
+            tokens, mask, -mask.astype(np.float32), lengths.astype(np.int32), self.version, interrupted=interrupted
+        )
+
+
+def test_rows_an_engine_interrupted_go_on_from_their_tokens_in_the_next_call():
+    """An engine that interrupts generation (vllm_interrupt) marks the rows a weight update cut short:
+    whole turns (no chunk_tokens) then go on in the next call, for the tokens they have left, under
+    the new weights; the turn keeps the tokens drawn before, each token tagged with its version."""
+    sampler = InterruptingSampler(cut=3)
+    driver = Driver(sampler, Turns(tokens=None), 2, SamplingParams(max_new_tokens=8), None)
+    (run,) = driver.start([Prompt((3, 4), "p", "1")], jax.random.key(0))
+    driver.dispatch()
+    sampler.update_weights(None, 1)
+    while driver.pending is not None:
+        driver.collect()
+        driver.dispatch()
+    assert sampler.calls == [(8, 8), (5, 8)]  # the rest of row 0's budget; all of row 1's
+    a, b = run.result
+    assert a.ids.tolist() == [7] * 3 + [8] * 5 and a.versions.tolist() == [0] * 3 + [1] * 5
+    assert b.ids.tolist() == [8] * 8 and b.versions.tolist() == [1] * 8
+
+
 def test_a_group_whose_workflow_raises_is_counted_and_consumed_like_a_rejected_one():
     sampler = CountingSampler()
     ex = executor(sampler, Stream(4, turns=[1, 2]), Raising({"p1", "p6"}))

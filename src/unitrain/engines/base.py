@@ -127,6 +127,9 @@ class Completions:
     # [B, P, L, k] for the prompt's tokens, left-padded as the prompt block (-1 on padding).
     routes: np.ndarray | None = None
     prompt_routes: np.ndarray | None = None
+    # [B] bool: rows a weight update cut short (an engine that interrupts generation, vllm_interrupt);
+    # the driver continues them under the new weights. None: none was.
+    interrupted: np.ndarray | None = None
 
     def __getitem__(self, rows) -> Completions:
         pick = lambda a: None if a is None else a[rows]  # noqa: E731
@@ -138,6 +141,7 @@ class Completions:
             self.version,
             pick(self.routes),
             pick(self.prompt_routes),
+            pick(self.interrupted),
         )
 
 

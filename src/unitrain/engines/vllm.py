@@ -11,7 +11,10 @@ here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TP
               sampler's rows in flight (none straddles two versions), then each server pauses,
               reloads from the folder, drops its prefix cache (else prefixes of the old weights are
               served), takes version v and resumes; v must then be what it reports. The first
-              version starts the servers (or reaches those of vllm_urls).
+              version starts the servers (or reaches those of vllm_urls). With vllm_interrupt the
+              push does not wait for the rows: it aborts them (/abort_requests), and each returns
+              the tokens it has, marked interrupted (Completions.interrupted; a row not yet sent
+              returns none), for the driver to continue under the new weights.
     generate  one request per row, sent at once (vLLM batches them), each with its own seed drawn
               from the key (a batched request would give GRPO's copies of a prompt one seed and one
               sample), token ids in and out, the stop ids as the only stops, and the logprobs of the
@@ -148,6 +151,7 @@ class VLLMSampler:
         self.measured_since = time.perf_counter()
         self.in_flight, self.lock = 0, threading.Condition()  # rows submitted and not yet answered
         self.closed = False
+        self.interrupting = False  # a weight update is aborting the rows in flight (vllm_interrupt)
         self.pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_ROWS, thread_name_prefix="vllm-row")
         if self.leader and not cfg.vllm_urls and not os.access(cfg.vllm_python, os.X_OK):
             raise ConfigError(
@@ -184,8 +188,11 @@ class VLLMSampler:
         """Every server serves `path` as `version`: the first version starts them (or reaches those of
         vllm_urls); later ones reload the servers up, and a server starting meanwhile catches up. On a
         failure the sampler keeps the version it had (the run stops)."""
+        if self.cfg.vllm_interrupt:
+            self._interrupt()
         with self.lock:
             self.lock.wait_for(lambda: self.in_flight == 0)  # no row straddles two versions
+            self.interrupting = False
             previous = self.version, self.model_path
             self.version, self.model_path = version, path  # what a server (re)started from now loads
             first, up = not self.engines, self._up()
@@ -200,6 +207,23 @@ class VLLMSampler:
                 self.version, self.model_path = previous
         if failures:
             raise EngineError(failures[0])
+
+    def _interrupt(self) -> None:
+        """The rows in flight end now with the tokens they have (vLLM's abort), and those not yet sent
+        with none: each is marked interrupted, and the driver continues it under the new weights. A
+        row sent just after the abort runs to its end under the old weights, which the reload's pause
+        waits for."""
+        with self.lock:
+            self.interrupting = True
+            self.lock.notify_all()
+        for failure in filter(None, self._each(self._abort, self._up())):
+            log.warning("%s; its rows run to their ends under the old weights", failure)
+
+    def _abort(self, engine: _Engine) -> None:
+        try:
+            engine.client.call("/abort_requests", {})
+        except ServerGone:
+            self._lost(engine, "while its rows were interrupted")
 
     def _engines(self) -> list[_Engine]:
         cfg, logs = self.cfg, os.path.join(self.cfg.run_dir, "vllm_server")
@@ -353,9 +377,10 @@ class VLLMSampler:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key) -> Completions:
         return self.submit(prompt_ids, sampling, key).result()
 
-    def _row(self, ids: list[int], sampling: SamplingParams, seed: int, budget: int) -> tuple[list[int], list[float]]:
-        """One row's (token ids, logprobs) from the least loaded server, again on another (with its
-        seed) while the one it went to is lost; EngineError when none is left."""
+    def _row(self, ids: list[int], sampling: SamplingParams, seed: int, budget: int) -> tuple[list, list, bool]:
+        """One row's (token ids, logprobs, interrupted) from the least loaded server, again on another
+        (with its seed) while the one it went to is lost; EngineError when none is left. Interrupted:
+        a weight update aborted it (the tokens so far), or came before it was sent (none)."""
         body = {
             "prompt": ids,
             "max_tokens": budget,
@@ -373,9 +398,11 @@ class VLLMSampler:
         try:
             while True:
                 engine = self._take()
+                if engine is None:
+                    return [], [], True
                 try:
                     choice = engine.client.call("/v1/completions", {**body, "model": engine.served_name})["choices"][0]
-                    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+                    return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"] == "abort"
                 except ServerGone:
                     self._lost(engine, "while sampling")
                 finally:
@@ -385,11 +412,15 @@ class VLLMSampler:
                 self.in_flight -= 1
                 self.lock.notify_all()
 
-    def _take(self) -> _Engine:
-        """The server up with the fewest rows in flight (waiting while one restarts); EngineError when
-        every server is gone."""
+    def _take(self) -> _Engine | None:
+        """The server up with the fewest rows in flight (waiting while one restarts); None while a
+        weight update interrupts generation; EngineError when every server is gone."""
         with self.lock:
-            self.lock.wait_for(lambda: not any(e.state == "starting" for e in self.engines) or self._up())
+            self.lock.wait_for(
+                lambda: self.interrupting or not any(e.state == "starting" for e in self.engines) or self._up()
+            )
+            if self.interrupting:
+                return None
             up = self._up()
             if not up:
                 raise EngineError(next(e.error for e in self.engines if e.state == "gone"))
@@ -418,6 +449,7 @@ class VLLMSampler:
             np.zeros((rows, n), np.float32),
             np.zeros((rows,), np.int32),
             round_.version if round_.version is not None else -1,
+            interrupted=np.zeros((rows,), bool),
         )
         failure = ""
         if self.leader:
@@ -428,16 +460,16 @@ class VLLMSampler:
         self._agree(failure, "sampling")
         if jax.process_count() > 1:
             arrays = multihost_utils.broadcast_one_to_all(
-                (out.tokens, out.mask, out.logprobs, out.lengths, np.int32(out.version))
+                (out.tokens, out.mask, out.logprobs, out.lengths, np.int32(out.version), out.interrupted)
             )
-            out = Completions(*(np.asarray(a) for a in arrays[:4]), int(arrays[4]))
+            out = Completions(*(np.asarray(a) for a in arrays[:4]), int(arrays[4]), interrupted=np.asarray(arrays[5]))
         return out
 
     def _gather(self, round_: _Round, out: Completions) -> int:
         """Fills `out` with the round's rows; -> the version they were sampled with (a server restarted
         meanwhile serves the newest version, which no push has changed while rows are in flight)."""
         for r, future in enumerate(round_.futures):
-            tokens, logprobs = future.result()
+            tokens, logprobs, out.interrupted[r] = future.result()
             length = len(tokens)
             out.tokens[r, :length], out.logprobs[r, :length] = tokens, logprobs
             out.mask[r, :length], out.lengths[r] = 1, length
@@ -570,7 +602,18 @@ def _servers(c) -> str | None:
     return None
 
 
-CONFIG_CHECKS = (_servers,)
+@check("sampler", "vllm_interrupt", "max_staleness")
+def _interrupt(c) -> str | None:
+    """Interrupting needs rows in flight at a weight update: rollouts sampled ahead."""
+    if c["vllm_interrupt"] and (c["sampler"] != "vllm" or not c["max_staleness"]):
+        return (
+            "vllm_interrupt aborts the vLLM rows in flight at a weight update; there are some only with "
+            f"sampler vllm and max_staleness >= 1 (sampler {c['sampler']}, max_staleness {c['max_staleness']})"
+        )
+    return None
+
+
+CONFIG_CHECKS = (_servers, _interrupt)
 
 
 def from_run(run) -> VLLMSampler:

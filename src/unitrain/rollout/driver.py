@@ -163,7 +163,8 @@ class Driver:
         self.pending = None
         out, stops = handle.result(), self.sampling.stop_token_ids
         for i, (row, budget) in enumerate(zip(rows, budgets)):
-            row.add(_row(out, i, budget, stops), budget, whole=not self.chunk_tokens)
+            cut = out.interrupted is not None and bool(out.interrupted[i])
+            row.add(_row(out, i, budget, stops), budget, whole=not self.chunk_tokens, interrupted=cut)
         for run in live:
             if all(row.done for row in run.rows):
                 run.advance([row.sampled() for row in run.rows])
@@ -183,11 +184,13 @@ class _Turn:
     def context(self) -> list[int]:
         return [*self.request.context, *(int(t) for p in self.pieces for t in p.tokens)]
 
-    def add(self, piece: Sampled, call_budget: int, whole: bool) -> None:
-        """A call's tokens; the turn is done when the call was to be the whole turn, at a stop token,
-        at its budget, or when the engine ended the row short of the call's budget."""
+    def add(self, piece: Sampled, call_budget: int, whole: bool, interrupted: bool) -> None:
+        """A call's tokens; the turn is done at a stop token, at its budget, and, unless a weight update
+        interrupted the call (it goes on under the new weights), when the call was to be the whole
+        turn or the engine ended the row short of the call's budget."""
         self.pieces.append(piece)
-        self.done = whole or piece.stopped or self.remaining == 0 or len(piece.tokens) < call_budget
+        short = whole or len(piece.tokens) < call_budget
+        self.done = piece.stopped or self.remaining == 0 or (short and not interrupted)
 
     def sampled(self) -> Sampled:
         """The whole turn: its pieces joined (the prompt's routes are the first call's)."""
