@@ -8,9 +8,9 @@ then a summary table and one summary JSON line.
     python tools/bench_stream.py OUT [--seeds 0 1 2] [--steps 60] [--configs sync stream interrupt]
 
 Reproduce (from the repository root, on a machine with two quiet cores and the engine's venv,
-./setup.sh --vllm):
+./setup.sh --vllm; --vllm-python names its interpreter when it is not ./.venv-vllm's):
 
-    PYTHONPATH=src .venv/bin/python tools/bench_stream.py /tmp/bench_stream
+    PYTHONPATH=src .venv/bin/python tools/bench_stream.py /tmp/bench_stream [--vllm-python PATH]
 
 The machine. The trainer runs on core 0 (`taskset -c 0` on its command: JAX, the executor, the vLLM
 sampler's HTTP client threads) and the vLLM server on core 1: vllm_python is a wrapper this tool
@@ -55,9 +55,10 @@ holds the server's start-up and the first compiles, the warm-up):
                          long row has fewer completion columns, a new program; JAX's persistent cache,
                          OUT/jax_cache, shared by the runs, makes each new shape ~1 s after its first
                          compile); samples_per_sec_raw without that correction
-    trainer_idle_fraction  the time a step waited for its rollouts (time_rollout, less the trainer's
-                         own export of the weights, time_weight_export) over the step time; the wait
-                         holds the weight reload, which waits for the server's rows in flight
+    trainer_idle_fraction  the time the steps waited for their rollouts (time_rollout, less the
+                         trainer's own export of the weights, time_weight_export) over their time; the
+                         wait holds the weight reload, which waits for the server's rows in flight;
+                         rollout_fraction: time_rollout over the step time, the export in
     engine_idle_fraction 1 - engine_busy_fraction (the sampler's: the share of the time the server had
                          a row of ours in flight, measured by the client from one step's rollouts to
                          the next), step_time-weighted over the timed steps
@@ -65,7 +66,8 @@ holds the server's start-up and the first compiles, the warm-up):
     lengths              the sampled completions' characters (tokens less the stop token): quantiles,
                          and the share of rows over 4x the median (the long tail: ~1/16)
     rollout_staleness_*, rollout_version_spread_mean (interrupt: trajectories sampled across a
-                         weight update), groups_stale, sampling rounds and time parts, where logged
+                         weight update), groups_stale, sampling_rounds (means over the timed steps),
+                         time_rollout, time_weight_push and time_update (medians), where logged
 The summary: each configuration's median over seeds, the samples/s ratio of each configuration to
 sync computed per seed and its median, and the reward per block of steps: mean [min, max] over seeds.
 The issue's goal: interrupt at least 1.5x sync's samples/s with the same reward curve within the
@@ -338,14 +340,14 @@ def measure(run_dir: Path, log: Path, lengths: Path, opts) -> dict:
     waited = sum(s["time_rollout"] - s.get("time_weight_export", 0.0) for s in timed)
     got = sorted(int(x) for x in lengths.read_text().split()) if lengths.exists() else []
 
-    def mean(key):
+    def over_steps(key, how=statistics.fmean):
         values = [s[key] for s in timed if key in s]
-        return round(statistics.fmean(values), 4) if values else None
+        return round(how(values), 4) if values else None
 
     def quantile(f):
         return got[min(len(got) - 1, int(f * len(got)))]
 
-    median = max(quantile(0.5), 1) if got else None
+    middle = max(quantile(0.5), 1) if got else None
     return {
         "samples_per_sec": round(rows * len(timed) / (seconds - compiles), 2),
         "samples_per_sec_raw": round(rows * len(timed) / seconds, 2),
@@ -354,14 +356,15 @@ def measure(run_dir: Path, log: Path, lengths: Path, opts) -> dict:
         "compile_seconds_in_timed_steps": round(compiles, 2),
         "step_time_median": round(statistics.median(s["step_time"] for s in timed), 3),
         "trainer_idle_fraction": round(waited / seconds, 3),
+        "rollout_fraction": round(sum(s["time_rollout"] for s in timed) / seconds, 3),
         "engine_idle_fraction": round(1 - busy / seconds, 3),
-        "time_rollout_mean": mean("time_rollout"),
-        "time_weight_push_mean": mean("time_weight_push"),
-        "time_update_mean": mean("time_update"),
-        "sampling_rounds_mean": mean("sampling_rounds"),
-        "rollout_staleness_mean": mean("rollout_staleness_mean"),
+        "time_rollout_median": over_steps("time_rollout", statistics.median),
+        "time_weight_push_median": over_steps("time_weight_push", statistics.median),
+        "time_update_median": over_steps("time_update", statistics.median),
+        "sampling_rounds_mean": over_steps("sampling_rounds"),
+        "rollout_staleness_mean": over_steps("rollout_staleness_mean"),
         "rollout_staleness_max": max((s.get("rollout_staleness_max", 0) for s in timed), default=None),
-        "rollout_version_spread_mean": mean("rollout_version_spread_mean"),
+        "rollout_version_spread_mean": over_steps("rollout_version_spread_mean"),
         "groups_stale": sum(s.get("groups_stale", 0) for s in timed),
         "reward_curve": [round(s["reward_mean"], 4) for s in steps],
         "reward_blocks": blocks([s["reward_mean"] for s in steps], opts.block),
@@ -370,7 +373,7 @@ def measure(run_dir: Path, log: Path, lengths: Path, opts) -> dict:
             "sampled": len(got),
             **({f"p{q}": quantile(q / 100) for q in (10, 50, 90, 95, 99)} if got else {}),
             "max": got[-1] if got else None,
-            "over_4x_median": round(sum(x > 4 * median for x in got) / len(got), 4) if got else None,
+            "over_4x_median": round(sum(x > 4 * middle for x in got) / len(got), 4) if got else None,
         },
         "step_times": [round(s["step_time"], 2) for s in steps],
     }
