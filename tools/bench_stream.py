@@ -44,7 +44,9 @@ The configurations, everything else the same, in the order sync, stream, interru
     sync       max_staleness=0: a step samples its round, then updates (the synchronous trainer)
     stream     max_staleness=1: groups sample across steps, a round's first call runs during the update
     interrupt  max_staleness=1, rollout_chunk_tokens=C (--chunk-tokens; default the median
-               completion's tokens, 12): a turn is sampled at most C tokens a call
+               completion's tokens, 12): a turn the step waits on is sampled at most C tokens a
+               call, so a step takes its groups as they finish; and vllm_interrupt: the call made
+               ahead of an update asks for whole turns and the push aborts it
 The seed (config `seed`) sets the prompt order and the sampling keys; the SFT model is the same.
 
 What is measured, from each run's metrics.jsonl (steps 0 and 1, --warmup-steps, left out: step 0
@@ -267,7 +269,11 @@ def engine_wrapper(out: Path, opts) -> Path:
 CONFIGS = {  # the three configurations; everything else the same
     "sync": lambda opts: {"max_staleness": 0},
     "stream": lambda opts: {"max_staleness": 1},
-    "interrupt": lambda opts: {"max_staleness": 1, "rollout_chunk_tokens": opts.chunk_tokens or median_tokens(opts)},
+    "interrupt": lambda opts: {
+        "max_staleness": 1,
+        "rollout_chunk_tokens": opts.chunk_tokens or median_tokens(opts),
+        "vllm_interrupt": True,
+    },
 }
 
 

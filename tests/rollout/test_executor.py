@@ -18,7 +18,7 @@ from unitrain.engines.base import Completions, SamplingParams
 from unitrain.errors import CheckpointError
 from unitrain.rollout.driver import Driver
 from unitrain.rollout.executor import RolloutExecutor
-from unitrain.rollout.workflow import Generate, Transcript, Workflow, WorkflowError
+from unitrain.rollout.workflow import Generate, Score, Transcript, Workflow, WorkflowError
 
 N = 2  # episodes per group
 
@@ -143,6 +143,46 @@ def test_with_max_staleness_a_step_takes_what_finished_and_the_long_tail_samples
     assert trained.index(7) < trained.index(8)  # in submission order among the finished
 
 
+class Scored(Turns):
+    """One turn a row, then the run's reward on the group (a Score request)."""
+
+    def group(self, record, n):
+        turns = yield [Generate(list(record.ids))] * n
+        total, _ = yield Score(record, ["x"] * n)
+        return [Transcript(record.ids).trajectory(float(r), "stop") for r in total] if turns else None
+
+
+def test_a_step_takes_its_scored_groups_before_sending_another_call():
+    """The groups a step needs are scored after their call: the step ends there, and the call for the
+    round sampled ahead is sent after, to sample while the trainer updates (not waited on first)."""
+    sampler = CountingSampler()
+    ex = executor(sampler, Stream(4, turns=[1]), Scored(), max_staleness=1)
+    ex.driver.reward_fn = lambda prompts, texts, labels, group_size: (np.ones(len(texts), np.float32), {})
+    trained = [[record(g) for g in groups] for groups, _ in steps(ex, sampler, 3)]
+    assert trained == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    # Step 2 took round 2 once it was scored; round 3's call was sent then, and is still in flight.
+    assert sampler.calls == [8, 4, 4] and ex.driver.pending is not None
+
+
+def test_a_call_ahead_of_a_push_that_interrupts_it_asks_for_whole_turns():
+    """chunk_tokens bounds the calls a step waits on; a call made ahead of an update on a sampler whose
+    pushes interrupt it (vllm_interrupt) asks for whole turns: the push ends it."""
+
+    class Interrupted(CuttingSampler):
+        interrupts = True
+
+        def submit(self, prompt_ids, sampling, key):
+            return types.SimpleNamespace(result=lambda: self.generate(prompt_ids, sampling, key))
+
+    for ahead, budgets in ((False, (3, 3)), (True, (8, 8))):
+        sampler = Interrupted(cut=3)
+        driver = Driver(sampler, Turns(tokens=None), 2, SamplingParams(max_new_tokens=8), None, chunk_tokens=3)
+        driver.start([Prompt((3, 4), "p", "1")], jax.random.key(0))
+        driver.dispatch(ahead=ahead)
+        driver.collect()
+        assert sampler.calls == [budgets]
+
+
 def test_max_concurrent_rollouts_caps_the_groups_in_flight():
     free, capped = CountingSampler(), CountingSampler()
     steps(executor(free, Stream(2, turns=[1, 4]), max_staleness=3), free, 5)
@@ -207,7 +247,7 @@ def test_an_interrupted_turn_keeps_its_tokens_and_continues_under_the_new_weight
     assert abs(stale - trajectory.logprobs[3]) > 1e-3  # the old weights would have drawn it otherwise
 
 
-class InterruptingSampler:
+class CuttingSampler:
     """Samples token 7 + the version; its first call is interrupted after `cut` tokens of each row
     (an engine's abort at a weight update, vllm_interrupt), row 1's before it was sent (none)."""
 
@@ -234,7 +274,7 @@ def test_rows_an_engine_interrupted_go_on_from_their_tokens_in_the_next_call():
     """An engine that interrupts generation (vllm_interrupt) marks the rows a weight update cut short:
     whole turns (no chunk_tokens) then go on in the next call, for the tokens they have left, under
     the new weights; the turn keeps the tokens drawn before, each token tagged with its version."""
-    sampler = InterruptingSampler(cut=3)
+    sampler = CuttingSampler(cut=3)
     driver = Driver(sampler, Turns(tokens=None), 2, SamplingParams(max_new_tokens=8), None)
     (run,) = driver.start([Prompt((3, 4), "p", "1")], jax.random.key(0))
     driver.dispatch()

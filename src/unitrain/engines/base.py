@@ -48,6 +48,9 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
   routes   Optional: with `sampling.record_routes` (routing replay of a mixture of experts), the
            experts each token ran, as `Completions.routes` and `prompt_routes` (the colocated and
            mesh samplers; an engine that cannot report them is refused by the config).
+  interrupt Optional (InterruptingSampler): with `interrupts` true, update_weights does not wait for
+           the submitted calls in flight: their rows end at once with the tokens they have, marked
+           in `Completions.interrupted` (the driver continues them under the new weights).
   close    Optional (ClosingSampler): `close()` ends what the sampler started (an engine's server); the trainer calls it
            when the run ends, however it ends.
   metrics  Optional (MeasuredSampler): `metrics()`, {metric: value} of what the sampler did since the
@@ -166,6 +169,11 @@ class RankingSampler(Sampler, Protocol):
 class SubmittingSampler(Sampler, Protocol):
     def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array):
         """generate, started: returns at once a handle whose result() gives the Completions."""
+
+
+@runtime_checkable
+class InterruptingSampler(SubmittingSampler, Protocol):
+    interrupts: bool  # whether update_weights cuts the calls in flight short (Completions.interrupted)
 
 
 @runtime_checkable

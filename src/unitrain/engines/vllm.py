@@ -151,7 +151,8 @@ class VLLMSampler:
         self.measured_since = time.perf_counter()
         self.in_flight, self.lock = 0, threading.Condition()  # rows submitted and not yet answered
         self.closed = False
-        self.interrupting = False  # a weight update is aborting the rows in flight (vllm_interrupt)
+        self.interrupts = cfg.vllm_interrupt  # InterruptingSampler: a push aborts the rows in flight
+        self.interrupting = False  # a push is aborting them
         self.pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_ROWS, thread_name_prefix="vllm-row")
         if self.leader and not cfg.vllm_urls and not os.access(cfg.vllm_python, os.X_OK):
             raise ConfigError(
@@ -188,7 +189,7 @@ class VLLMSampler:
         """Every server serves `path` as `version`: the first version starts them (or reaches those of
         vllm_urls); later ones reload the servers up, and a server starting meanwhile catches up. On a
         failure the sampler keeps the version it had (the run stops)."""
-        if self.cfg.vllm_interrupt:
+        if self.interrupts:
             self._interrupt()
         with self.lock:
             self.lock.wait_for(lambda: self.in_flight == 0)  # no row straddles two versions

@@ -33,7 +33,7 @@ import numpy as np
 from unitrain import plugins, registry
 from unitrain.config import check
 from unitrain.data import format_choice
-from unitrain.engines.base import Completions, SamplingParams, submit
+from unitrain.engines.base import Completions, InterruptingSampler, SamplingParams, submit
 from unitrain.errors import ConfigError, DataError, UserError
 from unitrain.registry import RL_MODES
 from unitrain.rollout.groups import Group
@@ -81,9 +81,12 @@ class Driver:
         groups in a row whose workflow raised stop the run (a broken plugin, not a bad record)."""
         self.sampler, self.workflow, self.n, self.sampling, self.reward_fn = sampler, workflow, n, sampling, reward_fn
         self.chunk_tokens, self.give_up_after = chunk_tokens, give_up_after
+        self.interrupted_by_pushes = isinstance(sampler, InterruptingSampler) and sampler.interrupts
         self.name = name_of(workflow)  # for error lines
         self.runs: list[_Run] = []
-        self.pending = None  # the generate call in flight: (its runs, its turns, their budgets, its handle)
+        self.pending = (
+            None  # the generate call in flight: (its runs, its turns, their budgets, whole turns?, its handle)
+        )
         self.errors = 0  # groups whose workflow raised, of the runs taken out by `finished`
         self.in_a_row, self.first_in_row = 0, ""  # those since a run last returned, and the first's error
 
@@ -130,41 +133,46 @@ class Driver:
         """Ends runs without waiting for them (their episodes will never be trained on)."""
         self.runs = [r for r in self.runs if r not in runs]
 
-    def dispatch(self) -> None:
-        """Serves Score and Rank requests until every live run waits on a turn; then submits those
-        turns in one generate call (pending), or leaves pending None when no run waits on one."""
+    def serve(self) -> bool:
+        """Serves Score and Rank requests until every live run waits on a turn; whether there were any."""
+        served = False
         while True:
             scores = [r for r in self.runs if isinstance(r.request, Score)]
             ranks = [r for r in self.runs if isinstance(r.request, Rank)]
             if not scores and not ranks:
-                break
+                return served
             if scores:
                 _score(scores, self.reward_fn)
             if ranks:
                 _rank(ranks, self.sampler, ranks[0].keys.next())
+            served = True
+
+    def dispatch(self, ahead: bool = False) -> None:
+        """Serves the Score and Rank requests, then submits the turns the live runs wait on in one
+        generate call (pending), or leaves pending None when no run waits on one. A call `ahead` of a
+        weight update (it samples while the trainer updates) on a sampler whose pushes interrupt it
+        asks for whole turns: the push ends it, where chunk_tokens would have left the engine idle."""
+        self.serve()
         live = [r for r in self.runs if isinstance(r.request, list)]
         if not live:
             self.pending = None
             return
         rows = [row for run in live for row in run.turns(self.sampling.max_new_tokens) if not row.done]
-        budgets = tuple(min(row.remaining, self.chunk_tokens or row.remaining) for row in rows)
+        whole = not self.chunk_tokens or (ahead and self.interrupted_by_pushes)
+        budgets = tuple(row.remaining if whole else min(row.remaining, self.chunk_tokens) for row in rows)
         call = dataclasses.replace(self.sampling, row_budgets=budgets)
-        self.pending = (
-            live,
-            rows,
-            budgets,
-            submit(self.sampler, [row.context() for row in rows], call, live[0].keys.next()),
-        )
+        handle = submit(self.sampler, [row.context() for row in rows], call, live[0].keys.next())
+        self.pending = (live, rows, budgets, whole, handle)
 
     def collect(self) -> None:
         """Waits for the pending generate call, adds each row's tokens to its turn, and hands each run
         whose turns are all done its turns."""
-        live, rows, budgets, handle = self.pending
+        live, rows, budgets, whole, handle = self.pending
         self.pending = None
         out, stops = handle.result(), self.sampling.stop_token_ids
         for i, (row, budget) in enumerate(zip(rows, budgets)):
             cut = out.interrupted is not None and bool(out.interrupted[i])
-            row.add(_row(out, i, budget, stops), budget, whole=not self.chunk_tokens, interrupted=cut)
+            row.add(_row(out, i, budget, stops), budget, whole=whole, interrupted=cut)
         for run in live:
             if all(row.done for row in run.rows):
                 run.advance([row.sampled() for row in run.rows])

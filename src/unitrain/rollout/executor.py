@@ -133,12 +133,14 @@ class RolloutExecutor:
         return True
 
     def wait(self) -> None:
-        """Serves one round of requests of the groups in flight (one generate call, and the Score and
-        Rank requests before it), then files the groups that finished."""
-        if self.driver.pending is None:
-            self.driver.dispatch()
+        """Moves the groups in flight one step: collects the pending generate call; or serves the Score
+        and Rank requests; or, with none, submits the next generate call. Then files the groups that
+        finished: a group scored is taken (and the step may end) before another call is sent, which
+        then samples while the trainer updates."""
         if self.driver.pending is not None:
             self.driver.collect()
+        elif not self.driver.serve():
+            self.driver.dispatch()
         self._file(self.driver.finished())
 
     def prepare_batch(self, step: int, push: Callable[[int], None]) -> tuple[list, dict]:
@@ -191,7 +193,7 @@ class RolloutExecutor:
         while ahead and self._room(ahead) and self.submit(step, push):
             pass
         if ahead and self.driver.pending is None and self.driver.runs:
-            self.driver.dispatch()
+            self.driver.dispatch(ahead=True)
 
     # -- bookkeeping
     def _steps_ahead(self, step: int) -> int:
