@@ -1,11 +1,11 @@
 """Synchronous GRPO rounds against the stream of groups (max_staleness 1), without and with interruptible
-generation (rollout_chunk_tokens), on vLLM, on a long-tailed round: trained samples per second, the
+generation (vllm_interrupt; and with rollout_chunk_tokens), on vLLM, on a long-tailed round: trained samples per second, the
 reward curve over seeds, and the trainer's and the engine's idle fractions. One JSON line per run,
 then a summary table and one summary JSON line.
 
     python tools/bench_stream.py OUT                       # the full run: 3 seeds x 3 configurations
     python tools/bench_stream.py OUT --smoke               # 1 seed, 4 steps each: does it all run
-    python tools/bench_stream.py OUT [--seeds 0 1 2] [--steps 60] [--configs sync stream interrupt]
+    python tools/bench_stream.py OUT [--seeds 0 1 2] [--steps 60] [--configs sync stream interrupt chunks]
 
 Reproduce (from the repository root, on a machine with two quiet cores and the engine's venv,
 ./setup.sh --vllm; --vllm-python names its interpreter when it is not ./.venv-vllm's):
@@ -40,13 +40,14 @@ samples a step (--prompts, --samples), one update a step (per_device_batch_size 
 reward of weight 0 (tools/bench_stream_task.py:length) logs each completion's length without
 changing the reward, and writes every sampled length to OUT/<run>.lengths.
 
-The configurations, everything else the same, in the order sync, stream, interrupt for each seed:
+The configurations, everything else the same, in the order sync, stream, interrupt, chunks for each seed:
     sync       max_staleness=0: a step samples its round, then updates (the synchronous trainer)
     stream     max_staleness=1: groups sample across steps, a round's first call runs during the update
-    interrupt  max_staleness=1, rollout_chunk_tokens=C (--chunk-tokens; default the median
-               completion's tokens, 12): a turn the step waits on is sampled at most C tokens a
-               call, so a step takes its groups as they finish; and vllm_interrupt: the call made
-               ahead of an update asks for whole turns and the push aborts it
+    interrupt  max_staleness=1, vllm_interrupt: a push aborts the rows in flight, which go on from
+               their tokens under the new weights (the push does not wait for them)
+    chunks     the same and rollout_chunk_tokens=C (--chunk-tokens; default the median completion's
+               tokens, 12): a turn the step waits on is sampled at most C tokens a call, so a step
+               takes its groups as they finish (the call made ahead of an update: whole turns)
 The seed (config `seed`) sets the prompt order and the sampling keys; the SFT model is the same.
 
 What is measured, from each run's metrics.jsonl (steps 0 and 1, --warmup-steps, left out: step 0
@@ -67,7 +68,7 @@ holds the server's start-up and the first compiles, the warm-up):
     reward_curve         reward_mean (the gsm8k reward) per step, and per block of --block steps
     lengths              the sampled completions' characters (tokens less the stop token): quantiles,
                          and the share of rows over 4x the median (the long tail: ~1/16)
-    rollout_staleness_*, rollout_version_spread_mean (interrupt: trajectories sampled across a
+    rollout_staleness_*, rollout_version_spread_mean (interrupt, chunks: trajectories sampled across a
                          weight update), groups_stale, sampling_rounds (means over the timed steps),
                          time_rollout, time_weight_push and time_update (medians), where logged
 The summary: each configuration's median over seeds, the samples/s ratio of each configuration to
@@ -76,8 +77,8 @@ The issue's goal: interrupt at least 1.5x sync's samples/s with the same reward 
 seeds' spread.
 
 Time: the SFT ~70 s once (kept in OUT and reused while its settings are the same); each GRPO run ~30 s
-of start-up (the vLLM server ~20 s, compiles) and ~0.4-0.8 s a step: the full run (3 seeds x 3
-configurations x 60 steps) ~15 min on two quiet cores.
+of start-up (the vLLM server ~20 s, compiles) and ~0.4-0.8 s a step: the full run (3 seeds x 4
+configurations x 60 steps) ~19 min on two quiet cores.
 """
 
 from __future__ import annotations
@@ -266,13 +267,14 @@ def engine_wrapper(out: Path, opts) -> Path:
     return path
 
 
-CONFIGS = {  # the three configurations; everything else the same
+CONFIGS = {  # the configurations; everything else the same
     "sync": lambda opts: {"max_staleness": 0},
     "stream": lambda opts: {"max_staleness": 1},
-    "interrupt": lambda opts: {
+    "interrupt": lambda opts: {"max_staleness": 1, "vllm_interrupt": True},
+    "chunks": lambda opts: {
         "max_staleness": 1,
-        "rollout_chunk_tokens": opts.chunk_tokens or median_tokens(opts),
         "vllm_interrupt": True,
+        "rollout_chunk_tokens": opts.chunk_tokens or median_tokens(opts),
     },
 }
 
@@ -452,9 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8, help="rollout_batch_size")
     p.add_argument("--samples", type=int, default=8, help="n_samples_per_prompt")
     p.add_argument("--max-response", type=int, default=128, help="rollout_max_response_len")
-    p.add_argument(
-        "--chunk-tokens", type=int, default=0, help="interrupt's rollout_chunk_tokens; 0: the median's tokens"
-    )
+    p.add_argument("--chunk-tokens", type=int, default=0, help="chunks: rollout_chunk_tokens; 0: the median's tokens")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--vllm-args", default="--enforce-eager")
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="the engine venv's interpreter")
