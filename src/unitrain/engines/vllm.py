@@ -25,8 +25,8 @@ here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TP
               stops answering loses its rows to the others (sent again with their seeds, so a row
               is the same wherever it runs); one of ours is stopped and restarted in the background
               from the newest version (vllm_restarts times in all), a server of vllm_urls is left
-              out. With no server left, or a failed reload of every server, one line with the end of
-              the server's log. The servers' process groups end with the trainer (close(), or their
+              out. With no server left, or a reload that fails, one line with the end of the server's
+              log. The servers' process groups end with the trainer (close(), or their
               supervisors: engines/vllm_server.py).
     metrics   metrics(): the pushes' parts, engine_busy_fraction and engine_servers_up.
 
