@@ -234,12 +234,8 @@ def sft(out: Path, model: Path, data: Path, opts) -> Path:
         return ckpts
     shutil.rmtree(out / "sft", ignore_errors=True)
     keys = dict(
+        **run_keys(model, model, data),
         mode="sft",
-        model_name="",
-        load_parameters_path=model,
-        tokenizer_path=model,
-        dataset_path=data,
-        dtype="float32",
         max_target_length=256,
         per_device_batch_size=16,
         steps=opts.sft_steps,
@@ -279,14 +275,15 @@ CONFIGS = {  # the configurations; everything else the same
 }
 
 
+def run_keys(weights: Path, model: Path, data: Path) -> dict:
+    """What the SFT and the GRPO runs share: the model folder's tokenizer, the data, float32."""
+    return dict(model_name="", load_parameters_path=weights, tokenizer_path=model, dataset_path=data, dtype="float32")
+
+
 def grpo_keys(opts, ckpts: Path, model: Path, data: Path, engine: Path, seed: int) -> dict:
     return dict(
+        **run_keys(ckpts, model, data),
         mode="grpo",
-        model_name="",
-        load_parameters_path=ckpts,
-        tokenizer_path=model,
-        dataset_path=data,
-        dtype="float32",
         seed=seed,
         steps=opts.steps,
         rollout_batch_size=opts.prompts,
