@@ -236,7 +236,9 @@ def generated_tokens(url: str) -> float:
 
 
 @needs_vllm
-def test_a_weight_update_interrupts_the_rows_in_flight_which_go_on_under_the_new_weights(served, ckpt, tmp_path):
+def test_a_weight_update_interrupts_the_rows_in_flight_which_go_on_under_the_new_weights(
+    served, ckpt, tmp_path, monkeypatch
+):
     """vllm_interrupt: a push aborts the rows in flight; each comes back marked interrupted with the
     tokens it had, drawn by the old weights (their logprobs the old model's forward), and its
     continuation from those tokens is the new weights' (the new model's forward over the whole prefix)."""
@@ -245,9 +247,14 @@ def test_a_weight_update_interrupts_the_rows_in_flight_which_go_on_under_the_new
     cfg = engine_cfg(tmp_path, ckpt, vllm_urls=[engine.url], vllm_interrupt=True, max_staleness=1)
     guest = vllm.VLLMSampler(build_run(cfg)[0])
     new = perturbed(params)
+    # The new version is exported before the rows start, so that the push aborts them at once: on
+    # a loaded machine the rows reached their ends while it exported.
+    ready, export_policy = {}, export.export_policy
+    monkeypatch.setattr(export, "export_policy", lambda run, p, v, root: ready.get(v) or export_policy(run, p, v, root))
     prompts = PROMPTS * 32  # rows that sample for seconds: the push comes while they run
-    for attempt in range(3):  # on a loaded machine the push may come after the rows ended: again
+    for attempt in range(3):  # on a loaded machine the push may still come after the rows ended: again
         guest.update_weights(params, 2 * attempt + 1)
+        ready[2 * attempt + 2] = export_policy(guest.run, new, 2 * attempt + 2, guest.export_root)
         before = generated_tokens(engine.url)
         handle = guest.submit(prompts, SamplingParams(500), jax.random.key(4))
         while generated_tokens(engine.url) < before + 20 * len(prompts):
