@@ -117,6 +117,15 @@ def test_bad_values(arg, message):
     assert message in error([BASE, arg])
 
 
+@pytest.mark.parametrize(
+    "arg, hint",
+    [("env=calculater", "calculator"), ("mode=gpro", "grpo"), ("attention=splsh", "splash"), ("workflow=multi", "multi_turn")],
+)
+def test_a_misspelt_choice_gets_a_did_you_mean(arg, hint):
+    assert error([BASE, arg]).endswith(f"(from command line); did you mean '{hint}'?")
+    assert "did you mean" not in error([BASE, "remat_policy=some"])  # nothing close: no guess
+
+
 def test_last_of_a_repeated_override_wins():
     assert load("emb_dim=32", "emb_dim=128").emb_dim == 128
 

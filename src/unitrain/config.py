@@ -19,7 +19,6 @@ builder's (run.device_layout), so that reading a config imports no JAX and start
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import math
 import os
@@ -33,6 +32,7 @@ import yaml
 
 from unitrain.adapters import hf_config
 from unitrain.errors import ConfigError
+from unitrain.plugins import did_you_mean
 from unitrain.registry import (
     ADVANTAGE_ESTIMATORS,
     ATTENTION,
@@ -61,6 +61,7 @@ log = logging.getLogger("unitrain")
 class Rule(NamedTuple):
     test: Callable[[Any], bool]  # gets the already-typed value
     expected: str  # completes "config key 'x' expects ..."
+    names: tuple[str, ...] = ()  # the values a misspelt one is compared with for a did-you-mean
 
 
 def _is_num(v) -> bool:
@@ -76,16 +77,18 @@ def _is_regex(v) -> bool:
 
 
 def choices(*options: str) -> Rule:
-    return Rule(lambda v: v in options, "one of " + " | ".join(options))
+    return Rule(lambda v: v in options, "one of " + " | ".join(options), options)
 
 
 def builtin_or_plugin(table) -> Rule:
     """A short name of a built-in in `table` (a seam's table in registry.py) or a plugin."""
-    return Rule(lambda v: v in table or is_plugin_spec(v), "one of " + " | ".join(table) + " or pkg.module:symbol")
+    return Rule(
+        lambda v: v in table or is_plugin_spec(v), "one of " + " | ".join(table) + " or pkg.module:symbol", tuple(table)
+    )
 
 
 def optional(rule: Rule) -> Rule:
-    return Rule(lambda v: v is None or rule.test(v), rule.expected + " or null")
+    return Rule(lambda v: v is None or rule.test(v), rule.expected + " or null", rule.names)
 
 
 POSITIVE = Rule(lambda v: _is_num(v) and v > 0, "a positive number")
@@ -157,9 +160,12 @@ RULES: dict[str, Rule] = {
     "workflow": Rule(
         lambda v: v != "ranked" and builtin_or_plugin(WORKFLOWS).test(v),
         "single_turn | multi_turn | pkg.module:symbol (ranked groups: rollout_decoding=beam)",
+        ("single_turn", "multi_turn"),
     ),
     "env": Rule(
-        lambda v: v == "" or builtin_or_plugin(ENVS).test(v), '"" (none) | ' + builtin_or_plugin(ENVS).expected
+        lambda v: v == "" or builtin_or_plugin(ENVS).test(v),
+        '"" (none) | ' + builtin_or_plugin(ENVS).expected,
+        tuple(ENVS),
     ),
     "max_turns": POSITIVE_INT,
     "episode_max_tokens": POSITIVE_INT,
@@ -417,7 +423,7 @@ class Config(Mapping):
         values = self.__dict__.get("_values", {})
         if name in values:
             return values[name]
-        raise AttributeError(f"config has no key '{name}'{_did_you_mean(name, values)}")
+        raise AttributeError(f"config has no key '{name}'{did_you_mean(name, values)}")
 
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"config is frozen; use cfg.replace({name}=...)")
@@ -468,8 +474,12 @@ def _build(inputs: dict, schema: dict, origin: dict, explicit: set) -> Config:
     _take_checkpoint_architecture(inputs, origin, explicit)
     for key, rule in RULES.items():
         if key in inputs and not rule.test(inputs[key]):
+            value, hint = inputs[key], ""
+            if isinstance(value, str):
+                hint = did_you_mean(value, rule.names)
             raise ConfigError(
-                f"config key '{key}' expects {rule.expected}, got '{_show(inputs[key])}' ({origin.get(key, SET_BY_UNITRAIN)})"
+                f"config key '{key}' expects {rule.expected}, got '{_show(value)}' "
+                f"({origin.get(key, SET_BY_UNITRAIN)}){hint}"
             )
     return Config(derive(inputs), inputs, schema, origin)
 
@@ -596,7 +606,7 @@ def _apply_model(inputs: dict, origin: dict, schema: dict, models: Path) -> None
 
 def _set(inputs, origin, schema, key, value, where, raw=None) -> None:
     if key not in schema:
-        hint = _did_you_mean(str(key), schema) or "; the root base.yml lists every key"
+        hint = did_you_mean(str(key), schema) or "; the root base.yml lists every key"
         raise ConfigError(f"unknown config key '{key}' ({where}){hint}")
     inputs[key] = _typed(key, value, schema[key], where, raw)
     origin[key] = where
@@ -797,11 +807,6 @@ def _read_text(path: Path) -> str:
         return path.read_text()
     except OSError as e:
         raise ConfigError(f"cannot read config file {_show_path(path)}: {(e.strerror or str(e)).lower()}") from None
-
-
-def _did_you_mean(name: str, known) -> str:
-    hint = difflib.get_close_matches(name, list(known), n=1)
-    return f"; did you mean '{hint[0]}'?" if hint else ""
 
 
 def _show(v) -> str:
