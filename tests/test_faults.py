@@ -180,6 +180,8 @@ def test_other_dimensions_than_the_checkpoint_are_one_line(tmp_path, capsys):
     _, state = run.build_run(config(tmp_path, "run_name=other", "mlp_dim=96"))
     with pytest.raises(CheckpointError, match=r"\['layers'\]\['w_down'\]"):
         checkpoint.load_params(str(tmp_path / "default" / "checkpoints"), state["params"])
+    with pytest.raises(CheckpointError, match=r"^load_parameters_path \S*nope does not exist$"):
+        checkpoint.load_params(str(tmp_path / "nope"), state["params"])
 
 
 def damage(step_dir: Path, how: str) -> None:

@@ -290,6 +290,8 @@ def load_opt_state(path: str, state: dict):
 
 def _step_dir(path: str) -> str:
     path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"load_parameters_path {path} does not exist")
     if os.path.isdir(os.path.join(path, "checkpoints")):  # a run directory
         path = os.path.join(path, "checkpoints")
     if os.path.isdir(os.path.join(path, "params")):
