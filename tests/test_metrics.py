@@ -83,12 +83,12 @@ def test_progress_line_every_log_period_with_eta(tmp_path, capsys):
         for step in range(6):
             w.write(step, scalars if step else {"loss": 2.0})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "step 0/6 | loss 2.0000"  # no ETA yet: nothing measured
+    assert lines[0] == "step 1/6 | loss 2.0000"  # no ETA yet: nothing measured
     body = "loss 1.2346 | lr 3.0e-04 | 12.3k tok/s | MFU 3.1% | 1.00 s/step"
     assert lines[1:] == [
-        f"step 2/6 | {body} | ETA 0:00:03",  # 1 s/step (step_time), steps 3, 4, 5 left
-        f"step 4/6 | {body} | ETA 0:00:01",
-        f"step 5/6 | {body} | ETA 0:00:00",
+        f"step 3/6 | {body} | ETA 0:00:03",  # 1 s/step (step_time), steps 4, 5, 6 left
+        f"step 5/6 | {body} | ETA 0:00:01",
+        f"step 6/6 | {body} | ETA 0:00:00",
     ]  # the last step always prints
 
 
@@ -111,11 +111,11 @@ def test_the_progress_line_shows_every_eval_metric_and_steps_without_reward_spre
         w.write(6, {"eval_hr_at_10": 0.1})  # a recommender GRPO eval: nothing but HR/NDCG
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
-        "step 0/8 | loss 0.5000 | reward 0.250 | 1 of 1 steps trained on nothing (no reward spread in any group)",
-        "step 4/8 | loss 0.5000 | reward 0.250 | 2 of 4 steps trained on nothing (no reward spread in any group)",
-        "step 5/8 | eval loss 1.2346, accuracy 45.3%, pass@4 60.0%, rewards/accuracy 75.0%, rewards/margin 0.0123, "
+        "step 1/8 | loss 0.5000 | reward 0.250 | 1 of 1 steps trained on nothing (no reward spread in any group)",
+        "step 5/8 | loss 0.5000 | reward 0.250 | 2 of 4 steps trained on nothing (no reward spread in any group)",
+        "step 6/8 | eval loss 1.2346, accuracy 45.3%, pass@4 60.0%, rewards/accuracy 75.0%, rewards/margin 0.0123, "
         "hr@10 0.0870, ndcg@10 0.0512, episode_tool_call_valid_rate 100.0%, rewards/chosen -2.5e-05",
-        "step 6/8 | eval hr@10 0.1000",
+        "step 7/8 | eval hr@10 0.1000",
     ]
 
 
@@ -126,14 +126,14 @@ def test_samples_go_to_a_text_file_by_step_and_a_resume_drops_the_later_ones(tmp
             w.text(step, "samples", f"**prompt** {step}+1=\n\n**completion** {step + 1}\n")
     samples = tmp_path / "run" / "samples.txt"
     blocks = samples.read_text().split("\n\n==== ")
-    assert blocks[0] == "==== step 0: samples\n**prompt** 0+1=\n\n**completion** 1"
+    assert blocks[0] == "==== step 1: samples\n**prompt** 0+1=\n\n**completion** 1"
     assert blocks[1:] == [
-        "step 4: samples\n**prompt** 4+1=\n\n**completion** 5",
-        "step 8: samples\n**prompt** 8+1=\n\n**completion** 9\n\n",
+        "step 5: samples\n**prompt** 4+1=\n\n**completion** 5",
+        "step 9: samples\n**prompt** 8+1=\n\n**completion** 9\n\n",
     ]
     with metrics.MetricsWriter(file, tb, 10, 1, is_primary=True, resume_step=5) as w:
         w.text(6, "samples", "again")
-    assert samples.read_text() == "\n\n==== ".join(blocks[:2]) + "\n\n==== step 6: samples\nagain\n\n"
+    assert samples.read_text() == "\n\n==== ".join(blocks[:2]) + "\n\n==== step 7: samples\nagain\n\n"
 
 
 def test_flops_match_parameter_count():

@@ -187,7 +187,7 @@ def test_rerunning_a_finished_run_says_so_and_how_to_go_on(tmp_path, capsys):
     assert train.main(argv(tmp_path, "steps=2", *evals)) == 0
     run_path = tmp_path / "default"
     record = {name: (run_path / name).read_text() for name in ("metrics.jsonl", "config.yml", "samples.txt")}
-    assert record["samples.txt"].startswith("==== step 1: samples\n**prompt** ")  # the eval's answers
+    assert record["samples.txt"].startswith("==== step 2: samples\n**prompt** ")  # the eval's answers after step 2
     capsys.readouterr()
     assert train.main(argv(tmp_path, "steps=2", *evals)) == 0
     out = capsys.readouterr().out.strip()
@@ -198,7 +198,7 @@ def test_rerunning_a_finished_run_says_so_and_how_to_go_on(tmp_path, capsys):
     assert {name: (run_path / name).read_text() for name in record} == record
     assert train.main(argv(tmp_path, "steps=3", *evals)) == 0  # the way on it names
     assert [line["step"] for line in lines_of(run_path / "metrics.jsonl") if "loss" in line] == [0, 1, 2]
-    assert (run_path / "samples.txt").read_text().startswith(record["samples.txt"] + "==== step 2: samples\n")
+    assert (run_path / "samples.txt").read_text().startswith(record["samples.txt"] + "==== step 3: samples\n")
 
 
 def test_a_command_that_fails_before_its_run_starts_leaves_no_directory(tmp_path, capsys):

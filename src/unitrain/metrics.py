@@ -47,7 +47,9 @@ def metric_name(key: str) -> str:
 class MetricsWriter:
     """Writes one JSON line and TensorBoard scalars per step, and a progress line every `log_period`.
 
-    Steps are 0-based (the last one is total_steps - 1). `resume_step` (pass the step the run starts
+    Steps are 0-based (the last one is total_steps - 1) in metrics.jsonl and TensorBoard; what a person
+    reads (progress lines, samples.txt) counts the steps done, as checkpoints do: step s's line says
+    step s + 1. `resume_step` (pass the step the run starts
     at, 0 for a fresh run) drops the lines of steps >= resume_step from an existing metrics.jsonl, so
     a run resumed from an older checkpoint does not log those steps twice; TensorBoard hides them via
     purge_step.
@@ -135,7 +137,7 @@ class MetricsWriter:
     def _progress_line(self, step: int, v: dict) -> str:
         if "step_time" in v:  # a training step's line: its interval's figures, not the step's alone
             v = {**v, **self._interval.figures()}
-        parts = [f"step {step}/{self.total_steps}"]
+        parts = [f"step {step + 1}/{self.total_steps}"]
         if "loss" in v:
             parts.append(f"loss {v['loss']:.4f}")
         if "reward_mean" in v:  # grpo
@@ -167,7 +169,7 @@ class MetricsWriter:
         if self.is_primary:
             self._tb.add_text(tag, text, int(step))
             with open(self._samples, "a") as f:
-                f.write(f"==== step {int(step)}: {tag}\n{text.rstrip()}\n\n")
+                f.write(f"==== step {int(step) + 1}: {tag}\n{text.rstrip()}\n\n")
         if self._wandb is not None:
             self._wandb.text(step, tag, text)
 
@@ -262,9 +264,10 @@ _SAMPLES_HEADER = re.compile(r"^==== step (\d+): ", re.M)
 
 
 def _keep_samples_before(path: Path, resume_step: int) -> None:
-    """Rewrites samples.txt without the blocks of steps >= resume_step (atomic, as _keep_steps_before)."""
+    """Rewrites samples.txt without the blocks of steps >= resume_step, whose headers say steps done
+    (step + 1) (atomic, as _keep_steps_before)."""
     text = path.read_text()
-    later = next((m.start() for m in _SAMPLES_HEADER.finditer(text) if int(m.group(1)) >= resume_step), len(text))
+    later = next((m.start() for m in _SAMPLES_HEADER.finditer(text) if int(m.group(1)) > resume_step), len(text))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text[:later])
     os.replace(tmp, path)

@@ -152,7 +152,7 @@ def _fetch(step: int, step_metrics: dict) -> dict:
     values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}  # numbers pass through
     for key in (k for k in values if k.rsplit("/", 1)[-1] in ("loss", "grad_norm")):
         if not math.isfinite(values[key]):
-            raise NonFiniteLoss(f"{key} is {values[key]} at step {step}")
+            raise NonFiniteLoss(f"{key} is {values[key]} at step {step + 1}")  # counted as checkpoints are
     return values
 
 
