@@ -163,6 +163,8 @@ def test_a_finished_stage_whose_definition_changed_is_reported_before_anything_r
     assert train.main([recipe(tmp_path, {"name": "sft", **SFT})]) == 0
     assert train.main([recipe(tmp_path, {"name": "sft", **SFT, "learning_rate": 1e-3})]) == 2
     assert "stage 'sft' is finished but its definition changed (learning_rate" in capsys.readouterr().err
+    assert train.main([recipe(tmp_path, {"name": "sft", **SFT}), "steps=3"]) == 2  # its steps too
+    assert "stage 'sft' is finished but its definition changed (steps: 1 -> 3)" in capsys.readouterr().err
 
 
 def test_the_command_line_wins_over_every_stages_values(tmp_path, caplog):

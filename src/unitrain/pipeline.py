@@ -133,6 +133,11 @@ def run(cfg, train) -> int:
     return 0
 
 
+def _finished_steps(done: str) -> str:
+    with open(done) as f:
+        return f.read().strip()
+
+
 def _check_finished_stages_unchanged(stages) -> None:
     """A finished stage whose definition changed would leave the run's record wrong: stop first."""
     for stage in stages:
@@ -140,8 +145,11 @@ def _check_finished_stages_unchanged(stages) -> None:
         if previous is None:
             continue
         changes = run_dir.changed_keys(stage, previous)
+        done = os.path.join(stage.run_dir, "stage_done")
+        if os.path.exists(done) and (finished := _finished_steps(done)) != str(stage.steps):
+            changes["steps"] = (finished, stage.steps)  # a run's steps may grow, a finished stage's not
         shown = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items())
-        if changes and os.path.exists(os.path.join(stage.run_dir, "stage_done")):
+        if changes and os.path.exists(done):
             raise ConfigError(
                 f"stage '{stage.run_name}' is finished but its definition changed ({shown}); "
                 f"use another run_name, or remove {stage.run_dir} to run it again"
