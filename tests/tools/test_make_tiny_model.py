@@ -1,6 +1,7 @@
 """tools/make_tiny_model.py's --help: the defaults, and the head sizes vLLM's CPU build serves."""
 
 import pytest
+
 from make_tiny_model import main
 
 
