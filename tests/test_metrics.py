@@ -101,7 +101,9 @@ def test_the_progress_line_shows_every_eval_metric_and_steps_without_reward_spre
         "eval_rewards/margin": 0.012345,
         "eval_hr_at_10": 0.087,
         "eval_ndcg_at_10": 0.05123,
-        "eval_episode_tool_call_valid_rate": 1.0,
+        "eval_episode_success_rate": 0.5,
+        "eval_episode_tool_call_valid_rate": 1.0,  # the episodes' breakdown: metrics.jsonl's, not the line's
+        "eval_episode_end_length": 0.25,
         "eval_rewards/chosen": -2.5e-5,
     }
     with metrics.MetricsWriter(tmp_path / "m.jsonl", tmp_path / "tb", 8, 4, is_primary=True) as w:
@@ -114,7 +116,7 @@ def test_the_progress_line_shows_every_eval_metric_and_steps_without_reward_spre
         "step 1/8 | loss 0.5000 | reward 0.250 | 1 of 1 steps trained on nothing (no reward spread in any group)",
         "step 5/8 | loss 0.5000 | reward 0.250 | 2 of 4 steps trained on nothing (no reward spread in any group)",
         "step 6/8 | eval loss 1.2346, accuracy 45.3%, pass@4 60.0%, rewards/accuracy 75.0%, rewards/margin 0.0123, "
-        "hr@10 0.0870, ndcg@10 0.0512, episode_tool_call_valid_rate 100.0%, rewards/chosen -2.5e-05",
+        "hr@10 0.0870, ndcg@10 0.0512, success rate 50.0%, rewards/chosen -2.5e-05",
         "step 7/8 | eval hr@10 0.1000",
     ]
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -15,7 +16,7 @@ from flax import nnx
 
 from helpers import GSM8K, REPO, SFT_FAST, losses_of, run_cli, sigterm_after_step
 from helpers import sft_config as config
-from unitrain import checkpoint, modes, run, train
+from unitrain import checkpoint, compile_cache, modes, run, train
 from unitrain import step as step_lib
 from unitrain.adapters import hf
 from unitrain.checks import load_checked
@@ -31,9 +32,18 @@ def setup(cfg):
     return built.mesh, built.graphdef, built.init_params, built.tokenizer
 
 
-def test_builtin_run_evaluates_logs_and_checkpoints(tmp_path):
+def test_builtin_run_evaluates_logs_and_checkpoints(tmp_path, caplog):
+    caplog.set_level("INFO", logger="unitrain")
+    compile_cache.report("the tests before")  # the process's compiles so far
     cfg = config(tmp_path, "steps=4", "eval_interval=2", "eval_num_samples=8", "eval_steps=2", "checkpoint_period=2")
     assert train.train(cfg) == 0
+    # the console: one line a phase that compiled; the run's log: each program with its memory too
+    assert re.search(r"step 1: compiled 1 program \(train_step\) in [\d.]+ s", caplog.text)
+    assert re.search(r"eval at step 2: compiled \d+ programs \(eval_step, .*\) in [\d.]+ s", caplog.text)
+    assert "memory per device" not in caplog.text
+    run_log = (tmp_path / "default" / train.RUN_LOG).read_text()
+    assert re.search(r"compiled train_step in [\d.]+ s; memory per device: arguments [\d.]+ MiB", run_log)
+    assert "step 1: compiled 1 program (train_step)" in run_log
     lines = [json.loads(l) for l in open(cfg.metrics_file)]
     evals = [l for l in lines if "eval_loss" in l]
     assert [l["step"] for l in evals] == [1, 3]

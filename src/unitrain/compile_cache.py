@@ -1,6 +1,7 @@
 """The run's one ahead-of-time compile cache (run.programs): every jitted program of the run (the
 train step, eval, the RL passes, the sampler's decode programs, reward-model scoring) is compiled
-through it once per signature, inside the run's mesh, and every compilation is logged.
+through it once per signature, inside the run's mesh, and every compilation is logged (with its
+memory, at debug level: the run's log file) and counted in one console line a phase (report).
 
     programs = CompileCache(mesh)
     state, metrics = programs("train_step", update, state, batch)     # compiled once per batch shape
@@ -11,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +36,7 @@ class CompileCache:
     """The run's one ahead-of-time compile cache: every jitted program (train step, eval, logprobs,
     the sampler) is lowered and compiled once per (name, static choices, argument shapes, dtypes
     and shardings), inside the run's mesh, and every compilation is logged with its time and
-    memory. Rows are bucketed upstream, so a run compiles a bounded number of times. A program the
+    memory (report() sums them up for the console). Rows are bucketed upstream, so a run compiles a bounded number of times. A program the
     compiler finds too big for the device is a one-line ConfigError (program_too_big).
     """
 
@@ -85,19 +88,37 @@ class CompileCache:
                 if too_big is None:
                     raise
                 raise too_big from None
-        log.info(
-            "compiled %s in %.1f s%s", name, time.perf_counter() - start, f" (XLA options {options})" if options else ""
-        )
-        memory = compiled.memory_analysis()
-        if memory is not None:
-            log.info(
-                "%s memory per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
-                name,
-                memory.argument_size_in_bytes / 2**20,
-                memory.output_size_in_bytes / 2**20,
-                memory.temp_size_in_bytes / 2**20,
+        seconds = time.perf_counter() - start
+        detail = f"compiled {name} in {seconds:.1f} s" + (f" (XLA options {options})" if options else "")
+        if (memory := compiled.memory_analysis()) is not None:
+            detail += (
+                f"; memory per device: arguments {memory.argument_size_in_bytes / 2**20:.1f} MiB, outputs "
+                f"{memory.output_size_in_bytes / 2**20:.1f} MiB, temporaries {memory.temp_size_in_bytes / 2**20:.1f} MiB"
             )
+        log.debug(detail)
+        with _lock:
+            _unreported.append((name.split(" (")[0], seconds))
         return compiled
+
+
+# The programs compiled since the last report(), by any cache of the process (the samplers' and the
+# reward model's compile in threads of their own): the console gets one line a phase, the log file
+# every program with its memory.
+_unreported: list[tuple[str, float]] = []
+_lock = threading.Lock()
+
+
+def report(when: str) -> None:
+    """One line for the programs compiled since the last report, e.g. "step 1: compiled 3 programs
+    (generate x2, logprobs) in 12.3 s"; nothing when none was."""
+    with _lock:
+        done = list(_unreported)
+        _unreported.clear()
+    if done:
+        names = Counter(name for name, _ in done)
+        shown = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in names.items())
+        total = sum(seconds for _, seconds in done)
+        log.info("%s: compiled %d program%s (%s) in %.1f s", when, len(done), "s" * (len(done) > 1), shown, total)
 
 
 # XLA's words when a program does not fit the device's memory at compile time (XLA:TPU):

@@ -189,13 +189,18 @@ class MetricsWriter:
         self.close()
 
 
+_EVAL_NAMES = {"eval_episode_success_rate": "success rate"}  # the console's words where the key's read badly
+
+
 def _eval_parts(v: dict) -> list[str]:
-    """Every eval_* metric, compactly and in the order given: "loss 1.2346", "accuracy 45.3%",
-    "pass@4 60.0%", "hr@10 0.0870", "rewards/margin 0.1234" (rates and accuracies as percentages)."""
+    """The eval_* metrics, compactly and in the order given: "loss 1.2346", "accuracy 45.3%",
+    "pass@4 60.0%", "hr@10 0.0870", "rewards/margin 0.1234" (rates and accuracies as percentages).
+    Of the episodes' breakdown (turns, tool calls, ends) only the success rate: the rest is in
+    metrics.jsonl and TensorBoard."""
     parts = []
     for key, value in v.items():
-        if key.startswith("eval_"):
-            name = key.removeprefix("eval_").replace("_at_", "@")
+        if key.startswith("eval_") and (not key.startswith("eval_episode_") or key == "eval_episode_success_rate"):
+            name = _EVAL_NAMES.get(key, key.removeprefix("eval_").replace("_at_", "@"))
             percent = name.startswith("pass@") or name.endswith(("accuracy", "rate"))
             parts.append(f"{name} {100 * value:.1f}%" if percent else f"{name} {_number(value)}")
     return parts

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 
-from unitrain import checkpoint, checks, distributed, export, metrics, modes, pipeline, run_dir
+from unitrain import checkpoint, checks, compile_cache, distributed, export, metrics, modes, pipeline, run_dir
 from unitrain.config import DEFAULT_CONFIG, describe_keys, load_config, root_config
 from unitrain.context import RunContext
 from unitrain.errors import ConfigError, RunEndedEarly, UserError
@@ -40,6 +40,7 @@ from unitrain.tasks.base import Task
 log = logging.getLogger("unitrain")
 
 EXIT_USER_ERROR, EXIT_NAN, EXIT_SIGINT, EXIT_SIGTERM = 2, 3, 130, 143
+RUN_LOG = "unitrain.log"  # in the run directory: unitrain's log lines, debug ones too (each compile)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -115,8 +116,27 @@ def _start(run: RunContext, task: Task, state: dict, checkpointer, previous, sto
     if jax.process_index() == 0:  # only now: a command that failed above leaves the run's config.yml alone
         run_dir.save_config(cfg, run.layout, previous)
     writer = metrics.MetricsWriter.from_config(cfg, cfg.steps, resume_step=start)
-    with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.mesh), _run_log(cfg.run_dir):
         return loop(run, task, state, start, checkpointer, writer, stop)
+
+
+@contextlib.contextmanager
+def _run_log(path: str):
+    """Every line of unitrain's log, debug ones too (each compiled program with its memory), also in
+    <run_dir>/unitrain.log, which a resume appends to (process 0, a local run directory)."""
+    if jax.process_index() != 0 or "://" in path:
+        yield
+        return
+    handler = logging.FileHandler(os.path.join(path, RUN_LOG))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)  # the console's handler stays at INFO
+    try:
+        yield
+    finally:
+        log.setLevel(logging.INFO)
+        log.removeHandler(handler)
+        handler.close()
 
 
 def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> int:
@@ -134,6 +154,7 @@ def evaluate_or_export(run: RunContext, task: Task, state: dict, start: int) -> 
         log.info("exported %s to %s", source, cfg.export_hf_path)
         return 0
     results = task.evaluate(state["params"], start)
+    compile_cache.report("the evaluation")
     if not results:
         raise ConfigError(
             f"mode {cfg.mode} has nothing to evaluate with this config (set eval_dataset_path or eval keys)"
@@ -336,6 +357,7 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
         for step in range(start, cfg.steps):
             profiler.maybe_start(step)
             state, step_metrics = task.step(state, step)
+            compile_cache.report(f"step {step + 1}")
             profiler.maybe_stop(step, block_on=step_metrics)
             good.finite(pending.push(step, step_metrics))
             done = step + 1
@@ -343,6 +365,7 @@ def loop(run: RunContext, task: Task, state: dict, start: int, checkpointer, wri
             if evaluate:  # its result follows the step's line, and a non-finite loss stops it
                 good.finite(pending.flush())
             if evaluate and (eval_metrics := task.evaluate(state["params"], done)):
+                compile_cache.report(f"eval at step {done}")
                 writer.write(step, eval_metrics)
             if text := task.samples_text(step):  # after the eval: a mode may show its answers
                 writer.text(step, "samples", text)
@@ -382,6 +405,7 @@ def _setup_logging() -> None:
     for old in list(log.handlers):  # a second main() in one process (tests) gets today's stdout
         log.removeHandler(old)
     handler = logging.StreamHandler(sys.stdout)
+    handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s unitrain: %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
     log.propagate = False

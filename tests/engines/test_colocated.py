@@ -114,7 +114,7 @@ def test_prompts_in_one_bucket_compile_once(caplog):
     model = tiny_model()
     params = SamplingParams(max_new_tokens=7, temperature=0.0)
     sampler = colocated.ColocatedSampler(model)
-    with caplog.at_level(logging.INFO, logger="unitrain"):
+    with caplog.at_level(logging.DEBUG, logger="unitrain"):
         a = sampler.generate([list(range(k, 6)) for k in range(1, 4)], params, jax.random.key(0))
         b = sampler.generate([list(range(k, 10)) for k in range(1, 5)], params, jax.random.key(0))
     compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled generate")]
@@ -133,7 +133,7 @@ def test_rollout_cache_phases_reach_the_sampler(caplog, phases, new_tokens, comp
     run, state = build_run(make_cfg(model_name="tiny", rollout_cache_phases=phases))
     sampler = make_sampler(run)
     sampler.update_weights(state["params"], 0)
-    with caplog.at_level(logging.INFO, logger="unitrain"):
+    with caplog.at_level(logging.DEBUG, logger="unitrain"):
         out = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=1.0), jax.random.key(0))
     assert f"new={new_tokens} cache phases={compiled})" in caplog.text and out.tokens.shape == (4, new_tokens)
 
@@ -173,7 +173,7 @@ def test_a_repeated_prompt_is_prefilled_once_and_its_rows_sample_apart(caplog):
     model, key = tiny_model(), jax.random.key(3)
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0)
     sampler = colocated.ColocatedSampler(model, cache_phases=3)
-    with caplog.at_level(logging.INFO, logger="unitrain"):
+    with caplog.at_level(logging.DEBUG, logger="unitrain"):
         out = sampler.generate(REPEATED, sampling, key)
     assert "generate (batch=8 prefill rows=4 prompt=16 new=8" in caplog.text
     block = sampler.generate_call(REPEATED, sampling, key).inputs.block
@@ -267,7 +267,7 @@ def test_few_rows_decode_with_xlas_own_dots_and_draw_the_same_tokens(monkeypatch
     for few_rows in (bound, 0):
         monkeypatch.setattr(programs, "FEW_ROWS", few_rows)
         sampler = colocated.ColocatedSampler(tiny_model(), cache_phases=2)
-        with caplog.at_level(logging.INFO, logger="unitrain"):
+        with caplog.at_level(logging.DEBUG, logger="unitrain"):
             program = sampler.generate_program(sampler.generate_call(PROMPTS, sampling, key))
         runs[few_rows] = library_dots(program), sampler.generate(PROMPTS, sampling, key)
     assert "compiled generate (batch=4 prompt=16 new=8 cache phases=2)" in caplog.text

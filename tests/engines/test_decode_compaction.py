@@ -102,7 +102,7 @@ def test_compacted_sampling_draws_the_naive_loops_tokens_cut_at_each_rows_end(ca
     """The naive loop samples every row to the end with the uncompacted batch's noise; a row of the
     compacted decode is that row up to its first stop token or its budget."""
     sampling = SamplingParams(12, temperature=1.0, stop_token_ids=STOPS, row_budgets=BUDGETS)
-    with caplog.at_level(logging.INFO, logger="unitrain"):
+    with caplog.at_level(logging.DEBUG, logger="unitrain"):
         out = sample(1, sampling)
     assert "compiled generate (batch=8 prompt=16 new=12 cache phases=2 compacted into rows 4/2/1)" in caplog.text
     tokens, logprobs = naive_sample(tiny_model(), PROMPTS8, 12, 1.0, jax.random.key(7))

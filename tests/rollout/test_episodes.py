@@ -4,6 +4,7 @@ out (the loss mask is exactly the sampled tokens; the sampler's logprobs equal a
 trajectory), every way an episode ends (an environment that hangs past env_timeout included), and
 bad input as a recorded end or one line."""
 
+import dataclasses
 import threading
 import time
 import types
@@ -228,6 +229,9 @@ def test_a_reset_that_raises_rejects_the_episode_and_bad_tool_calls_are_feedback
     assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["errors=1", "errors=0"]
     m = workflow().metrics([t])
     assert m["episode_tool_call_valid_rate"] == 0.5 and m["episode_success_rate"] == 1.0
+    quiet = dataclasses.replace(t, tool_calls=0, invalid_tool_calls=0)
+    game = workflow(env="guess_number").metrics([quiet])  # no tools, no calls: no tool-call figures
+    assert not any("tool" in k for k in game) and game["episode_success_rate"] == 1.0
 
 
 class ClosedEnv(ScriptEnv):

@@ -57,7 +57,8 @@ class MultiTurn(Workflow):
         if not cfg.env:
             raise ConfigError("workflow multi_turn needs an environment: set env (calculator, guess_number, ...)")
         self.cfg, self.make_env = cfg, env_factory(cfg)
-        self.chat = ChatTurns(self.tokenizer, self._tools() or None)
+        self.has_tools = bool(tools := self._tools())
+        self.chat = ChatTurns(self.tokenizer, tools or None)
         self.system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         # The episodes a step samples before it gives up short (rollout/executor.py): if none of them could
         # reset, the environment is broken, not the prompts.
@@ -157,19 +158,22 @@ class MultiTurn(Workflow):
         )
 
     def metrics(self, trajectories: list[Trajectory], prefix: str = "") -> dict:
-        """Success rate, turns, tool calls and their validity, sampled tokens, the sampler's live rows,
-        and why episodes ended."""
+        """Success rate, turns, tool calls and their validity (where the environment has tools or its
+        episodes made calls), sampled tokens, the sampler's live rows, and why episodes ended."""
         if not trajectories:
             return {}
         calls = sum(t.tool_calls for t in trajectories)
         ends = collections.Counter(t.end for t in trajectories)
-        metrics = {
-            "episode_success_rate": np.mean([t.success for t in trajectories]),
-            "episode_turns_mean": np.mean([t.turns for t in trajectories]),
+        tool_calls = {
             "episode_tool_calls_mean": calls / len(trajectories),
             "episode_tool_call_valid_rate": 1.0 - sum(t.invalid_tool_calls for t in trajectories) / calls
             if calls
             else 1.0,
+        }
+        metrics = {
+            "episode_success_rate": np.mean([t.success for t in trajectories]),
+            "episode_turns_mean": np.mean([t.turns for t in trajectories]),
+            **(tool_calls if self.has_tools or calls else {}),
             "episode_sampled_tokens_mean": np.mean([int(t.loss_mask.sum()) for t in trajectories]),
             # The driver's rows that were live episodes over a round's turns (1: none waited on another);
             # exact for a step of one round, whose sampler calls are its longest episode's turns.
