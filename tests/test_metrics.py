@@ -366,6 +366,10 @@ def test_tensorboard_wandb_and_jsonl_have_the_same_metrics(tmp_path, offline_wan
     panels = {step: {k: row.pop(k) for k in list(row) if k.startswith("samples/")} for step, row in history.items()}
     assert texts == {step for step, panel in panels.items() if panel.get("samples/_type") == "html-file"}
     assert texts or not grpo  # GRPO's sampled completions at step 0
+    if grpo:  # samples.txt: the first step's rollouts, then the evaluation's answers (no rollouts at step 2)
+        blocks = (run_dir / "samples.txt").read_text().split("==== ")
+        assert [b.split("\n")[0] for b in blocks[1:]] == ["step 1: samples", "step 2: samples"]
+        assert blocks[2].startswith("step 2: samples\n**prompt**")
     for step, row in logged.items():
         assert history[step] == pytest.approx(row), step
 

@@ -312,7 +312,7 @@ class RLTask(Task):
             self.evaluator = format_choice.data_format(cfg).evaluator(cfg, tokenizer, self.sampler) or TaskEvaluator(
                 cfg, tokenizer, self.sampler, self.reward_fn, make_workflow(run, cfg.workflow)
             )
-        self.text = ""
+        self.text, self.eval_text = "", ""  # the latest rollouts' and evaluation's, as markdown
 
     # -- what the loop and the step see
     def loss(self, params, batch):
@@ -366,13 +366,20 @@ class RLTask(Task):
         return self.cfg.turn_discount < 1
 
     def evaluate(self, params, step):
-        return self.evaluator(params, step) if self.evaluator else {}
+        if not self.evaluator:
+            return {}
+        results = self.evaluator(params, step)
+        self.eval_text = self.evaluator.samples
+        return results
 
     def close(self) -> None:
         close(self.sampler)
 
     def samples_text(self, step):
-        return self.text if step % self.cfg.sample_log_period == 0 else ""
+        """The step's rollouts every sample_log_period steps, and each evaluation's greedy answers once."""
+        parts = [self.text if step % self.cfg.sample_log_period == 0 else "", self.eval_text]
+        self.eval_text = ""
+        return "\n\n".join(part for part in parts if part)
 
     def step(self, state, step: int):
         t0 = time.perf_counter()
