@@ -23,6 +23,7 @@ from unitrain import rewards
 from unitrain.config import check
 from unitrain.data.prompts import eval_prompts
 from unitrain.engines.base import SamplingParams, release
+from unitrain.errors import DataError
 from unitrain.rollout.driver import Driver
 
 log = logging.getLogger("unitrain")
@@ -86,6 +87,12 @@ class TaskEvaluator:
         driver.start(self.prompts, key)
         driver.dispatch()
         groups = driver.groups()
+        if not groups:  # nothing to score: an accuracy over no answers would be made up
+            raise DataError(
+                f"the evaluation has no answer to score: workflow {driver.name} left out all "
+                f"{len(self.prompts)} eval prompts (an episode whose first prompt is longer than "
+                "max_prompt_length is left out; check the eval records, max_prompt_length and the environment)"
+            )
         return np.stack([g.correct for g in groups]), groups, driver.errors
 
     def __call__(self, params, step: int) -> dict:

@@ -322,3 +322,24 @@ def test_an_evaluation_leaves_out_and_counts_the_prompts_whose_workflow_raised()
     assert [g.prompt.text for g in evaluator.correct(1, SamplingParams(1), jax.random.key(0))[1]] == ["p0", "p2", "p3"]
     with pytest.raises(WorkflowError, match="raised on 4 groups in a row"):
         TaskEvaluator(cfg, load_tokenizer(""), CountingSampler(), None, Raising(), records)(None, 0)
+
+
+
+class Rejecting(Turns):
+    """Leaves out every record (as a multi-turn episode whose first prompt is too long)."""
+
+    def episode(self, record):
+        yield from ()
+        return None
+
+
+def test_an_evaluation_whose_prompts_are_all_left_out_is_one_line():
+    from helpers import make_cfg
+    from unitrain.data.tokenizer import load_tokenizer
+    from unitrain.errors import DataError
+    from unitrain.evals import TaskEvaluator
+
+    cfg = make_cfg(mode="grpo", eval_num_samples=4, eval_n_samples=0)
+    records = [{"prompt": f"p{i}", "label": "1"} for i in range(4)]
+    with pytest.raises(DataError, match="^the evaluation has no answer to score: workflow .*Rejecting left out all 4"):
+        TaskEvaluator(cfg, load_tokenizer(""), CountingSampler(), None, Rejecting(), records)(None, 0)
