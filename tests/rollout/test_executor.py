@@ -15,7 +15,7 @@ import pytest
 
 from unitrain.data.prompt_ids import Prompt
 from unitrain.engines.base import Completions, SamplingParams
-from unitrain.errors import CheckpointError
+from unitrain.errors import CheckpointError, RunEndedEarly
 from unitrain.rollout.driver import Driver
 from unitrain.rollout.executor import RolloutExecutor
 from unitrain.rollout.workflow import Generate, Score, Transcript, Workflow, WorkflowError
@@ -324,13 +324,19 @@ def test_an_evaluation_leaves_out_and_counts_the_prompts_whose_workflow_raised()
         TaskEvaluator(cfg, load_tokenizer(""), CountingSampler(), None, Raising(), records)(None, 0)
 
 
-
 class Rejecting(Turns):
     """Leaves out every record (as a multi-turn episode whose first prompt is too long)."""
 
     def episode(self, record):
         yield from ()
         return None
+
+
+def test_a_step_whose_rounds_give_too_few_groups_says_so_not_that_the_prompts_ran_out():
+    sampler = CountingSampler()
+    ex = executor(sampler, Stream(4, turns=[1]), Rejecting(), max_sampling_rounds=2)
+    with pytest.raises(RunEndedEarly, match="^2 sampling rounds .max_sampling_rounds. gave 0 of the 4 groups"):
+        steps(ex, sampler, 1)
 
 
 def test_an_evaluation_whose_prompts_are_all_left_out_is_one_line():

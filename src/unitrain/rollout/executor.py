@@ -163,8 +163,9 @@ class RolloutExecutor:
                 pass
         taken = sorted(self.accepted, key=_order)
         kept, self.accepted = taken[: cfg.rollout_batch_size], taken[cfg.rollout_batch_size :]
+        rounds = cfg.max_sampling_rounds if self.submitted >= cfg.max_sampling_rounds else 0
         groups, discarded, refilled = select_groups(
-            [g for g, _ in kept], [g for g, _ in self.dropped], cfg.rollout_batch_size
+            [g for g, _ in kept], [g for g, _ in self.dropped], cfg.rollout_batch_size, rounds
         )
         for _, tag in kept + self.dropped:
             tag.consume()

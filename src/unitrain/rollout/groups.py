@@ -49,12 +49,20 @@ def make_filter(spec: str):
     return plugins.resolve(spec, registry.FILTERS, "dynamic_sampling_filter", "a function (group) -> bool")
 
 
-def select_groups(kept: list, dropped: list, batch_size: int) -> tuple[list, int, int]:
+def select_groups(kept: list, dropped: list, batch_size: int, rounds: int = 0) -> tuple[list, int, int]:
     """The step's groups: those that passed the filter, topped up with dropped ones when the
     sampling rounds ran out (shapes stay static; a zero-std group only adds zero advantages).
+    `rounds` > 0: the step used up its max_sampling_rounds (else the prompt stream ended).
     Returns (groups, number discarded, number refilled)."""
     refilled = min(max(0, batch_size - len(kept)), len(dropped))
     groups = (kept + dropped[:refilled])[:batch_size]
+    if len(groups) < batch_size and rounds:
+        raise RunEndedEarly(
+            f"{rounds} sampling rounds (max_sampling_rounds) gave {len(groups)} of the {batch_size} groups a rollout "
+            "batch needs: the workflow left the others out (episodes whose first prompt is longer than "
+            "max_prompt_length, or workflow errors: see rollout_workflow_errors); fix those records, or raise "
+            "max_sampling_rounds"
+        )
     if len(groups) < batch_size:
         raise RunEndedEarly(
             f"the prompt stream ran out before a rollout batch of {batch_size} groups was full; "
