@@ -248,6 +248,7 @@ RULES: dict[str, Rule] = {
     "rollout_top_k": NON_NEGATIVE,
     "rollout_cache_phases": POSITIVE_INT,
     "rollout_compaction": NON_NEGATIVE_INT,
+    "rollout_compaction_min_tokens": NON_NEGATIVE_INT,
     "advantage_estimator": builtin_or_plugin(ADVANTAGE_ESTIMATORS),
     "eps_clip": POSITIVE,
     "eps_clip_high": optional(POSITIVE),

@@ -207,10 +207,11 @@ def test_rollout_compaction_reaches_the_sampler_and_is_checked():
     run, _ = build_run(make_cfg(model_name="tiny", rollout_compaction=4))
     sampler = make_sampler(run)
     # Powers of two down to 4 rows, each a multiple of the devices the rows split over.
-    assert sampler.row_buckets(64) == tuple(b for b in (64, 32, 16, 8, 4) if b % sampler.parallelism == 0)
+    assert sampler.row_buckets(64, 64) == tuple(b for b in (64, 32, 16, 8, 4) if b % sampler.parallelism == 0)
+    assert sampler.row_buckets(64, 63) == (64,)  # a decode shorter than rollout_compaction_min_tokens=64
     one_device = ColocatedSampler(tiny_model(), compaction=4)
-    assert one_device.row_buckets(4) == (4,) and one_device.row_buckets(8, group=2) == (8, 4, 2)  # beams: >= 4 rows
-    assert ColocatedSampler(tiny_model()).row_buckets(64) == (64,)  # 0: off
+    assert one_device.row_buckets(4, 8) == (4,) and one_device.row_buckets(8, 8, group=2) == (8, 4, 2)  # beams: >= 4
+    assert ColocatedSampler(tiny_model()).row_buckets(64, 64) == (64,)  # 0: off
     assert load_checked([str(make_cfg.__globals__["REPO"] / "configs" / "base.yml")]).rollout_compaction == 8
     with pytest.raises(ConfigError, match="rollout_compaction' expects an int >= 0"):
         make_cfg(rollout_compaction=-1)

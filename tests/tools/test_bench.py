@@ -356,7 +356,12 @@ def test_a_long_tailed_round_gives_each_row_its_budget(tiny_checkpoint, capsys):
 
     budgets = bench.long_tail_budgets(64, 256, 0)
     assert budgets.count(256) >= 4 and 1 <= min(budgets) and sum(budgets) < 64 * 256 / 3
-    args = ["configs/base.yml", f"load_parameters_path={tiny_checkpoint('qwen2')}", "rollout_compaction=1"]
+    args = [
+        "configs/base.yml",
+        f"load_parameters_path={tiny_checkpoint('qwen2')}",
+        "rollout_compaction=1",
+        "rollout_compaction_min_tokens=0",
+    ]
     args += ["--mode", "sampler", "--batch", "4", "--prompt-len", "8", "--new-tokens", "6", "--long-tail"]
     assert bench.main([*args, "--steps", "1", "--warmup", "0", "--against", "rollout_compaction=0"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -331,7 +331,7 @@ def search(sampler, block: PromptBlock, n_real: int, beams: BeamParams, key) -> 
         width=beams.width,
         sample=beams.sample,
         constrained=beams.trie is not None,
-        row_buckets=tuple(b * beams.width for b in sampler.row_buckets(B, beams.width)),
+        row_buckets=tuple(b * beams.width for b in sampler.row_buckets(B, beams.max_new_tokens, beams.width)),
     )
     trie = beams.trie or _NO_TRIE
     inputs = BeamInputs(

@@ -366,7 +366,9 @@ class ColocatedSampler:
     and gets the whole result back. Top-k keeps every token tied with the k-th largest logit.
     `cache_phases` (config rollout_cache_phases): the decode loop's phases (module docstring).
     `compaction` (config rollout_compaction): as rows end, the decode gathers the rows still running
-    into smaller row buckets, down to this many rows; 0: off (module docstring).
+    into smaller row buckets, down to this many rows; 0: off (module docstring). Decodes of fewer
+    than `compaction_min_tokens` new tokens are not compacted: their buckets' compiles would cost
+    more than the ended rows do.
     """
 
     def __init__(
@@ -379,11 +381,12 @@ class ColocatedSampler:
         programs: CompileCache | None = None,
         cache_phases: int = 1,
         compaction: int = 0,
+        compaction_min_tokens: int = 0,
     ):
         self.graphdef, params = nnx.split(model)
         self.params, self.version, self.decode = nnx.to_pure_dict(params), 0, None
         self.vocab_size, self.pad_id, self.mesh, self.cache_phases = model.vocab_size, pad_id, mesh, cache_phases
-        self.compaction = compaction
+        self.compaction, self.compaction_min_tokens = compaction, compaction_min_tokens
         self.rules = sharding.rules_from_config(rules or sharding.DEFAULT_RULES) if mesh is not None else None
         self.parallelism = batch_parallelism(mesh, self.rules) if mesh is not None else 1  # devices the rows split over
         self.programs = programs if programs is not None else CompileCache(mesh)
@@ -420,10 +423,13 @@ class ColocatedSampler:
         the mesh's batch parallelism."""
         return bucket_batch_size(n_prompts, self.parallelism), bucket_prompt_length(longest)
 
-    def row_buckets(self, rows: int, group: int = 1) -> tuple[int, ...]:
-        """The row counts a decode of `rows` rows compacts into, `rows` first: buckets.py's rule, down
-        to `compaction` rows (just `rows` without compaction). Counted in groups of `group` rows that
-        move together (beam search: a prompt's beams)."""
+    def row_buckets(self, rows: int, new_tokens: int, group: int = 1) -> tuple[int, ...]:
+        """The row counts a decode of `rows` rows and `new_tokens` tokens compacts into, `rows` first:
+        buckets.py's rule, down to `compaction` rows (just `rows` without compaction, or for a decode
+        shorter than compaction_min_tokens). Counted in groups of `group` rows that move together
+        (beam search: a prompt's beams)."""
+        if new_tokens < self.compaction_min_tokens:
+            return (rows,)
         fits = lambda b: self.compaction and self.compaction <= b * group and b < rows
         return (rows, *[b for b in row_buckets(rows, self.parallelism) if fits(b)])
 
@@ -467,7 +473,7 @@ class ColocatedSampler:
             greedy=greedy,
             top_k=0 if greedy or sampling.top_k >= self.vocab_size else sampling.top_k,
             use_top_p=not greedy and sampling.top_p < 1.0,
-            row_buckets=self.row_buckets(B),
+            row_buckets=self.row_buckets(B, sampling.max_new_tokens),
             record_routes=sampling.record_routes,
         )
         inputs = GenerateInputs(
@@ -575,4 +581,5 @@ def from_run(run) -> ColocatedSampler:
         programs=run.programs,
         cache_phases=run.cfg.rollout_cache_phases,
         compaction=run.cfg.rollout_compaction,
+        compaction_min_tokens=run.cfg.rollout_compaction_min_tokens,
     )

@@ -28,8 +28,8 @@ log = logging.getLogger("unitrain")
 class RolloutMeshSampler(ColocatedSampler):
     """The colocated sampler's programs on the rollout mesh; `push_seconds` is the last push's time."""
 
-    def __init__(self, model, *, pad_id: int, mesh, rules, cache_phases: int = 1, compaction: int = 0):
-        super().__init__(model, pad_id=pad_id, mesh=mesh, rules=rules, cache_phases=cache_phases, compaction=compaction)
+    def __init__(self, model, *, pad_id: int, mesh, rules, **decode):
+        super().__init__(model, pad_id=pad_id, mesh=mesh, rules=rules, **decode)
         try:  # the rollout mesh may split a dimension the trainer's did not
             shardings = sharding.state_shardings(nnx.state(model), mesh, self.rules)
         except ValueError as e:
@@ -77,4 +77,5 @@ def from_run(run) -> RolloutMeshSampler:
         rules=run.rules,
         cache_phases=run.cfg.rollout_cache_phases,
         compaction=run.cfg.rollout_compaction,
+        compaction_min_tokens=run.cfg.rollout_compaction_min_tokens,
     )
