@@ -65,6 +65,21 @@ def export_policy(run, params, version: int, root: str) -> str:
     return path
 
 
+def export_adapters(run, params, version: int, root: str) -> str:
+    """A LoRA policy's `version` as its adapters alone, in PEFT's format (what vLLM's runtime LoRA
+    loads onto the base), in <root>/version_<version> with POLICY_VERSION_FILE; every process calls
+    it (a collective), process 0 writes; returns the folder."""
+    from unitrain.adapters import hf
+
+    path = os.path.join(root, f"version_{version}")
+    model = nnx.merge(run.graphdef, params)
+    model.save_peft(path, hf.tensor_names(model.base.cfg))
+    if jax.process_index() == 0:
+        with open(os.path.join(path, POLICY_VERSION_FILE), "w") as f:
+            json.dump({"version": version}, f)
+    return path
+
+
 def prune_versions(root: str, keep: Collection[str]) -> None:
     """Removes the version_* folders under `root` but those in `keep` (the newest, and any a server is
     still starting from), so that a long run keeps one copy on disk."""

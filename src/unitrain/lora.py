@@ -189,6 +189,14 @@ def dequantise(q) -> jax.Array:
 # ---------------------------------------------------------------- the model
 
 
+def without_adapters(params: dict) -> dict:
+    """A LoraModel's parameters with every B zero: the model is then its base exactly."""
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if path[-1].key == "b" else x, params[ADAPTERS]
+    )
+    return {**params, ADAPTERS: adapters}
+
+
 class LoraModel(nnx.Module):
     """A model with low-rank adapters on its `targets`; the model interface of models/base.py."""
 

@@ -228,6 +228,44 @@ def test_a_server_already_running_is_reloaded_and_left_running(served, ckpt, tmp
     sampler.update_weights(params, 6)  # the module's sampler takes its server back
 
 
+def assert_drawn_by(model, prompts, out):
+    """Each row's logprobs are `model`'s (transformers' forward over the prompt and the row's tokens)."""
+    for prompt, tokens, logprobs, n in zip(prompts, out.tokens, out.logprobs, out.lengths):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens[:n].tolist()])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[:n, None]).long())[:, 0].numpy()
+        np.testing.assert_allclose(logprobs[:n], expected, atol=5e-4)
+
+
+@needs_vllm
+def test_a_lora_run_pushes_its_adapters_alone_onto_the_base(ckpt, tmp_path):
+    """LoRA: the server starts from the base (the adapters off: untied, as a reload needs) and each
+    version loads that version's adapters alone (PEFT's format: kilobytes, not the model), dropping
+    the last ones; what it samples is the merged model's (transformers' forward of export_hf)."""
+    run, state = build_run(engine_cfg(tmp_path, ckpt, lora_rank=4, lora_alpha=8.0))
+    sampler = vllm.VLLMSampler(run)
+    assert sampler.adapters
+    rng = np.random.default_rng(1)
+    for version in (3, 4):  # the first starts the server; the second replaces the adapters
+        moved = jax.tree.map(lambda x: x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype), state["params"]["lora"])
+        params = {**state["params"], "lora": moved}
+        sampler.update_weights(params, version)
+        adapter = tmp_path / "default" / "vllm_weights" / f"version_{version}"
+        assert sorted(p.name for p in adapter.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            export.POLICY_VERSION_FILE,
+        ]
+        out = sampler.generate(PROMPTS, SamplingParams(6), jax.random.key(version))
+        assert out.version == version
+        export.export_hf(run, params, str(tmp_path / f"merged_{version}"))
+        assert_drawn_by(hf_model(tmp_path / f"merged_{version}"), PROMPTS, out)
+    served = urllib.request.urlopen(sampler.engines[0].url + "/v1/models").read()
+    assert sorted(m["id"] for m in json.loads(served)["data"]) == ["unitrain", "version_4"]
+    assert not (tmp_path / "default" / "vllm_weights" / "version_3").exists()  # pruned once version 4 loaded
+    sampler.close()
+
+
 def generated_tokens(url: str) -> float:
     """The tokens the server at `url` has generated so far (its Prometheus counter)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
@@ -269,12 +307,8 @@ def test_a_weight_update_interrupts_the_rows_in_flight_which_go_on_under_the_new
     contexts = [p + t[:n].tolist() for p, t, n in zip(prompts[:3], cut.tokens, cut.lengths)]
     rest = guest.generate(contexts, SamplingParams(4), jax.random.key(5))
     assert rest.version == 2 * attempt + 2 and not rest.interrupted.any()
-    for model, starts, out in ((hf_model(ckpt), prompts[:3], cut), (hf_model(tmp_path / "new"), contexts, rest)):
-        for prompt, tokens, logprobs, n in zip(starts, out.tokens, out.logprobs, out.lengths):
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + tokens[:n].tolist()])).logits[0, len(prompt) - 1 : -1]
-            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[:n, None]).long())[:, 0].numpy()
-            np.testing.assert_allclose(logprobs[:n], expected, atol=5e-4)
+    assert_drawn_by(hf_model(ckpt), prompts[:3], cut)
+    assert_drawn_by(hf_model(tmp_path / "new"), contexts, rest)
     guest.close()
     sampler.update_weights(params, 7)  # the module's sampler takes its server back
 

@@ -55,7 +55,7 @@ import safetensors
 import safetensors.numpy
 from jax.experimental import multihost_utils
 
-from unitrain import export
+from unitrain import export, lora
 from unitrain.config import check
 from unitrain.engines.base import Completions, SamplingParams
 from unitrain.engines.vllm_server import CPU_HEAD_DIMS, EngineError, Server, is_cpu_build
@@ -63,6 +63,7 @@ from unitrain.errors import ConfigError
 
 log = logging.getLogger("unitrain")
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes
 SERVED_NAME = "unitrain"  # the model name our server answers to, whatever folder it loaded last
 MAX_CONCURRENT_ROWS = 1024  # rows in flight at once (threads; vLLM's own scheduler batches them)
 SUPERVISOR_NOTICE_SECONDS = 2.0  # a server's supervisor sees its child's end within 0.5 s
@@ -90,7 +91,7 @@ class Client:
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     text = response.read()
-                return json.loads(text) if text else None
+                return _json_or_text(text)
             except urllib.error.HTTPError as e:
                 failure = f"{method} {path} answered {e.code}: {e.read()[:300].decode(errors='replace')}"
                 if e.code < 500:
@@ -104,6 +105,14 @@ class Client:
                 ) from None
             time.sleep(min(2.0**attempt, 30.0))
         raise EngineError(f"the vLLM server at {self.url}: {failure} (after {self.retries} retries, vllm_max_retries)")
+
+
+def _json_or_text(text: bytes):
+    """An answer's JSON; vLLM's adapter endpoints answer in plain text."""
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text.decode(errors="replace")
 
 
 @dataclasses.dataclass
@@ -129,7 +138,7 @@ class _Engine:
     server: Server | None = None
     log_path: str = ""
     client: Client | None = None
-    served_name: str = SERVED_NAME
+    served_name: str = SERVED_NAME  # what requests name: the model, or the version's LoRA adapter
     state: str = "starting"  # starting | up | gone
     path: str = ""  # the export it serves (or starts from)
     error: str = ""  # why it is gone
@@ -151,6 +160,10 @@ class VLLMSampler:
         self.measured_since = time.perf_counter()
         self.in_flight, self.lock = 0, threading.Condition()  # rows submitted and not yet answered
         self.closed = False
+        # A LoRA run's servers keep the frozen base (its first export, adapters off) and load each
+        # version's adapters alone (vLLM's runtime LoRA): megabytes a push, not the model.
+        self.adapters = pushes_adapters(run)
+        self.base_path = ""
         self.interrupts = cfg.vllm_interrupt  # InterruptingSampler: a push aborts the rows in flight
         self.interrupting = False  # a push is aborting them
         self.pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_ROWS, thread_name_prefix="vllm-row")
@@ -165,7 +178,7 @@ class VLLMSampler:
         if version == self.version:  # a version is one set of weights: the eval's push of the step's own
             return
         start = time.perf_counter()
-        path = export.export_policy(self.run, params, version, self.export_root)
+        path = self._export(params, version)
         exported = time.perf_counter()
         failure = ""
         if self.leader:
@@ -184,6 +197,18 @@ class VLLMSampler:
             ("time_weight_reload", time.perf_counter() - exported),
         ):
             self.pushed[name] = self.pushed.get(name, 0.0) + seconds
+
+    def _export(self, params, version: int) -> str:
+        """The folder the servers load `version` from: the policy (export_policy), or for a LoRA run
+        its adapters in PEFT's format, the base written once first (the model with its adapters off)."""
+        if not self.adapters:
+            return export.export_policy(self.run, params, version, self.export_root)
+        if not self.base_path:
+            self.base_path = os.path.join(self.export_root, "base")
+            export.export_hf(self.run, lora.without_adapters(params), self.base_path)
+            if self.leader:
+                untie_embeddings(self.base_path)
+        return export.export_adapters(self.run, params, version, self.export_root)
 
     def _load(self, path: str, version: int) -> None:
         """Every server serves `path` as `version`: the first version starts them (or reaches those of
@@ -264,7 +289,16 @@ class VLLMSampler:
 
     def _reload(self, engine: _Engine, path: str, version: int) -> None:
         """`engine` paused, reloaded from `path` (its prefix cache dropped: prefixes of the old weights
-        would be served), tagged `version` and resumed."""
+        would be served), tagged `version` and resumed. A LoRA run's server loads the version's
+        adapters beside the last ones (rows name theirs), and drops those."""
+        if self.adapters:
+            name, old = os.path.basename(path), engine.served_name
+            engine.client.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            engine.served_name = name
+            if old != SERVED_NAME:
+                engine.client.call("/v1/unload_lora_adapter", {"lora_name": old})
+            self._tag(engine, path, version)
+            return
         engine.client.call("/pause?mode=wait")
         engine.client.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
         engine.client.call("/reset_prefix_cache")
@@ -301,17 +335,20 @@ class VLLMSampler:
         cfg, started = self.cfg, time.perf_counter()
         # On a CPU, vLLM otherwise asks for 92% of the machine's memory, which the trainer holds part of.
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_SERVER_DEV_MODE": "1"}
+        if self.adapters:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         with self.lock:
             if self.closed:
                 raise EngineError("the sampler is closed")
             path, version = self.model_path, self.version
-            engine.path = path  # kept on disk while it starts
-        engine.server = Server(cfg.vllm_python, server_args(cfg, path, free_port()), engine.log_path, env)
+            engine.path, engine.served_name = path, SERVED_NAME  # the path kept on disk while it starts
+        args = server_args(cfg, self.base_path or path, free_port(), lora_rank=cfg.lora_rank if self.adapters else 0)
+        engine.server = Server(cfg.vllm_python, args, engine.log_path, env)
         engine.url = engine.server.url
         log.info("starting a vLLM server at %s (a minute on a CPU; log: %s)", engine.url, engine.log_path)
         engine.server.wait_ready(cfg.vllm_startup_timeout)
         engine.client = Client(engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
-        self._tag(engine, path, version)
+        (self._reload if self.adapters else self._tag)(engine, path, version)
         log.info("vLLM server up at %s in %.1f s (log: %s)", engine.url, time.perf_counter() - started, engine.log_path)
         while True:  # versions pushed while it started
             with self.lock:
@@ -560,9 +597,11 @@ def untie_embeddings(path: str) -> None:
         json.dump({**config, "tie_word_embeddings": False}, f, indent=2)
 
 
-def server_args(cfg, model_path: str, port: int) -> list[str]:
-    """The vLLM server's command line: ours, then vllm_args (which may override what has a value)."""
+def server_args(cfg, model_path: str, port: int, lora_rank: int = 0) -> list[str]:
+    """The vLLM server's command line: ours, then vllm_args (which may override what has a value).
+    `lora_rank` > 0: runtime LoRA adapters of that rank, two at a time (a version's and the next)."""
     extra = shlex.split(cfg.vllm_args)
+    lora_args = {"--max-lora-rank": str(next(r for r in VLLM_LORA_RANKS if r >= lora_rank)), "--max-loras": "2"}
     ours = {
         "--model": model_path,
         "--host": "127.0.0.1",
@@ -572,11 +611,24 @@ def server_args(cfg, model_path: str, port: int) -> list[str]:
         # The longest context a call can ask for: a prompt, an episode's tokens, one more turn.
         "--max-model-len": str(cfg.max_prompt_length + cfg.episode_max_tokens + cfg.rollout_max_response_len),
         "--dtype": cfg.dtype,
+        **(lora_args if lora_rank else {}),
     }
     args = [a for flag, value in ours.items() if flag not in extra for a in (flag, value)]
     # Token ids in and out: vLLM needs no tokenizer. No chunked prefill: vLLM 0.32 on a CPU fails a
     # seeded request whose prompt it splits across steps ("CPU Generator does not use offset").
-    return [*args, "--skip-tokenizer-init", "--no-enable-chunked-prefill", *extra]
+    return [*args, "--skip-tokenizer-init", "--no-enable-chunked-prefill", *["--enable-lora"] * bool(lora_rank), *extra]
+
+
+def pushes_adapters(run) -> bool:
+    """Whether `run`'s pushes are its LoRA adapters alone: a LoRA run of unitrain's decoder (PEFT's
+    format) with nothing trained whole, on servers of its own (started with runtime LoRA)."""
+    model, cfg = run.model, run.cfg
+    return (
+        isinstance(model, lora.LoraModel)
+        and not model.train_whole
+        and cfg.model_source == "unitrain"
+        and not cfg.vllm_urls
+    )
 
 
 def free_port() -> int:
@@ -629,7 +681,15 @@ def _head_dim(c) -> str | None:
     )
 
 
-CONFIG_CHECKS = (_servers, _interrupt, _head_dim)
+@check("sampler", "lora_rank")
+def _lora_rank(c) -> str | None:
+    """A LoRA run's adapters on the servers: vLLM takes ranks up to its largest --max-lora-rank."""
+    if c["sampler"] == "vllm" and c["lora_rank"] > VLLM_LORA_RANKS[-1]:
+        return f"lora_rank={c['lora_rank']}: vLLM serves LoRA adapters of rank up to {VLLM_LORA_RANKS[-1]}"
+    return None
+
+
+CONFIG_CHECKS = (_servers, _interrupt, _head_dim, _lora_rank)
 
 
 def from_run(run) -> VLLMSampler:
