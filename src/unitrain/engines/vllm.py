@@ -14,7 +14,10 @@ here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TP
               version starts the servers (or reaches those of vllm_urls). With vllm_interrupt the
               push does not wait for the rows: it aborts them (/abort_requests), and each returns
               the tokens it has, marked interrupted (Completions.interrupted; a row not yet sent
-              returns none), for the driver to continue under the new weights.
+              returns none), for the driver to continue under the new weights. A LoRA run (our
+              decoder, servers of our own) pushes its adapters alone: the servers start from the
+              base, exported once with the adapters off, with runtime LoRA on, and each version
+              loads that version's adapters (PEFT's format) as an adapter its rows name.
     generate  one request per row, sent at once (vLLM batches them), each with its own seed drawn
               from the key (a batched request would give GRPO's copies of a prompt one seed and one
               sample), token ids in and out, the stop ids as the only stops, and the logprobs of the
