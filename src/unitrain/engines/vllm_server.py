@@ -56,6 +56,7 @@ class Server:
         self.log_path, self.port = log_path, int(server_args[server_args.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         command = [python, "-m", "vllm.entrypoints.openai.api_server", *server_args]
+        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)  # a tool's sampler runs before the run's
         with open(log_path, "a") as log:
             log.write(f"\n{START_HEADER} {' '.join(command)}\n")
             log.flush()
