@@ -72,8 +72,10 @@ def test_dpo_loss_and_metrics_equal_numpy(label_smoothing):
     pi_c[3], ref_c[3], pi_r[3], ref_r[3] = -5.0, -5.0, -7.0, -7.0  # a tie: rewards equal, not accurate
     weights = np.ones(12)
     weights[[5, 9]] = 0  # padding pairs count nowhere
+    settings = losses.PreferenceConfig(beta=0.3, label_smoothing=label_smoothing)
+    lengths = (np.full(12, 5), np.full(12, 7))  # the sigmoid loss reads sums: lengths change nothing
     loss_sum, (pairs, metrics) = jax.jit(
-        lambda *a: losses.dpo_loss(*a, beta=0.3, label_smoothing=label_smoothing, weights=weights)
+        lambda pc, pr, rc, rr: losses.preference_loss((pc, pr), (rc, rr), lengths, settings, weights=weights)
     )(pi_c, pi_r, ref_c, ref_r)
     loss, want = numpy_dpo(pi_c, pi_r, ref_c, ref_r, 0.3, label_smoothing)
     keep = weights > 0
@@ -86,9 +88,8 @@ def test_dpo_loss_and_metrics_equal_numpy(label_smoothing):
         np.testing.assert_allclose(total, values[keep].sum(), rtol=1e-5, atol=1e-5, err_msg=name)
     assert want["rewards/accuracy"][3] == 0.0
     # at z = 0 the loss is log 2 whatever the smoothing; without weights every pair counts
-    zero = losses.dpo_loss(
-        jnp.ones(4), jnp.ones(4), jnp.ones(4), jnp.ones(4), beta=0.1, label_smoothing=label_smoothing
-    )
+    ones = (jnp.ones(4), jnp.ones(4))
+    zero = losses.preference_loss(ones, ones, ones, dataclasses.replace(settings, beta=0.1))
     np.testing.assert_allclose(zero[0], 4 * np.log(2), rtol=1e-6)
     assert zero[1][0] == 4
 
