@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from helpers import REPO, make_cfg, write_jsonl
+from helpers import REPO, make_cfg, numpy_sequence_logps, pair_logps_of_model, write_jsonl
 from unitrain import losses, sharding, train
 from unitrain import step as step_lib
 from unitrain.data.preference import PAIR_FIELDS, eval_pair_batches, make_preference_iterator
@@ -43,13 +42,6 @@ def numpy_dpo(pi_c, pi_r, ref_c, ref_r, beta, ls):
         "logps/chosen": pi_c,
         "logps/rejected": pi_r,
     }
-
-
-def numpy_seq_logps(logits, targets, weights):
-    logits = np.asarray(logits, np.float64)
-    m = logits.max(-1, keepdims=True)
-    logp = logits - (np.log(np.exp(logits - m).sum(-1, keepdims=True)) + m)
-    return (np.take_along_axis(logp, targets[..., None], -1)[..., 0] * weights).sum(-1)
 
 
 def arithmetic_pairs(n, held_out=False):
@@ -102,7 +94,7 @@ def test_sequence_logprobs_equal_numpy_log_softmax_gather():
     logits_bad = logits.copy()
     logits_bad[weights == 0] = np.nan  # masked positions contribute exactly 0
     got = losses.sequence_logprobs(losses.logit_stats(logits_bad, targets).logprobs, weights)
-    np.testing.assert_allclose(got, numpy_seq_logps(logits, targets, weights), rtol=1e-5)
+    np.testing.assert_allclose(got, numpy_sequence_logps(logits, targets, weights), rtol=1e-5)
     tok = losses.logit_stats(jnp.asarray(logits, jnp.bfloat16), targets).logprobs
     assert tok.dtype == jnp.float32 and tok.shape == (3, 7)
 
@@ -144,13 +136,8 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
         "ref_chosen_logps": refs[0]["ref_chosen_logps"] + noise,
     }
 
-    forward = jax.jit(lambda p, *rows: nnx.merge(run.graphdef, p)(*rows)[0])
-    pi = {}
+    pi = {name: sums for name, (sums, _) in pair_logps_of_model(run, state["params"], batch).items()}
     for name in ("chosen", "rejected"):
-        rows = (batch[f"{name}_{k}"] for k in ("inputs", "inputs_position", "inputs_segmentation"))
-        pi[name] = numpy_seq_logps(
-            forward(state["params"], *rows), batch[f"{name}_targets"], batch[f"{name}_targets_segmentation"] > 0
-        )
         np.testing.assert_allclose(refs[0][f"ref_{name}_logps"], pi[name], rtol=1e-5)  # the reference is the start
     loss, want = numpy_dpo(
         pi["chosen"], pi["rejected"], batch["ref_chosen_logps"], batch["ref_rejected_logps"], 0.5, 0.1

@@ -231,12 +231,12 @@ class DPOTask(Task):
         reference and the policy through the one compiled `program` (the same input shardings, so
         the same executable), the reference brought to device memory first when it is kept in host
         memory (and dropped after); kto's reference point beside them."""
-        out = {}
+        out, rows = {}, {k: batch[k] for k in (BATCH_FIELDS if "inputs" in batch else PAIR_FIELDS)}
         if self.ref is not None:
             ref = jax.device_put(self.ref.of(params), self.param_shardings)
-            out = dict(zip(REF_KEYS, self.run.programs(name, program, ref, batch)))
+            out = dict(zip(REF_KEYS, self.run.programs(name, program, ref, rows)))
             del ref
-        out.update(zip(POLICY_KEYS, self.run.programs(name, program, params, batch)))
+        out.update(zip(POLICY_KEYS, self.run.programs(name, program, params, rows)))
         if self.kto:
             out[KTO_POINT] = self.run.programs("kto_reference_point", self.reference_point, {**batch, **out})
         return out
@@ -247,7 +247,7 @@ class DPOTask(Task):
         truncated = int(batch.pop("num_truncated"))
         if self.packing:
             batch = self.packed(batch)
-        batch = sharding.local_rows_to_global(batch, self.rows2d)
+        batch = sharding.local_rows_to_global(batch, self.batch_shardings())
         if self.ref is not None:
             name = f"pair_logps ({len(batch['inputs'])} packed rows)" if self.packing else "pair_logps"
             batch = {**batch, **self.pair_logps_of_both(name, self.logps_fn, state["params"], batch)}
@@ -260,7 +260,7 @@ class DPOTask(Task):
         if not cfg.eval_dataset_path and cfg.dataset_path != "builtin":
             return []  # files without an eval split: nothing to evaluate on
         batches = eval_pair_batches(cfg, self.run.tokenizer, self.run.layout.global_batch_size, cfg.eval_steps)
-        return [sharding.full_rows_to_global(b, self.rows2d) for b in batches]
+        return [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
 
     def _eval_sums(self, logps, batch):
         ref = tuple(logps[k] for k in REF_KEYS) if self.ref else None
