@@ -662,9 +662,7 @@ def log1mexp(x):
     kept below 0, so a completion of average log-prob exactly 0 stays finite."""
     x = jnp.minimum(x, -1e-30)
     near = x > -0.6931471805599453
-    return jnp.where(
-        near, jnp.log(-jnp.expm1(jnp.where(near, x, -1.0))), jnp.log1p(-jnp.exp(jnp.where(near, -1.0, x)))
-    )
+    return jnp.where(near, jnp.log(-jnp.expm1(jnp.where(near, x, -1.0))), jnp.log1p(-jnp.exp(jnp.where(near, -1.0, x))))
 
 
 # The paired losses: fn(pi, ref, nll, settings) -> (loss [P], rewards_chosen, rewards_rejected,

@@ -127,7 +127,9 @@ def test_orpo_log_odds_are_finite_for_certain_completions():
     assert np.isfinite(got).all() and np.isfinite(grad).all()
     sure = (jnp.zeros(2), jnp.array([-2.0, -0.5]))  # chosen average log-prob exactly 0
     loss, g = jax.value_and_grad(
-        lambda c: losses.preference_loss((c, sure[1]), None, (jnp.ones(2), jnp.ones(2)), losses.PreferenceConfig("orpo"))[0]
+        lambda c: losses.preference_loss(
+            (c, sure[1]), None, (jnp.ones(2), jnp.ones(2)), losses.PreferenceConfig("orpo")
+        )[0]
     )(sure[0])
     assert np.isfinite(loss) and np.isfinite(g).all()
 
@@ -228,7 +230,11 @@ def test_kto_task_loss_equals_numpy_from_the_models_logits():
     scored = jax.device_get(task.pair_logps_of_both("pair_logps", task.logps_fn, state["params"], batch))
     assert (scored[KTO_POINT] == 0).all()  # the policy is the reference: z = 0
     shift = np.random.default_rng(0).normal(-0.5, 0.3, label.shape).astype(np.float32)
-    scored = {**scored, "ref_chosen_logps": scored["ref_chosen_logps"] + shift, "ref_rejected_logps": scored["ref_rejected_logps"] + shift}
+    scored = {
+        **scored,
+        "ref_chosen_logps": scored["ref_chosen_logps"] + shift,
+        "ref_rejected_logps": scored["ref_rejected_logps"] + shift,
+    }
     scored[KTO_POINT] = jax.device_get(task.reference_point({**batch, **scored}))
     with jax.set_mesh(run.mesh):
         loss_sum, (records, metrics) = jax.jit(task.loss)(state["params"], {**batch, **scored})
@@ -264,7 +270,10 @@ def sums_of_digits(n, kto=False):
     unpaired records alternating the right answer (desirable) and a wrong one."""
     rows = [(f"{j // 10}+{j % 10}=", j // 10 + j % 10) for j in range(n)]
     if kto:
-        return [{"prompt": p, "completion": str(a if i % 2 else a + 10), "label": bool(i % 2)} for i, (p, a) in enumerate(rows)]
+        return [
+            {"prompt": p, "completion": str(a if i % 2 else a + 10), "label": bool(i % 2)}
+            for i, (p, a) in enumerate(rows)
+        ]
     return [{"prompt": p, "chosen": str(a), "rejected": str(a + 10)} for p, a in rows]
 
 
@@ -340,9 +349,16 @@ def test_kto_records_pair_each_prompt_with_the_previous_completion(tmp_path):
     for r in range(5):
         for side, completion in (("chosen", rows[r]["c"]), ("rejected", rows[r - 1]["c"])):  # row 0: the last's
             seg = batch[f"{side}_inputs_segmentation"][r]
-            assert batch[f"{side}_inputs"][r][seg > 0].tolist() == [TOK.bos_id, *TOK.encode(rows[r]["q"] + completion), TOK.eos_id]
+            assert batch[f"{side}_inputs"][r][seg > 0].tolist() == [
+                TOK.bos_id,
+                *TOK.encode(rows[r]["q"] + completion),
+                TOK.eos_id,
+            ]
     with pytest.raises(DataError, match="k.jsonl:1: a KTO record needs the boolean field 'label'"):
         make_preference_iterator(cfg.replace(kto_label_key="label"), TOK, 2)
-    mixed = [{"q": "1=", "c": "1", "ok": True}, {"q": [{"role": "user", "content": "1="}], "c": [{"role": "assistant", "content": "1"}], "ok": False}]
+    mixed = [
+        {"q": "1=", "c": "1", "ok": True},
+        {"q": [{"role": "user", "content": "1="}], "c": [{"role": "assistant", "content": "1"}], "ok": False},
+    ]
     with pytest.raises(DataError, match="all plain texts or all messages"):
         make_preference_iterator(cfg.replace(dataset_path=write_jsonl(tmp_path / "m.jsonl", mixed)), TOK, 2)

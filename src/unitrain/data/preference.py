@@ -163,7 +163,11 @@ def _normalize_unpaired(row, where: str, prompt_key: str, completion_key: str, l
     if isinstance(prompt, str) and isinstance(completion, str):
         return {"prompt": prompt, "chosen": completion, LABEL: label}
     if _is_messages(prompt) and _is_messages(completion) and [m["role"] for m in completion] == ["assistant"]:
-        return {"prompt_messages": [_message(m) for m in prompt], "chosen_message": _message(completion[0]), LABEL: label}
+        return {
+            "prompt_messages": [_message(m) for m in prompt],
+            "chosen_message": _message(completion[0]),
+            LABEL: label,
+        }
     raise DataError(
         f"{where}: fields {prompt_key!r} and {completion_key!r} must be strings, or a list of {{role, content}} "
         "messages and a list of one assistant message"
@@ -187,7 +191,12 @@ def builtin_unpaired(index: int, split: str, digits: int, ops: str) -> dict:
         return pair["chosen"] if i % 2 == 0 else pair["rejected"]
 
     prompt = builtin_pair(index, split, digits, ops)["prompt"]
-    return {"prompt": prompt, "chosen": completion(index), "rejected": completion((index - 1) % NUM_PROBLEMS), LABEL: index % 2 == 0}
+    return {
+        "prompt": prompt,
+        "chosen": completion(index),
+        "rejected": completion((index - 1) % NUM_PROBLEMS),
+        LABEL: index % 2 == 0,
+    }
 
 
 def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:

@@ -56,8 +56,8 @@ from unitrain.data.preference import (
 from unitrain.data.rl_packing import pack_pairs, pair_rows_needed
 from unitrain.data.sft import BATCH_FIELDS
 from unitrain.engines.buckets import batch_parallelism, bucket_packed_rows
-from unitrain.tasks.base import Task
 from unitrain.registry import REFERENCE_FREE_LOSSES
+from unitrain.tasks.base import Task
 from unitrain.tasks.reference import Reference
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -296,7 +296,11 @@ def _preference_loss(c) -> str | None:
     if c["mode"] != "dpo":
         return None if loss == "sigmoid" else f"dpo_loss_type={loss} is a loss of mode=dpo; mode is {c['mode']}"
     if c["kl_coef"] > 0:
-        why = "has no reference model" if loss in REFERENCE_FREE_LOSSES else "holds the policy to the reference by dpo_beta"
+        why = (
+            "has no reference model"
+            if loss in REFERENCE_FREE_LOSSES
+            else "holds the policy to the reference by dpo_beta"
+        )
         return f"dpo_loss_type={loss} {why}; kl_coef is grpo's and ppo's, set it to 0"
     if loss in REFERENCE_FREE_LOSSES and c["ref_params_host_offload"]:
         return f"dpo_loss_type={loss} has no reference model to offload; set ref_params_host_offload=false"
