@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO, make_cfg, pair_logps_of_model, write_jsonl
 from unitrain import losses, sharding, train
 from unitrain import step as step_lib
-from unitrain.data.preference import LABEL, make_preference_iterator
+from unitrain.data.preference import LABEL, make_preference_iterator, read_kto_records
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
 from unitrain.run import build_run
@@ -286,9 +286,12 @@ def test_short_runs_learn_the_preference(tmp_path, loss_type, learned):
     one; kto's implicit reward of the desirable records climbs above the undesirable ones'."""
     data = write_jsonl(tmp_path / "d.jsonl", sums_of_digits(64, kto=loss_type == "kto"))
     args = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *E2E, f"dataset_path={data}"]
-    assert train.main([*args, f"dpo_loss_type={loss_type}", "run_name=r"]) == 0
-    rows = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
-    rows = {r["step"]: r for r in rows if "loss" in r}
+    evals = [f"eval_dataset_path={data}", "eval_interval=10", "eval_steps=1"]
+    assert train.main([*args, *evals, f"dpo_loss_type={loss_type}", "run_name=r"]) == 0
+    rows = {}
+    for line in open(tmp_path / "r" / "metrics.jsonl"):  # a step's eval metrics on a line of their own
+        row = json.loads(line)
+        rows.setdefault(row.pop("step"), {}).update(row)
     assert sorted(rows) == list(range(10))
     late = [rows[s] for s in (7, 8, 9)]
     if learned:
@@ -297,6 +300,7 @@ def test_short_runs_learn_the_preference(tmp_path, loss_type, learned):
         assert rows[0]["kl"] == 0.0 and rows[0]["rewards/chosen"] == 0.0
         assert np.mean([r["rewards/chosen"] - r["rewards/rejected"] for r in late]) > 0.0
     assert np.mean([r["loss"] for r in late]) < rows[0]["loss"]
+    assert np.isfinite(rows[9]["eval_loss"]) and ("eval_kl" in rows[9]) == (loss_type == "kto")
 
 
 # ---------------------------------------------------------------- user errors
@@ -332,6 +336,10 @@ def test_kto_data_without_labels_and_orpo_with_kl_coef_exit_2_in_one_line(tmp_pa
         assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+def message_record(row):
+    return {"prompt_messages": row["q"], "chosen_message": row["c"][0]}
+
+
 def test_kto_records_pair_each_prompt_with_the_previous_completion(tmp_path):
     rows = [{"q": f"{i}+1=", "c": str(i + 1), "ok": i % 3 != 0} for i in range(5)]
     cfg = make_cfg(
@@ -356,6 +364,18 @@ def test_kto_records_pair_each_prompt_with_the_previous_completion(tmp_path):
             ]
     with pytest.raises(DataError, match="k.jsonl:1: a KTO record needs the boolean field 'label'"):
         make_preference_iterator(cfg.replace(kto_label_key="label"), TOK, 2)
+    messages = [
+        {
+            "q": [{"role": "user", "content": f"{i}+1="}],
+            "c": [{"role": "assistant", "content": str(i + 1)}],
+            "ok": i > 0,
+        }
+        for i in range(2)
+    ]
+    assert read_kto_records(write_jsonl(tmp_path / "c.jsonl", messages), "q", "c", "ok") == [
+        {**message_record(messages[0]), "rejected_message": messages[1]["c"][0], LABEL: False},
+        {**message_record(messages[1]), "rejected_message": messages[0]["c"][0], LABEL: True},
+    ]
     mixed = [
         {"q": "1=", "c": "1", "ok": True},
         {"q": [{"role": "user", "content": "1="}], "c": [{"role": "assistant", "content": "1"}], "ok": False},

@@ -119,7 +119,7 @@ def real_pairs(batch):
     return jnp.logical_and(chosen > 0, rejected > 0).astype(jnp.float32)
 
 
-def kto_reference_point(batch):
+def reference_point_rows(batch):
     """KTO's z of `batch` (losses.kto_reference_point over its rejected side, the mismatched pairs),
     in every row."""
     z = losses.kto_reference_point(batch["policy_rejected_logps"], batch["ref_rejected_logps"], real_pairs(batch))
@@ -166,7 +166,7 @@ class DPOTask(Task):
         if self.ref is not None:  # without a reference the update's own forward is the only one
             self.logps_fn = self._logps_program(cfg.gradient_accumulation_steps, self.pair_logps, self.fields)
         if self.kto:
-            self.reference_point = jax.jit(kto_reference_point, out_shardings=self.rows1d)
+            self.reference_point = jax.jit(reference_point_rows, out_shardings=self.rows1d)
         self.update = step_lib.make_train_step(
             self.loss,
             step_lib.StepConfig.from_config(cfg, run.learning_rate),
