@@ -143,18 +143,17 @@ def forward_values(values, traced):
     return values + (traced - jax.lax.stop_gradient(traced))
 
 
-class DPOTask(Task):
-    def __init__(self, run: RunContext):
-        super().__init__(run)
-        cfg = self.cfg
+class PairLearner:
+    """The preference update over pair rows, shared by mode=dpo (pairs from data files) and
+    mode=online_dpo (pairs of sampled answers): the configured loss, its reference, the pass that
+    scores the pairs before the update, and the update's batch shardings. A Task mixes it in and
+    calls init_pairs(run) before it builds its update."""
+
+    def init_pairs(self, run: RunContext):
+        cfg = run.cfg
         self.settings = losses.PreferenceConfig.from_config(cfg)
         self.ref = Reference(run) if self.settings.has_reference else None
         self.kto = self.settings.loss_type == "kto"
-        rows = run.layout.rows_per_update
-        self.data_iterator = make_preference_iterator(
-            cfg, run.tokenizer, rows, jax.process_index(), jax.process_count()
-        )
-        self.tokens_per_step = 2 * rows * cfg.max_target_length  # both sequences of every pair
         self.rows2d = sharding.batch_sharding(run.mesh, run.rules)
         self.rows1d = sharding.batch_sharding(run.mesh, run.rules, ("batch",))
         self.param_shardings = run.state_shardings["params"]
@@ -167,18 +166,6 @@ class DPOTask(Task):
             self.logps_fn = self._logps_program(cfg.gradient_accumulation_steps, self.pair_logps, self.fields)
         if self.kto:
             self.reference_point = jax.jit(reference_point_rows, out_shardings=self.rows1d)
-        self.update = step_lib.make_train_step(
-            self.loss,
-            step_lib.StepConfig.from_config(cfg, run.learning_rate),
-            run.optimizer,
-            run.state_shardings,
-            self.batch_shardings(),
-        )
-        self.eval_batches = self._eval_batches() if cfg.evaluates else []
-        if self.eval_batches:
-            unpacked = functools.partial(pair_logps, run.graphdef, cfg.logits_chunk_size)
-            self.eval_logps_fn = self._logps_program(1, unpacked, PAIR_FIELDS)
-            self.eval_fn = jax.jit(self._eval_sums)
 
     def _logps_program(self, num_micro: int, logps, fields):
         out = self.rows2d if fields == BATCH_FIELDS else self.rows1d  # packed: [rows, slots]
@@ -187,6 +174,13 @@ class DPOTask(Task):
             in_shardings=(self.param_shardings, {k: self.rows2d for k in fields}),
             out_shardings=(out, out),
         )
+
+    def scored(self, name: str, params, batch) -> dict:
+        """`batch` with its pairs' log-probs (pair_logps_of_both) where the loss has a reference; as
+        it is without one (the update's own forward is the only one)."""
+        if self.ref is None:
+            return batch
+        return {**batch, **self.pair_logps_of_both(name, self.logps_fn, params, batch)}
 
     # -- the loss and its batch
     def loss(self, params, batch):
@@ -211,21 +205,6 @@ class DPOTask(Task):
         extra = per_pair_fields(self.cfg) + ((KTO_POINT,) if self.kto else ())
         return {**{k: self.rows2d for k in self.fields}, **{k: per_pair for k in scored + extra}}
 
-    def packed(self, batch: dict) -> dict:
-        """This process's pairs packed into rows (pack_pairs): as many as the process that needs the
-        most, bucketed to whole micro-batches on every device, so every process has the same shape."""
-        cfg = self.cfg
-        width = cfg.rl_packing_row_tokens or 2 * cfg.max_target_length
-        need = pair_rows_needed(batch, SIDES, width)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            need = int(np.max(multihost_utils.process_allgather(np.int32(need))))
-        devices = batch_parallelism(self.run.mesh, self.run.rules)
-        multiple = max(1, cfg.gradient_accumulation_steps * devices // jax.process_count())
-        rows = bucket_packed_rows(need, multiple)
-        return pack_pairs(batch, SIDES, BATCH_FIELDS, width, rows, self.run.tokenizer.pad_id)
-
     def pair_logps_of_both(self, name: str, program, params, batch) -> dict:
         """{ref_*, policy_*} log-probs of `batch` (without a reference, policy_* alone): the
         reference and the policy through the one compiled `program` (the same input shardings, so
@@ -241,6 +220,45 @@ class DPOTask(Task):
             out[KTO_POINT] = self.run.programs("kto_reference_point", self.reference_point, {**batch, **out})
         return out
 
+
+class DPOTask(PairLearner, Task):
+    def __init__(self, run: RunContext):
+        super().__init__(run)
+        cfg = self.cfg
+        self.init_pairs(run)
+        rows = run.layout.rows_per_update
+        self.data_iterator = make_preference_iterator(
+            cfg, run.tokenizer, rows, jax.process_index(), jax.process_count()
+        )
+        self.tokens_per_step = 2 * rows * cfg.max_target_length  # both sequences of every pair
+        self.update = step_lib.make_train_step(
+            self.loss,
+            step_lib.StepConfig.from_config(cfg, run.learning_rate),
+            run.optimizer,
+            run.state_shardings,
+            self.batch_shardings(),
+        )
+        self.eval_batches = self._eval_batches() if cfg.evaluates else []
+        if self.eval_batches:
+            unpacked = functools.partial(pair_logps, run.graphdef, cfg.logits_chunk_size)
+            self.eval_logps_fn = self._logps_program(1, unpacked, PAIR_FIELDS)
+            self.eval_fn = jax.jit(self._eval_sums)
+
+    def packed(self, batch: dict) -> dict:
+        """This process's pairs packed into rows (pack_pairs): as many as the process that needs the
+        most, bucketed to whole micro-batches on every device, so every process has the same shape."""
+        cfg = self.cfg
+        width = cfg.rl_packing_row_tokens or 2 * cfg.max_target_length
+        need = pair_rows_needed(batch, SIDES, width)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            need = int(np.max(multihost_utils.process_allgather(np.int32(need))))
+        devices = batch_parallelism(self.run.mesh, self.run.rules)
+        multiple = max(1, cfg.gradient_accumulation_steps * devices // jax.process_count())
+        rows = bucket_packed_rows(need, multiple)
+        return pack_pairs(batch, SIDES, BATCH_FIELDS, width, rows, self.run.tokenizer.pad_id)
+
     # -- one step
     def step(self, state, step):
         batch = next(self.data_iterator)
@@ -248,9 +266,8 @@ class DPOTask(Task):
         if self.packing:
             batch = self.packed(batch)
         batch = sharding.local_rows_to_global(batch, self.batch_shardings())
-        if self.ref is not None:
-            name = f"pair_logps ({len(batch['inputs'])} packed rows)" if self.packing else "pair_logps"
-            batch = {**batch, **self.pair_logps_of_both(name, self.logps_fn, state["params"], batch)}
+        name = f"pair_logps ({len(batch['inputs'])} packed rows)" if self.packing else "pair_logps"
+        batch = self.scored(name, state["params"], batch)
         state, metrics = self.run.programs("train_step", self.update, state, batch)
         return state, {**metrics, "num_truncated": truncated}
 
