@@ -45,6 +45,7 @@ MODES = {
     "dpo": "unitrain.tasks.dpo:DPOTask",
     "rm": "unitrain.tasks.rm:RMTask",
     "ppo": "unitrain.tasks.ppo:PPOTask",
+    "online_dpo": "unitrain.tasks.online_dpo:OnlineDPOTask",
 }
 RL_MODES = (
     "grpo",
@@ -104,6 +105,7 @@ CONFIG_CHECKS = (
     "unitrain.tasks.ppo:CONFIG_CHECKS",
     "unitrain.tasks.rm:CONFIG_CHECKS",
     "unitrain.tasks.dpo:CONFIG_CHECKS",
+    "unitrain.tasks.online_dpo:CONFIG_CHECKS",
 )
 
 _PLUGIN_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")

@@ -307,10 +307,10 @@ def eval_means(outs: list[dict]) -> dict:
 
 @check("mode", "dpo_loss_type", "dpo_label_smoothing", "kl_coef", "ref_params_host_offload", "rl_packing")
 def _preference_loss(c) -> str | None:
-    """dpo_loss_type is mode=dpo's; the keys of a reference and of label smoothing need a loss that
+    """dpo_loss_type is mode=dpo's (and online_dpo's); the keys of a reference and of label smoothing need a loss that
     has them; KTO's unpaired records are not packed."""
     loss = c["dpo_loss_type"]
-    if c["mode"] != "dpo":
+    if c["mode"] not in ("dpo", "online_dpo"):
         return None if loss == "sigmoid" else f"dpo_loss_type={loss} is a loss of mode=dpo; mode is {c['mode']}"
     if c["kl_coef"] > 0:
         why = (
