@@ -58,7 +58,7 @@ def test_an_online_dpo_run_raises_the_reward_it_is_judged_by(tmp_path):
     assert train.train(cfg) == 0
     lines = [json.loads(line) for line in open(cfg.metrics_file)]
     rewards = [line["reward_mean"] for line in lines if "reward_mean" in line]
-    assert len(rewards) == 16 and {"rewards/accuracy", "logps/chosen", "loss"} <= set(lines[-1])
+    assert len(rewards) == 16 and {"rewards/accuracy", "logps/chosen", "loss", "tied_pair_fraction"} <= set(lines[-1])
     assert lines[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # the policy starts as the reference
     assert np.mean(rewards[:3]) < 0.3 and np.mean(rewards[-3:]) > 0.5, rewards
 

@@ -10,7 +10,8 @@ A pair row is DPO's unpacked layout (data/preference.py) of max_prompt_length + 
 completion bound columns: the prompt, then the sampled answer, whose sampled tokens alone carry the
 loss (an episode's environment tokens are context). per_device_batch_size counts pairs, and one
 update takes the step's rollout_batch_size pairs. Metrics: DPO's, and the rollouts' (reward_mean ...:
-the reward it is judged by); eval, the generation eval of mode=grpo.
+the reward it is judged by; tied_pair_fraction, the pairs whose answers the reward could not tell
+apart); eval, the generation eval of mode=grpo.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ class OnlineDPOTask(PairLearner, RLTask):
         if step % self.cfg.sample_log_period == 0:
             self.text = self.workflow.markdown(groups)
         timing = {"time_rollout": t1 - t0, "time_update": time.perf_counter() - t1}
-        return state, {**metrics, **stats, **self.rollout_metrics(groups), **timing}
+        rollout = self.rollout_metrics(groups)
+        # a tie still trains (its first answer chosen), unlike GRPO's zero-spread group, which trains on nothing
+        rollout["tied_pair_fraction"] = rollout.pop("zero_std_group_fraction")
+        return state, {**metrics, **stats, **rollout, **timing}
 
 
 @check("mode", "n_samples_per_prompt", "dpo_loss_type", "rl_packing", "num_iterations")
