@@ -201,7 +201,7 @@ class PairLearner:
 
     def batch_shardings(self) -> dict:
         per_pair = self.rows2d if self.packing else self.rows1d
-        scored = REF_KEYS + POLICY_KEYS if self.ref else ()
+        scored = REF_KEYS + POLICY_KEYS if self.ref is not None else ()
         extra = per_pair_fields(self.cfg) + ((KTO_POINT,) if self.kto else ())
         return {**{k: self.rows2d for k in self.fields}, **{k: per_pair for k in scored + extra}}
 
@@ -280,7 +280,7 @@ class DPOTask(PairLearner, Task):
         return [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
 
     def _eval_sums(self, logps, batch):
-        ref = tuple(logps[k] for k in REF_KEYS) if self.ref else None
+        ref = tuple(logps[k] for k in REF_KEYS) if self.ref is not None else None
         loss_sum, (pairs, metrics) = self.objective(tuple(logps[k] for k in POLICY_KEYS), ref, {**batch, **logps})
         return {"loss": (loss_sum, pairs), **metrics}
 
