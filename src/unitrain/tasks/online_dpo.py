@@ -32,10 +32,11 @@ def pair_rows(groups, width: int, pad_id: int) -> dict:
     """Each group's best and worst trajectory by reward (a stable sort: of equals, the first is
     chosen) as one preference pair row: {chosen_*, rejected_*} int32 [groups, width]."""
     fields = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")
-    rows = {f"{side}_{k}": np.zeros((len(groups), width), np.int32) for side in SIDES for k in fields}
-    for side in SIDES:
-        rows[f"{side}_inputs"][:] = pad_id
-        rows[f"{side}_targets"][:] = pad_id
+    rows = {
+        f"{side}_{k}": np.full((len(groups), width), pad_id if k in ("inputs", "targets") else 0, np.int32)
+        for side in SIDES
+        for k in fields
+    }
     for g, group in enumerate(groups):
         order = np.argsort(-np.asarray(group.rewards), kind="stable")
         for side, t in zip(SIDES, (group.trajectories[order[0]], group.trajectories[order[-1]])):
