@@ -412,6 +412,30 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def numpy_sequence_logps(logits, targets, weights):
+    """Summed log-probs of the weighted target tokens of each row, in float64 NumPy: [B, T, V], [B, T],
+    [B, T] -> [B]."""
+    import numpy as np
+
+    logp = log_softmax(np.asarray(logits, np.float64))
+    return (np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0] * weights).sum(-1)
+
+
+def pair_logps_of_model(run, params, batch) -> dict:
+    """{side: (summed completion log-probs [P], completion lengths [P])} of a preference batch's
+    chosen and rejected rows under `params`, from the model's plain forward's logits in NumPy."""
+    import jax
+    from flax import nnx
+
+    forward = jax.jit(lambda p, *rows: nnx.merge(run.graphdef, p)(*rows)[0])
+    out = {}
+    for side in ("chosen", "rejected"):
+        logits = forward(params, *(batch[f"{side}_{k}"] for k in ("inputs", "inputs_position", "inputs_segmentation")))
+        weights = batch[f"{side}_targets_segmentation"] > 0
+        out[side] = (numpy_sequence_logps(logits, batch[f"{side}_targets"], weights), weights.sum(-1))
+    return out
+
+
 def naive_sample(model, prompts, n, temperature, key):
     """The sampler's draws (of a ROLLOUT_CFG model) recomputed the slow way, as the sampler did before
     its KV-cache work: at step i each row's next-token logits come from the full forward (no cache) of its prompt and

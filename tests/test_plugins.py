@@ -235,7 +235,7 @@ def test_a_sampler_that_cannot_rank_stops_a_run_that_ranks_before_it_starts(tmp_
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("mode=spt", "config key 'mode' expects one of sft | grpo | dpo | rm | ppo or pkg.module:symbol"),
+        ("mode=spt", "config key 'mode' expects one of sft | grpo | dpo | rm | ppo | online_dpo or pkg.module:symbol"),
         (
             "mode=no_such_module:Task",
             "config key 'mode' names 'no_such_module:Task' but module 'no_such_module' is not found",

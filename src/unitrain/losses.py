@@ -18,6 +18,7 @@ from unitrain.registry import (
     KL_TYPES,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    REFERENCE_FREE_LOSSES,
     ROLLOUT_IS_LEVELS,
     ROLLOUT_IS_MODES,
 )
@@ -602,7 +603,7 @@ def explained_variance(returns, values, mask) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# Sequence log-probabilities and preference losses (DPO).
+# Sequence log-probabilities and preference losses (mode=dpo's family, mode=rm's).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -612,50 +613,179 @@ def sequence_logprobs(logprobs, weights):
     return jnp.where(weights > 0, logprobs, 0.0).sum(axis=-1)
 
 
-def dpo_loss(
-    policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0, weights=None
-):
-    """Direct Preference Optimization, sigmoid loss (Rafailov et al. 2023) with label smoothing
-    (conservative DPO), in train_step's loss_fn form: TRL DPOTrainer's loss_type="sigmoid" of TRL
-    0.7.5 to 0.28 (TRL 0.29 and later ignore label_smoothing there; with label_smoothing = 0 the
-    two agree).
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """The preference loss of mode=dpo (dpo_loss_type) and its constants, as the dpo_* keys set them.
+    beta is each loss's beta (ORPO's lambda, as TRL's ORPOConfig.beta)."""
 
-    Inputs [P] (one entry per pair): summed log-probs of the chosen / rejected completion under the
-    policy and under the frozen reference; `weights` [P] {0,1} marks real pairs (None = all real;
-    padding rows of an eval batch get 0). With
-        rewards_c = beta * (pi_c - ref_c),   rewards_r = beta * (pi_r - ref_r),
-        z = rewards_c - rewards_r,
-        loss = -(1 - label_smoothing) * log sigmoid(z) - label_smoothing * log sigmoid(-z)
-    returns (sum of loss over pairs, (number of pairs, metrics)), metrics name -> (sum, count) with
-    stop_gradient, so that micro-batches and devices add up exactly (sum(sums) / sum(counts)):
-      rewards/chosen, rewards/rejected   the implicit rewards
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    @property
+    def has_reference(self) -> bool:
+        return self.loss_type not in REFERENCE_FREE_LOSSES
+
+    @classmethod
+    def from_config(cls, cfg) -> PreferenceConfig:
+        return cls(
+            loss_type=cfg.dpo_loss_type,
+            beta=cfg.dpo_beta,
+            label_smoothing=cfg.dpo_label_smoothing,
+            simpo_gamma=cfg.simpo_gamma,
+            cpo_alpha=cfg.cpo_alpha,
+            desirable_weight=cfg.kto_desirable_weight,
+            undesirable_weight=cfg.kto_undesirable_weight,
+        )
+
+
+def weighted_sums(weights, values: dict) -> dict:
+    """{name: (sum of the value over entries of weight > 0, their number)}, with stop_gradient: the
+    metrics' form, which adds up exactly over micro-batches and devices."""
+    sg = jax.lax.stop_gradient
+    count = sg(weights.sum())
+    return {name: (sg(jnp.where(weights > 0, x, 0.0).sum()), count) for name, x in values.items()}
+
+
+def _smoothed(z, label_smoothing: float):
+    """-log sigmoid(z) with the label flipped with probability label_smoothing (cDPO)."""
+    return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
+
+
+def log1mexp(x):
+    """log(1 - e^x) for x <= 0, stable at both ends (Maechler 2012: log(-expm1 x) above -log 2,
+    log1p(-e^x) below), each branch fed only its own range so that neither gradient is NaN; x is
+    kept below 0, so a completion of average log-prob exactly 0 stays finite."""
+    x = jnp.minimum(x, -1e-30)
+    near = x > -0.6931471805599453
+    return jnp.where(near, jnp.log(-jnp.expm1(jnp.where(near, x, -1.0))), jnp.log1p(-jnp.exp(jnp.where(near, -1.0, x))))
+
+
+# The paired losses: fn(pi, ref, nll, settings) -> (loss [P], rewards_chosen, rewards_rejected,
+# {metric: [P]}); pi and ref are (chosen, rejected) log-probs, summed or averaged over the
+# completion's tokens (AVERAGED_LOSSES), ref None without a reference; nll the chosen completion's
+# per-token mean negative log-likelihood.
+
+
+def _sigmoid(pi, ref, nll, s):
+    """DPO (Rafailov et al. 2023), TRL DPOTrainer loss_type="sigmoid" with label_smoothing (cDPO,
+    TRL 0.7.5 to 0.28; TRL 0.29 and later ignore label_smoothing there)."""
+    rc, rr = s.beta * (pi[0] - ref[0]), s.beta * (pi[1] - ref[1])
+    return _smoothed(rc - rr, s.label_smoothing), rc, rr, {}
+
+
+def _ipo(pi, ref, nll, s):
+    """IPO (Azar et al. 2023), TRL DPOTrainer loss_type="ipo": the squared distance of the log-ratio
+    difference from 1 / (2 beta), on log-probs averaged over tokens."""
+    rc, rr = s.beta * (pi[0] - ref[0]), s.beta * (pi[1] - ref[1])
+    return jnp.square((pi[0] - ref[0]) - (pi[1] - ref[1]) - 1.0 / (2.0 * s.beta)), rc, rr, {}
+
+
+def _simpo(pi, ref, nll, s):
+    """SimPO (Meng et al. 2024), TRL CPOTrainer loss_type="simpo" with cpo_alpha 0: no reference,
+    average log-probs, the target margin simpo_gamma."""
+    rc, rr = s.beta * pi[0], s.beta * pi[1]
+    return _smoothed(rc - rr - s.simpo_gamma, s.label_smoothing), rc, rr, {}
+
+
+def _cpo(pi, ref, nll, s):
+    """CPO (Xu et al. 2024), TRL CPOTrainer loss_type="sigmoid": DPO's loss without a reference on
+    summed log-probs, plus cpo_alpha times the chosen completion's NLL."""
+    rc, rr = s.beta * pi[0], s.beta * pi[1]
+    return _smoothed(rc - rr, s.label_smoothing) + s.cpo_alpha * nll, rc, rr, {"nll_loss": nll}
+
+
+def _orpo(pi, ref, nll, s):
+    """ORPO (Hong et al. 2024), TRL ORPOTrainer: the chosen completion's NLL minus beta (lambda) times
+    log sigmoid of the log odds ratio of the average log-probs, log odds(p) = log p - log(1 - p)."""
+    log_odds = (pi[0] - pi[1]) - (log1mexp(pi[0]) - log1mexp(pi[1]))
+    ratio = jax.nn.log_sigmoid(log_odds)
+    extra = {"nll_loss": nll, "log_odds_ratio": ratio, "log_odds_chosen": log_odds}
+    return nll - s.beta * ratio, s.beta * pi[0], s.beta * pi[1], extra
+
+
+AVERAGED_LOSSES = ("ipo", "simpo", "orpo")  # read log-probs averaged over the completion's tokens, as TRL
+PAIRED_LOSSES = {"sigmoid": _sigmoid, "ipo": _ipo, "simpo": _simpo, "cpo": _cpo, "orpo": _orpo}
+
+
+def preference_loss(policy, ref, lengths, settings: PreferenceConfig, weights=None):
+    """A paired preference loss (settings.loss_type, one of PAIRED_LOSSES) in train_step's loss_fn
+    form. Inputs, each (chosen [P], rejected [P]) with one entry per pair: `policy` and `ref` the
+    completions' summed log-probs under the policy and the frozen reference (ref None for the
+    REFERENCE_FREE_LOSSES), `lengths` their numbers of tokens; `weights` [P] {0,1} marks real pairs
+    (None = all real; padding rows of an eval batch get 0, and may have length 0). The losses of
+    AVERAGED_LOSSES read log-probs averaged over each completion's tokens, as TRL does for them.
+    Returns (sum of the loss over pairs, (number of pairs, metrics)), metrics name -> (sum, count)
+    (weighted_sums), TRL's names in the singular this trainer has always logged:
+      rewards/chosen, rewards/rejected   the implicit rewards (beta * log-ratio; without a
+                                         reference beta * log-prob)
       rewards/accuracy                   rewards_c > rewards_r (strict, as TRL: a tie counts as wrong)
       rewards/margin                     rewards_c - rewards_r
-      logps/chosen, logps/rejected       pi_c, pi_r
+      logps/chosen, logps/rejected       the policy's log-probs the loss reads
+      nll_loss                           cpo, orpo: the chosen completion's NLL, a per-token mean
+                                         per sequence (ORPO's paper; TRL's mean over the batch's
+                                         tokens weighs long completions more, and would make
+                                         gradient accumulation inexact)
+      log_odds_ratio, log_odds_chosen    orpo: log sigmoid(log odds ratio), the log odds ratio
     """
-    pi_c, pi_r, ref_c, ref_r = (
-        jnp.asarray(x, jnp.float32) for x in (policy_chosen, policy_rejected, ref_chosen, ref_rejected)
-    )
-    w = jnp.ones_like(pi_c) if weights is None else jnp.asarray(weights, jnp.float32)
-    rewards_c = beta * (pi_c - ref_c)
-    rewards_r = beta * (pi_r - ref_r)
-    z = rewards_c - rewards_r
-    per_pair = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
-    pairs = w.sum()
-    sg = jax.lax.stop_gradient
-
-    def mean_of(x):
-        return sg(jnp.where(w > 0, x, 0.0).sum()), sg(pairs)
-
+    w = jnp.ones_like(jnp.asarray(policy[0], jnp.float32)) if weights is None else jnp.asarray(weights, jnp.float32)
+    tokens = tuple(jnp.maximum(jnp.asarray(n, jnp.float32), 1.0) for n in lengths)
+    pi = tuple(jnp.asarray(x, jnp.float32) for x in policy)
+    ref = None if ref is None else tuple(jnp.asarray(x, jnp.float32) for x in ref)
+    nll = -pi[0] / tokens[0]
+    if settings.loss_type in AVERAGED_LOSSES:
+        pi = (pi[0] / tokens[0], pi[1] / tokens[1])
+        ref = None if ref is None else (ref[0] / tokens[0], ref[1] / tokens[1])
+    per_pair, rc, rr, extra = PAIRED_LOSSES[settings.loss_type](pi, ref, nll, settings)
     metrics = {
-        "rewards/chosen": mean_of(rewards_c),
-        "rewards/rejected": mean_of(rewards_r),
-        "rewards/accuracy": mean_of((rewards_c > rewards_r).astype(jnp.float32)),
-        "rewards/margin": mean_of(z),
-        "logps/chosen": mean_of(pi_c),
-        "logps/rejected": mean_of(pi_r),
+        "rewards/chosen": rc,
+        "rewards/rejected": rr,
+        "rewards/accuracy": (rc > rr).astype(jnp.float32),
+        "rewards/margin": rc - rr,
+        "logps/chosen": pi[0],
+        "logps/rejected": pi[1],
+        **extra,
     }
-    return jnp.where(w > 0, per_pair, 0.0).sum(), (pairs, metrics)
+    return jnp.where(w > 0, per_pair, 0.0).sum(), (jax.lax.stop_gradient(w.sum()), weighted_sums(w, metrics))
+
+
+def kto_reference_point(policy_kl, ref_kl, weights):
+    """KTO's reference point z (TRL KTOTrainer): max(0, the mean over the real records of the
+    log-ratio policy - reference of their mismatched prompt/completion pairs), detached."""
+    w = jnp.asarray(weights, jnp.float32)
+    mean = jnp.where(w > 0, policy_kl - ref_kl, 0.0).sum() / jnp.maximum(w.sum(), 1.0)
+    return jax.lax.stop_gradient(jnp.maximum(mean, 0.0))
+
+
+def kto_loss(policy, ref, desirable, kl, settings: PreferenceConfig, weights=None):
+    """KTO (Ethayarajh et al. 2024), TRL KTOTrainer loss_type="kto", in train_step's loss_fn form,
+    one entry per unpaired record: `policy`, `ref` [P] its completion's summed log-probs, `desirable`
+    [P] {0,1} its label, `kl` [P] the reference point z (kto_reference_point, the same in every
+    entry), `weights` [P] {0,1} the real records. With r = policy - ref, per record
+        desirable:    desirable_weight * (1 - sigmoid(beta * (r - z)))
+        undesirable:  undesirable_weight * (1 - sigmoid(beta * (z - r)))
+    Returns (sum over records, (number of records, metrics)): rewards/chosen, logps/chosen over the
+    desirable records, rewards/rejected, logps/rejected over the undesirable ones (rewards beta * r),
+    and kl, z. (TRL's rewards/margins, a difference of two means, has no (sum, count) form.)"""
+    pi, ref, kl = (jnp.asarray(x, jnp.float32) for x in (policy, ref, kl))
+    w = jnp.ones_like(pi) if weights is None else jnp.asarray(weights, jnp.float32)
+    good = jnp.asarray(desirable) > 0
+    r = pi - ref
+    per_record = jnp.where(
+        good,
+        settings.desirable_weight * (1.0 - jax.nn.sigmoid(settings.beta * (r - kl))),
+        settings.undesirable_weight * (1.0 - jax.nn.sigmoid(settings.beta * (kl - r))),
+    )
+    metrics = {
+        **weighted_sums(w * good, {"rewards/chosen": settings.beta * r, "logps/chosen": pi}),
+        **weighted_sums(w * ~good, {"rewards/rejected": settings.beta * r, "logps/rejected": pi}),
+        **weighted_sums(w, {"kl": kl}),
+    }
+    return jnp.where(w > 0, per_record, 0.0).sum(), (jax.lax.stop_gradient(w.sum()), metrics)
 
 
 def reward_model_loss(chosen, rejected, *, margin=None, center_coef: float = 0.0, weights=None):
@@ -673,19 +803,16 @@ def reward_model_loss(chosen, rejected, *, margin=None, center_coef: float = 0.0
     w = jnp.ones_like(r_c) if weights is None else jnp.asarray(weights, jnp.float32)
     gap = r_c - r_r - (0.0 if margin is None else jnp.asarray(margin, jnp.float32))
     per_pair = -jax.nn.log_sigmoid(gap) + center_coef * jnp.square(r_c + r_r)
-    pairs = w.sum()
-    sg = jax.lax.stop_gradient
-
-    def mean_of(x):
-        return sg(jnp.where(w > 0, x, 0.0).sum()), sg(pairs)
-
-    metrics = {
-        "accuracy": mean_of((r_c > r_r).astype(jnp.float32)),
-        "margin": mean_of(r_c - r_r),
-        "rewards/chosen": mean_of(r_c),
-        "rewards/rejected": mean_of(r_r),
-    }
-    return jnp.where(w > 0, per_pair, 0.0).sum(), (pairs, metrics)
+    metrics = weighted_sums(
+        w,
+        {
+            "accuracy": (r_c > r_r).astype(jnp.float32),
+            "margin": r_c - r_r,
+            "rewards/chosen": r_c,
+            "rewards/rejected": r_r,
+        },
+    )
+    return jnp.where(w > 0, per_pair, 0.0).sum(), (jax.lax.stop_gradient(w.sum()), metrics)
 
 
 @check("policy_loss", "loss_agg_mode", "eps_clip_c")

@@ -3,7 +3,8 @@
 sft    supervised fine-tuning on packed prompt/completion examples (tasks/sft.py)
 grpo   RL with verifiable rewards: GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++ (tasks/grpo.py)
 ppo    RL with a critic: GRPO's rollouts, GAE advantages, the critic trained alongside (tasks/ppo.py)
-dpo    direct preference optimisation on chosen/rejected pairs (tasks/dpo.py)
+dpo    direct preference optimisation on chosen/rejected pairs, and IPO, SimPO, CPO, ORPO, KTO (tasks/dpo.py)
+online_dpo  DPO on pairs of the policy's own answers, a reward picking chosen and rejected (tasks/online_dpo.py)
 rm     a reward model (a scalar head) trained on the same pairs, Bradley-Terry (tasks/rm.py)
 pkg.module:Class   any Task subclass
 

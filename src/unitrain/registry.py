@@ -45,6 +45,7 @@ MODES = {
     "dpo": "unitrain.tasks.dpo:DPOTask",
     "rm": "unitrain.tasks.rm:RMTask",
     "ppo": "unitrain.tasks.ppo:PPOTask",
+    "online_dpo": "unitrain.tasks.online_dpo:OnlineDPOTask",
 }
 RL_MODES = (
     "grpo",
@@ -73,6 +74,10 @@ POLICY_LOSSES = {"ppo": "unitrain.losses:token_log_ratio", "gspo": "unitrain.los
 ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_IS_MODES = ("truncate", "mask")
 
+# dpo_loss_type: mode=dpo's preference losses (losses.py); kto reads unpaired records
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "cpo", "orpo", "kto")
+REFERENCE_FREE_LOSSES = ("simpo", "cpo", "orpo")  # no reference model is loaded or run for these
+
 # The modules whose CONFIG_CHECKS (config.Check: the keys read, fn(cfg) -> None or what is wrong)
 # checks.check_config runs after every load, each beside the code it concerns; the data format's
 # own checks run with them (DataFormat.check)
@@ -99,6 +104,8 @@ CONFIG_CHECKS = (
     "unitrain.tasks.rl:CONFIG_CHECKS",
     "unitrain.tasks.ppo:CONFIG_CHECKS",
     "unitrain.tasks.rm:CONFIG_CHECKS",
+    "unitrain.tasks.dpo:CONFIG_CHECKS",
+    "unitrain.tasks.online_dpo:CONFIG_CHECKS",
 )
 
 _PLUGIN_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")

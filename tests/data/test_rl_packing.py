@@ -237,8 +237,15 @@ def test_ppo_packed_equals_unpacked_critic_included(tmp_path):
     )
 
 
-def test_dpo_packed_equals_unpacked(tmp_path):
-    overrides = ["mode=dpo", "dataset_path=builtin", "max_target_length=24", "dpo_beta=0.5"]
+@pytest.mark.parametrize("loss_type", ["sigmoid", "orpo"])  # orpo: no reference, per-token averages of packed slots
+def test_dpo_packed_equals_unpacked(tmp_path, loss_type):
+    overrides = [
+        "mode=dpo",
+        "dataset_path=builtin",
+        "max_target_length=24",
+        "dpo_beta=0.5",
+        f"dpo_loss_type={loss_type}",
+    ]
     packed = one_step(config(tmp_path / "p", *overrides, "rl_packing=true"))
     unpacked = one_step(config(tmp_path / "u", *overrides))
     assert packed[3].packing and not unpacked[3].packing

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from helpers import REPO, make_cfg, write_jsonl
+from helpers import REPO, make_cfg, numpy_sequence_logps, pair_logps_of_model, write_jsonl
 from unitrain import losses, sharding, train
 from unitrain import step as step_lib
 from unitrain.data.preference import PAIR_FIELDS, eval_pair_batches, make_preference_iterator
@@ -45,13 +44,6 @@ def numpy_dpo(pi_c, pi_r, ref_c, ref_r, beta, ls):
     }
 
 
-def numpy_seq_logps(logits, targets, weights):
-    logits = np.asarray(logits, np.float64)
-    m = logits.max(-1, keepdims=True)
-    logp = logits - (np.log(np.exp(logits - m).sum(-1, keepdims=True)) + m)
-    return (np.take_along_axis(logp, targets[..., None], -1)[..., 0] * weights).sum(-1)
-
-
 def arithmetic_pairs(n, held_out=False):
     """n single-digit sums, chosen the right answer, rejected a wrong one; every fifth (a, b) is held
     out for eval, so the two sets share no problem."""
@@ -72,8 +64,10 @@ def test_dpo_loss_and_metrics_equal_numpy(label_smoothing):
     pi_c[3], ref_c[3], pi_r[3], ref_r[3] = -5.0, -5.0, -7.0, -7.0  # a tie: rewards equal, not accurate
     weights = np.ones(12)
     weights[[5, 9]] = 0  # padding pairs count nowhere
+    settings = losses.PreferenceConfig(beta=0.3, label_smoothing=label_smoothing)
+    lengths = (np.full(12, 5), np.full(12, 7))  # the sigmoid loss reads sums: lengths change nothing
     loss_sum, (pairs, metrics) = jax.jit(
-        lambda *a: losses.dpo_loss(*a, beta=0.3, label_smoothing=label_smoothing, weights=weights)
+        lambda pc, pr, rc, rr: losses.preference_loss((pc, pr), (rc, rr), lengths, settings, weights=weights)
     )(pi_c, pi_r, ref_c, ref_r)
     loss, want = numpy_dpo(pi_c, pi_r, ref_c, ref_r, 0.3, label_smoothing)
     keep = weights > 0
@@ -86,9 +80,8 @@ def test_dpo_loss_and_metrics_equal_numpy(label_smoothing):
         np.testing.assert_allclose(total, values[keep].sum(), rtol=1e-5, atol=1e-5, err_msg=name)
     assert want["rewards/accuracy"][3] == 0.0
     # at z = 0 the loss is log 2 whatever the smoothing; without weights every pair counts
-    zero = losses.dpo_loss(
-        jnp.ones(4), jnp.ones(4), jnp.ones(4), jnp.ones(4), beta=0.1, label_smoothing=label_smoothing
-    )
+    ones = (jnp.ones(4), jnp.ones(4))
+    zero = losses.preference_loss(ones, ones, ones, dataclasses.replace(settings, beta=0.1))
     np.testing.assert_allclose(zero[0], 4 * np.log(2), rtol=1e-6)
     assert zero[1][0] == 4
 
@@ -101,7 +94,7 @@ def test_sequence_logprobs_equal_numpy_log_softmax_gather():
     logits_bad = logits.copy()
     logits_bad[weights == 0] = np.nan  # masked positions contribute exactly 0
     got = losses.sequence_logprobs(losses.logit_stats(logits_bad, targets).logprobs, weights)
-    np.testing.assert_allclose(got, numpy_seq_logps(logits, targets, weights), rtol=1e-5)
+    np.testing.assert_allclose(got, numpy_sequence_logps(logits, targets, weights), rtol=1e-5)
     tok = losses.logit_stats(jnp.asarray(logits, jnp.bfloat16), targets).logprobs
     assert tok.dtype == jnp.float32 and tok.shape == (3, 7)
 
@@ -143,13 +136,8 @@ def test_task_loss_equals_numpy_and_accumulation_is_exact(tmp_path):
         "ref_chosen_logps": refs[0]["ref_chosen_logps"] + noise,
     }
 
-    forward = jax.jit(lambda p, *rows: nnx.merge(run.graphdef, p)(*rows)[0])
-    pi = {}
+    pi = {name: sums for name, (sums, _) in pair_logps_of_model(run, state["params"], batch).items()}
     for name in ("chosen", "rejected"):
-        rows = (batch[f"{name}_{k}"] for k in ("inputs", "inputs_position", "inputs_segmentation"))
-        pi[name] = numpy_seq_logps(
-            forward(state["params"], *rows), batch[f"{name}_targets"], batch[f"{name}_targets_segmentation"] > 0
-        )
         np.testing.assert_allclose(refs[0][f"ref_{name}_logps"], pi[name], rtol=1e-5)  # the reference is the start
     loss, want = numpy_dpo(
         pi["chosen"], pi["rejected"], batch["ref_chosen_logps"], batch["ref_rejected_logps"], 0.5, 0.1

@@ -10,7 +10,7 @@ are the next token; targets_segmentation is 1 only where the target is a complet
 included, so the prompt and the padding carry no loss), plus `num_truncated`, an int32 scalar
 counted like the SFT pipeline's: pairs truncated or dropped while the batch was assembled, a pair
 counted once whichever of its sequences was over-long; with rm_margin_key (mode=rm), `margin`, float32
-[pairs], the record's margin. The records are split into `data_shards`
+[pairs], the record's margin; with dpo_loss_type=kto, `label`, float32 [pairs] (below). The records are split into `data_shards`
 virtual shards (unitrain.data.shards), so the global batches do not depend on the process count.
 
 Records (any format of data/sources.py; errors name file:line), TRL's formats:
@@ -23,6 +23,15 @@ Records (any format of data/sources.py; errors name file:line), TRL's formats:
                    must be one assistant message. Rendered by the tokenizer's chat template, which owns
                    every special token; the prompt is the conversation up to the generation prompt.
   dataset_path=builtin:  the arithmetic task, chosen = the right answer, rejected = a wrong one.
+
+dpo_loss_type=kto reads unpaired records instead (TRL's unpaired preference format):
+{prompt_key: str, completion_key: str, kto_label_key: bool}, or the prompt a message list and the
+completion a list of one assistant message; the built-in task's records alternate a right answer
+(desirable) and a wrong one. A row is still two sequences: chosen_* the record's prompt and
+completion, rejected_* its prompt with the previous record's completion (the first record: the
+last's), the mismatched pair whose log-ratio KTO's reference point averages (TRL's KL dataset pairs
+each prompt with its neighbour's completion the same way); `label` is 1.0 where the record's
+completion is desirable.
 
 Over-long sequences (more than max_target_length tokens): `truncation=truncate` cuts the completion
 on the right (the prompt is kept whole); a pair whose prompt alone fills the row is dropped.
@@ -43,6 +52,7 @@ from unitrain.errors import ConfigError, DataError
 SIDES = ("chosen", "rejected")
 PAIR_FIELDS = tuple(f"{side}_{field}" for side in SIDES for field in BATCH_FIELDS)
 MARGIN = "margin"  # float32 [pairs], with rm_margin_key: the pair's margin in mode=rm's loss
+LABEL = "label"  # float32 [pairs], with dpo_loss_type=kto: 1.0 where the record's completion is desirable
 
 
 # ---------------------------------------------------------------- records
@@ -126,12 +136,67 @@ def _message(m: dict) -> dict:
     return {"role": m["role"], "content": m["content"]}
 
 
+def read_kto_records(spec: str, prompt_key: str, completion_key: str, label_key: str) -> list[dict]:
+    """All unpaired records of the files named by `spec` (file:line on error) as pair records: the
+    record's completion as chosen, the previous record's as rejected (module docstring), its label
+    as `label`."""
+    records = [_normalize_unpaired(row, where, prompt_key, completion_key, label_key) for where, row in iter_rows(spec)]
+    if not records:
+        raise DataError(f"dataset path {spec!r} holds no records")
+    if len({"prompt" in r for r in records}) > 1:
+        raise DataError(f"{spec}: KTO records must be all plain texts or all messages, not a mix")
+    kl_side = "rejected" if "prompt" in records[0] else "rejected_message"
+    own = kl_side.replace("rejected", "chosen")
+    return [{**r, kl_side: previous[own]} for r, previous in zip(records, records[-1:] + records[:-1])]
+
+
+def _normalize_unpaired(row, where: str, prompt_key: str, completion_key: str, label_key: str) -> dict:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
+    label = row.get(label_key)
+    if not isinstance(label, bool):
+        raise DataError(
+            f"{where}: a KTO record needs the boolean field {label_key!r} (is the completion desirable?), "
+            f"got {label!r}; set kto_label_key"
+        )
+    prompt, completion = row.get(prompt_key), row.get(completion_key)
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return {"prompt": prompt, "chosen": completion, LABEL: label}
+    if _is_messages(prompt) and _is_messages(completion) and [m["role"] for m in completion] == ["assistant"]:
+        return {
+            "prompt_messages": [_message(m) for m in prompt],
+            "chosen_message": _message(completion[0]),
+            LABEL: label,
+        }
+    raise DataError(
+        f"{where}: fields {prompt_key!r} and {completion_key!r} must be strings, or a list of {{role, content}} "
+        "messages and a list of one assistant message"
+    )
+
+
 def builtin_pair(index: int, split: str, digits: int, ops: str) -> dict:
     """Problem `index` of the built-in task as a pair: the right answer and a wrong one near it."""
     prompt, answer = builtin_problem(index, split, digits, ops)
     rng = np.random.default_rng([SPLITS[split], index, 1 << 20])
     wrong = int(answer) + int(rng.integers(1, 10)) * (1 if rng.integers(0, 2) else -1)
     return {"prompt": prompt, "chosen": answer, "rejected": str(wrong)}
+
+
+def builtin_unpaired(index: int, split: str, digits: int, ops: str) -> dict:
+    """Problem `index` of the built-in task as a KTO record (read_kto_records' form): the right answer
+    (desirable) at an even index, a wrong one at an odd index; rejected: the previous problem's."""
+
+    def completion(i: int) -> str:
+        pair = builtin_pair(i, split, digits, ops)
+        return pair["chosen"] if i % 2 == 0 else pair["rejected"]
+
+    prompt = builtin_pair(index, split, digits, ops)["prompt"]
+    return {
+        "prompt": prompt,
+        "chosen": completion(index),
+        "rejected": completion((index - 1) % NUM_PROBLEMS),
+        LABEL: index % 2 == 0,
+    }
 
 
 def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
@@ -142,16 +207,18 @@ def _records(cfg, tokenizer, split: str, path: str) -> grain.MapDataset:
                 f"max_target_length={cfg.max_target_length} is too short for the built-in task with "
                 f"builtin_task_digits={digits}; it needs {max_builtin_length(digits)}"
             )
-        return grain.MapDataset.range(NUM_PROBLEMS).map(
-            lambda i: builtin_pair(int(i), split, digits, cfg.builtin_task_ops)
-        )
+        record = builtin_unpaired if kto(cfg) else builtin_pair
+        return grain.MapDataset.range(NUM_PROBLEMS).map(lambda i: record(int(i), split, digits, cfg.builtin_task_ops))
     if path == "synthetic":
         key = "dataset_path" if split == "train" else "eval_dataset_path"
         raise ConfigError(
             f"{key}=synthetic has no preference pairs; use builtin or data files with "
             "prompt_key, chosen_key and rejected_key"
         )
-    records = read_preference_records(path, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, cfg.rm_margin_key)
+    if kto(cfg):
+        records = read_kto_records(path, cfg.prompt_key, cfg.completion_key, cfg.kto_label_key)
+    else:
+        records = read_preference_records(path, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, cfg.rm_margin_key)
     if not tokenizer.has_chat_template and any("prompt_messages" in r for r in records):
         tokenizer.apply_chat_template([])  # raises the ConfigError naming tokenizer_path
     return grain.MapDataset.source(records)
@@ -208,11 +275,20 @@ def pair_fn(tokenizer, max_len: int, truncation: str, bos: list[int]):
         rows = {
             f"{side}_{k}": v for side, e in zip(SIDES, examples) for k, v in _row(e, max_len, tokenizer.pad_id).items()
         }
-        if "margin" in record:
-            rows[MARGIN] = np.float32(record["margin"])
+        rows.update({k: np.float32(record[k]) for k in (MARGIN, LABEL) if k in record})
         return {**rows, "num_truncated": truncated}
 
     return to_pair
+
+
+def kto(cfg) -> bool:
+    """Whether the data are KTO's unpaired records (mode=dpo's dpo_loss_type=kto)."""
+    return cfg.mode == "dpo" and cfg.dpo_loss_type == "kto"
+
+
+def per_pair_fields(cfg) -> tuple[str, ...]:
+    """The float32 [pairs] fields a batch carries beside PAIR_FIELDS."""
+    return ((MARGIN,) if cfg.rm_margin_key else ()) + ((LABEL,) if kto(cfg) else ())
 
 
 def _kept(element: dict) -> bool:
@@ -279,7 +355,7 @@ def eval_pair_batches(cfg, tokenizer, rows: int, max_batches: int) -> list[dict]
     path = split_path(cfg, "eval")
     records = _records(cfg, tokenizer, "eval", path)
     to_pair = pair_fn(tokenizer, cfg.max_target_length, cfg.truncation, _plain_bos(cfg, tokenizer))
-    fields = PAIR_FIELDS + ((MARGIN,) if cfg.rm_margin_key else ())
+    fields = PAIR_FIELDS + per_pair_fields(cfg)
     pairs = []
     for i in range(len(records)):
         if len(pairs) == rows * max_batches:
