@@ -240,7 +240,7 @@ def score_batches(lengths: list[int], max_length: int, batch_size: int, multiple
 
 def _tokenizer_source(cfg) -> tuple[str, str]:
     """(tokenizer path, chat template file) of the reward model: reward_model_tokenizer_path, else
-    the HF folder's own, else the tokenizer the unitrain run that saved the checkpoint recorded."""
+    its checkpoint's (recorded_tokenizer)."""
     path, own = cfg.reward_model_path, cfg.reward_model_tokenizer_path
     if not os.path.isdir(path):
         raise ConfigError(
@@ -250,6 +250,17 @@ def _tokenizer_source(cfg) -> tuple[str, str]:
         if not os.path.exists(own):
             raise ConfigError(f"reward_model_tokenizer_path={own!r} does not exist")
         return own, ""
+    if found := recorded_tokenizer(path):
+        return found
+    raise ConfigError(
+        f"reward_model_path={path!r} holds neither an HF tokenizer nor a unitrain run's config.yml; "
+        "set reward_model_tokenizer_path"
+    )
+
+
+def recorded_tokenizer(path: str) -> tuple[str, str] | None:
+    """(tokenizer path, chat template file) of the checkpoint at `path`: the HF folder's own, else
+    the tokenizer the unitrain run that saved it recorded; None where it holds neither."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path, ""
     for run_config in (os.path.join(path, *[os.pardir] * up, "config.yml") for up in range(3)):
@@ -257,10 +268,7 @@ def _tokenizer_source(cfg) -> tuple[str, str]:
             with open(run_config, encoding="utf-8") as f:
                 recorded = yaml.safe_load(f) or {}
             return recorded.get("tokenizer_path", ""), recorded.get("chat_template_file", "")
-    raise ConfigError(
-        f"reward_model_path={path!r} holds neither an HF tokenizer nor a unitrain run's config.yml; "
-        "set reward_model_tokenizer_path"
-    )
+    return None
 
 
 def parameter_count(path: str) -> int:
