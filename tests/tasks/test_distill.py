@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import GRPO_FAST, REPO, grpo_config, grpo_rows, log_softmax, make_cfg, make_step, torch_logits
-from unitrain import losses, train
+from unitrain import losses, reward_model, train
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 
@@ -167,6 +167,16 @@ def test_a_teacher_of_another_vocabulary_is_one_line(tiny_checkpoint, tmp_path, 
 def test_a_teacher_path_that_does_not_exist_is_one_line(tmp_path, capsys):
     err = main_error(tmp_path, capsys, f"teacher_path={tmp_path / 'no_teacher'}")
     assert f"teacher_path='{tmp_path / 'no_teacher'}' does not exist" in err
+
+
+def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teachers, tmp_path, capsys, monkeypatch):
+    def small_devices(devices, host_offload):
+        return (10**12, "the host") if host_offload else (1000, "a fake device limit")
+
+    monkeypatch.setattr(reward_model, "available_bytes", small_devices)
+    err = main_error(tmp_path, capsys, f"teacher_path={builtin_teachers[0]}")
+    assert f"teacher_path='{builtin_teachers[0]}': the model's" in err
+    assert "more than a fake device limit" in err and "set teacher_host_offload=true" in err
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,9 @@ pass (tasks/rl.py rollout_logprobs: the same program, the same bounded chunks of
 A teacher is any checkpoint a load_parameters_path takes (an HF folder, a unitrain run, its
 checkpoints or a step directory; any model source, MoE included), built once on the trainer's mesh
 with its own architecture, and kept in pinned host memory between passes with
-teacher_host_offload. It scores the student's token ids, so it must share the student's tokenizer
-(checked before it loads) and have room for every id the student can sample (checked after).
+teacher_host_offload, refused before the load where its parameters cannot fit (as the reward
+model is). It scores the student's token ids, so it must share the student's tokenizer (checked
+before it loads) and have room for every id the student can sample (checked after).
 
 The distillation term (`distill`): per sampled token the reverse KL to the teachers,
 KL_t = sum_i w_i (logp(x_t) - logp_i(x_t)) at the sampled x_t under the old policy, joins the
@@ -31,7 +32,7 @@ from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.models import sources
 from unitrain.models.base import SharedPrefixModel
-from unitrain.reward_model import recorded_tokenizer
+from unitrain.reward_model import check_fits, recorded_tokenizer
 
 log = logging.getLogger("unitrain")
 
@@ -50,6 +51,7 @@ class Teacher:
     def __init__(self, run, path: str, key: str, weight: float):
         cfg = run.cfg
         check_vocabulary(run, path)
+        check_fits(cfg, run.mesh, run.rules, path, "teacher_path", "teacher_host_offload")
         model = sources.build(cfg.replace(load_parameters_path=path), run.mesh)
         if model.vocab_size < run.model.vocab_size:
             raise ConfigError(
