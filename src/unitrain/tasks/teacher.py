@@ -75,6 +75,8 @@ class Teacher:
 def load_teachers(run) -> list[Teacher]:
     """The config's teachers, loaded once ([] without teacher_path)."""
     paths = teacher_paths(run.cfg.teacher_path)
+    if not paths:
+        return []
     weights = run.cfg.teacher_weights or [1.0 / len(paths)] * len(paths)
     return [Teacher(run, p, f"teacher_logprobs_{i}", float(w)) for i, (p, w) in enumerate(zip(paths, weights))]
 
