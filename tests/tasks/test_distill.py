@@ -147,6 +147,25 @@ def test_a_grpo_run_distils_from_a_teacher_with_and_without_the_outcome_reward(b
     assert abs(pure["grad_norm"] - with_reward["grad_norm"]) > 1e-3 * pure["grad_norm"]
 
 
+def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tmp_path):
+    """plugin_verifier's episodes (an answer, the feedback, another answer): the teacher scores the
+    trajectory's rows as any others; the loss, all distillation, is the logged KL of the sampled tokens."""
+    argv = run_argv(
+        tmp_path,
+        "steps=1",
+        "workflow=plugin_verifier:Verifier",
+        "max_turns=2",
+        f"teacher_path={builtin_teachers[0]}",
+        "distill_coef=1.0",
+        "distill_reward_weight=0.0",
+    )
+    assert train.main(argv) == 0
+    (line,) = [json.loads(l) for l in open(tmp_path / "default" / "metrics.jsonl") if '"loss"' in l]
+    assert line["response_length_mean"] > 6  # two answers and the feedback between them
+    assert math.isfinite(line["distill/teacher_kl"]) and line["distill/teacher_kl"] > 0.5
+    assert line["loss"] == pytest.approx(line["distill/teacher_kl"], rel=1e-4)
+
+
 # ---------------------------------------------------------------- bad input
 
 
