@@ -145,6 +145,24 @@ def test_a_grpo_run_distils_from_a_teacher_with_and_without_the_outcome_reward(b
     pure, with_reward = runs["pure"][0], runs["with_reward"][0]
     assert pure["distill/teacher_kl"] == with_reward["distill/teacher_kl"] and with_reward["reward_std"] > 0
     assert abs(pure["grad_norm"] - with_reward["grad_norm"]) > 1e-3 * pure["grad_norm"]
+    # Two teachers, the second a unitrain run (the student 2 steps on, with the built-in tokenizer its
+    # config.yml records): the first step's rollouts are the same, so its KL is half the HF
+    # teacher's plus half that to the run's, which is close to the student it started from (measured:
+    # 1.262 against 0.5 * 2.390).
+    argv = run_argv(
+        tmp_path,
+        "run_name=two",
+        "steps=1",
+        f"teacher_path={builtin_teachers[0]},{tmp_path / 'pure'}",
+        "teacher_weights=[0.5, 0.5]",
+        "distill_coef=1.0",
+        "reward=format",
+        "format_reward_pattern=[a-z]",
+    )
+    assert train.main(argv) == 0
+    (two,) = [json.loads(l) for l in open(tmp_path / "two" / "metrics.jsonl") if '"loss"' in l]
+    assert two["distill/teacher_kl"] == pytest.approx(0.5 * pure["distill/teacher_kl"], abs=0.1)
+    assert two["distill/teacher_kl"] != pytest.approx(0.5 * pure["distill/teacher_kl"], abs=1e-4)
 
 
 def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tmp_path):
