@@ -165,9 +165,10 @@ def test_a_grpo_run_distils_from_a_teacher_with_and_without_the_outcome_reward(b
     assert two["distill/teacher_kl"] != pytest.approx(0.5 * pure["distill/teacher_kl"], abs=1e-4)
 
 
-def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tmp_path):
+def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tmp_path, capsys):
     """plugin_verifier's episodes (an answer, the feedback, another answer): the teacher scores the
-    trajectory's rows as any others; the loss, all distillation, is the logged KL of the sampled tokens."""
+    trajectory's rows as any others; the loss, all distillation, is the logged KL of the sampled
+    tokens, and the step learns though no reward spreads (the untrained model never answers right)."""
     argv = run_argv(
         tmp_path,
         "steps=1",
@@ -182,6 +183,7 @@ def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tm
     assert line["response_length_mean"] > 6  # two answers and the feedback between them
     assert math.isfinite(line["distill/teacher_kl"]) and line["distill/teacher_kl"] > 0.5
     assert line["loss"] == pytest.approx(line["distill/teacher_kl"], rel=1e-4)
+    assert line["zero_std_group_fraction"] == 1.0 and "trained on nothing" not in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- bad input
