@@ -221,7 +221,8 @@ def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teach
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"mode": "grpo", "distill_coef": "1.0"}, "distill_coef > 0 distils from a teacher: set teacher_path"),
+        ({"mode": "grpo", "distill_coef": "1.0"}, "weigh a teacher's KL and the reward: set teacher_path"),
+        ({"mode": "grpo", "distill_reward_weight": "0"}, "weigh a teacher's KL and the reward: set teacher_path"),
         ({"mode": "grpo", "teacher_path": "/t"}, "teacher_path is set but distill_coef is 0"),
         ({"mode": "sft", "teacher_path": "/t", "distill_coef": "1"}, "part of the RL step (mode grpo or ppo), not mode sft"),
         (

@@ -116,13 +116,13 @@ def distill(teachers: list[Teacher], cfg, advantages: np.ndarray, batch: dict) -
     return np.asarray(out), {"distill/teacher_kl": float(np.asarray(kl).sum() / max(mask.sum(), 1))}
 
 
-@check("teacher_path", "distill_coef", "mode")
+@check("teacher_path", "distill_coef", "distill_reward_weight", "mode")
 def _distillation(c) -> str | None:
     named = bool(teacher_paths(c["teacher_path"]))
-    if not named and c["distill_coef"] == 0:
+    if not named and c["distill_coef"] == 0 and c["distill_reward_weight"] == 1:
         return None
     if not named:
-        return "distill_coef > 0 distils from a teacher: set teacher_path"
+        return "distill_coef and distill_reward_weight weigh a teacher's KL and the reward: set teacher_path"
     if c["distill_coef"] == 0:
         return "teacher_path is set but distill_coef is 0, so the teacher would score for nothing: set distill_coef > 0"
     if c["mode"] not in ("grpo", "ppo"):
