@@ -14,6 +14,7 @@ from helpers import GRPO_FAST, REPO, grpo_config, grpo_rows, log_softmax, make_c
 from unitrain import losses, reward_model, train
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
+from unitrain.tasks.teacher import distill
 
 # float32 on both sides (measured: at most 5e-6 on logprobs down to -12); the student's own
 # logprobs of the same tokens are 2 to 6 away.
@@ -88,6 +89,21 @@ def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers
         for i, path in enumerate(builtin_teachers):
             expected = torch_token_logprobs(path, row, P)
             np.testing.assert_allclose(out[f"teacher_logprobs_{i}"][r, :length], expected, atol=TOL, rtol=0)
+    # The step's term on these rows: the weighted KL on the sampled tokens alone (not the
+    # environment's, not the padding), the row's outcome advantage beside it.
+    outcome = np.linspace(-1, 1, 16).astype(np.float32)
+    got, metrics = distill(task.teachers, cfg, outcome, {**batch, **out})
+    want, kl = numpy_distill(
+        outcome,
+        out["old_logprobs"],
+        [out["teacher_logprobs_0"], out["teacher_logprobs_1"]],
+        [0.75, 0.25],
+        batch["loss_mask"],
+        1.0,
+        1.0,
+    )
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert metrics["distill/teacher_kl"] == pytest.approx(kl.sum() / batch["loss_mask"].sum(), rel=1e-5)
 
 
 def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight):
@@ -224,7 +240,10 @@ def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teach
         ({"mode": "grpo", "distill_coef": "1.0"}, "weigh a teacher's KL and the reward: set teacher_path"),
         ({"mode": "grpo", "distill_reward_weight": "0"}, "weigh a teacher's KL and the reward: set teacher_path"),
         ({"mode": "grpo", "teacher_path": "/t"}, "teacher_path is set but distill_coef is 0"),
-        ({"mode": "sft", "teacher_path": "/t", "distill_coef": "1"}, "part of the RL step (mode grpo or ppo), not mode sft"),
+        (
+            {"mode": "sft", "teacher_path": "/t", "distill_coef": "1"},
+            "part of the RL step (mode grpo or ppo), not mode sft",
+        ),
         (
             {"mode": "grpo", "teacher_path": "/a,/b", "distill_coef": "1", "teacher_weights": "[1.0]"},
             "teacher_weights has 1 weights but teacher_path names 2 teachers",
