@@ -181,12 +181,15 @@ def test_a_grpo_run_distils_from_a_teacher_with_and_without_the_outcome_reward(b
     assert two["distill/teacher_kl"] != pytest.approx(0.5 * pure["distill/teacher_kl"], abs=1e-4)
 
 
-def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["grpo", "ppo"])
+def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tmp_path, capsys, mode):
     """plugin_verifier's episodes (an answer, the feedback, another answer): the teacher scores the
     trajectory's rows as any others; the loss, all distillation, is the logged KL of the sampled
-    tokens, and the step learns though no reward spreads (the untrained model never answers right)."""
+    tokens, and the step learns though no reward spreads (the untrained model never answers right).
+    PPO's GAE advantages give way to the KL term as GRPO's do."""
     argv = run_argv(
         tmp_path,
+        f"mode={mode}",
         "steps=1",
         "workflow=plugin_verifier:Verifier",
         "max_turns=2",
