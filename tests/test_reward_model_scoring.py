@@ -307,7 +307,8 @@ def test_a_reward_model_larger_than_memory_is_one_line_unless_offloaded(tiny_che
     assert f"{count / 1e6:.1f}M parameters need {per_device / 2**30:.2f} GiB per device" in err
     assert "more than a fake device limit" in err and "reward_model_host_offload=true" in err
     assert seen == [(8, False)]
-    reward_model.check_fits(rm_cfg(path, reward_model_host_offload="true"), run_mesh(), rules())  # fits the host
+    fitting = rm_cfg(path, reward_model_host_offload="true")
+    reward_model.check_fits(fitting, run_mesh(), rules(), path, "reward_model_path", "reward_model_host_offload")
 
 
 def test_parameter_count_reads_the_headers(tiny_checkpoint):

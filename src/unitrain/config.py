@@ -263,6 +263,14 @@ RULES: dict[str, Rule] = {
     "overlong_buffer_len": Rule(lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0 = off)"),
     "overlong_penalty_factor": POSITIVE,
     "kl_coef": NON_NEGATIVE,
+    "teacher_weights": optional(
+        Rule(
+            lambda v: isinstance(v, list) and len(v) > 0 and all(_is_num(w) and 0 <= w < math.inf for w in v),
+            "a non-empty list of finite numbers >= 0",
+        )
+    ),
+    "distill_coef": NON_NEGATIVE,
+    "distill_reward_weight": NON_NEGATIVE,
     "kl_type": choices(*KL_TYPES),
     "entropy_coef": NON_NEGATIVE,
     "num_iterations": POSITIVE_INT,

@@ -512,6 +512,19 @@ def token_rewards(rewards, mask, kl=None, kl_coef: float = 0.0):
     return out
 
 
+def distill_advantages(advantages, logprobs, teacher_logprobs, weights, mask, coef: float, reward_weight: float):
+    """On-policy distillation's per-token advantages (verl's OPD; Thinking Machines' "On-Policy
+    Distillation", 2025): (reward_weight * advantages - coef * KL, KL), both [B, T] float32 and 0
+    off `mask`. `advantages` are the estimator's, [B] (one a row, on each of its tokens) or [B, T];
+    KL_t = sum_i weights[i] * (logprobs - teacher_logprobs[i]) at the sampled token (kl_penalty k1:
+    the single-sample estimate of the reverse KL(student || teacher_i) at t, [B, T] each)."""
+    m = jnp.asarray(mask) > 0
+    kl = sum(w * kl_penalty(logprobs, t, "k1") for w, t in zip(weights, teacher_logprobs))
+    outcome = jnp.asarray(advantages, jnp.float32)
+    outcome = outcome[:, None] if outcome.ndim == 1 else outcome
+    return jnp.where(m, reward_weight * outcome - coef * kl, 0.0), jnp.where(m, kl, 0.0)
+
+
 def gae(rewards, values, mask, gamma: float, lam: float):
     """Generalized advantage estimation (Schulman et al. 2016) over the sampled tokens of each row.
 

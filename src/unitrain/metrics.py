@@ -118,8 +118,10 @@ class MetricsWriter:
         values = {metric_name(k): np.asarray(v).item() for k, v in scalars.items()}
         self._interval.add(values)
         self._peak = values.get("peak_flops_per_device", self._peak)
-        if "zero_std_group_fraction" in values:  # GRPO: 1.0 = every advantage 0, nothing learnt
-            self._flat = (self._flat[0] + 1, self._flat[1] + (values["zero_std_group_fraction"] == 1.0))
+        if "zero_std_group_fraction" in values:  # GRPO: 1.0 = every advantage 0, nothing learnt...
+            # ...unless a teacher's per-token KL is in them (distillation)
+            flat = values["zero_std_group_fraction"] == 1.0 and "distill/teacher_kl" not in values
+            self._flat = (self._flat[0] + 1, self._flat[1] + flat)
         try:
             self._file.write(json.dumps({"step": step, **values}) + "\n")
             self._file.flush()  # a killed run keeps every line written so far

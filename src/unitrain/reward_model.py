@@ -91,7 +91,7 @@ class RewardModelScorer:
             log.info(
                 "reward model: its tokenizer has no chat template; it scores the prompt text + the completion + EOS"
             )
-        check_fits(cfg, mesh, rules)
+        check_fits(cfg, mesh, rules, cfg.reward_model_path, "reward_model_path", "reward_model_host_offload")
         model = build_scalar_model(cfg, mesh, cfg.reward_model_path, require_classifier=True)
         graphdef, params = nnx.split(model)
         params = nnx.to_pure_dict(params)
@@ -240,7 +240,7 @@ def score_batches(lengths: list[int], max_length: int, batch_size: int, multiple
 
 def _tokenizer_source(cfg) -> tuple[str, str]:
     """(tokenizer path, chat template file) of the reward model: reward_model_tokenizer_path, else
-    the HF folder's own, else the tokenizer the unitrain run that saved the checkpoint recorded."""
+    its checkpoint's (recorded_tokenizer)."""
     path, own = cfg.reward_model_path, cfg.reward_model_tokenizer_path
     if not os.path.isdir(path):
         raise ConfigError(
@@ -250,6 +250,17 @@ def _tokenizer_source(cfg) -> tuple[str, str]:
         if not os.path.exists(own):
             raise ConfigError(f"reward_model_tokenizer_path={own!r} does not exist")
         return own, ""
+    if found := recorded_tokenizer(path):
+        return found
+    raise ConfigError(
+        f"reward_model_path={path!r} holds neither an HF tokenizer nor a unitrain run's config.yml; "
+        "set reward_model_tokenizer_path"
+    )
+
+
+def recorded_tokenizer(path: str) -> tuple[str, str] | None:
+    """(tokenizer path, chat template file) of the checkpoint at `path`: the HF folder's own, else
+    the tokenizer the unitrain run that saved it recorded; None where it holds neither."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path, ""
     for run_config in (os.path.join(path, *[os.pardir] * up, "config.yml") for up in range(3)):
@@ -257,10 +268,7 @@ def _tokenizer_source(cfg) -> tuple[str, str]:
             with open(run_config, encoding="utf-8") as f:
                 recorded = yaml.safe_load(f) or {}
             return recorded.get("tokenizer_path", ""), recorded.get("chat_template_file", "")
-    raise ConfigError(
-        f"reward_model_path={path!r} holds neither an HF tokenizer nor a unitrain run's config.yml; "
-        "set reward_model_tokenizer_path"
-    )
+    return None
 
 
 def parameter_count(path: str) -> int:
@@ -311,20 +319,22 @@ def _host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(cfg, mesh, rules) -> None:
-    """A ConfigError before the load when one device's share of the reward model's parameters (in
-    weight_dtype) exceeds what available_bytes says it has: with reward_model_host_offload off, the
-    device's free memory (the policy and its optimizer state already placed); on, the host's."""
-    count = parameter_count(cfg.reward_model_path)
+def check_fits(cfg, mesh, rules, path: str, key: str, offload_key: str) -> None:
+    """A ConfigError before the load when one device's share of the parameters of the model at `path`
+    (config key `key`: a reward model, a teacher) in weight_dtype exceeds what available_bytes says
+    it has: with cfg[offload_key] off, the device's free memory (the policy and its optimizer state
+    already placed); on, the host's."""
+    offload = cfg[offload_key]
+    count = parameter_count(path)
     per_device = count * jnp.dtype(cfg.weight_dtype).itemsize / weight_shards(mesh, rules)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    have, what = available_bytes(local, cfg.reward_model_host_offload)
+    have, what = available_bytes(local, offload)
     if per_device > have:
-        hint = "" if cfg.reward_model_host_offload else "set reward_model_host_offload=true, "
+        hint = "" if offload else f"set {offload_key}=true, "
         raise ConfigError(
-            f"reward_model_path={cfg.reward_model_path!r}: the reward model's {count / 1e6:.1f}M parameters need "
+            f"{key}={path!r}: the model's {count / 1e6:.1f}M parameters need "
             f"{per_device / 2**30:.2f} GiB per device in {cfg.weight_dtype}, more than {what}: "
-            f"{have / 2**30:.2f} GiB; {hint}shard it over more devices (fsdp/tensor) or use a smaller reward model"
+            f"{have / 2**30:.2f} GiB; {hint}shard it over more devices (fsdp/tensor) or use a smaller model"
         )
 
 

@@ -71,6 +71,12 @@ class Tokenizer:
             return self._spm.decode(ids)
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def vocabulary(self) -> dict[str, int]:
+        """token -> id, added tokens included: two tokenizers equal here give every id one meaning."""
+        if self._spm is not None:
+            return {self._spm.id_to_piece(i): i for i in range(self.vocab_size)}
+        return self._hf.get_vocab()
+
     @property
     def has_chat_template(self) -> bool:
         return self._hf is not None and bool(getattr(self._hf, "chat_template", None))

@@ -14,14 +14,16 @@ as named stages (`RLTask.step`):
      devices once a step, each program's others (loss mask, advantages, logprobs...) when it runs;
   3. passes: what the updates read of the models before they change them, in one program per chunk of
      rows: the sampled tokens' logprobs under the trainer's forward (the PPO "old" policy), with a
-     KL term the reference's (tasks/reference.py), and each extra learner's (PPO's critic values).
-     With one optimizer update per step (one mini-batch, num_iterations 1) and no KL in the reward,
-     the old policy is the one being updated: the loss takes its own logprobs under stop_gradient
-     and the old pass is skipped;
+     KL term the reference's (tasks/reference.py), with teacher_path each teacher's
+     (tasks/teacher.py), and each extra learner's (PPO's critic values). With one optimizer update
+     per step (one mini-batch, num_iterations 1), no KL in the reward and no teacher, the old policy
+     is the one being updated: the loss takes its own logprobs under stop_gradient and the old pass
+     is skipped;
   4. estimator: advantages from the rewards (advantages.py: the mode's estimator, a registry entry
      or a plugin; with use_kl_in_reward less the KL to the reference), per token with a turn_discount
-     below 1; then the row filters take rows out of the loss (rollout/shaping.py: DAPO's overlong filter;
-     after the advantages, so cut rows still count in their group's baseline);
+     below 1 or with teachers (less distill_coef times each sampled token's reverse KL to them:
+     on-policy distillation); then the row filters take rows out of the loss (rollout/shaping.py:
+     DAPO's overlong filter; after the advantages, so cut rows still count in their group's baseline);
   5. learners: the extra learners' updates (PPO's critic), then the policy's: `num_iterations` passes
      over the rows in mini-batches, one optimizer update each, of the PPO or GSPO loss
      (`policy_loss`), with rollout_is weighted against the sampler's logprobs.
@@ -86,6 +88,7 @@ from unitrain.rollout.groups import make_filter
 from unitrain.rollout.shaping import reward_shapers, row_filters
 from unitrain.tasks.base import RunContext, Task
 from unitrain.tasks.reference import Reference
+from unitrain.tasks.teacher import distill, load_teachers
 
 log = logging.getLogger("unitrain")
 
@@ -95,21 +98,29 @@ FIXED_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "ro
 
 
 def token_stats(
-    graphdef, temperature: float, chunk_size: int, params, batch, with_entropy: bool = False, group_rows: int = 1
+    graphdef,
+    temperature: float,
+    chunk_size: int,
+    params,
+    batch,
+    with_entropy: bool = False,
+    group_rows: int = 1,
+    replay: bool = True,
 ):
     """losses.TokenStats of the completion tokens at the sampling temperature, float32 [rows, C].
     group_rows > 1: the rows come in runs of that many copies of one prompt, whose prompt columns
-    the model computes once per run (`hidden_states_shared_prefix`). Packed rows (P = 0): every column's."""
+    the model computes once per run (`hidden_states_shared_prefix`). Packed rows (P = 0): every column's.
+    `replay`: route by the batch's recorded routes, if any (not a teacher: its experts are its own)."""
     model = nnx.merge(graphdef, params)
     rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     C = batch["targets"].shape[1]
     P = rows[0].shape[1] - C
     # Routing replay: the recorded routes as a keyword, so that a model without experts never sees one.
-    replay = {"routes": batch["routes"]} if "routes" in batch else {}
+    routes = {"routes": batch["routes"]} if replay and "routes" in batch else {}
     if group_rows > 1:
-        hidden = model.hidden_states_shared_prefix(*rows, P, group_rows, **replay)
+        hidden = model.hidden_states_shared_prefix(*rows, P, group_rows, **routes)
     else:
-        hidden = model.hidden_states(*rows, **replay)
+        hidden = model.hidden_states(*rows, **routes)
     hidden = hidden[:, P - 1 : P - 1 + C] if P else hidden
     return losses.token_stats(model.logits, hidden, batch["targets"], chunk_size, temperature, with_entropy)
 
@@ -126,18 +137,19 @@ def shared_prompt_rows(cfg, rows_per_update: int, model, devices: int) -> dict:
     return {"logprobs": n if fits(rows, n) else 1, "update": n // k if n % k == 0 and fits(rows // k, n // k) else 1}
 
 
-def rollout_logprobs(stats, with_old: bool, ref_device, params, ref_params, batch) -> dict:
-    """The logprobs the update takes as inputs, in one program: the old policy's (`with_old`) and the
-    reference's (`ref_device`: its shardings in device memory, None without a KL term; it may be
-    kept in host memory, so it is brought over here)."""
+def rollout_logprobs(stats, with_old: bool, scorers: tuple, params, frozen_params: tuple, batch) -> dict:
+    """The logprobs the step takes of the rollout rows, in one program: the old policy's (`with_old`)
+    and each frozen scorer's, the reference's (a KL term) and the teachers' (distillation):
+    `scorers` (batch key, token_stats of its model, its parameters' shardings in device memory), one
+    for each of `frozen_params`, which may be kept in host memory, so they are brought over here."""
     out = {}
     if with_old:
         with moe.collect_router_stats() as collected:
             out["old_logprobs"] = stats(params, batch).logprobs
         if "routes" in batch:
             out["replay_changed"] = replay_changed(collected[-1], batch["targets"].shape)
-    if ref_device is not None:
-        out["ref_logprobs"] = stats(jax.device_put(ref_params, ref_device), batch).logprobs
+    for (key, frozen_stats, device), frozen in zip(scorers, frozen_params):
+        out[key] = frozen_stats(jax.device_put(frozen, device), batch).logprobs
     return out
 
 
@@ -282,8 +294,12 @@ class RLTask(Task):
             if max(self.group_rows.values()) > 1:
                 log.info("rl_packing: packed rows hold no whole groups, so each sequence computes its own prompt")
             self.group_rows = {"logprobs": 1, "update": 1}
-        # Replay measures the routes the trainer would change in the old policy's pass.
-        self.separate_old = run.layout.updates_per_step > 1 or cfg.use_kl_in_reward or self.replay
+        self.teachers = load_teachers(run)
+        # Replay measures the routes the trainer would change in the old policy's pass; distillation's
+        # advantages take the old policy's logprobs.
+        self.separate_old = (
+            run.layout.updates_per_step > 1 or cfg.use_kl_in_reward or self.replay or bool(self.teachers)
+        )
         log.info(
             "GRPO passes: old-policy logprobs %s; a group's prompt computed once per %d rows in the "
             "logprob pass and per %d in the update (1: each row its own)",
@@ -296,8 +312,9 @@ class RLTask(Task):
         self.logprob_fn = None
         if self.separate_old or self.reference is not None:
             stats = functools.partial(self.stats, group_rows=self.group_rows["logprobs"])
-            ref_device = None if self.reference is None else self.reference.device
-            self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, stats, self.separate_old, ref_device))
+            scorers = [("ref_logprobs", stats, self.reference.device)] if self.reference is not None else []
+            scorers += [(t.key, self.teacher_stats(t), t.device) for t in self.teachers]
+            self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, stats, self.separate_old, tuple(scorers)))
         self.policy_loss_config = losses.PolicyLossConfig.from_config(cfg)
         self.update_fn = step_lib.make_train_step(
             self.loss,
@@ -363,7 +380,19 @@ class RLTask(Task):
 
     def per_token_advantages(self) -> bool:
         """Whether the advantages are [rows, C] (else [rows], one per completion)."""
-        return self.cfg.turn_discount < 1
+        return self.cfg.turn_discount < 1 or bool(self.teachers)
+
+    def teacher_stats(self, teacher):
+        """token_stats of the teacher's model, at the student's temperature, routed by its own experts."""
+        group_rows = self.group_rows["logprobs"] if teacher.shares_prefix else 1
+        return functools.partial(
+            token_stats,
+            teacher.graphdef,
+            self.cfg.rollout_temperature,
+            self.cfg.logits_chunk_size,
+            group_rows=group_rows,
+            replay=False,
+        )
 
     def evaluate(self, params, step):
         if not self.evaluator:
@@ -507,15 +536,19 @@ class RLTask(Task):
                 cfg=cfg,
             )
         )
-        if arrays["advantages"].ndim == 1 and self.per_token_advantages():
+        if arrays["advantages"].ndim == 1 and cfg.turn_discount < 1:
             columns = batch["targets"].shape[1]
             arrays["advantages"] = arrays["advantages"][:, None] * turn_discounts(groups, columns, cfg.turn_discount)
+        if self.teachers:
+            arrays["advantages"], distill_metrics = distill(self.teachers, cfg, arrays["advantages"], batch)
+            metrics = {**metrics, **distill_metrics}
         return arrays, metrics
 
     def logprobs(self, params, rows: StepRows | dict) -> dict:
         """rollout_logprobs over the rollout rows, in update-sized chunks (one compiled shape)."""
-        ref_params = None if self.reference is None else self.reference.of(params)
-        return self.row_pass("logprobs", self.logprob_fn, params, ref_params, self.step_rows(rows))
+        frozen = [self.reference.of(params)] if self.reference is not None else []
+        frozen += [t.params for t in self.teachers]
+        return self.row_pass("logprobs", self.logprob_fn, params, tuple(frozen), self.step_rows(rows))
 
     def row_pass(self, name: str, fn, *args_and_rows) -> dict:
         """fn(*args, chunk) -> {name: [rows, C]} over the step's chunks, gathered on the host in the

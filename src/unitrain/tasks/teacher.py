@@ -1,0 +1,142 @@
+"""The teachers of on-policy distillation (`teacher_path`, grpo and ppo): frozen models that score
+the student's sampled tokens beside the reference (tasks/reference.py), in the RL step's logprob
+pass (tasks/rl.py rollout_logprobs: the same program, the same bounded chunks of the output head).
+
+A teacher is any checkpoint a load_parameters_path takes (an HF folder, a unitrain run, its
+checkpoints or a step directory; any model source, MoE included), built once on the trainer's mesh
+with its own architecture, and kept in pinned host memory between passes with
+teacher_host_offload, refused before the load where its parameters cannot fit (as the reward
+model is). It scores the student's token ids, so it must share the student's tokenizer (checked
+before it loads) and have room for every id the student can sample (checked after).
+
+The distillation term (`distill`): per sampled token the reverse KL to the teachers,
+KL_t = sum_i w_i (logp(x_t) - logp_i(x_t)) at the sampled x_t under the old policy, joins the
+estimator's advantages as advantage_t = distill_reward_weight * A - distill_coef * KL_t, a dense
+per-token signal with or without the outcome reward (verl's OPD, Thinking Machines' on-policy
+distillation). Every workflow's trajectory is rows like any other: environment tokens carry no
+term (loss_mask 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+from flax import nnx
+
+from unitrain import losses, sharding
+from unitrain import step as step_lib
+from unitrain.config import check
+from unitrain.data.tokenizer import load_tokenizer
+from unitrain.errors import ConfigError
+from unitrain.models import sources
+from unitrain.models.base import SharedPrefixModel
+from unitrain.reward_model import check_fits, recorded_tokenizer
+
+log = logging.getLogger("unitrain")
+
+
+def teacher_paths(teacher_path: str) -> list[str]:
+    """The paths of the comma list `teacher_path`."""
+    return [p.strip() for p in teacher_path.split(",") if p.strip()]
+
+
+class Teacher:
+    """The teacher at `path` on the run's mesh: `graphdef` and `params` (in pinned host memory with
+    teacher_host_offload), `device` their device shardings (where the logprob pass brings them),
+    `shares_prefix` whether it computes a group's prompt once (SharedPrefixModel), `key` the batch
+    key of its logprobs and `weight` its weight in the KL."""
+
+    def __init__(self, run, path: str, key: str, weight: float):
+        cfg = run.cfg
+        check_vocabulary(run, path)
+        check_fits(cfg, run.mesh, run.rules, path, "teacher_path", "teacher_host_offload")
+        model = sources.build(cfg.replace(load_parameters_path=path), run.mesh)
+        if model.vocab_size < run.model.vocab_size:
+            raise ConfigError(
+                f"teacher_path={path!r}: the teacher has {model.vocab_size} token embeddings, fewer than the "
+                f"student's {run.model.vocab_size}; it cannot score every id the student samples"
+            )
+        self.graphdef, params = nnx.split(model)
+        params = nnx.to_pure_dict(params)
+        self.device = step_lib.device_shardings(params)
+        self.params = sharding.with_memory_kind(params, "pinned_host") if cfg.teacher_host_offload else params
+        self.shares_prefix = isinstance(model, SharedPrefixModel)
+        self.key, self.weight = key, weight
+        log.info(
+            "teacher %s (weight %g): scores the sampled tokens in the logprob pass%s",
+            path,
+            weight,
+            ", kept in host memory between passes" if cfg.teacher_host_offload else "",
+        )
+
+
+def load_teachers(run) -> list[Teacher]:
+    """The config's teachers, loaded once ([] without teacher_path)."""
+    paths = teacher_paths(run.cfg.teacher_path)
+    if not paths:
+        return []
+    weights = run.cfg.teacher_weights or [1.0 / len(paths)] * len(paths)
+    return [Teacher(run, p, f"teacher_logprobs_{i}", float(w)) for i, (p, w) in enumerate(zip(paths, weights))]
+
+
+def check_vocabulary(run, path: str) -> None:
+    """A ConfigError unless the teacher at `path` exists and its tokenizer (the HF folder's, or the
+    one its unitrain run recorded) is the student's, token for token."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"teacher_path={path!r} does not exist (an HF folder or a unitrain checkpoint)")
+    found = recorded_tokenizer(path)
+    if found is None:
+        raise ConfigError(f"teacher_path={path!r} holds neither an HF checkpoint nor a unitrain run's config.yml")
+    theirs = load_tokenizer(*found, run.cfg.trust_remote_code).vocabulary()
+    ours = run.tokenizer.vocabulary()
+    if theirs != ours:
+        differ = len(set(theirs.items()) ^ set(ours.items()))
+        raise ConfigError(
+            f"teacher_path={path!r}: the teacher's tokenizer ({len(theirs)} tokens) is not the student's "
+            f"({len(ours)} tokens; {differ} token-id pairs differ); the teacher scores the student's token "
+            "ids, so both must share one vocabulary"
+        )
+
+
+def distill(teachers: list[Teacher], cfg, advantages: np.ndarray, batch: dict) -> tuple[np.ndarray, dict]:
+    """The estimator's `advantages` ([rows] or [rows, C]) with the distillation term, [rows, C]
+    (losses.distill_advantages over the old policy's and the teachers' logprobs), and its metric."""
+    mask = batch["loss_mask"]
+    out, kl = losses.distill_advantages(
+        advantages,
+        batch["old_logprobs"],
+        [batch[t.key] for t in teachers],
+        [t.weight for t in teachers],
+        mask,
+        cfg.distill_coef,
+        cfg.distill_reward_weight,
+    )
+    return np.asarray(out), {"distill/teacher_kl": float(np.asarray(kl).sum() / max(mask.sum(), 1))}
+
+
+@check("teacher_path", "distill_coef", "distill_reward_weight", "mode")
+def _distillation(c) -> str | None:
+    named = bool(teacher_paths(c["teacher_path"]))
+    if not named and c["distill_coef"] == 0 and c["distill_reward_weight"] == 1:
+        return None
+    if not named:
+        return "distill_coef and distill_reward_weight weigh a teacher's KL and the reward: set teacher_path"
+    if c["distill_coef"] == 0:
+        return "teacher_path is set but distill_coef is 0, so the teacher would score for nothing: set distill_coef > 0"
+    if c["mode"] not in ("grpo", "ppo"):
+        return f"teacher_path: on-policy distillation is part of the RL step (mode grpo or ppo), not mode {c['mode']}"
+    return None
+
+
+@check("teacher_path", "teacher_weights")
+def _teacher_weights(c) -> str | None:
+    count = len(teacher_paths(c["teacher_path"]))
+    weights = c["teacher_weights"]
+    if weights is None or len(weights) == count:
+        return None
+    return f"teacher_weights has {len(weights)} weights but teacher_path names {count} teachers"
+
+
+CONFIG_CHECKS = (_distillation, _teacher_weights)

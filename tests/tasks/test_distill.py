@@ -1,0 +1,259 @@
+"""On-policy distillation (tasks/teacher.py): teachers of any source score the student's sampled
+tokens in the RL step's logprob pass, equal to transformers' forward of the same checkpoints; the
+per-token reverse-KL advantage equals its NumPy formula; a GRPO run with a teacher, with and without
+the outcome reward, logs distill/teacher_kl; the bad inputs are one line and exit 2."""
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from helpers import GRPO_FAST, REPO, grpo_config, grpo_rows, log_softmax, make_cfg, make_step, torch_logits
+from unitrain import losses, reward_model, train
+from unitrain.data.tokenizer import load_tokenizer
+from unitrain.errors import ConfigError
+from unitrain.tasks.teacher import distill
+
+# float32 on both sides (measured: at most 5e-6 on logprobs down to -12); the student's own
+# logprobs of the same tokens are 2 to 6 away.
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def builtin_teachers(tiny_checkpoint, tmp_path_factory) -> list[str]:
+    """A tiny HF Llama and a tiny HF Qwen3-MoE (512 embeddings, as the student's default model)
+    with the student's built-in character tokenizer in place of their own."""
+    out = []
+    for family, variant in (("llama", dict(rope_scaling="llama3")), ("qwen3_moe", dict(experts=(4, 2, 32)))):
+        path = tmp_path_factory.mktemp(f"teacher_{family}") / "hf"
+        shutil.copytree(tiny_checkpoint(family, **variant), path)
+        for old in [*path.glob("tokenizer*"), *path.glob("special_tokens_map.json")]:
+            old.unlink()
+        load_tokenizer("").save(str(path))
+        out.append(str(path))
+    return out
+
+
+def trajectory_rows(rows: int, P: int, C: int) -> dict:
+    """`rows` rows in the RL step's layout (groups of 4 sharing a prompt left-padded to end at column
+    P, completions right-padded to C) with multi-turn loss masks: an environment's reply (mask 0)
+    between two sampled turns."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(4, 100, rng.integers(2, P + 1)) for _ in range(rows // 4)]
+    inputs, positions, segments = grpo_rows(rng, prompts, 4, P, C, 100)
+    targets = inputs[:, P:].copy()
+    mask = segments[:, P:].copy()
+    mask[:, 3:5] = 0  # the environment's tokens
+    return {
+        "inputs": inputs,
+        "inputs_position": positions,
+        "inputs_segmentation": segments,
+        "targets": targets,
+        "loss_mask": mask,
+    }
+
+
+def torch_token_logprobs(path, row: dict, P: int) -> np.ndarray:
+    """transformers' float32 logprobs of a row's completion tokens, the row's padding left out."""
+    real = row["inputs_segmentation"] > 0
+    tokens = row["inputs"][real]
+    start = int(np.argmax(real))
+    logp = log_softmax(torch_logits(path, tokens).astype(np.float64))
+    completion = len(tokens) - (P - start)
+    cols = np.arange(completion)
+    return logp[P - start - 1 + cols, row["targets"][cols]]
+
+
+def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers, tmp_path):
+    """A dense and an MoE teacher, both in the logprob pass (offloaded to the host), on right-padded
+    multi-turn rows: each equals transformers' forward of its checkpoint; the student's old logprobs
+    come from the same program."""
+    cfg = grpo_config(
+        tmp_path,
+        f"teacher_path={','.join(builtin_teachers)}",
+        "teacher_weights=[0.75, 0.25]",
+        "distill_coef=1.0",
+        "teacher_host_offload=true",
+    )
+    task, _, params, _ = make_step(cfg)
+    assert [t.weight for t in task.teachers] == [0.75, 0.25]
+    P, C = 8, 16
+    batch = trajectory_rows(16, P, C)
+    out = task.logprobs(params, batch)
+    assert set(out) == {"old_logprobs", "teacher_logprobs_0", "teacher_logprobs_1"}
+    for r in (0, 5, 15):
+        row = {k: v[r] for k, v in batch.items()}
+        length = int(row["inputs_segmentation"][P:].sum())
+        for i, path in enumerate(builtin_teachers):
+            expected = torch_token_logprobs(path, row, P)
+            np.testing.assert_allclose(out[f"teacher_logprobs_{i}"][r, :length], expected, atol=TOL, rtol=0)
+    # The step's term on these rows: the weighted KL on the sampled tokens alone (not the
+    # environment's, not the padding), the row's outcome advantage beside it.
+    outcome = np.linspace(-1, 1, 16).astype(np.float32)
+    got, metrics = distill(task.teachers, cfg, outcome, {**batch, **out})
+    want, kl = numpy_distill(
+        outcome,
+        out["old_logprobs"],
+        [out["teacher_logprobs_0"], out["teacher_logprobs_1"]],
+        [0.75, 0.25],
+        batch["loss_mask"],
+        1.0,
+        1.0,
+    )
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert metrics["distill/teacher_kl"] == pytest.approx(kl.sum() / batch["loss_mask"].sum(), rel=1e-5)
+
+
+def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight):
+    """Reverse KL per sampled token, KL_t = sum_i w_i (log pi(x_t) - log pi_i(x_t)) (Thinking
+    Machines, "On-Policy Distillation": the per-token reverse KL as the negative advantage)."""
+    kl = sum(w * (old - t) for w, t in zip(weights, teachers))
+    outcome = advantages[:, None] if advantages.ndim == 1 else advantages
+    return np.where(mask > 0, reward_weight * outcome - coef * kl, 0.0), np.where(mask > 0, kl, 0.0)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("reward_weight", [0.0, 0.5])
+def test_the_distillation_advantage_is_the_numpy_formula(per_token, reward_weight):
+    rng = np.random.default_rng(0)
+    B, T = 6, 9
+    mask = (np.arange(T) < rng.integers(1, T + 1, B)[:, None]).astype(np.int32)  # right padding
+    mask[:, 2] = 0  # an environment token
+    lp = lambda: (-2.0 + rng.normal(size=(B, T))).astype(np.float32)  # noqa: E731
+    old, teachers, weights = lp(), [lp(), lp()], [0.7, 0.3]
+    advantages = rng.normal(size=(B, T) if per_token else B).astype(np.float32)
+    got, kl = losses.distill_advantages(advantages, old, teachers, weights, mask, 0.8, reward_weight)
+    want, want_kl = numpy_distill(advantages, old, teachers, weights, mask, 0.8, reward_weight)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(kl), want_kl, atol=1e-6)
+
+
+def run_argv(tmp_path, *overrides) -> list[str]:
+    return [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *GRPO_FAST, "steps=2", *overrides]
+
+
+def test_a_grpo_run_distils_from_a_teacher_with_and_without_the_outcome_reward(builtin_teachers, tmp_path):
+    """Two runs from the same seed, so their first rollouts are the same. One update a step at ratio
+    1: the token-mean loss is the mean of -advantage_t, which without the outcome reward is the
+    logged mean reverse KL (distill_coef 1); with it, the rewards change the gradient."""
+    runs = {}
+    for name, weight, offload in (("pure", 0.0, "true"), ("with_reward", 1.0, "false")):
+        argv = run_argv(
+            tmp_path,
+            f"run_name={name}",
+            f"teacher_path={builtin_teachers[0]}",
+            f"teacher_host_offload={offload}",
+            "distill_coef=1.0",
+            f"distill_reward_weight={weight}",
+            "reward=format",
+            "format_reward_pattern=[a-z]",  # about half the untrained model's answers: rewards that vary
+        )
+        assert train.main(argv) == 0
+        runs[name] = [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl") if '"loss"' in l]
+        assert len(runs[name]) == 2
+    for line in runs["pure"] + runs["with_reward"]:
+        # The random teacher and student disagree: the sampled tokens' reverse KL is far from 0.
+        assert math.isfinite(line["distill/teacher_kl"]) and line["distill/teacher_kl"] > 0.5
+    for line in runs["pure"]:
+        assert line["loss"] == pytest.approx(line["distill/teacher_kl"], rel=1e-4)
+    pure, with_reward = runs["pure"][0], runs["with_reward"][0]
+    assert pure["distill/teacher_kl"] == with_reward["distill/teacher_kl"] and with_reward["reward_std"] > 0
+    assert abs(pure["grad_norm"] - with_reward["grad_norm"]) > 1e-3 * pure["grad_norm"]
+    # Two teachers, the second a unitrain run (the student 2 steps on, with the built-in tokenizer its
+    # config.yml records): the first step's rollouts are the same, so its KL is half the HF
+    # teacher's plus half that to the run's, which is close to the student it started from (measured:
+    # 1.262 against 0.5 * 2.390).
+    argv = run_argv(
+        tmp_path,
+        "run_name=two",
+        "steps=1",
+        f"teacher_path={builtin_teachers[0]},{tmp_path / 'pure'}",
+        "teacher_weights=[0.5, 0.5]",
+        "distill_coef=1.0",
+        "reward=format",
+        "format_reward_pattern=[a-z]",
+    )
+    assert train.main(argv) == 0
+    (two,) = [json.loads(l) for l in open(tmp_path / "two" / "metrics.jsonl") if '"loss"' in l]
+    assert two["distill/teacher_kl"] == pytest.approx(0.5 * pure["distill/teacher_kl"], abs=0.1)
+    assert two["distill/teacher_kl"] != pytest.approx(0.5 * pure["distill/teacher_kl"], abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "ppo"])
+def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tmp_path, capsys, mode):
+    """plugin_verifier's episodes (an answer, the feedback, another answer): the teacher scores the
+    trajectory's rows as any others; the loss, all distillation, is the logged KL of the sampled
+    tokens, and the step learns though no reward spreads (the untrained model never answers right).
+    PPO's GAE advantages give way to the KL term as GRPO's do."""
+    argv = run_argv(
+        tmp_path,
+        f"mode={mode}",
+        "steps=1",
+        "workflow=plugin_verifier:Verifier",
+        "max_turns=2",
+        f"teacher_path={builtin_teachers[0]}",
+        "distill_coef=1.0",
+        "distill_reward_weight=0.0",
+    )
+    assert train.main(argv) == 0
+    (line,) = [json.loads(l) for l in open(tmp_path / "default" / "metrics.jsonl") if '"loss"' in l]
+    assert line["response_length_mean"] > 6  # two answers and the feedback between them
+    assert math.isfinite(line["distill/teacher_kl"]) and line["distill/teacher_kl"] > 0.5
+    assert line["loss"] == pytest.approx(line["distill/teacher_kl"], rel=1e-4)
+    assert line["zero_std_group_fraction"] == 1.0 and "trained on nothing" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def main_error(tmp_path, capsys, *overrides) -> str:
+    capsys.readouterr()
+    assert train.main(run_argv(tmp_path, "distill_coef=1.0", *overrides)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_a_teacher_of_another_vocabulary_is_one_line(tiny_checkpoint, tmp_path, capsys):
+    other = tiny_checkpoint("llama")  # byte-level BPE; the student: the built-in characters
+    err = main_error(tmp_path, capsys, f"teacher_path={other}")
+    assert "the teacher's tokenizer (380 tokens) is not the student's (100 tokens" in err
+
+
+def test_a_teacher_path_that_does_not_exist_is_one_line(tmp_path, capsys):
+    err = main_error(tmp_path, capsys, f"teacher_path={tmp_path / 'no_teacher'}")
+    assert f"teacher_path='{tmp_path / 'no_teacher'}' does not exist" in err
+
+
+def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teachers, tmp_path, capsys, monkeypatch):
+    def small_devices(devices, host_offload):
+        return (10**12, "the host") if host_offload else (1000, "a fake device limit")
+
+    monkeypatch.setattr(reward_model, "available_bytes", small_devices)
+    err = main_error(tmp_path, capsys, f"teacher_path={builtin_teachers[0]}")
+    assert f"teacher_path='{builtin_teachers[0]}': the model's" in err
+    assert "more than a fake device limit" in err and "set teacher_host_offload=true" in err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"mode": "grpo", "distill_coef": "1.0"}, "weigh a teacher's KL and the reward: set teacher_path"),
+        ({"mode": "grpo", "distill_reward_weight": "0"}, "weigh a teacher's KL and the reward: set teacher_path"),
+        ({"mode": "grpo", "teacher_path": "/t"}, "teacher_path is set but distill_coef is 0"),
+        (
+            {"mode": "sft", "teacher_path": "/t", "distill_coef": "1"},
+            "part of the RL step (mode grpo or ppo), not mode sft",
+        ),
+        (
+            {"mode": "grpo", "teacher_path": "/a,/b", "distill_coef": "1", "teacher_weights": "[1.0]"},
+            "teacher_weights has 1 weights but teacher_path names 2 teachers",
+        ),
+        ({"teacher_weights": "[-1.0]"}, "teacher_weights"),
+    ],
+)
+def test_distillation_config_mistakes_are_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_cfg(**overrides)
