@@ -188,6 +188,19 @@ def test_the_command_line_wins_over_every_stages_values(tmp_path, caplog):
     ]
 
 
+def test_a_stage_that_sets_model_name_is_refused_not_ignored(tmp_path, capsys):
+    assert train.main([recipe(tmp_path, {"name": "sft", **SFT, "model_name": "demo"})]) == 2
+    assert "stage 'sft' sets model_name, which picks a model yml for the whole recipe" in capsys.readouterr().err
+
+
+def test_the_distill_demo_recipe_validates_every_stage():
+    teacher, student, distill = pipeline.stage_configs(load_checked([str(REPO / "configs" / "distill_demo.yml")]))
+    assert (teacher.num_decoder_layers, student.num_decoder_layers) == (4, 2)
+    assert teacher.load_parameters_path == student.load_parameters_path == ""  # both from random weights
+    assert distill.load_parameters_path == student.checkpoint_dir and distill.teacher_path == teacher.checkpoint_dir
+    assert (distill.mode, distill.distill_coef, distill.distill_reward_weight) == ("grpo", 1.0, 0.0)
+
+
 def test_a_stage_that_fails_before_it_starts_leaves_no_run_directory(tmp_path, capsys):
     path = recipe(tmp_path, {"name": "sft", **SFT, "dataset_path": str(tmp_path / "absent.jsonl")})
     assert train.main([path]) == 2

@@ -63,6 +63,11 @@ def stage_configs(cfg) -> list:
         own = {k: v for k, v in stage.items() if k != "name"}
         if bad := sorted(set(own) & {"stages", "run_name", "base_output_directory"}):
             raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
+        if "model_name" in own:  # a model yml is layered when the recipe loads, under every stage
+            raise ConfigError(
+                f"stages: stage '{name}' sets model_name, which picks a model yml for the whole recipe; "
+                "set the model keys the stage changes instead (e.g. num_decoder_layers)"
+            )
         own = _without_command_line_keys(cfg, name, _resolve_stage_references(name, own, stages))
         try:
             stage_cfg = cfg.replace(**changes).replace(f"from the stages of {recipe}", **own)
