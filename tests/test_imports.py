@@ -17,6 +17,7 @@ CONFIG_LEAVES = {
     "unitrain.config",
     "unitrain.errors",
     "unitrain.registry",
+    "unitrain.plugins",  # did_you_mean: config's hints are the plugins' (it imports errors and registry alone)
     "unitrain.adapters",
     "unitrain.adapters.hf_config",
 }

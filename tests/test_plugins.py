@@ -273,7 +273,7 @@ def test_choice_lists_come_from_the_registries():
     from unitrain.registry import DATA_FORMATS, FILTERS, MODEL_SOURCES, MODES, SAMPLERS
 
     base = str(REPO / "configs" / "base.yml")
-    needs = {"mesh": ["mode=grpo", "rollout_devices=4"]}  # the keys a choice needs beside it
+    needs = {"mesh": ["mode=grpo", "rollout_devices=4"], "vllm": ["head_dim=32"]}  # the keys a choice needs beside it
     for key, table in (
         ("mode", MODES),
         ("model_source", MODEL_SOURCES),
