@@ -271,6 +271,8 @@ RULES: dict[str, Rule] = {
     ),
     "distill_coef": NON_NEGATIVE,
     "distill_reward_weight": NON_NEGATIVE,
+    "distill_temperature": POSITIVE,
+    "distill_top_k": POSITIVE_INT,
     "kl_type": choices(*KL_TYPES),
     "entropy_coef": NON_NEGATIVE,
     "num_iterations": POSITIVE_INT,
