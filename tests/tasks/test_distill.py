@@ -223,39 +223,58 @@ def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tm
 # ---------------------------------------------------------------- offline distillation (mode=sft)
 
 
+def numpy_soft_targets(teacher, T, k) -> np.ndarray:
+    """Top-k KD's target distribution over the whole vocabulary, float64 [..., V]: the teacher's
+    k likeliest tokens of softmax(logits / T), renormalised over them, 0 elsewhere."""
+    logp = log_softmax(np.asarray(teacher, np.float64) / T)
+    top = np.argsort(-logp, axis=-1)[..., :k]
+    p = np.zeros_like(logp)
+    np.put_along_axis(p, top, np.take_along_axis(np.exp(logp), top, -1), -1)
+    return p / p.sum(-1, keepdims=True)
+
+
 def numpy_soft_target_loss(student, teachers, weights, targets, mask, coef, T, k):
-    """Hinton et al. 2015's loss with top-k soft targets, from full softmaxes in float64: each
-    teacher's k likeliest tokens of softmax(logits / T), renormalised over them, against the
-    student's softmax(logits / T) over its whole vocabulary; per label token
-    (1 - coef) * CE(label) + coef * T^2 * sum_i w_i KL_i. Returns (loss sum, KL sum) over mask."""
+    """Hinton et al. 2015's loss with top-k soft targets p_i (numpy_soft_targets), from full
+    softmaxes in float64, against the student's q = softmax(logits / T) over its whole vocabulary;
+    per label token (1 - coef) * CE(label) + coef * T^2 * sum_i w_i KL(p_i || q). Returns (loss sum,
+    KL sum) over mask, and the loss's gradient in the student's logits, by hand: per label token
+    (1 - coef) * (softmax(logits) - onehot(label)) + coef * T * sum_i w_i (q - p_i)."""
     student = np.asarray(student, np.float64)
     logq = log_softmax(student / T)
-    kl = 0.0
+    kl, pull = 0.0, 0.0
     for w, teacher in zip(weights, teachers):
-        logp = log_softmax(np.asarray(teacher, np.float64) / T)
-        top = np.argsort(-logp, axis=-1)[..., :k]
-        p = np.take_along_axis(np.exp(logp), top, -1)
-        p = p / p.sum(-1, keepdims=True)
-        kl = kl + w * (p * (np.log(p) - np.take_along_axis(logq, top, -1))).sum(-1)
-    ce = -np.take_along_axis(log_softmax(student), targets[..., None], -1)[..., 0]
-    return ((1 - coef) * ce + coef * T**2 * kl)[mask > 0].sum(), kl[mask > 0].sum()
+        p = numpy_soft_targets(teacher, T, k)
+        kl = kl + w * (p * (np.log(np.where(p > 0, p, 1.0)) - logq)).sum(-1)
+        pull = pull + w * (np.exp(logq) - p)
+    logits = log_softmax(student)
+    ce = -np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    onehot = np.eye(student.shape[-1])[targets]
+    grad = ((1 - coef) * (np.exp(logits) - onehot) + coef * T * pull) * mask[..., None]
+    return ((1 - coef) * ce + coef * T**2 * kl)[mask > 0].sum(), kl[mask > 0].sum(), grad
 
 
-@pytest.mark.parametrize("chunk", [0, 3])
-def test_the_soft_target_loss_is_the_numpy_formula(chunk):
+def test_the_soft_target_loss_is_the_numpy_formula():
     """Two teachers on a right-padded batch; the head the identity, so the logits are the hidden
-    states: the losses' chunks (3 positions of 10, the last one padded) change nothing."""
+    states. The loss, its KL and its gradient are NumPy's, all at once and in chunks of 3
+    positions of 10 (the last one padded)."""
     rng = np.random.default_rng(1)
     B, T, V, k = 3, 10, 40, 5
     mask = (np.arange(T) < np.array([10, 6, 1])[:, None]).astype(np.float32)
     student, *teachers = (rng.normal(size=(B, T, V)).astype(np.float32) * 3 for _ in range(3))
     targets = rng.integers(0, V, (B, T))
-    soft = [losses.teacher_targets(lambda h: h, t, chunk, k, 2.0, V) for t in teachers]
-    stats, kl = losses.distill_token_stats(lambda h: h, student, targets, soft, [0.7, 0.3], chunk, 2.0)
-    got, count, _, kl_sum = losses.distill_cross_entropy(stats, kl, mask, 0.4, 2.0)
-    want, want_kl = numpy_soft_target_loss(student, teachers, [0.7, 0.3], targets, mask, 0.4, 2.0, k)
-    assert float(count) == 17
-    np.testing.assert_allclose([float(got), float(kl_sum)], [want, want_kl], rtol=1e-5)
+    want, want_kl, want_grad = numpy_soft_target_loss(student, teachers, [0.7, 0.3], targets, mask, 0.4, 2.0, k)
+
+    def loss(student, chunk):
+        soft = [losses.teacher_targets(lambda h: h, t, chunk, k, 2.0, V) for t in teachers]
+        stats, kl = losses.distill_token_stats(lambda h: h, student, targets, soft, [0.7, 0.3], chunk, 2.0)
+        total, count, _, kl_sum = losses.distill_cross_entropy(stats, kl, mask, 0.4, 2.0)
+        return total, (count, kl_sum)
+
+    for chunk in (0, 3):
+        (got, (count, kl_sum)), grad = jax.value_and_grad(loss, has_aux=True)(student, chunk)
+        assert float(count) == 17
+        np.testing.assert_allclose([float(got), float(kl_sum)], [want, want_kl], rtol=1e-5)
+        np.testing.assert_allclose(grad, want_grad, atol=1e-5)
 
 
 def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_teachers, tmp_path):
@@ -279,7 +298,7 @@ def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_t
     forward = jax.jit(lambda graphdef, p: nnx.merge(graphdef, p)(*rows)[0], static_argnums=0)
     student, teacher_logits = forward(built.graphdef, params), forward(teacher.graphdef, teacher.params)
     mask = batch["targets_segmentation"] > 0
-    want, want_kl = numpy_soft_target_loss(student, [teacher_logits], [1.0], batch["targets"], mask, 0.6, 1.5, 7)
+    want, want_kl, _ = numpy_soft_target_loss(student, [teacher_logits], [1.0], batch["targets"], mask, 0.6, 1.5, 7)
     for chunk in (8, 0):
         task.cfg = cfg.replace(logits_chunk_size=chunk)  # read as the loss is traced: one trace each
         got, (count, metrics) = jax.jit(lambda *args: task.loss(*args))(params, batch, teacher.params)
