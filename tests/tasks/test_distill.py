@@ -313,12 +313,14 @@ def sft_argv(tmp_path, *overrides) -> list[str]:
 
 
 def test_an_sft_run_distils_from_a_teacher(builtin_teachers, tmp_path):
-    """Two steps of SFT on the built-in task with an MoE teacher kept in host memory: the logged
-    loss is the labels' NLL and the teacher's KL mixed by distill_coef, T^2 on the KL (no z-loss)."""
+    """Two steps of SFT on the built-in task with an MoE teacher kept in host memory, two
+    micro-batches an update: the logged loss is the labels' NLL and the teacher's KL mixed by
+    distill_coef, T^2 on the KL (no z-loss)."""
     argv = sft_argv(
         tmp_path,
         f"teacher_path={builtin_teachers[1]}",
         "teacher_host_offload=true",
+        "gradient_accumulation_steps=2",
         "distill_coef=0.25",
         "distill_temperature=2.0",
         "distill_top_k=16",
