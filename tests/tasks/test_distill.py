@@ -10,6 +10,7 @@ import math
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -26,7 +27,7 @@ from helpers import (
     sft_config,
     torch_logits,
 )
-from unitrain import losses, modes, reward_model, run, train
+from unitrain import losses, modes, reward_model, run, sharding, train
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.tasks.teacher import distill
@@ -275,6 +276,46 @@ def test_the_soft_target_loss_is_the_numpy_formula():
         assert float(count) == 17
         np.testing.assert_allclose([float(got), float(kl_sum)], [want, want_kl], rtol=1e-5)
         np.testing.assert_allclose(grad, want_grad, atol=1e-5)
+
+
+def test_the_compiled_distillation_gradient_holds_no_full_logits():
+    """A student and a wider teacher of vocabulary 16384, 16 rows of 128: one model's full float32
+    logits are 128 MiB, and the unchunked gradient of the loss needs more than two of them; with
+    chunks of 16 positions (16 MiB of each model's logits) the whole step needs less than one."""
+    from unitrain.models import decoder
+
+    def abstract(emb_dim):
+        cfg = decoder.ModelConfig(
+            vocab_size=16384,
+            emb_dim=emb_dim,
+            mlp_dim=64,
+            num_decoder_layers=1,
+            num_query_heads=2,
+            num_kv_heads=2,
+            head_dim=16,
+            platform=sharding.target_platform(),
+        )
+        return nnx.split(nnx.eval_shape(lambda: decoder.create(cfg)))
+
+    (student, params), (teacher, teacher_params) = abstract(32), abstract(48)
+    B, T = 16, 128
+    ints = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    full_logits = B * T * 16384 * 4
+
+    def temp_bytes(chunk):
+        def loss(p, q, tokens):
+            rows = (tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.ones_like(tokens))
+            t = nnx.merge(teacher, q)
+            soft = [losses.teacher_targets(t.logits, t.hidden_states(*rows), chunk, 64, 2.0, 16384)]
+            m = nnx.merge(student, p)
+            stats, kl = losses.distill_token_stats(m.logits, m.hidden_states(*rows), tokens, soft, [1.0], chunk, 2.0)
+            return losses.distill_cross_entropy(stats, kl, jnp.ones((B, T)), 0.5, 2.0)[0]
+
+        compiled = jax.jit(jax.grad(loss)).lower(params, teacher_params, ints).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(0) > 2 * full_logits  # measured: 4.1 of them
+    assert temp_bytes(16) < full_logits  # measured: 0.6 (the step's temporaries grow with the chunk)
 
 
 def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_teachers, tmp_path):
