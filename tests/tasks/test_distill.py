@@ -25,9 +25,10 @@ from helpers import (
     make_cfg,
     make_step,
     sft_config,
+    small_model_config,
     torch_logits,
 )
-from unitrain import losses, modes, reward_model, run, sharding, train
+from unitrain import losses, modes, reward_model, run, train
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.tasks.teacher import distill
@@ -285,16 +286,7 @@ def test_the_compiled_distillation_gradient_holds_no_full_logits():
     from unitrain.models import decoder
 
     def abstract(emb_dim):
-        cfg = decoder.ModelConfig(
-            vocab_size=16384,
-            emb_dim=emb_dim,
-            mlp_dim=64,
-            num_decoder_layers=1,
-            num_query_heads=2,
-            num_kv_heads=2,
-            head_dim=16,
-            platform=sharding.target_platform(),
-        )
+        cfg = small_model_config(vocab_size=16384, emb_dim=emb_dim, num_decoder_layers=1)
         return nnx.split(nnx.eval_shape(lambda: decoder.create(cfg)))
 
     (student, params), (teacher, teacher_params) = abstract(32), abstract(48)
