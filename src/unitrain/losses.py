@@ -5,6 +5,7 @@ micro-batches, and averaging over hosts, is exact at token level: the step divid
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -103,14 +104,35 @@ def top_k_targets(logits, k: int, temperature: float) -> SoftTargets:
     return SoftTargets(jax.nn.log_softmax(values, axis=-1), ids)
 
 
-def soft_target_kl(logits, targets: SoftTargets, temperature: float):
-    """KL(p || q) per position, float32 [...]: p the soft targets (0 off their ids), q the student's
-    softmax(logits / temperature) over its full vocabulary (not renormalised over the ids, so the
-    student's mass off the teacher's top-k counts against it; >= 0, and 0 only where q = p).
-    logits [..., V]."""
+def _kl(logp, logq):
+    """KL(p || q) over the last axis, from log-probs."""
+    return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+
+
+def generalized_jsd(logp, logq, beta: float):
+    """The generalised Jensen-Shannon divergence of GKD (Agarwal et al. 2024, eq. 1) as TRL's
+    GKDTrainer.generalized_jsd_loss takes it, p the teacher's and q the student's log-probs over the
+    last axis: beta * KL(p || m) + (1 - beta) * KL(q || m), m = beta * p + (1 - beta) * q, and at
+    the ends the KLs themselves: beta 0 the forward KL(p || q), beta 1 the reverse KL(q || p)."""
+    if beta == 0:
+        return _kl(logp, logq)
+    if beta == 1:
+        return _kl(logq, logp)
+    logm = jnp.logaddexp(logp + math.log(beta), logq + math.log1p(-beta))
+    return beta * _kl(logp, logm) + (1 - beta) * _kl(logq, logm)
+
+
+def soft_target_divergence(logits, targets: SoftTargets, temperature: float, beta: float | None = None):
+    """The divergence of the student's q = softmax(logits / temperature) (logits [..., V]) from the
+    soft targets p, per position, float32 [...]. beta None: KL(p || q), q over the full vocabulary
+    (not renormalised over p's ids, so the student's mass off the teacher's top-k counts against
+    it; >= 0, and 0 only where q = p). beta in [0, 1]: generalized_jsd(p, q), q renormalised over
+    p's ids (the reverse KL and the mixture need both on one support)."""
     scaled = logits.astype(jnp.float32) / temperature
     logq = jnp.take_along_axis(scaled, targets.ids, axis=-1) - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
-    return jnp.sum(jnp.exp(targets.logprobs) * (targets.logprobs - logq), axis=-1)
+    if beta is None:
+        return _kl(targets.logprobs, logq)
+    return generalized_jsd(targets.logprobs, jax.nn.log_softmax(logq, axis=-1), beta)
 
 
 def teacher_targets(head, hidden, chunk_size: int, k: int, temperature: float, vocab: int) -> SoftTargets:
@@ -120,15 +142,17 @@ def teacher_targets(head, hidden, chunk_size: int, k: int, temperature: float, v
     return chunked(lambda h: top_k_targets(head(h)[..., :vocab], min(k, vocab), temperature), chunk_size, hidden)
 
 
-def distill_token_stats(head, hidden, targets, soft: list[SoftTargets], weights, chunk_size: int, temperature: float):
+def distill_token_stats(
+    head, hidden, targets, soft: list[SoftTargets], weights, chunk_size: int, temperature: float, beta=None
+):
     """TokenStats of head(hidden) at the labels `targets` (temperature 1: the labels' cross-entropy)
-    and sum_i weights[i] * soft_target_kl to each teacher's SoftTargets at `temperature`, [B, T],
-    from one chunk of the student's logits at a time (`chunked`)."""
+    and sum_i weights[i] * soft_target_divergence (beta's) from each teacher's SoftTargets at
+    `temperature`, [B, T], from one chunk of the student's logits at a time (`chunked`)."""
 
     def stats(h, t, soft):
         logits = head(h).astype(jnp.float32)
-        kl = sum(w * soft_target_kl(logits, s, temperature) for w, s in zip(weights, soft))
-        return logit_stats(logits, t), kl
+        divergence = sum(w * soft_target_divergence(logits, s, temperature, beta) for w, s in zip(weights, soft))
+        return logit_stats(logits, t), divergence
 
     return chunked(stats, chunk_size, hidden, targets, soft)
 
@@ -136,8 +160,9 @@ def distill_token_stats(head, hidden, targets, soft: list[SoftTargets], weights,
 def distill_cross_entropy(stats: TokenStats, kl, weights, coef: float, temperature: float, z_loss_weight: float = 0.0):
     """Offline distillation's loss (Hinton et al. 2015): per weighted position
         (1 - coef) * CE(label) + coef * temperature^2 * KL(teacher_T || student_T) + z-loss
-    (T^2 keeps the KL's gradient on the CE's scale as the temperature softens both). weights [B, T]
-    {0, 1}. Returns (loss_sum, weight_sum, nll_sum, kl_sum)."""
+    (T^2 keeps the KL's gradient on the CE's scale as the temperature softens both; `kl` may be
+    GKD's divergence in the KL's place). weights [B, T] {0, 1}. Returns (loss_sum, weight_sum,
+    nll_sum, kl_sum)."""
     loss_sum, count, nll_sum = cross_entropy(stats, weights, z_loss_weight)
     kl_sum = jnp.where(weights > 0, kl, 0.0).sum()
     return loss_sum - coef * nll_sum + coef * temperature**2 * kl_sum, count, nll_sum, kl_sum

@@ -10,7 +10,7 @@ data format may bring its own evaluator instead (data/formats.py; the recommende
 
 Offline distillation (`teacher_path`, tasks/teacher.py): the teachers' top-k tokens at each label
 position are soft targets beside the labels, their KL logged as distill/kl (per label token, at
-distill_temperature, unscaled); the teachers are loaded once and run in the update's program, on
+distill_temperature, unscaled; with gkd_beta GKD's divergence in its place, distill/jsd); the teachers are loaded once and run in the update's program, on
 each micro-batch. The eval loss stays the labels' cross-entropy: it needs no teacher.
 """
 
@@ -93,7 +93,7 @@ class SFTTask(Task):
             return loss_sum, (count, {"nll": (nll_sum, count)})
         vocab = self.run.model.vocab_size
         soft = [t.targets(p, batch, cfg, vocab) for t, p in zip(self.teachers, teacher_params)]
-        stats, kl = losses.distill_token_stats(
+        stats, divergence = losses.distill_token_stats(
             model.logits,
             hidden,
             batch["targets"],
@@ -101,11 +101,13 @@ class SFTTask(Task):
             [t.weight for t in self.teachers],
             cfg.logits_chunk_size,
             cfg.distill_temperature,
+            cfg.gkd_beta,
         )
-        loss_sum, count, nll_sum, kl_sum = losses.distill_cross_entropy(
-            stats, kl, weights, cfg.distill_coef, cfg.distill_temperature, cfg.z_loss_weight
+        loss_sum, count, nll_sum, divergence_sum = losses.distill_cross_entropy(
+            stats, divergence, weights, cfg.distill_coef, cfg.distill_temperature, cfg.z_loss_weight
         )
-        return loss_sum, (count, {"nll": (nll_sum, count), "distill/kl": (kl_sum, count)})
+        name = "distill/kl" if cfg.gkd_beta is None else "distill/jsd"
+        return loss_sum, (count, {"nll": (nll_sum, count), name: (divergence_sum, count)})
 
     def batch_shardings(self) -> dict:
         return {k: sharding.batch_sharding(self.run.mesh, self.run.rules) for k in BATCH_FIELDS}

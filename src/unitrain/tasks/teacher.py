@@ -19,7 +19,8 @@ term (loss_mask 0).
 
 Offline (mode=sft): each teacher's top-`distill_top_k` tokens at every label position, at
 `distill_temperature` and renormalised over the k, are soft targets beside the labels
-(losses.distill_cross_entropy: (1 - distill_coef) * CE + distill_coef * T^2 * sum_i w_i KL_i). The
+(losses.distill_cross_entropy: (1 - distill_coef) * CE + distill_coef * T^2 * sum_i w_i KL_i; with
+gkd_beta GKD's generalised JSD in the KL's place, as TRL's GKDTrainer on dataset completions). The
 teacher runs in the update's own program on the micro-batch, its head a chunk of positions at a
 time as the student's (losses.teacher_targets, then losses.distill_token_stats): the two models'
 full-vocabulary logits exist for one chunk at a time, never for a whole row.
@@ -160,15 +161,15 @@ def _distillation(c) -> str | None:
     return None
 
 
-@check("teacher_path", "mode", "distill_temperature", "distill_top_k")
+@check("teacher_path", "mode", "distill_temperature", "distill_top_k", "gkd_beta")
 def _soft_targets(c) -> str | None:
-    if c["distill_temperature"] == 1 and c["distill_top_k"] == 64:
+    if c["distill_temperature"] == 1 and c["distill_top_k"] == 64 and c["gkd_beta"] is None:
         return None
     if c["mode"] == "sft" and teacher_paths(c["teacher_path"]):
         return None
     return (
-        "distill_temperature and distill_top_k shape a teacher's soft targets in mode=sft (with teacher_path); "
-        "on-policy distillation scores the sampled tokens at rollout_temperature"
+        "distill_temperature, distill_top_k and gkd_beta shape a teacher's soft targets in mode=sft (with "
+        "teacher_path); on-policy distillation scores the sampled tokens at rollout_temperature"
     )
 
 
