@@ -279,6 +279,40 @@ def test_the_soft_target_loss_is_the_numpy_formula():
         np.testing.assert_allclose(grad, want_grad, atol=1e-5)
 
 
+def numpy_kl(p, q):
+    return (p * np.log(np.where(p > 0, p / np.where(q > 0, q, 1.0), 1.0))).sum(-1)
+
+
+def numpy_gkd(student, teacher, T, k, beta):
+    """GKD's generalised JSD per position over the teacher's top-k (TRL GKDTrainer.generalized_jsd_loss's
+    docstring and convention: beta 0 the forward KL(teacher || student), beta 1 the reverse
+    KL(student || teacher), between them beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q),
+    p the teacher's top-k soft targets and q the student's softmax(logits / T) renormalised over the
+    same k tokens, in float64."""
+    p = numpy_soft_targets(teacher, T, k)
+    q = np.where(p > 0, np.exp(log_softmax(np.asarray(student, np.float64) / T)), 0.0)
+    q = q / q.sum(-1, keepdims=True)
+    if beta == 0:
+        return numpy_kl(p, q)
+    if beta == 1:
+        return numpy_kl(q, p)
+    m = beta * p + (1 - beta) * q
+    return beta * numpy_kl(p, m) + (1 - beta) * numpy_kl(q, m)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_gkd_divergence_is_the_numpy_formula(beta):
+    """Over a teacher's top 6 tokens at T 1.5, all positions of 2 x 5, in chunks of 2: at beta 0
+    and 1 the two KLs, at 0.5 the mixture's JSD; no two of the three agree."""
+    rng = np.random.default_rng(2)
+    student, teacher = (rng.normal(size=(2, 5, 30)).astype(np.float32) * 3 for _ in range(2))
+    soft = losses.teacher_targets(lambda h: h, teacher, 2, 6, 1.5, 30)
+    got = losses.chunked(lambda h, s: losses.soft_target_divergence(h, s, 1.5, beta), 2, student, soft)
+    np.testing.assert_allclose(got, numpy_gkd(student, teacher, 1.5, 6, beta), rtol=1e-5, atol=1e-6)
+    others = [numpy_gkd(student, teacher, 1.5, 6, b) for b in (0.0, 0.5, 1.0) if b != beta]
+    assert all(np.abs(np.asarray(got) - other).max() > 1e-2 for other in others)
+
+
 def test_the_compiled_distillation_gradient_holds_no_full_logits():
     """A student and a wider teacher of vocabulary 16384, 16 rows of 128: one model's full float32
     logits are 128 MiB, and the unchunked gradient of the loss needs more than two of them; with
@@ -313,7 +347,8 @@ def test_the_compiled_distillation_gradient_holds_no_full_logits():
 def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_teachers, tmp_path):
     """mode=sft's loss with a teacher (an HF Llama of 512 embeddings) on a packed batch of the
     built-in task, through the update's chunked path (8 positions of 32) and all at once: both are
-    NumPy's formula on the two models' full logits; the CE alone without the teacher's parameters."""
+    NumPy's formula on the two models' full logits, and so is GKD's (gkd_beta 0.5) in the KL's
+    place; the CE alone without the teacher's parameters."""
     cfg = sft_config(
         tmp_path,
         f"teacher_path={builtin_teachers[0]}",
@@ -339,6 +374,12 @@ def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_t
         np.testing.assert_allclose([float(got), float(metrics["distill/kl"][0])], [want, want_kl], rtol=1e-4)
     ce, (_, metrics) = jax.jit(task.loss)(params, batch)
     assert float(ce) == pytest.approx(float(metrics["nll"][0])) and float(ce) != pytest.approx(want, rel=1e-3)
+    task.cfg = cfg.replace(gkd_beta=0.5)
+    got, (_, metrics) = jax.jit(lambda *args: task.loss(*args))(params, batch, teacher.params)
+    jsd = numpy_gkd(student, teacher_logits, 1.5, 7, 0.5)[mask].sum()
+    assert "distill/kl" not in metrics
+    np.testing.assert_allclose(float(metrics["distill/jsd"][0]), jsd, rtol=1e-4)
+    np.testing.assert_allclose(float(got), 0.4 * float(ce) + 0.6 * 1.5**2 * jsd, rtol=1e-4)
 
 
 def sft_argv(tmp_path, *overrides) -> list[str]:
@@ -425,6 +466,8 @@ def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teach
         ({"mode": "grpo", "teacher_path": "/t", "distill_coef": "1", "distill_top_k": "8"}, "at rollout_temperature"),
         ({"distill_top_k": "0"}, "distill_top_k"),
         ({"distill_temperature": "0"}, "distill_temperature"),
+        ({"mode": "sft", "teacher_path": "/t", "distill_coef": "1", "gkd_beta": "1.5"}, "gkd_beta"),
+        ({"mode": "grpo", "teacher_path": "/t", "distill_coef": "1", "gkd_beta": "0.5"}, "at rollout_temperature"),
         (
             {"mode": "grpo", "teacher_path": "/a,/b", "distill_coef": "1", "teacher_weights": "[1.0]"},
             "teacher_weights has 1 weights but teacher_path names 2 teachers",
