@@ -5,6 +5,7 @@ micro-batches, and averaging over hosts, is exact at token level: the step divid
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -48,31 +49,123 @@ def logit_stats(logits, targets, with_entropy: bool = False) -> TokenStats:
     return TokenStats(logprobs, log_z, entropy)
 
 
-def token_stats(
-    head, hidden, targets, chunk_size: int, temperature: float = 1.0, with_entropy: bool = False
-) -> TokenStats:
-    """TokenStats of `head(hidden) / temperature` without ever holding the [B, T, V] float32 logits:
-    `chunk_size` positions of every row at a time (0, or >= T: all at once).
-
-    head: hidden [B, t, E] -> logits [B, t, V] (the model's output head); hidden [B, T, E]; targets
-    [B, T] int. The chunks run in a `lax.scan` under `jax.checkpoint`, so the backward pass recomputes
-    one chunk's logits at a time too: [B, chunk_size, V] is the largest logits array, forward or
-    backward, at the price of a second forward matmul of the head.
-    """
-
-    def stats(h, t):
-        return logit_stats(head(h).astype(jnp.float32) / temperature, t, with_entropy)
-
-    B, T = targets.shape
+def chunked(fn, chunk_size: int, *xs):
+    """fn(*xs) over `chunk_size` positions of every row at a time: xs are pytrees of [B, T, ...]
+    arrays, fn's outputs a pytree of [B, t, ...] ones, put back together as [B, T, ...] (0, or >= T:
+    all at once). The chunks run in a `lax.scan` under `jax.checkpoint`, so the backward pass
+    recomputes one chunk at a time too: one chunk's intermediates (its logits) are the largest."""
+    B, T = jax.tree.leaves(xs)[0].shape[:2]
     if not chunk_size or chunk_size >= T:
-        return stats(hidden, targets)
+        return fn(*xs)
     n = -(-T // chunk_size)
     pad = n * chunk_size - T
     chunks = lambda x: (
         jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(B, n, chunk_size, *x.shape[2:]).swapaxes(0, 1)
     )
-    _, out = jax.lax.scan(jax.checkpoint(lambda _, xs: (None, stats(*xs))), None, (chunks(hidden), chunks(targets)))
-    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, n * chunk_size)[:, :T], out)
+    _, out = jax.lax.scan(jax.checkpoint(lambda _, c: (None, fn(*c))), None, jax.tree.map(chunks, xs))
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, n * chunk_size, *x.shape[3:])[:, :T], out)
+
+
+def token_stats(
+    head, hidden, targets, chunk_size: int, temperature: float = 1.0, with_entropy: bool = False
+) -> TokenStats:
+    """TokenStats of `head(hidden) / temperature` without ever holding the [B, T, V] float32 logits:
+    `chunk_size` positions of every row at a time (`chunked`), forward and backward: [B, chunk_size, V]
+    is the largest logits array, at the price of a second forward matmul of the head.
+
+    head: hidden [B, t, E] -> logits [B, t, V] (the model's output head); hidden [B, T, E]; targets
+    [B, T] int.
+    """
+    return chunked(
+        lambda h, t: logit_stats(head(h).astype(jnp.float32) / temperature, t, with_entropy),
+        chunk_size,
+        hidden,
+        targets,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline distillation (mode=sft with teacher_path): a teacher's top-k tokens as soft targets.
+# ----------------------------------------------------------------------------------------------
+
+
+class SoftTargets(NamedTuple):
+    """A teacher's soft targets at each position: its top-k token ids [B, T, k] int32 and their
+    log-probs renormalised over those k, [B, T, k] float32 (the target distribution is 0 elsewhere)."""
+
+    logprobs: jax.Array
+    ids: jax.Array
+
+
+def top_k_targets(logits, k: int, temperature: float) -> SoftTargets:
+    """SoftTargets of a block of teacher logits [..., V]: the k largest of logits / temperature,
+    their softmax over those k alone (top-k KD's renormalisation)."""
+    values, ids = jax.lax.top_k(logits.astype(jnp.float32) / temperature, k)
+    return SoftTargets(jax.nn.log_softmax(values, axis=-1), ids)
+
+
+def _kl(logp, logq):
+    """KL(p || q) over the last axis, from log-probs."""
+    return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+
+
+def generalized_jsd(logp, logq, beta: float):
+    """The generalised Jensen-Shannon divergence of GKD (Agarwal et al. 2024, eq. 1) as TRL's
+    GKDTrainer.generalized_jsd_loss takes it, p the teacher's and q the student's log-probs over the
+    last axis: beta * KL(p || m) + (1 - beta) * KL(q || m), m = beta * p + (1 - beta) * q, and at
+    the ends the KLs themselves: beta 0 the forward KL(p || q), beta 1 the reverse KL(q || p)."""
+    if beta == 0:
+        return _kl(logp, logq)
+    if beta == 1:
+        return _kl(logq, logp)
+    logm = jnp.logaddexp(logp + math.log(beta), logq + math.log1p(-beta))
+    return beta * _kl(logp, logm) + (1 - beta) * _kl(logq, logm)
+
+
+def soft_target_divergence(logits, targets: SoftTargets, temperature: float, beta: float | None = None):
+    """The divergence of the student's q = softmax(logits / temperature) (logits [..., V]) from the
+    soft targets p, per position, float32 [...]. beta None: KL(p || q), q over the full vocabulary
+    (not renormalised over p's ids, so the student's mass off the teacher's top-k counts against
+    it; >= 0, and 0 only where q = p). beta in [0, 1]: generalized_jsd(p, q), q renormalised over
+    p's ids (the reverse KL and the mixture need both on one support)."""
+    scaled = logits.astype(jnp.float32) / temperature
+    logq = jnp.take_along_axis(scaled, targets.ids, axis=-1) - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    if beta is None:
+        return _kl(targets.logprobs, logq)
+    return generalized_jsd(targets.logprobs, jax.nn.log_softmax(logq, axis=-1), beta)
+
+
+def teacher_targets(head, hidden, chunk_size: int, k: int, temperature: float, vocab: int) -> SoftTargets:
+    """A frozen teacher's SoftTargets over the first `vocab` entries of head(hidden) (the student's
+    vocabulary), `chunk_size` positions at a time: [B, chunk_size, V] its largest logits. No gradient."""
+    hidden = jax.lax.stop_gradient(hidden)
+    return chunked(lambda h: top_k_targets(head(h)[..., :vocab], min(k, vocab), temperature), chunk_size, hidden)
+
+
+def distill_token_stats(
+    head, hidden, targets, soft: list[SoftTargets], weights, chunk_size: int, temperature: float, beta=None
+):
+    """TokenStats of head(hidden) at the labels `targets` (temperature 1: the labels' cross-entropy)
+    and sum_i weights[i] * soft_target_divergence (beta's) from each teacher's SoftTargets at
+    `temperature`, [B, T], from one chunk of the student's logits at a time (`chunked`)."""
+
+    def stats(h, t, soft):
+        logits = head(h).astype(jnp.float32)
+        divergence = sum(w * soft_target_divergence(logits, s, temperature, beta) for w, s in zip(weights, soft))
+        return logit_stats(logits, t), divergence
+
+    return chunked(stats, chunk_size, hidden, targets, soft)
+
+
+def distill_cross_entropy(stats: TokenStats, kl, weights, coef: float, temperature: float, z_loss_weight: float = 0.0):
+    """Offline distillation's loss (Hinton et al. 2015): per weighted position
+        (1 - coef) * CE(label) + coef * temperature^2 * KL(teacher_T || student_T) + z-loss
+    (T^2 keeps the KL's gradient on the CE's scale as the temperature softens both; `kl` may be
+    GKD's divergence in the KL's place). weights [B, T] {0, 1}. Returns (loss_sum, weight_sum,
+    nll_sum, kl_sum)."""
+    loss_sum, count, nll_sum = cross_entropy(stats, weights, z_loss_weight)
+    kl_sum = jnp.where(weights > 0, kl, 0.0).sum()
+    return loss_sum - coef * nll_sum + coef * temperature**2 * kl_sum, count, nll_sum, kl_sum
 
 
 def cross_entropy(stats: TokenStats, weights, z_loss_weight: float = 0.0):

@@ -106,9 +106,9 @@ def with_router_losses(loss_fn, aux_coef: float, z_coef: float):
     of the loss's denominator (so after train_step's division they add to the mean loss as they
     are), and the moe/* metrics. A dense model reports none: the loss is loss_fn's."""
 
-    def loss(params, batch):
+    def loss(params, batch, *frozen):
         with moe.collect_router_stats() as collected:
-            total, (denom, metrics) = loss_fn(params, batch)
+            total, (denom, metrics) = loss_fn(params, batch, *frozen)
         if not collected:
             return total, (denom, metrics)
         router = moe.router_losses(collected)
@@ -119,10 +119,11 @@ def with_router_losses(loss_fn, aux_coef: float, z_coef: float):
     return loss
 
 
-def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *, opt_device_shardings=None):
+def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *frozen, opt_device_shardings=None):
     """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level.
 
-    loss_fn(params, micro_batch) -> (loss_sum, (denominator, {metric: (sum, count)})). Gradients of
+    loss_fn(params, micro_batch, *frozen) -> (loss_sum, (denominator, {metric: (sum, count)})), `frozen`
+    the parameters of models the loss runs but does not train (a teacher's), as they are. Gradients of
     the summed losses are added up over micro-batches and divided once by the total denominator;
     each metric likewise ends as its total sum over its total count. With the optimizer state
     offloaded to host memory, `opt_device_shardings` brings it to the device for the update (the
@@ -140,7 +141,7 @@ def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *, opt_de
     def full(t):
         return lora.with_trainable(state["params"], t, settings.adapters_only)
 
-    grad_fn = jax.value_and_grad(lambda t, mb: loss_fn(full(t), mb), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda t, mb: loss_fn(full(t), mb, *frozen), has_aux=True)
     shapes = jax.eval_shape(grad_fn, trained, jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
 
@@ -168,8 +169,9 @@ def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *, opt_de
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
 
 
-def make_train_step(loss_fn, settings: StepConfig, optimizer, state_shardings, batch_shardings):
-    """train_step jitted with explicit shardings and the state donated."""
+def make_train_step(loss_fn, settings: StepConfig, optimizer, state_shardings, batch_shardings, frozen_shardings=()):
+    """train_step jitted with explicit shardings and the state donated; `frozen_shardings` those of
+    train_step's `frozen` parameters, one tree each."""
     opt_device = (
         jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
         if settings.optimizer_host_offload
@@ -177,7 +179,7 @@ def make_train_step(loss_fn, settings: StepConfig, optimizer, state_shardings, b
     )
     return jax.jit(
         functools.partial(train_step, loss_fn, settings, optimizer, opt_device_shardings=opt_device),
-        in_shardings=(state_shardings, batch_shardings),
+        in_shardings=(state_shardings, batch_shardings, *frozen_shardings),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )

@@ -1,17 +1,34 @@
-"""On-policy distillation (tasks/teacher.py): teachers of any source score the student's sampled
+"""Distillation (tasks/teacher.py). On-policy: teachers of any source score the student's sampled
 tokens in the RL step's logprob pass, equal to transformers' forward of the same checkpoints; the
 per-token reverse-KL advantage equals its NumPy formula; a GRPO run with a teacher, with and without
-the outcome reward, logs distill/teacher_kl; the bad inputs are one line and exit 2."""
+the outcome reward, logs distill/teacher_kl. Offline (mode=sft): the top-k soft-target loss equals
+its NumPy formula, chunked or not, on a fixed padded batch and on two models' logits; an SFT run
+with a teacher logs distill/kl. The bad inputs are one line and exit 2."""
 
 import json
 import math
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from helpers import GRPO_FAST, REPO, grpo_config, grpo_rows, log_softmax, make_cfg, make_step, torch_logits
-from unitrain import losses, reward_model, train
+from helpers import (
+    GRPO_FAST,
+    REPO,
+    SFT_FAST,
+    grpo_config,
+    grpo_rows,
+    log_softmax,
+    make_cfg,
+    make_step,
+    sft_config,
+    small_model_config,
+    torch_logits,
+)
+from unitrain import losses, modes, reward_model, run, train
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.tasks.teacher import distill
@@ -205,6 +222,199 @@ def test_a_multi_turn_workflow_distils_on_its_sampled_turns(builtin_teachers, tm
     assert line["zero_std_group_fraction"] == 1.0 and "trained on nothing" not in capsys.readouterr().out
 
 
+# ---------------------------------------------------------------- offline distillation (mode=sft)
+
+
+def numpy_soft_targets(teacher, T, k) -> np.ndarray:
+    """Top-k KD's target distribution over the whole vocabulary, float64 [..., V]: the teacher's
+    k likeliest tokens of softmax(logits / T), renormalised over them, 0 elsewhere."""
+    logp = log_softmax(np.asarray(teacher, np.float64) / T)
+    top = np.argsort(-logp, axis=-1)[..., :k]
+    p = np.zeros_like(logp)
+    np.put_along_axis(p, top, np.take_along_axis(np.exp(logp), top, -1), -1)
+    return p / p.sum(-1, keepdims=True)
+
+
+def numpy_soft_target_loss(student, teachers, weights, targets, mask, coef, T, k):
+    """Hinton et al. 2015's loss with top-k soft targets p_i (numpy_soft_targets), from full
+    softmaxes in float64, against the student's q = softmax(logits / T) over its whole vocabulary;
+    per label token (1 - coef) * CE(label) + coef * T^2 * sum_i w_i KL(p_i || q). Returns (loss sum,
+    KL sum) over mask, and the loss's gradient in the student's logits, by hand: per label token
+    (1 - coef) * (softmax(logits) - onehot(label)) + coef * T * sum_i w_i (q - p_i)."""
+    student = np.asarray(student, np.float64)
+    logq = log_softmax(student / T)
+    kl, pull = 0.0, 0.0
+    for w, teacher in zip(weights, teachers):
+        p = numpy_soft_targets(teacher, T, k)
+        kl = kl + w * (p * (np.log(np.where(p > 0, p, 1.0)) - logq)).sum(-1)
+        pull = pull + w * (np.exp(logq) - p)
+    logits = log_softmax(student)
+    ce = -np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    onehot = np.eye(student.shape[-1])[targets]
+    grad = ((1 - coef) * (np.exp(logits) - onehot) + coef * T * pull) * mask[..., None]
+    return ((1 - coef) * ce + coef * T**2 * kl)[mask > 0].sum(), kl[mask > 0].sum(), grad
+
+
+def test_the_soft_target_loss_is_the_numpy_formula():
+    """Two teachers on a right-padded batch; the head the identity, so the logits are the hidden
+    states. The loss, its KL and its gradient are NumPy's, all at once and in chunks of 3
+    positions of 10 (the last one padded)."""
+    rng = np.random.default_rng(1)
+    B, T, V, k = 3, 10, 40, 5
+    mask = (np.arange(T) < np.array([10, 6, 1])[:, None]).astype(np.float32)
+    student, *teachers = (rng.normal(size=(B, T, V)).astype(np.float32) * 3 for _ in range(3))
+    targets = rng.integers(0, V, (B, T))
+    want, want_kl, want_grad = numpy_soft_target_loss(student, teachers, [0.7, 0.3], targets, mask, 0.4, 2.0, k)
+
+    def loss(student, chunk):
+        soft = [losses.teacher_targets(lambda h: h, t, chunk, k, 2.0, V) for t in teachers]
+        stats, kl = losses.distill_token_stats(lambda h: h, student, targets, soft, [0.7, 0.3], chunk, 2.0)
+        total, count, _, kl_sum = losses.distill_cross_entropy(stats, kl, mask, 0.4, 2.0)
+        return total, (count, kl_sum)
+
+    for chunk in (0, 3):
+        (got, (count, kl_sum)), grad = jax.value_and_grad(loss, has_aux=True)(student, chunk)
+        assert float(count) == 17
+        np.testing.assert_allclose([float(got), float(kl_sum)], [want, want_kl], rtol=1e-5)
+        np.testing.assert_allclose(grad, want_grad, atol=1e-5)
+
+
+def numpy_kl(p, q):
+    return (p * np.log(np.where(p > 0, p / np.where(q > 0, q, 1.0), 1.0))).sum(-1)
+
+
+def numpy_gkd(student, teacher, T, k, beta):
+    """GKD's generalised JSD per position over the teacher's top-k (TRL GKDTrainer.generalized_jsd_loss's
+    docstring and convention: beta 0 the forward KL(teacher || student), beta 1 the reverse
+    KL(student || teacher), between them beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q),
+    p the teacher's top-k soft targets and q the student's softmax(logits / T) renormalised over the
+    same k tokens, in float64."""
+    p = numpy_soft_targets(teacher, T, k)
+    q = np.where(p > 0, np.exp(log_softmax(np.asarray(student, np.float64) / T)), 0.0)
+    q = q / q.sum(-1, keepdims=True)
+    if beta == 0:
+        return numpy_kl(p, q)
+    if beta == 1:
+        return numpy_kl(q, p)
+    m = beta * p + (1 - beta) * q
+    return beta * numpy_kl(p, m) + (1 - beta) * numpy_kl(q, m)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_gkd_divergence_is_the_numpy_formula(beta):
+    """Over a teacher's top 6 tokens at T 1.5, all positions of 2 x 5, in chunks of 2: at beta 0
+    and 1 the two KLs, at 0.5 the mixture's JSD; no two of the three agree."""
+    rng = np.random.default_rng(2)
+    student, teacher = (rng.normal(size=(2, 5, 30)).astype(np.float32) * 3 for _ in range(2))
+    soft = losses.teacher_targets(lambda h: h, teacher, 2, 6, 1.5, 30)
+    got = losses.chunked(lambda h, s: losses.soft_target_divergence(h, s, 1.5, beta), 2, student, soft)
+    np.testing.assert_allclose(got, numpy_gkd(student, teacher, 1.5, 6, beta), rtol=1e-5, atol=1e-6)
+    others = [numpy_gkd(student, teacher, 1.5, 6, b) for b in (0.0, 0.5, 1.0) if b != beta]
+    assert all(np.abs(np.asarray(got) - other).max() > 1e-2 for other in others)
+
+
+def test_the_compiled_distillation_gradient_holds_no_full_logits():
+    """A student and a wider teacher of vocabulary 16384, 16 rows of 128: one model's full float32
+    logits are 128 MiB, and the unchunked gradient of the loss needs more than two of them; with
+    chunks of 16 positions (16 MiB of each model's logits) the whole step needs less than one."""
+    from unitrain.models import decoder
+
+    def abstract(emb_dim):
+        cfg = small_model_config(vocab_size=16384, emb_dim=emb_dim, num_decoder_layers=1)
+        return nnx.split(nnx.eval_shape(lambda: decoder.create(cfg)))
+
+    (student, params), (teacher, teacher_params) = abstract(32), abstract(48)
+    B, T = 16, 128
+    ints = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    full_logits = B * T * 16384 * 4
+
+    def temp_bytes(chunk):
+        def loss(p, q, tokens):
+            rows = (tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.ones_like(tokens))
+            t = nnx.merge(teacher, q)
+            soft = [losses.teacher_targets(t.logits, t.hidden_states(*rows), chunk, 64, 2.0, 16384)]
+            m = nnx.merge(student, p)
+            stats, kl = losses.distill_token_stats(m.logits, m.hidden_states(*rows), tokens, soft, [1.0], chunk, 2.0)
+            return losses.distill_cross_entropy(stats, kl, jnp.ones((B, T)), 0.5, 2.0)[0]
+
+        compiled = jax.jit(jax.grad(loss)).lower(params, teacher_params, ints).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(0) > 2 * full_logits  # measured: 4.1 of them
+    assert temp_bytes(16) < full_logits  # measured: 0.6 (the step's temporaries grow with the chunk)
+
+
+def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_teachers, tmp_path):
+    """mode=sft's loss with a teacher (an HF Llama of 512 embeddings) on a packed batch of the
+    built-in task, through the update's chunked path (8 positions of 32) and all at once: both are
+    NumPy's formula on the two models' full logits, and so is GKD's (gkd_beta 0.5) in the KL's
+    place; the CE alone without the teacher's parameters."""
+    cfg = sft_config(
+        tmp_path,
+        f"teacher_path={builtin_teachers[0]}",
+        "distill_coef=0.6",
+        "distill_temperature=1.5",
+        "distill_top_k=7",
+        "logits_chunk_size=8",
+    )
+    built, state = run.build_run(cfg)
+    task = modes.create(built)
+    batch = next(task.data_iterator)
+    batch.pop("num_truncated")
+    params, (teacher,) = state["params"], task.teachers
+    rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    forward = jax.jit(lambda graphdef, p: nnx.merge(graphdef, p)(*rows)[0], static_argnums=0)
+    student, teacher_logits = forward(built.graphdef, params), forward(teacher.graphdef, teacher.params)
+    mask = batch["targets_segmentation"] > 0
+    want, want_kl, _ = numpy_soft_target_loss(student, [teacher_logits], [1.0], batch["targets"], mask, 0.6, 1.5, 7)
+    for chunk in (8, 0):
+        task.cfg = cfg.replace(logits_chunk_size=chunk)  # read as the loss is traced: one trace each
+        got, (count, metrics) = jax.jit(lambda *args: task.loss(*args))(params, batch, teacher.params)
+        assert float(count) == mask.sum()
+        np.testing.assert_allclose([float(got), float(metrics["distill/kl"][0])], [want, want_kl], rtol=1e-4)
+    ce, (_, metrics) = jax.jit(task.loss)(params, batch)
+    assert float(ce) == pytest.approx(float(metrics["nll"][0])) and float(ce) != pytest.approx(want, rel=1e-3)
+    task.cfg = cfg.replace(gkd_beta=0.5)
+    got, (_, metrics) = jax.jit(lambda *args: task.loss(*args))(params, batch, teacher.params)
+    jsd = numpy_gkd(student, teacher_logits, 1.5, 7, 0.5)[mask].sum()
+    assert "distill/kl" not in metrics
+    np.testing.assert_allclose(float(metrics["distill/jsd"][0]), jsd, rtol=1e-4)
+    np.testing.assert_allclose(float(got), 0.4 * float(ce) + 0.6 * 1.5**2 * jsd, rtol=1e-4)
+
+
+def sft_argv(tmp_path, *overrides) -> list[str]:
+    return [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *SFT_FAST, "steps=2", *overrides]
+
+
+def test_an_sft_run_distils_from_a_teacher(builtin_teachers, tmp_path):
+    """Two steps of SFT on the built-in task with an MoE teacher kept in host memory, two
+    micro-batches an update: the logged loss is the labels' NLL and the teacher's KL mixed by
+    distill_coef, T^2 on the KL (no z-loss)."""
+    argv = sft_argv(
+        tmp_path,
+        f"teacher_path={builtin_teachers[1]}",
+        "teacher_host_offload=true",
+        "gradient_accumulation_steps=2",
+        "distill_coef=0.25",
+        "distill_temperature=2.0",
+        "distill_top_k=16",
+    )
+    assert train.main(argv) == 0
+    lines = [json.loads(l) for l in open(tmp_path / "default" / "metrics.jsonl") if '"loss"' in l]
+    assert len(lines) == 2
+    for line in lines:
+        assert math.isfinite(line["distill/kl"]) and line["distill/kl"] > 0.05
+        assert line["loss"] == pytest.approx(0.75 * line["nll"] + 0.25 * 4.0 * line["distill/kl"], rel=1e-4)
+        assert not any(k.startswith("moe/") for k in line)  # the teacher's routers are not the student's
+
+
+def test_an_sft_distillation_mistake_is_one_line(builtin_teachers, tmp_path, capsys):
+    capsys.readouterr()
+    assert train.main(sft_argv(tmp_path, f"teacher_path={builtin_teachers[0]}", "distill_coef=1.5")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "set distill_coef <= 1" in err
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -244,9 +454,20 @@ def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teach
         ({"mode": "grpo", "distill_reward_weight": "0"}, "weigh a teacher's KL and the reward: set teacher_path"),
         ({"mode": "grpo", "teacher_path": "/t"}, "teacher_path is set but distill_coef is 0"),
         (
-            {"mode": "sft", "teacher_path": "/t", "distill_coef": "1"},
-            "part of the RL step (mode grpo or ppo), not mode sft",
+            {"mode": "dpo", "teacher_path": "/t", "distill_coef": "1"},
+            "a teacher distils in mode sft (offline) or grpo and ppo (on-policy), not mode dpo",
         ),
+        ({"mode": "sft", "teacher_path": "/t", "distill_coef": "1.5"}, "set distill_coef <= 1"),
+        (
+            {"mode": "sft", "teacher_path": "/t", "distill_coef": "1", "distill_reward_weight": "0"},
+            "mode=sft's labels weigh 1 - distill_coef",
+        ),
+        ({"mode": "sft", "distill_temperature": "2"}, "shape a teacher's soft targets in mode=sft"),
+        ({"mode": "grpo", "teacher_path": "/t", "distill_coef": "1", "distill_top_k": "8"}, "at rollout_temperature"),
+        ({"distill_top_k": "0"}, "distill_top_k"),
+        ({"distill_temperature": "0"}, "distill_temperature"),
+        ({"mode": "sft", "teacher_path": "/t", "distill_coef": "1", "gkd_beta": "1.5"}, "gkd_beta"),
+        ({"mode": "grpo", "teacher_path": "/t", "distill_coef": "1", "gkd_beta": "0.5"}, "at rollout_temperature"),
         (
             {"mode": "grpo", "teacher_path": "/a,/b", "distill_coef": "1", "teacher_weights": "[1.0]"},
             "teacher_weights has 1 weights but teacher_path names 2 teachers",

@@ -7,6 +7,11 @@ completion; GSM8K's '#### <answer>' labels by the math reward unless `reward` is
 greedy accuracy and pass@k; the first greedy answers go to TensorBoard as samples. With
 `env` set (training on the environment's demonstrations) the answers are episodes with it. A
 data format may bring its own evaluator instead (data/formats.py; the recommender's HR/NDCG).
+
+Offline distillation (`teacher_path`, tasks/teacher.py): the teachers' top-k tokens at each label
+position are soft targets beside the labels, their KL logged as distill/kl (per label token, at
+distill_temperature, unscaled; with gkd_beta GKD's divergence in its place, distill/jsd); the teachers are loaded once and run in the update's program, on
+each micro-batch. The eval loss stays the labels' cross-entropy: it needs no teacher.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
 from unitrain.rollout.driver import make_workflow
 from unitrain.tasks.base import RunContext, Task
+from unitrain.tasks.teacher import load_teachers
 
 
 class SFTTask(Task):
@@ -41,12 +47,14 @@ class SFTTask(Task):
             cfg, run.tokenizer, rows, "train", jax.process_index(), jax.process_count(), self.demonstration
         )
         self.tokens_per_step = rows * cfg.max_target_length
+        self.teachers = load_teachers(run)
         self.update = step_lib.make_train_step(
             self.loss,
             step_lib.StepConfig.from_config(cfg, run.learning_rate),
             run.optimizer,
             run.state_shardings,
             self.batch_shardings(),
+            tuple(jax.tree.map(lambda x: x.sharding, t.params) for t in self.teachers),
         )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
@@ -72,13 +80,34 @@ class SFTTask(Task):
         if self.sampler is not None:
             close(self.sampler)
 
-    def loss(self, params, batch):
+    def loss(self, params, batch, *teacher_params):
+        """The labels' cross-entropy; with `teacher_params` (one tree per teacher: the update's, not
+        the eval's) the distillation loss, losses.distill_cross_entropy."""
+        cfg = self.cfg
         model = nnx.merge(self.run.graphdef, params)
         hidden = model.hidden_states(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-        stats = losses.token_stats(model.logits, hidden, batch["targets"], self.cfg.logits_chunk_size)
         weights = (batch["targets_segmentation"] > 0).astype(jnp.float32)
-        loss_sum, count, nll_sum = losses.cross_entropy(stats, weights, self.cfg.z_loss_weight)
-        return loss_sum, (count, {"nll": (nll_sum, count)})
+        if not teacher_params:
+            stats = losses.token_stats(model.logits, hidden, batch["targets"], cfg.logits_chunk_size)
+            loss_sum, count, nll_sum = losses.cross_entropy(stats, weights, cfg.z_loss_weight)
+            return loss_sum, (count, {"nll": (nll_sum, count)})
+        vocab = self.run.model.vocab_size
+        soft = [t.targets(p, batch, cfg, vocab) for t, p in zip(self.teachers, teacher_params)]
+        stats, divergence = losses.distill_token_stats(
+            model.logits,
+            hidden,
+            batch["targets"],
+            soft,
+            [t.weight for t in self.teachers],
+            cfg.logits_chunk_size,
+            cfg.distill_temperature,
+            cfg.gkd_beta,
+        )
+        loss_sum, count, nll_sum, divergence_sum = losses.distill_cross_entropy(
+            stats, divergence, weights, cfg.distill_coef, cfg.distill_temperature, cfg.z_loss_weight
+        )
+        name = "distill/kl" if cfg.gkd_beta is None else "distill/jsd"
+        return loss_sum, (count, {"nll": (nll_sum, count), name: (divergence_sum, count)})
 
     def batch_shardings(self) -> dict:
         return {k: sharding.batch_sharding(self.run.mesh, self.run.rules) for k in BATCH_FIELDS}
@@ -94,7 +123,8 @@ class SFTTask(Task):
                     f"{self.cfg.completion_key!r}/{self.cfg.messages_key!r} in {self.cfg.dataset_path})"
                 )
         batch = sharding.local_rows_to_global(batch, self.batch_shardings())
-        state, metrics = self.run.programs("train_step", self.update, state, batch)
+        teachers = [t.params for t in self.teachers]
+        state, metrics = self.run.programs("train_step", self.update, state, batch, *teachers)
         return state, {**metrics, "num_truncated": truncated}
 
     def evaluate(self, params, step):

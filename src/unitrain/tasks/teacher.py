@@ -1,6 +1,7 @@
-"""The teachers of on-policy distillation (`teacher_path`, grpo and ppo): frozen models that score
-the student's sampled tokens beside the reference (tasks/reference.py), in the RL step's logprob
-pass (tasks/rl.py rollout_logprobs: the same program, the same bounded chunks of the output head).
+"""The teachers of distillation (`teacher_path`): frozen models that score the student's sampled
+tokens beside the reference (tasks/reference.py) in the RL step's logprob pass (grpo and ppo,
+on-policy: tasks/rl.py rollout_logprobs, the same program, the same bounded chunks of the output
+head), or give soft targets on the dataset's tokens in SFT's update (offline: `targets`).
 
 A teacher is any checkpoint a load_parameters_path takes (an HF folder, a unitrain run, its
 checkpoints or a step directory; any model source, MoE included), built once on the trainer's mesh
@@ -15,6 +16,14 @@ estimator's advantages as advantage_t = distill_reward_weight * A - distill_coef
 per-token signal with or without the outcome reward (verl's OPD, Thinking Machines' on-policy
 distillation). Every workflow's trajectory is rows like any other: environment tokens carry no
 term (loss_mask 0).
+
+Offline (mode=sft): each teacher's top-`distill_top_k` tokens at every label position, at
+`distill_temperature` and renormalised over the k, are soft targets beside the labels
+(losses.distill_cross_entropy: (1 - distill_coef) * CE + distill_coef * T^2 * sum_i w_i KL_i; with
+gkd_beta GKD's generalised JSD in the KL's place, as TRL's GKDTrainer on dataset completions). The
+teacher runs in the update's own program on the micro-batch, its head a chunk of positions at a
+time as the student's (losses.teacher_targets, then losses.distill_token_stats): the two models'
+full-vocabulary logits exist for one chunk at a time, never for a whole row.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -30,7 +40,7 @@ from unitrain import step as step_lib
 from unitrain.config import check
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
-from unitrain.models import sources
+from unitrain.models import moe, sources
 from unitrain.models.base import SharedPrefixModel
 from unitrain.reward_model import check_fits, recorded_tokenizer
 
@@ -65,10 +75,21 @@ class Teacher:
         self.shares_prefix = isinstance(model, SharedPrefixModel)
         self.key, self.weight = key, weight
         log.info(
-            "teacher %s (weight %g): scores the sampled tokens in the logprob pass%s",
+            "teacher %s (weight %g)%s",
             path,
             weight,
-            ", kept in host memory between passes" if cfg.teacher_host_offload else "",
+            ", kept in host memory between uses" if cfg.teacher_host_offload else "",
+        )
+
+    def targets(self, params, batch, cfg, vocab: int) -> losses.SoftTargets:
+        """The teacher's soft targets (losses.teacher_targets) at every position of SFT's rows, over
+        the student's `vocab`; `params` (self.params, as the program takes them) brought to device memory."""
+        model = nnx.merge(self.graphdef, jax.device_put(params, self.device))
+        rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+        with moe.collect_router_stats():  # the teacher's routers are not the student's to balance
+            hidden = model.hidden_states(*rows)
+        return losses.teacher_targets(
+            model.logits, hidden, cfg.logits_chunk_size, cfg.distill_top_k, cfg.distill_temperature, vocab
         )
 
 
@@ -125,9 +146,31 @@ def _distillation(c) -> str | None:
         return "distill_coef and distill_reward_weight weigh a teacher's KL and the reward: set teacher_path"
     if c["distill_coef"] == 0:
         return "teacher_path is set but distill_coef is 0, so the teacher would score for nothing: set distill_coef > 0"
+    if c["mode"] == "sft":
+        if c["distill_coef"] > 1:
+            return "mode=sft weighs the labels by 1 - distill_coef and the teacher's KL by distill_coef: set distill_coef <= 1"
+        if c["distill_reward_weight"] != 1:
+            return (
+                "distill_reward_weight weighs the RL step's outcome advantage; mode=sft's labels weigh 1 - distill_coef"
+            )
+        return None
     if c["mode"] not in ("grpo", "ppo"):
-        return f"teacher_path: on-policy distillation is part of the RL step (mode grpo or ppo), not mode {c['mode']}"
+        return (
+            f"teacher_path: a teacher distils in mode sft (offline) or grpo and ppo (on-policy), not mode {c['mode']}"
+        )
     return None
+
+
+@check("teacher_path", "mode", "distill_temperature", "distill_top_k", "gkd_beta")
+def _soft_targets(c) -> str | None:
+    if c["distill_temperature"] == 1 and c["distill_top_k"] == 64 and c["gkd_beta"] is None:
+        return None
+    if c["mode"] == "sft" and teacher_paths(c["teacher_path"]):
+        return None
+    return (
+        "distill_temperature, distill_top_k and gkd_beta shape a teacher's soft targets in mode=sft (with "
+        "teacher_path); on-policy distillation scores the sampled tokens at rollout_temperature"
+    )
 
 
 @check("teacher_path", "teacher_weights")
@@ -139,4 +182,4 @@ def _teacher_weights(c) -> str | None:
     return f"teacher_weights has {len(weights)} weights but teacher_path names {count} teachers"
 
 
-CONFIG_CHECKS = (_distillation, _teacher_weights)
+CONFIG_CHECKS = (_distillation, _soft_targets, _teacher_weights)
