@@ -201,6 +201,18 @@ def test_the_distill_demo_recipe_validates_every_stage():
     assert (distill.mode, distill.distill_coef, distill.distill_reward_weight) == ("grpo", 1.0, 0.0)
 
 
+def test_a_stage_with_its_own_start_keeps_its_architecture_once_the_stage_before_has_a_checkpoint(tmp_path):
+    """distill_demo's student beside its teacher: a stage naming its own load_parameters_path ("": random
+    weights) does not take the previous stage's architecture, before or after that stage has run."""
+    path = recipe(
+        tmp_path, {"name": "big", **SFT, "num_decoder_layers": 3}, {"name": "small", **SFT, "load_parameters_path": ""}
+    )
+    before = [s.num_decoder_layers for s in pipeline.stage_configs(load_checked([path]))]
+    assert train.main([path]) == 0
+    after = [s.num_decoder_layers for s in pipeline.stage_configs(load_checked([path]))]
+    assert before == after == [3, 4]  # the second: base.yml's model
+
+
 def test_a_stage_that_fails_before_it_starts_leaves_no_run_directory(tmp_path, capsys):
     path = recipe(tmp_path, {"name": "sft", **SFT, "dataset_path": str(tmp_path / "absent.jsonl")})
     assert train.main([path]) == 2

@@ -58,9 +58,9 @@ def stage_configs(cfg) -> list:
             "wandb_group": cfg.wandb_group or cfg.run_name,
             "wandb_run_name": f"{cfg.run_name}/{name}",
         }
-        if stages:
-            changes["load_parameters_path"] = stages[-1].checkpoint_dir
         own = {k: v for k, v in stage.items() if k != "name"}
+        if stages and "load_parameters_path" not in own:  # else the previous checkpoint's architecture would stick
+            changes["load_parameters_path"] = stages[-1].checkpoint_dir
         if bad := sorted(set(own) & {"stages", "run_name", "base_output_directory"}):
             raise ConfigError(f"stages: stage '{name}' sets '{bad[0]}', which the pipeline decides")
         if "model_name" in own:  # a model yml is layered when the recipe loads, under every stage
