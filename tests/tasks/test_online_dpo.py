@@ -70,6 +70,10 @@ def test_an_online_dpo_run_raises_the_reward_it_is_judged_by(tmp_path):
         ({"dpo_loss_type": "kto"}, "dpo_loss_type=kto reads unpaired records"),
         ({"rl_packing": True}, "takes its pairs unpacked"),
         ({"dpo_loss_type": "orpo", "kl_coef": 0.1}, "dpo_loss_type=orpo has no reference model"),
+        (
+            {"env": "guess_number"},
+            "env=guess_number is the environment of workflow multi_turn; workflow is single_turn",
+        ),
     ],
 )
 def test_bad_online_dpo_settings_are_one_clear_error(overrides, message):

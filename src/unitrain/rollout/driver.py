@@ -364,7 +364,7 @@ def _episodes(c) -> str | None:
         return "workflow multi_turn needs an environment: set env (calculator | guess_number | reasoning_gym | pkg.module:make_env)"
     if c["env"] and mode == "sft" and c["dataset_path"] != "builtin":
         return f"env={c['env']} under mode=sft trains on its demonstrations of dataset_path builtin; dataset_path is {c['dataset_path']}"
-    if c["env"] and mode in RL_MODES and workflow == "single_turn":
+    if c["env"] and mode in (*RL_MODES, "online_dpo") and workflow == "single_turn":  # the modes that roll out
         return f"env={c['env']} is the environment of workflow multi_turn; workflow is single_turn"
     if c["env"] and mode in ("dpo", "rm"):
         return f"env names an environment for multi_turn episodes or sft demonstrations; mode={mode} uses none"
