@@ -169,6 +169,14 @@ def test_kernel_choice_by_platform():
             pick(choice, platform, dtype)
 
 
+def test_the_default_is_the_platforms_fused_kernel():
+    """As MaxText picks its kernel by platform: a TPU run of base.yml gets splash, a bf16 GPU run cuDNN."""
+    cfg = load_checked(["configs/base.yml"])
+    assert attention.attention_kernel(cfg.attention, "tpu", cfg.dtype) == "splash"
+    assert attention.attention_kernel(cfg.attention, "gpu", "bfloat16") == "cudnn"
+    assert attention.attention_kernel(cfg.attention, "cpu", cfg.dtype) == "xla"
+
+
 @pytest.mark.parametrize(
     "value, message",
     [
