@@ -56,6 +56,28 @@ PPO_FAST = ["mode=ppo", *RL_FAST]
 TINY_MOE = ["model_family=qwen3_moe", "qk_norm=true", "num_experts=4", "num_experts_per_tok=2", "moe_mlp_dim=32"]
 
 
+# What the pair modes' runs through the entry share (mode=dpo, mode=rm: tests/tasks/test_{dpo,rm}.py).
+PAIR_E2E = [
+    "max_target_length=16",
+    "per_device_batch_size=1",
+    "learning_rate=1e-2",
+    "peak_flops_per_device=1e12",
+    "warmup_steps=2",
+    "log_period=1",
+    "eval_steps=2",
+    "checkpoint_period=100",
+]
+
+
+def metrics_by_step(run_dir) -> dict:
+    """{step: {metric: value}} of a run's metrics.jsonl; a resumed run's later lines win."""
+    out = {}
+    for line in open(Path(run_dir) / "metrics.jsonl"):
+        row = json.loads(line)
+        out.setdefault(row.pop("step"), {}).update(row)
+    return out
+
+
 def run_config(tmp_path, *overrides):
     """A Config from configs/base.yml writing under tmp_path, with `key=value` overrides."""
     from unitrain.checks import load_checked

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import REPO, make_cfg, numpy_sequence_logps, pair_logps_of_model, write_jsonl
+from helpers import PAIR_E2E, REPO, make_cfg, metrics_by_step, numpy_sequence_logps, pair_logps_of_model, write_jsonl
 from unitrain import losses, sharding, train
 from unitrain import step as step_lib
 from unitrain.data.preference import PAIR_FIELDS, eval_pair_batches, make_preference_iterator
@@ -343,29 +343,13 @@ def test_bad_preference_data_is_one_clear_error(tmp_path, rows, message):
 
 E2E = [
     "mode=dpo",
-    "max_target_length=16",
-    "per_device_batch_size=1",
-    "peak_flops_per_device=1e12",
-    "log_period=1",
-    "warmup_steps=2",
-    "learning_rate=1e-2",
     "dpo_beta=0.5",
-    "eval_steps=2",
-    "checkpoint_period=100",
+    *PAIR_E2E,
 ]
 
 
 def entry_args(tmp_path, *overrides):
     return [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *E2E, *overrides]
-
-
-def metrics_of(run_dir):
-    """{step: {metric: value}} of a run's metrics.jsonl; a resumed run's later lines win."""
-    out = {}
-    for line in open(run_dir / "metrics.jsonl"):
-        row = json.loads(line)
-        out.setdefault(row.pop("step"), {}).update(row)
-    return out
 
 
 def test_dpo_run_raises_reward_accuracy_and_resumes_exactly(tmp_path, capsys):
@@ -381,7 +365,7 @@ def test_dpo_run_raises_reward_accuracy_and_resumes_exactly(tmp_path, capsys):
         "run_name=dpo",
     )
     assert train.main(args) == 0
-    straight = metrics_of(tmp_path / "dpo")
+    straight = metrics_by_step(tmp_path / "dpo")
     assert sorted(straight) == list(range(12))
     np.testing.assert_allclose(straight[0]["loss"], np.log(2), rtol=1e-5)  # the policy starts as the reference
     assert np.mean([straight[s]["rewards/accuracy"] for s in (9, 10, 11)]) > 0.8
@@ -394,7 +378,7 @@ def test_dpo_run_raises_reward_accuracy_and_resumes_exactly(tmp_path, capsys):
     capsys.readouterr()
     assert train.main([*args, "eval_interval=0", "ref_params_host_offload=true"]) == 0
     assert f"resumed from {tmp_path / 'dpo' / 'checkpoints'} at step 6" in capsys.readouterr().out
-    resumed = metrics_of(tmp_path / "dpo")
+    resumed = metrics_by_step(tmp_path / "dpo")
     assert sorted(resumed) == list(range(12))
     for step in range(6, 12):
         for name in ("loss", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected", "grad_norm"):

@@ -12,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 
-from helpers import REPO, copy_with_bos, make_cfg, write_jsonl
+from helpers import PAIR_E2E, REPO, copy_with_bos, make_cfg, metrics_by_step, write_jsonl
 from unitrain import losses, train
 from unitrain import step as step_lib
 from unitrain.data.preference import make_preference_iterator
@@ -182,27 +182,12 @@ def test_a_causal_lm_as_reward_model_start_is_allowed_a_classifier_of_3_labels_i
 E2E = [
     "mode=rm",
     "model_name=tiny",  # the 2-layer model these thresholds were set with
-    "max_target_length=16",
-    "per_device_batch_size=1",
-    "learning_rate=1e-2",
-    "peak_flops_per_device=1e12",
-    "warmup_steps=2",
-    "log_period=1",
-    "eval_steps=2",
-    "checkpoint_period=100",
+    *PAIR_E2E,
 ]
 
 
 def entry_args(tmp_path, *overrides):
     return [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *E2E, *overrides]
-
-
-def metrics_of(run_dir):
-    out = {}
-    for line in open(run_dir / "metrics.jsonl"):
-        row = json.loads(line)
-        out.setdefault(row.pop("step"), {}).update(row)
-    return out
 
 
 def data_args(tmp_path):
@@ -222,7 +207,7 @@ def test_rm_run_raises_held_out_accuracy_and_resumes_exactly(tmp_path, capsys):
     run, state = build_run(start)  # the run's start: the same seeded random model
     before = RMTask(run).evaluate(state["params"], 0)
     assert train.main(args) == 0
-    straight = metrics_of(tmp_path / "rm")
+    straight = metrics_by_step(tmp_path / "rm")
     assert sorted(straight) == list(range(20))
     after = straight[19]
     assert after["eval_accuracy"] >= 0.9 and after["eval_accuracy"] > before["eval_accuracy"] + 0.15
@@ -233,7 +218,7 @@ def test_rm_run_raises_held_out_accuracy_and_resumes_exactly(tmp_path, capsys):
     capsys.readouterr()
     assert train.main([*args, "eval_interval=0"]) == 0
     assert f"resumed from {tmp_path / 'rm' / 'checkpoints'} at step 10" in capsys.readouterr().out
-    resumed = metrics_of(tmp_path / "rm")
+    resumed = metrics_by_step(tmp_path / "rm")
     for step in range(10, 20):
         for name in ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected", "grad_norm"):
             assert resumed[step][name] == pytest.approx(straight[step][name], rel=1e-5, abs=1e-6), (step, name)

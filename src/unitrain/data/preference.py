@@ -351,7 +351,10 @@ def eval_pair_batches(cfg, tokenizer, rows: int, max_batches: int) -> list[dict]
     """Up to `max_batches` batches of `rows` pairs of the eval split, in the file's (or stream's)
     order, every process the same full batches (not sharded, not shuffled, no num_truncated). The
     last batch is filled with padding rows (all segmentation 0) when the pairs run out; dropped pairs
-    are skipped. Fewer batches when the eval data holds fewer pairs."""
+    are skipped. Fewer batches when the eval data holds fewer pairs; none when the run does not
+    evaluate or its files have no eval split."""
+    if not cfg.evaluates or (not cfg.eval_dataset_path and cfg.dataset_path != "builtin"):
+        return []
     path = split_path(cfg, "eval")
     records = _records(cfg, tokenizer, "eval", path)
     to_pair = pair_fn(tokenizer, cfg.max_target_length, cfg.truncation, _plain_bos(cfg, tokenizer))

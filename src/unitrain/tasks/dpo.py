@@ -238,7 +238,8 @@ class DPOTask(PairLearner, Task):
             run.state_shardings,
             self.batch_shardings(),
         )
-        self.eval_batches = self._eval_batches() if cfg.evaluates else []
+        batches = eval_pair_batches(cfg, run.tokenizer, run.layout.global_batch_size, cfg.eval_steps)
+        self.eval_batches = [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
         if self.eval_batches:
             unpacked = functools.partial(pair_logps, run.graphdef, cfg.logits_chunk_size)
             self.eval_logps_fn = self._logps_program(1, unpacked, PAIR_FIELDS)
@@ -272,13 +273,6 @@ class DPOTask(PairLearner, Task):
         return state, {**metrics, "num_truncated": truncated}
 
     # -- eval
-    def _eval_batches(self) -> list[dict]:
-        cfg = self.cfg
-        if not cfg.eval_dataset_path and cfg.dataset_path != "builtin":
-            return []  # files without an eval split: nothing to evaluate on
-        batches = eval_pair_batches(cfg, self.run.tokenizer, self.run.layout.global_batch_size, cfg.eval_steps)
-        return [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
-
     def _eval_sums(self, logps, batch):
         ref = tuple(logps[k] for k in REF_KEYS) if self.ref is not None else None
         loss_sum, (pairs, metrics) = self.objective(tuple(logps[k] for k in POLICY_KEYS), ref, {**batch, **logps})

@@ -62,7 +62,8 @@ class RMTask(Task):
             run.state_shardings,
             self.batch_shardings(),
         )
-        self.eval_batches = self._eval_batches() if cfg.evaluates else []
+        batches = eval_pair_batches(cfg, run.tokenizer, run.layout.global_batch_size, cfg.eval_steps)
+        self.eval_batches = [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
         if self.eval_batches:
             self.eval_fn = jax.jit(
                 self._eval_sums, in_shardings=(run.state_shardings["params"], self.batch_shardings())
@@ -92,13 +93,6 @@ class RMTask(Task):
         return state, {**metrics, "num_truncated": truncated}
 
     # -- eval
-    def _eval_batches(self) -> list[dict]:
-        cfg = self.cfg
-        if not cfg.eval_dataset_path and cfg.dataset_path != "builtin":
-            return []  # files without an eval split: nothing to evaluate on
-        batches = eval_pair_batches(cfg, self.run.tokenizer, self.run.layout.global_batch_size, cfg.eval_steps)
-        return [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
-
     def _eval_sums(self, params, batch):
         loss_sum, (pairs, metrics) = self.loss(params, batch)
         return {"loss": (loss_sum, pairs), **metrics}
