@@ -18,10 +18,10 @@ Its Qwen3 and Qwen3-MoE (deprecated/ at that commit) do not import from its chec
 
 The forward calls its modules one by one (the loop of its *Model.__call__): that __call__ makes any
 call of more than one token causal by column, blind to padding and to packed segments; here every
-call gets the additive mask [B, 1, Tq, Tk] of segments and positions (column_cache.attention_mask),
+call gets the additive mask [B, 1, Tq, Tk] of segments and positions (library_model.attention_mask),
 which its layers' dot-product attention adds as it is. Its splash and flash kernels (TPU) take a
 causal mask only, so its layers get no mesh and the `dot` backend: its portable path everywhere.
-A layer's cache is MLLM_JAX's, each column's segment and position kept beside it (column_cache.py).
+A layer's cache is MLLM_JAX's, each column's segment and position kept beside it (library_model.py).
 
 Weights: the HF folder's safetensors read under MLLM_JAX's parameter names by unitrain's reader
 (each device reads its slice; MLLM_JAX's own convert_torch_to_flax_llama takes a whole torch state
@@ -50,7 +50,7 @@ from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
 from unitrain import sharding
-from unitrain.adapters import column_cache, hf
+from unitrain.adapters import hf, library_model
 from unitrain.adapters.hf_config import read_hf_config
 from unitrain.config import check
 from unitrain.errors import ConfigError
@@ -138,6 +138,17 @@ _FIELDS = (
 )
 
 
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",  # None: as many as the query heads, in both
+    "rms_norm_eps",
+)
+
+
 def _sizes(hf_cfg, where) -> dict:
     """The fields both families' configs take, RoPE checked to be the one MLLM_JAX applies."""
     for field, accepted, why in _FIELDS:
@@ -145,17 +156,8 @@ def _sizes(hf_cfg, where) -> dict:
     rope = hf_cfg.rope_parameters or {}
     rope_type = rope.get("rope_type", "default")
     _require(rope_type == "default", where, "rope_parameters.rope_type", rope_type, "MLLM_JAX applies unscaled RoPE")
-    heads = hf_cfg.num_attention_heads
-    return dict(
-        vocab_size=hf_cfg.vocab_size,
-        hidden_size=hf_cfg.hidden_size,
-        intermediate_size=hf_cfg.intermediate_size,
-        num_hidden_layers=hf_cfg.num_hidden_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(hf_cfg, "num_key_value_heads", None) or heads,
-        rms_norm_eps=hf_cfg.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-    )
+    sizes = {field: getattr(hf_cfg, field, None) for field in _SIZES}  # the same names in MLLM_JAX's configs
+    return {**sizes, "rope_theta": float(rope.get("rope_theta", 10000.0))}
 
 
 def _llama(lib, hf_cfg, where, dtype):
@@ -228,7 +230,7 @@ class Dims:
     head_dim: int
 
 
-class MllmJaxModel(nnx.Module):
+class MllmJaxModel(library_model.LibraryModel):
     """An MLLM_JAX causal LM with unitrain's model interface (models/base.py): the linen module
     (static) and its parameters as NNX Params with their logical axes."""
 
@@ -240,11 +242,11 @@ class MllmJaxModel(nnx.Module):
         self.dtype, self.remat = dtype, remat
         self.hf_config = hf_config  # config.json as save_hf writes it
 
-    def __call__(self, tokens, positions, segment_ids, cache: column_cache.Cache | None = None):
+    def __call__(self, tokens, positions, segment_ids, cache: library_model.Cache | None = None):
         hidden, new_cache = self._forward(tokens, positions, segment_ids, cache)
         return self.logits(hidden), new_cache
 
-    def hidden_states(self, tokens, positions, segment_ids, cache: column_cache.Cache | None = None):
+    def hidden_states(self, tokens, positions, segment_ids, cache: library_model.Cache | None = None):
         hidden, new_cache = self._forward(tokens, positions, segment_ids, cache)
         return hidden if cache is None else (hidden, new_cache)
 
@@ -262,9 +264,9 @@ class MllmJaxModel(nnx.Module):
         """The final-normed hidden states and the updated cache (None without one)."""
         weights = self._weights()
         if cache is None:
-            mask = column_cache.attention_mask(segment_ids, positions, segment_ids, positions)
+            mask = library_model.attention_mask(segment_ids, positions, segment_ids, positions)
         else:  # MLLM_JAX writes this call's keys and values at column end_index; so do we
-            cache, mask = column_cache.written(cache, cache.layers["layer_0"]["end_index"][0], segment_ids, positions)
+            cache, mask = library_model.written(cache, cache.layers["layer_0"]["end_index"][0], segment_ids, positions)
         bias = jnp.where(mask, 0.0, _MASKED)[:, None]  # [B, 1, Tq, Tk], added to the scores
         model = weights["model"]
         x = self._apply(
@@ -289,28 +291,13 @@ class MllmJaxModel(nnx.Module):
 
         return self._apply(call, {"model": {f"layers_{i}": params}}, x)
 
-    def decode_weights(self):
-        return None  # MLLM_JAX's layers are separate modules: no stacked weight to slice
-
-    def for_decoding(self, weights):
-        return self
-
-    def init_cache(self, batch_size: int, max_length: int) -> column_cache.Cache:
+    def init_cache(self, batch_size: int, max_length: int) -> library_model.Cache:
         d = self.dims
         layer = self.layer_cache(max_length, d.kv_heads, d.head_dim, batch_size, jnp.dtype(self.dtype))
-        return column_cache.empty({f"layer_{i}": layer for i in range(d.layers)}, batch_size, max_length)
+        return library_model.empty(layer, d.layers, batch_size, max_length)
 
-    def cache_axes(self) -> column_cache.Cache:
-        kv = ("batch", "kv_heads", "length", "kv")
-        layer = {"k": kv, "v": kv, "end_index": ("batch",)}
-        return column_cache.axes({f"layer_{i}": layer for i in range(self.dims.layers)})
-
-    def param_axes(self) -> dict:
-        return sharding.param_axes(nnx.state(self, nnx.Param))
-
-    def decay_mask(self) -> dict:
-        """Every matrix decays; the 1-D parameters (norm scales, biases) do not."""
-        return jax.tree.map(lambda p: p.ndim > 1, nnx.to_pure_dict(nnx.state(self, nnx.Param)))
+    def cache_axes(self) -> library_model.Cache:
+        return library_model.axes(("batch", "kv_heads", "length", "kv"), self.dims.layers)
 
     def flops_per_token(self, seq_len: int) -> float:
         """As metrics.train_flops_per_token counts them: 6 * matmul parameters (every kernel: the

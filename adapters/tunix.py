@@ -14,7 +14,7 @@ Tunix is called as `net(tokens, positions, cache, attention_mask)`:
     position[k] <= position[q], so packed, left- and right-padded rows all work;
   - Tunix's cache writes each call's tokens at one column shared by all rows (its `end_index`),
     not at their positions, so the cache here also keeps each column's segment and position and
-    the mask is built over those (column_cache.py).
+    the mask is built over those (library_model.py).
   - Gemma3's sliding-window layers measure the window in columns (Tunix's own mask), which equals
     the distance in positions wherever a row's tokens are contiguous: packed rows, and the
     sampler's left-padded prefill from an empty cache followed by one-token decode steps.
@@ -51,10 +51,10 @@ from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
 
 from unitrain import sharding
-from unitrain.adapters import column_cache
-from unitrain.adapters.column_cache import Cache
+from unitrain.adapters import library_model
 from unitrain.adapters.hf import open_safetensors, single_device_mesh
 from unitrain.adapters.hf_config import read_hf_config
+from unitrain.adapters.library_model import Cache
 from unitrain.errors import ConfigError
 
 # unitrain remat_policy -> Tunix RematConfig member; Tunix remats a whole layer saving nothing, or not at all.
@@ -393,7 +393,7 @@ def _headless(net: nnx.Module) -> nnx.Module:
     return copy
 
 
-class TunixModel(nnx.Module):
+class TunixModel(library_model.LibraryModel):
     """A Tunix model with unitrain's model interface (models/base.py)."""
 
     def __init__(
@@ -415,12 +415,12 @@ class TunixModel(nnx.Module):
     def _forward(self, net, tokens, positions, segment_ids, cache):
         """net's output in the compute dtype and the updated cache (None without one)."""
         if cache is None:
-            mask = column_cache.attention_mask(segment_ids, positions, segment_ids, positions)
+            mask = library_model.attention_mask(segment_ids, positions, segment_ids, positions)
             out, _ = net(tokens, positions, None, mask)
             return out.astype(self.dtype), None
         # Tunix writes this call's keys and values at column end_index (mod the cache length); so do we.
         start = cache.layers["layer_0"]["end_index"][0] % cache.segment_ids.shape[1]
-        cache, mask = column_cache.written(cache, start, segment_ids, positions)
+        cache, mask = library_model.written(cache, start, segment_ids, positions)
         out, layers = net(tokens, positions, cache.layers, mask)
         return out.astype(self.dtype), cache.replace(layers=layers)
 
@@ -437,29 +437,14 @@ class TunixModel(nnx.Module):
         graphdef, state = nnx.split(self.net)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(self.dtype), state))
 
-    def decode_weights(self):
-        return None  # Tunix's layers are separate modules: no stacked weight to slice
-
-    def for_decoding(self, weights):
-        return self
-
     def init_cache(self, batch_size: int, max_length: int) -> Cache:
         d = self.dims
         kv = jnp.zeros((batch_size, max_length, d.kv_heads, d.head_dim), self.dtype)
         layer = {"k": kv, "v": kv, "end_index": jnp.zeros((batch_size,), jnp.int32)}
-        return column_cache.empty({f"layer_{i}": layer for i in range(d.layers)}, batch_size, max_length)
+        return library_model.empty(layer, d.layers, batch_size, max_length)
 
     def cache_axes(self) -> Cache:
-        kv = ("batch", "length", "kv_heads", "kv")
-        layer = {"k": kv, "v": kv, "end_index": ("batch",)}
-        return column_cache.axes({f"layer_{i}": layer for i in range(self.dims.layers)})
-
-    def param_axes(self) -> dict:
-        return sharding.param_axes(nnx.state(self, nnx.Param))
-
-    def decay_mask(self) -> dict:
-        """Every matrix decays; the 1-D parameters (norm scales and Qwen2's q/k/v biases) do not."""
-        return jax.tree.map(lambda p: p.ndim > 1, nnx.to_pure_dict(nnx.state(self, nnx.Param)))
+        return library_model.axes(("batch", "length", "kv_heads", "kv"), self.dims.layers)
 
     def flops_per_token(self, seq_len: int) -> float:
         """As metrics.train_flops_per_token counts them: 6 * matmul parameters per token (q, k, v, o,

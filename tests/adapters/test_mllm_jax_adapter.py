@@ -19,6 +19,7 @@ import transformers
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from helpers import packed_batch
 from unitrain import sharding
 from unitrain.adapters import hf, mllm_jax
 from unitrain.engines.base import SamplingParams
@@ -49,21 +50,7 @@ WHY_NOT = _library_or_why()
 needs_mllm_jax = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 
-def packed_batch(rng, length=192, seg_lengths=(100, 60)):
-    """Row 0: one long sequence. Row 1: two packed sequences (positions restart) then right padding."""
-    long_seq = rng.integers(0, 512, length)
-    segs = [rng.integers(0, 512, n) for n in seg_lengths]
-    tokens, positions, segment_ids = (np.zeros((2, length), np.int32) for _ in range(3))
-    tokens[0], positions[0], segment_ids[0] = long_seq, np.arange(length), 1
-    start = 0
-    for i, s in enumerate(segs):
-        tokens[1, start : start + len(s)], positions[1, start : start + len(s)] = s, np.arange(len(s))
-        segment_ids[1, start : start + len(s)] = i + 1
-        start += len(s)
-    return tokens, positions, segment_ids, long_seq, segs
-
-
-PACKED = packed_batch(np.random.default_rng(0))
+PACKED = packed_batch(np.random.default_rng(0), length=192, seg_lengths=(100, 60))
 
 
 def torch_logits(path, *sequences):
