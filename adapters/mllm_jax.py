@@ -99,7 +99,7 @@ def library(path: str = "") -> dict:
         if not (Path(path) / "MLLM_JAX" / "language").is_dir():
             raise ConfigError(f"{where} holds no MLLM_JAX/language folder; model_source mllm_jax expects {EXPECTED}")
         if path not in sys.path:
-            sys.path.insert(0, path)
+            sys.path.append(path)  # last: the checkout's other top-level folders (tests/, plugins/) shadow nothing
     try:
         modules = {name: importlib.import_module(name) for name in API}
     except Exception as e:  # noqa: BLE001 - whatever breaks the import of the user's checkout, said in one line
@@ -108,7 +108,9 @@ def library(path: str = "") -> dict:
         ) from None
     found = Path(modules["MLLM_JAX.language.llama.llama"].__file__).parents[3]
     if path and found.resolve() != Path(path).resolve():
-        raise ConfigError(f"{where}: MLLM_JAX is already imported from {found} in this process")
+        raise ConfigError(
+            f"{where}: MLLM_JAX imports from {found} instead (imported before, or earlier on the Python path)"
+        )
     missing = [f"{m}.{n}" for m, names in API.items() for n in names if not hasattr(modules[m], n)]
     if missing:
         raise ConfigError(f"MLLM_JAX at {found} has no {missing[0]}; model_source mllm_jax expects {EXPECTED}")
