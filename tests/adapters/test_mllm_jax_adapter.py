@@ -9,6 +9,7 @@ with the reason, elsewhere. The one-line refusals of a missing or incompatible c
 import json
 import os
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,19 @@ def test_logits_equal_transformers_and_our_decoder(loaded, name):
     real = segment_ids > 0
     np.testing.assert_allclose(logits[real], ours[real], atol=TOL, rtol=0)
     assert model.flops_per_token(192) == hf.load(path).flops_per_token(192)
+
+
+@needs_mllm_jax
+def test_mllm_jax_own_call_misses_the_packed_reference(loaded):
+    """Why the adapter drives its layers itself: MLLM_JAX's own __call__ masks a many-token call causally
+    by column, so the second packed sequence sees the first one and its logits miss the reference."""
+    _, model, logits = loaded("llama")
+    tokens, positions, segment_ids, _, segs = PACKED
+    weights = nnx.to_pure_dict(nnx.state(model, nnx.Param))["params"]
+    theirs, _ = model.lm.apply({"params": weights}, tokens, positions, None, np.ones_like(tokens))
+    first, second = slice(0, len(segs[0])), slice(len(segs[0]), len(segs[0]) + len(segs[1]))
+    np.testing.assert_allclose(np.asarray(theirs[1, first]), logits[1, first], atol=TOL, rtol=0)
+    assert np.abs(np.asarray(theirs[1, second]) - logits[1, second]).max() > 100 * TOL
 
 
 @needs_mllm_jax
@@ -229,10 +243,11 @@ def test_unsupported_checkpoints_are_one_line_config_errors(tiny_checkpoint):
 
 @pytest.fixture
 def no_mllm_jax_imported(monkeypatch):
-    """Whatever MLLM_JAX the process imported is set aside, and whatever a test imports is dropped after."""
+    """Whatever MLLM_JAX the process imported or has on its path is set aside, and whatever a test
+    imports is dropped after."""
     for name in [n for n in sys.modules if n.split(".")[0] == "MLLM_JAX"]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p or ".") / "MLLM_JAX").is_dir()])
     yield
     for name in [n for n in sys.modules if n.split(".")[0] == "MLLM_JAX"]:
         del sys.modules[name]
