@@ -292,7 +292,7 @@ def _load_param(index: _TensorIndex, m: _Mapping, stacked: bool, var: nnx.Variab
     return jax.make_array_from_callback(shape, sharding_, read)
 
 
-def _single_device_mesh():
+def single_device_mesh():
     ones = {a: 1 for a in sharding.MESH_AXES}
     return sharding.create_mesh(ones, ones, devices=jax.devices()[:1])
 
@@ -322,7 +322,7 @@ def load(
         execution.setdefault("platform", sharding.target_platform())
         model_cfg = model_config_from_hf(path, trust_remote_code, dtype=dtype, logical_axis_rules=rules, **execution)
     cfg, rules = model_cfg, model_cfg.logical_axis_rules
-    mesh = mesh or _single_device_mesh()
+    mesh = mesh or single_device_mesh()
     index = _TensorIndex(path)
     rows = index.slice("model.embed_tokens.weight").get_shape()[0]
     if rows < cfg.vocab_size:  # extra_tokens: the checkpoint's vocabulary, then grown (unitrain.vocab)
@@ -362,15 +362,16 @@ def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings, other_te
         )
 
 
-def read_tensor(path: str | Path, name: str, shape: tuple, dtype, sharding_) -> jax.Array:
-    """The 2-D HF tensor `name` [out, in] of the checkpoint at `path`, transposed to unitrain's
-    [in, out] `shape`'s transpose, placed in `sharding_` (each device reads its slice). A missing
-    one is a CheckpointError naming it."""
+def read_tensor(path: str | Path, name: str, shape: tuple, dtype, sharding_, perm: tuple = (1, 0)) -> jax.Array:
+    """The HF tensor `name` of HF shape `shape` in the checkpoint at `path`, its axes in the order
+    `perm` (by default a 2-D [out, in] transposed to unitrain's [in, out]), placed in `sharding_`
+    (each device reads its slice). A missing one is a CheckpointError naming it, another shape a
+    ConfigError."""
     index = _TensorIndex(Path(path))
     if name not in index.files:
         raise CheckpointError(f"{path}: the checkpoint has no tensor '{name}', which its config.json's class needs")
-    var = jax.ShapeDtypeStruct(tuple(reversed(shape)), dtype)
-    return _load_param(index, _Mapping(name, (1, 0)), False, var, sharding_)
+    var = jax.ShapeDtypeStruct(tuple(shape[p] for p in perm), dtype)
+    return _load_param(index, _Mapping(name, perm), False, var, sharding_)
 
 
 # ---------------------------------------------------------------- save

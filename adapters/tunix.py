@@ -14,8 +14,7 @@ Tunix is called as `net(tokens, positions, cache, attention_mask)`:
     position[k] <= position[q], so packed, left- and right-padded rows all work;
   - Tunix's cache writes each call's tokens at one column shared by all rows (its `end_index`),
     not at their positions, so the cache here also keeps each column's segment and position and
-    the mask is built over those: a row's tokens may sit at any columns, padding stays masked.
-    The cache holds `max_length` columns (calls' widths add up, padding included).
+    the mask is built over those (library_model.py).
   - Gemma3's sliding-window layers measure the window in columns (Tunix's own mask), which equals
     the distance in positions wherever a row's tokens are contiguous: packed rows, and the
     sampler's left-padded prefill from an empty cache followed by one-token decode steps.
@@ -38,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 from tunix.models import safetensors_loader
@@ -52,8 +51,10 @@ from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
 
 from unitrain import sharding
-from unitrain.adapters.hf import open_safetensors
+from unitrain.adapters import library_model
+from unitrain.adapters.hf import open_safetensors, single_device_mesh
 from unitrain.adapters.hf_config import read_hf_config
+from unitrain.adapters.library_model import Cache
 from unitrain.errors import ConfigError
 
 # unitrain remat_policy -> Tunix RematConfig member; Tunix remats a whole layer saving nothing, or not at all.
@@ -365,16 +366,6 @@ def _read_hf_config(path: Path, trust_remote_code: bool):
 # ---------------------------------------------------------------- the model
 
 
-@struct.dataclass
-class Cache:
-    """Tunix's per-layer cache ({"layer_i": {k, v, end_index}}: keys and values by column, all rows
-    writing at end_index), with the segment (0 = empty) and position of every column per row."""
-
-    layers: dict
-    segment_ids: jax.Array  # [batch, max_length]
-    positions: jax.Array  # [batch, max_length]
-
-
 class _PassThrough(nnx.Module):
     """Stands in for a Tunix model's output head (its lm_head, or its embedder's decode) and hands
     the final-normed hidden states through: Tunix's models have no hidden-state output of their own
@@ -402,13 +393,7 @@ def _headless(net: nnx.Module) -> nnx.Module:
     return copy
 
 
-def _attention_mask(q_segments, q_positions, k_segments, k_positions):
-    """[B, Tq, Tk]: a query sees the keys of its own nonzero segment at positions up to its own."""
-    same = (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments[:, :, None] > 0)
-    return same & (k_positions[:, None, :] <= q_positions[:, :, None])
-
-
-class TunixModel(nnx.Module):
+class TunixModel(library_model.LibraryModel):
     """A Tunix model with unitrain's model interface (models/base.py)."""
 
     def __init__(
@@ -430,16 +415,14 @@ class TunixModel(nnx.Module):
     def _forward(self, net, tokens, positions, segment_ids, cache):
         """net's output in the compute dtype and the updated cache (None without one)."""
         if cache is None:
-            mask = _attention_mask(segment_ids, positions, segment_ids, positions)
+            mask = library_model.attention_mask(segment_ids, positions, segment_ids, positions)
             out, _ = net(tokens, positions, None, mask)
             return out.astype(self.dtype), None
         # Tunix writes this call's keys and values at column end_index (mod the cache length); so do we.
         start = cache.layers["layer_0"]["end_index"][0] % cache.segment_ids.shape[1]
-        segments = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, start))
-        slot_positions = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, start))
-        mask = _attention_mask(segment_ids, positions, segments, slot_positions)
+        cache, mask = library_model.written(cache, start, segment_ids, positions)
         out, layers = net(tokens, positions, cache.layers, mask)
-        return out.astype(self.dtype), Cache(layers=layers, segment_ids=segments, positions=slot_positions)
+        return out.astype(self.dtype), cache.replace(layers=layers)
 
     def logits(self, hidden):
         net = self._compute_net()
@@ -454,34 +437,14 @@ class TunixModel(nnx.Module):
         graphdef, state = nnx.split(self.net)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(self.dtype), state))
 
-    def decode_weights(self):
-        return None  # Tunix's layers are separate modules: no stacked weight to slice
-
-    def for_decoding(self, weights):
-        return self
-
     def init_cache(self, batch_size: int, max_length: int) -> Cache:
         d = self.dims
         kv = jnp.zeros((batch_size, max_length, d.kv_heads, d.head_dim), self.dtype)
         layer = {"k": kv, "v": kv, "end_index": jnp.zeros((batch_size,), jnp.int32)}
-        columns = jnp.zeros((batch_size, max_length), jnp.int32)
-        return Cache(layers={f"layer_{i}": layer for i in range(d.layers)}, segment_ids=columns, positions=columns)
+        return library_model.empty(layer, d.layers, batch_size, max_length)
 
     def cache_axes(self) -> Cache:
-        kv = ("batch", "length", "kv_heads", "kv")
-        layer = {"k": kv, "v": kv, "end_index": ("batch",)}
-        return Cache(
-            layers={f"layer_{i}": layer for i in range(self.dims.layers)},
-            segment_ids=("batch", "length"),
-            positions=("batch", "length"),
-        )
-
-    def param_axes(self) -> dict:
-        return sharding.param_axes(nnx.state(self, nnx.Param))
-
-    def decay_mask(self) -> dict:
-        """Every matrix decays; the 1-D parameters (norm scales and Qwen2's q/k/v biases) do not."""
-        return jax.tree.map(lambda p: p.ndim > 1, nnx.to_pure_dict(nnx.state(self, nnx.Param)))
+        return library_model.axes(("batch", "length", "kv_heads", "kv"), self.dims.layers)
 
     def flops_per_token(self, seq_len: int) -> float:
         """As metrics.train_flops_per_token counts them: 6 * matmul parameters per token (q, k, v, o,
@@ -558,11 +521,6 @@ def _gemma3_projection(params: dict, key: str) -> np.ndarray:
 # ---------------------------------------------------------------- load
 
 
-def _single_device_mesh():
-    ones = {a: 1 for a in sharding.MESH_AXES}
-    return sharding.create_mesh(ones, ones, devices=jax.devices()[:1])
-
-
 def _logical_state(family: _Family, config):
     """The abstract parameters with their logical axis names (the config's ShardingConfig holds names)."""
     state = nnx.state(nnx.eval_shape(lambda: family.model_class(config, rngs=nnx.Rngs(0))))
@@ -616,7 +574,7 @@ def load(
     configure = functools.partial(family.config, hf, path / "config.json", dims)
     execution = (weight_dtype, dtype, REMAT[remat_policy])
     logical = _logical_state(family, configure(None, *execution))
-    mesh = mesh or _single_device_mesh()
+    mesh = mesh or single_device_mesh()
     try:
         shardings = sharding.state_shardings(logical, mesh, rules)
         config = configure(rules, *execution)

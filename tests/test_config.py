@@ -242,6 +242,7 @@ def test_model_keys_match_base_yml_model_section():
             if k
             not in (
                 "model_source",
+                "mllm_jax_path",
                 "model_name",
                 "dtype",
                 "weight_dtype",

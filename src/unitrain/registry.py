@@ -10,6 +10,7 @@ import re
 MODEL_SOURCES = {
     "unitrain": "unitrain.models.source:source",
     "tunix": "unitrain.adapters.tunix:source",
+    "mllm_jax": "unitrain.adapters.mllm_jax:source",
 }
 
 # sampler: fn(run) -> Sampler
@@ -83,6 +84,7 @@ REFERENCE_FREE_LOSSES = ("simpo", "cpo", "orpo")  # no reference model is loaded
 # own checks run with them (DataFormat.check)
 CONFIG_CHECKS = (
     "unitrain.models.sources:CONFIG_CHECKS",
+    "unitrain.adapters.mllm_jax:CONFIG_CHECKS",
     "unitrain.models.moe:CONFIG_CHECKS",
     "unitrain.sharding:CONFIG_CHECKS",
     "unitrain.distributed:CONFIG_CHECKS",

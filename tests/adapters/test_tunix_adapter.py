@@ -14,6 +14,7 @@ import transformers
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from helpers import packed_batch
 from unitrain import sharding
 from unitrain.adapters import tunix
 from unitrain.engines.base import SamplingParams
@@ -41,20 +42,6 @@ def torch_logits(path, *sequences):
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         return [ref.eval()(torch.tensor(np.asarray(s))[None]).logits[0].numpy() for s in sequences]
-
-
-def packed_batch(rng, length=640, seg_lengths=(300, 200)):
-    """Row 0: one long sequence. Row 1: two packed sequences (positions restart) then right padding."""
-    long_seq = rng.integers(0, 512, length)
-    segs = [rng.integers(0, 512, n) for n in seg_lengths]
-    tokens, positions, segment_ids = (np.zeros((2, length), np.int32) for _ in range(3))
-    tokens[0], positions[0], segment_ids[0] = long_seq, np.arange(length), 1
-    start = 0
-    for i, s in enumerate(segs):
-        tokens[1, start : start + len(s)], positions[1, start : start + len(s)] = s, np.arange(len(s))
-        segment_ids[1, start : start + len(s)] = i + 1
-        start += len(s)
-    return tokens, positions, segment_ids, long_seq, segs
 
 
 PACKED = packed_batch(np.random.default_rng(0))

@@ -1,13 +1,14 @@
 """The model interface: everything the trainer, the sampler, the losses and the tools know of a model.
 
 Every model unitrain trains or samples from is a Flax NNX module with this interface, whatever
-library it comes from (our decoder, Tunix's models through unitrain.adapters.tunix, a plugin).
+library it comes from (our decoder, Tunix's models through unitrain.adapters.tunix, MLLM_JAX's through
+unitrain.adapters.mllm_jax, a plugin).
 `nnx.split(model)` gives its graph and parameters; the train step differentiates the parameters as
 a pure dict, and `nnx.merge(graphdef, params)` gives the callable back.
 
 A model source builds one from the config with its parameters already placed in their shardings:
 
-    source(cfg, mesh) -> Model          # config key model_source: unitrain | tunix | pkg.module:fn
+    source(cfg, mesh) -> Model          # config key model_source: unitrain | tunix | mllm_jax | pkg.module:fn
 
 Training terms besides the logits (a mixture of experts' router losses) are not return values: a
 forward without a cache reports them to the collector its caller opened in the same trace
