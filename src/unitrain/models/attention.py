@@ -241,6 +241,8 @@ def _splash(q, k, v, q_segments, kv_segments, window, offset, interpret):
         else splash.LocalMask((T, S), (window - 1, 0), offset=offset)
     )
     block = max(b for b in (512, 256, SPLASH_BLOCK) if T % b == 0 and S % b == 0)
+    # The separate dq kernel, as MaxText's default: the fused backward keeps a dq partial per key
+    # block, [S / block, H, T, D] (1.5 GiB of a 16k-token row of Qwen2.5-1.5B, docs/PERFORMANCE.md).
     sizes = splash.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -248,7 +250,8 @@ def _splash(q, k, v, q_segments, kv_segments, window, offset, interpret):
         block_q_dkv=block,
         block_kv_dkv=block,
         block_kv_dkv_compute=block,
-        use_fused_bwd_kernel=True,
+        block_q_dq=block,
+        block_kv_dq=block,
     )
     kernel = splash.make_splash_mha(
         splash.MultiHeadMask([causal] * H), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
