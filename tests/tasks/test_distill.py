@@ -28,7 +28,7 @@ from helpers import (
     small_model_config,
     torch_logits,
 )
-from unitrain import losses, modes, reward_model, run, train
+from unitrain import losses, modes, reward_model, run, sharding, train
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.tasks.teacher import distill
@@ -413,6 +413,127 @@ def test_an_sft_distillation_mistake_is_one_line(builtin_teachers, tmp_path, cap
     assert train.main(sft_argv(tmp_path, f"teacher_path={builtin_teachers[0]}", "distill_coef=1.5")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "set distill_coef <= 1" in err
+
+
+# ---------------------------------------------------------------- GKD's mix of completions (tasks/gkd.py)
+
+
+def segments_of(rows: dict, tokenizer) -> list[tuple[str, list[int], list[int]]]:
+    """(prompt text, token ids, trained target columns within them) of every example of SFT rows,
+    the built-in task's prompt being the text up to its '='."""
+    out = []
+    for r in range(len(rows["inputs"])):
+        for s in np.unique(rows["inputs_segmentation"][r][rows["inputs_segmentation"][r] > 0]):
+            cols = np.flatnonzero(rows["inputs_segmentation"][r] == s)
+            ids = rows["inputs"][r, cols].tolist()
+            text = tokenizer.decode(ids)
+            out.append((text[: text.index("=") + 1], ids, np.flatnonzero(rows["targets_segmentation"][r, cols] > 0)))
+    return out
+
+
+def test_an_on_policy_step_trains_on_the_student_samples_by_numpy_gkd(builtin_teachers, tmp_path):
+    """distill_lmbda 1 (TRL GKDTrainer's lmbda, Agarwal et al. 2024): the step's rows are the
+    dataset batch's prompts, each followed by the student's sample of it (the sampler called here with
+    the step's key), trained on the sampled tokens alone, those that do not fit counted out; the loss is GKD's generalised JSD at beta
+    0.5 on them, NumPy's formula (numpy_gkd) on the two models' logits of each example alone."""
+    cfg = sft_config(
+        tmp_path,
+        f"teacher_path={builtin_teachers[0]}",
+        "distill_coef=1.0",
+        "distill_lmbda=1.0",
+        "gkd_beta=0.5",
+        "distill_top_k=7",
+        "logits_chunk_size=8",
+        "rollout_max_response_len=6",
+    )
+    built, state = run.build_run(cfg)
+    task = modes.create(built)
+    batch = next(task.data_iterator)
+    batch.pop("num_truncated")
+    params, (teacher,), tokenizer = state["params"], task.teachers, built.tokenizer
+    assert task.mix.source(0) == "student"
+    rows, metrics = task.mix.rows(batch, params, 0, "student")
+    examples, asked = segments_of(rows, tokenizer), segments_of(batch, tokenizer)
+    # The untrained student's samples run to the 6 tokens, longer than the data's answers: the rows
+    # hold fewer of them, and the rest are counted out.
+    dropped = metrics["distill/samples_dropped"]
+    assert dropped > 0 and len(examples) + dropped == len(asked) and len(examples) > 8
+    # The student's samples of the batch's prompts, as the sampler gives them for the step's key:
+    # each kept example is one of them, its sampled tokens the ones trained on.
+    encode = lambda text: [tokenizer.bos_id] * (tokenizer.bos_id is not None) + tokenizer.encode(text)  # noqa: E731
+    prompts = [encode(a[0]) for a in asked]
+    task.sampler.update_weights(params, 0)
+    done = task.sampler.generate(prompts, task.mix.sampling, jax.random.fold_in(jax.random.key(cfg.seed), 0))
+    samples = [prompts[j] + done.tokens[j, : done.lengths[j]].tolist() for j in range(len(asked))]
+    width = cfg.max_target_length
+    padded = {k: np.zeros((len(examples), width), np.int32) for k in ("inputs", "positions", "segments")}
+    for i, (text, ids, trained) in enumerate(examples):
+        samples.remove(ids)  # one of the samples, not two examples for one
+        np.testing.assert_array_equal(trained, np.arange(len(encode(text)) - 1, len(ids) - 1))
+        padded["inputs"][i, : len(ids)], padded["positions"][i, : len(ids)] = ids, np.arange(len(ids))
+        padded["segments"][i, : len(ids)] = 1
+    forward = jax.jit(lambda graphdef, p: nnx.merge(graphdef, p)(*padded.values())[0], static_argnums=0)
+    student, teacher_logits = forward(built.graphdef, params), forward(teacher.graphdef, teacher.params)
+    jsd = numpy_gkd(student, teacher_logits, 1.0, 7, 0.5)
+    want = sum(jsd[i, e[2]].sum() for i, e in enumerate(examples))
+    on_device = sharding.full_rows_to_global(rows, task.batch_shardings())
+    got, (count, out) = jax.jit(lambda *args: task.loss(*args))(params, on_device, teacher.params)
+    assert float(count) == sum(len(e[2]) for e in examples)
+    np.testing.assert_allclose([float(got), float(out["distill/jsd"][0])], [want, want], rtol=1e-4)
+
+
+def jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_an_on_policy_run_never_reads_the_dataset_completions(builtin_teachers, tmp_path):
+    """distill_lmbda 1 on two datasets of the same prompts whose completions differ (same lengths,
+    so the packer lays them out alike): the runs are the same to the last digit; offline (lmbda 0)
+    they differ."""
+    sums = [(a, b) for a in range(10) for b in range(10)]
+    data = {
+        name: jsonl(tmp_path / f"{name}.jsonl", [{"prompt": f"{a}+{b}=", "completion": answer(a, b)} for a, b in sums])
+        for name, answer in (("right", lambda a, b: f"{a + b:02d}"), ("wrong", lambda a, b: "99"))
+    }
+    logged = {}
+    for lmbda in (1.0, 0.0):
+        for name, path in data.items():
+            argv = sft_argv(
+                tmp_path,
+                f"run_name={name}_{lmbda}",
+                f"dataset_path={path}",
+                f"teacher_path={builtin_teachers[0]}",
+                "distill_coef=1.0",
+                f"distill_lmbda={lmbda}",
+            )
+            assert train.main(argv) == 0
+            lines = [json.loads(l) for l in open(tmp_path / f"{name}_{lmbda}" / "metrics.jsonl") if '"loss"' in l]
+            logged[name, lmbda] = [(l["loss"], l["grad_norm"], l.get("distill/on_policy")) for l in lines]
+    assert logged["right", 1.0] == logged["wrong", 1.0] and {l[2] for l in logged["right", 1.0]} == {1.0}
+    assert logged["right", 0.0] != logged["wrong", 0.0]
+
+
+def test_the_dataset_steps_of_a_mix_are_the_offline_run(builtin_teachers, tmp_path):
+    """distill_lmbda 0.5 with seed 0 draws the dataset for steps 0 and 1 and the student's samples at
+    step 2: until then its lines are the offline run's (lmbda 0) exactly, step 2's is not."""
+    logged = {}
+    for lmbda in (0.0, 0.5):
+        argv = sft_argv(
+            tmp_path,
+            f"run_name=mix_{lmbda}",
+            "steps=3",
+            f"teacher_path={builtin_teachers[0]}",
+            "distill_coef=1.0",
+            f"distill_lmbda={lmbda}",
+        )
+        assert train.main(argv) == 0
+        logged[lmbda] = [json.loads(l) for l in open(tmp_path / f"mix_{lmbda}" / "metrics.jsonl") if '"loss"' in l]
+    assert [l["distill/on_policy"] for l in logged[0.5]] == [0.0, 0.0, 1.0]
+    assert all("distill/on_policy" not in l for l in logged[0.0])
+    for offline, mixed in zip(logged[0.0][:2], logged[0.5][:2]):
+        assert (offline["loss"], offline["grad_norm"]) == (mixed["loss"], mixed["grad_norm"])
+    assert logged[0.0][2]["loss"] != logged[0.5][2]["loss"]
 
 
 # ---------------------------------------------------------------- bad input

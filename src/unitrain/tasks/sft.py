@@ -33,8 +33,10 @@ from unitrain.envs.factory import demonstrations
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
 from unitrain.rollout.driver import make_workflow
+from unitrain.tasks import gkd
 from unitrain.tasks.base import RunContext, Task
-from unitrain.tasks.teacher import load_teachers
+from unitrain.tasks.gkd import CompletionMix
+from unitrain.tasks.teacher import TeacherAccuracy, load_teachers
 
 
 class SFTTask(Task):
@@ -48,6 +50,7 @@ class SFTTask(Task):
         )
         self.tokens_per_step = rows * cfg.max_target_length
         self.teachers = load_teachers(run)
+        self.teacher_accuracy = TeacherAccuracy(run, self.teachers)
         self.update = step_lib.make_train_step(
             self.loss,
             step_lib.StepConfig.from_config(cfg, run.learning_rate),
@@ -58,19 +61,23 @@ class SFTTask(Task):
         )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
-        self.task_eval, self.text, self.sampler = None, "", None
+        self.task_eval, self.text, self.mix = None, "", None
         self._seen_loss_tokens = False
         eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
-        if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
-            self.sampler = sampler = make_sampler(run)
-            self.task_eval = format_choice.data_format(cfg).evaluator(cfg, run.tokenizer, sampler)
+        generates = eval_path != "synthetic" and cfg.eval_num_samples  # synthetic rows have no prompts or answers
+        mixes = cfg.distill_lmbda > 0 or cfg.distill_seq_kd
+        self.sampler = make_sampler(run) if generates or mixes else None
+        if mixes:
+            self.mix = CompletionMix(run, self.sampler, self.teachers[0] if cfg.distill_seq_kd else None)
+        if generates:
+            self.task_eval = format_choice.data_format(cfg).evaluator(cfg, run.tokenizer, self.sampler)
             if self.task_eval is None:
                 records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
                 warn_if_answers_cut(cfg, run.tokenizer, records)
                 self.task_eval = TaskEvaluator(
                     cfg,
                     run.tokenizer,
-                    sampler,
+                    self.sampler,
                     sft_reward_fn(cfg, records),
                     make_workflow(run, "multi_turn" if cfg.env else "single_turn"),  # the demonstrations' env plays
                     records,
@@ -122,17 +129,24 @@ class SFTTask(Task):
                     f"step {step}: the batch has no completion tokens to train on (check tokenizer_path, "
                     f"{self.cfg.completion_key!r}/{self.cfg.messages_key!r} in {self.cfg.dataset_path})"
                 )
-        batch = sharding.local_rows_to_global(batch, self.batch_shardings())
+        source, mixed = self.mix.source(step) if self.mix else gkd.DATASET, {}
+        if source == gkd.DATASET:
+            batch = sharding.local_rows_to_global(batch, self.batch_shardings())
+        else:
+            batch, mixed = self.mix.rows(batch, state["params"], step, source)
+            batch = sharding.full_rows_to_global(batch, self.batch_shardings())
+        if self.mix:
+            mixed["distill/on_policy"] = float(source == gkd.STUDENT)
         teachers = [t.params for t in self.teachers]
         state, metrics = self.run.programs("train_step", self.update, state, batch, *teachers)
-        return state, {**metrics, "num_truncated": truncated}
+        return state, {**metrics, **mixed, "num_truncated": truncated}
 
     def evaluate(self, params, step):
         sums = [self.run.programs("eval_step", self.eval_loss, params, b) for b in self.eval_batches]
         total, count = (sum(float(x[i]) for x in sums) for i in (0, 1))
         if self.task_eval is None:
             return {"eval_loss": total / max(count, 1.0)}
-        generated = self.task_eval(params, step)
+        generated = self.teacher_accuracy(self.task_eval, params, step)
         self.text = self.task_eval.samples
         return {"eval_loss": total / max(count, 1.0), **generated}
 
