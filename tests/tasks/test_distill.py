@@ -121,6 +121,9 @@ def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers
     )
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert metrics["distill/teacher_kl"] == pytest.approx(kl.sum() / batch["loss_mask"].sum(), rel=1e-5)
+    for i in (0, 1):  # each teacher's own reverse KL beside the weighted total
+        own = np.where(batch["loss_mask"] > 0, out["old_logprobs"] - out[f"teacher_logprobs_{i}"], 0.0)
+        assert metrics[f"distill/teacher_kl/{i}"] == pytest.approx(own.sum() / batch["loss_mask"].sum(), rel=1e-5)
 
 
 def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight):
@@ -196,6 +199,10 @@ def test_a_grpo_run_distils_from_a_teacher_with_and_without_the_outcome_reward(b
     (two,) = [json.loads(l) for l in open(tmp_path / "two" / "metrics.jsonl") if '"loss"' in l]
     assert two["distill/teacher_kl"] == pytest.approx(0.5 * pure["distill/teacher_kl"], abs=0.1)
     assert two["distill/teacher_kl"] != pytest.approx(0.5 * pure["distill/teacher_kl"], abs=1e-4)
+    # Each teacher's own KL beside the total: the first's is the one-teacher run's, the weights mix them.
+    assert two["distill/teacher_kl/0"] == pytest.approx(pure["distill/teacher_kl"], rel=1e-5)
+    kl = 0.5 * two["distill/teacher_kl/0"] + 0.5 * two["distill/teacher_kl/1"]
+    assert two["distill/teacher_kl"] == pytest.approx(kl, rel=1e-5) and "distill/teacher_kl/0" not in pure
 
 
 @pytest.mark.parametrize("mode", ["grpo", "ppo"])
@@ -482,6 +489,66 @@ def test_an_on_policy_step_trains_on_the_student_samples_by_numpy_gkd(builtin_te
     np.testing.assert_allclose([float(got), float(out["distill/jsd"][0])], [want, want], rtol=1e-4)
 
 
+def test_a_seq_kd_step_trains_on_the_teacher_greedy_answers_as_transformers_gives_them(builtin_teachers, tmp_path):
+    """distill_seq_kd (TRL GKDTrainer's seq_kd) at a temperature near 0: every step's completions are
+    the teacher's greedy continuations of the batch's prompts, those of transformers' forward of its
+    checkpoint token by token; distill_lmbda's coin still gives the student's where it falls."""
+    cfg = sft_config(
+        tmp_path,
+        f"teacher_path={builtin_teachers[0]}",
+        "distill_coef=0.5",
+        "distill_seq_kd=true",
+        "rollout_temperature=1e-4",
+        "rollout_max_response_len=3",
+    )
+    built, state = run.build_run(cfg)
+    task = modes.create(built)
+    assert [task.mix.source(s) for s in range(3)] == ["teacher"] * 3
+    batch = next(task.data_iterator)
+    batch.pop("num_truncated")
+    rows, _ = task.mix.rows(batch, state["params"], 0, "teacher")
+    for r in (0, 5):
+        columns = np.flatnonzero(rows["inputs_segmentation"][r] == 1)
+        ids = rows["inputs"][r, columns].tolist()
+        trained = np.flatnonzero(rows["targets_segmentation"][r, columns] > 0)
+        prompt_end = int(trained[0]) + 1
+        greedy = ids[:prompt_end]
+        while len(greedy) < len(ids):
+            greedy.append(int(np.argmax(torch_logits(builtin_teachers[0], greedy)[-1])))
+        assert ids == greedy and 1 <= len(ids) - prompt_end <= 3
+    task.cfg = task.mix.cfg = cfg.replace(distill_lmbda=1.0, distill_coef=1.0)
+    assert task.mix.source(0) == "student"
+
+
+def test_the_eval_logs_each_teacher_accuracy_and_the_student_gap_to_it(builtin_teachers, tmp_path):
+    """Two teachers evaluated once by the student's evaluator (a reward about half of untrained
+    answers pass, so accuracies differ from 0 and 1): each teacher's eval_accuracy is the one a run
+    whose student is that teacher, not trained (learning_rate 0), logs; the gap is teacher minus
+    student at each evaluation."""
+    evals = ["reward=format", "format_reward_pattern=[a-z]", "eval_num_samples=16", "eval_n_samples=0"]
+    argv = sft_argv(
+        tmp_path,
+        "run_name=gap",
+        f"teacher_path={','.join(builtin_teachers)}",
+        "distill_coef=0.5",
+        "eval_interval=1",
+        *evals,
+    )
+    assert train.main(argv) == 0
+    lines = [json.loads(l) for l in open(tmp_path / "gap" / "metrics.jsonl") if "eval_accuracy" in l]
+    assert len(lines) == 2
+    teachers = [lines[0][f"eval_teacher_accuracy/{i}"] for i in (0, 1)]
+    for line in lines:
+        for i in (0, 1):
+            assert line[f"eval_teacher_accuracy/{i}"] == teachers[i]
+            assert line[f"eval_teacher_accuracy_gap/{i}"] == pytest.approx(teachers[i] - line["eval_accuracy"])
+    for i, path in enumerate(builtin_teachers):
+        argv = sft_argv(tmp_path, f"run_name=as_teacher_{i}", f"load_parameters_path={path}", "steps=1", *evals)
+        assert train.main([*argv, "learning_rate=0", "eval_interval=1"]) == 0
+        (line,) = [json.loads(l) for l in open(tmp_path / f"as_teacher_{i}" / "metrics.jsonl") if "eval_acc" in l]
+        assert line["eval_accuracy"] == teachers[i] and 0 < teachers[i] < 1
+
+
 def jsonl(path, records) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
@@ -594,6 +661,21 @@ def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teach
             "teacher_weights has 1 weights but teacher_path names 2 teachers",
         ),
         ({"teacher_weights": "[-1.0]"}, "teacher_weights"),
+        (
+            {"mode": "grpo", "teacher_path": "/t", "distill_coef": "1", "distill_lmbda": "0.5"},
+            "mode=sft with teacher_path",
+        ),
+        ({"mode": "sft", "distill_seq_kd": "true"}, "choose the completions of offline distillation"),
+        (
+            {"mode": "sft", "teacher_path": "/a,/b", "distill_coef": "1", "distill_seq_kd": "true"},
+            "distill_seq_kd samples one teacher's completions",
+        ),
+        ({"mode": "sft", "teacher_path": "/t", "distill_coef": "0.5", "distill_lmbda": "0.5"}, "set distill_coef=1"),
+        (
+            {"mode": "sft", "teacher_path": "/t", "distill_coef": "1", "distill_lmbda": "1", "env": "guess_number"},
+            "an env's episodes distil on-policy in mode=grpo",
+        ),
+        ({"distill_lmbda": "1.5"}, "distill_lmbda"),
     ],
 )
 def test_distillation_config_mistakes_are_one_line(overrides, message):
