@@ -11,7 +11,9 @@ data format may bring its own evaluator instead (data/formats.py; the recommende
 Offline distillation (`teacher_path`, tasks/teacher.py): the teachers' top-k tokens at each label
 position are soft targets beside the labels, their KL logged as distill/kl (per label token, at
 distill_temperature, unscaled; with gkd_beta GKD's divergence in its place, distill/jsd); the teachers are loaded once and run in the update's program, on
-each micro-batch. The eval loss stays the labels' cross-entropy: it needs no teacher.
+each micro-batch. The eval loss stays the labels' cross-entropy: it needs no teacher. With
+distill_lmbda or distill_seq_kd a step's completions may be the student's or the teacher's samples
+of its prompts (tasks/gkd.py, by the run's sampler: the one the evaluation uses).
 """
 
 from __future__ import annotations

@@ -23,7 +23,12 @@ Offline (mode=sft): each teacher's top-`distill_top_k` tokens at every label pos
 gkd_beta GKD's generalised JSD in the KL's place, as TRL's GKDTrainer on dataset completions). The
 teacher runs in the update's own program on the micro-batch, its head a chunk of positions at a
 time as the student's (losses.teacher_targets, then losses.distill_token_stats): the two models'
-full-vocabulary logits exist for one chunk at a time, never for a whole row.
+full-vocabulary logits exist for one chunk at a time, never for a whole row. tasks/gkd.py chooses
+whose completions those rows hold (the dataset's, the teacher's, the student's samples).
+
+Metrics: distill/teacher_kl, with several teachers each one's (distill/teacher_kl/<i>); at every
+evaluation the teachers' eval accuracy, evaluated once by the student's evaluator through a sampler
+of the teacher's model, and the student's gap to it (TeacherAccuracy).
 """
 
 from __future__ import annotations
@@ -166,7 +171,8 @@ def check_vocabulary(run, path: str) -> None:
 
 def distill(teachers: list[Teacher], cfg, advantages: np.ndarray, batch: dict) -> tuple[np.ndarray, dict]:
     """The estimator's `advantages` ([rows] or [rows, C]) with the distillation term, [rows, C]
-    (losses.distill_advantages over the old policy's and the teachers' logprobs), and its metric."""
+    (losses.distill_advantages over the old policy's and the teachers' logprobs), and its metrics:
+    the weighted per-token KL, and with several teachers each one's."""
     mask = batch["loss_mask"]
     out, kl = losses.distill_advantages(
         advantages,
