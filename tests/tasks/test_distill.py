@@ -495,16 +495,18 @@ def test_an_on_policy_step_trains_on_the_student_samples_by_numpy_gkd(builtin_te
 def test_a_seq_kd_step_trains_on_the_teacher_greedy_answers_as_transformers_gives_them(builtin_teachers, tmp_path):
     """distill_seq_kd (TRL GKDTrainer's seq_kd) at a temperature near 0: every step's completions are
     the teacher's greedy continuations of the batch's prompts, those of transformers' forward of its
-    checkpoint token by token; distill_lmbda's coin still gives the student's where it falls."""
+    checkpoint token by token. With distill_coef 0 (sequence-level KD alone) the update takes no
+    teacher and its loss is NumPy's cross-entropy of those answers; distill_lmbda's coin still gives
+    the student's samples where it falls."""
     cfg = sft_config(
         tmp_path,
         f"teacher_path={builtin_teachers[0]}",
-        "distill_coef=0.5",
+        "distill_coef=0",
         "distill_seq_kd=true",
         "rollout_temperature=1e-4",
         "rollout_max_response_len=3",
     )
-    _, state, task, batch = sft_task(cfg)
+    built, state, task, batch = sft_task(cfg)
     assert [task.mix.source(s) for s in range(3)] == ["teacher"] * 3
     rows, _ = task.mix.rows(batch, state["params"], 0, "teacher")
     for r in (0, 5):
@@ -516,6 +518,14 @@ def test_a_seq_kd_step_trains_on_the_teacher_greedy_answers_as_transformers_give
         while len(greedy) < len(ids):
             greedy.append(int(np.argmax(torch_logits(builtin_teachers[0], greedy)[-1])))
         assert ids == greedy and 1 <= len(ids) - prompt_end <= 3
+    assert task.scorers == []
+    inputs = (rows["inputs"], rows["inputs_position"], rows["inputs_segmentation"])
+    logits = nnx.merge(built.graphdef, state["params"])(*inputs)[0]
+    logp = np.take_along_axis(log_softmax(np.asarray(logits, np.float64)), rows["targets"][..., None], -1)[..., 0]
+    trained = rows["targets_segmentation"] > 0
+    got, (count, _) = jax.jit(task.loss)(state["params"], sharding.full_rows_to_global(rows, task.batch_shardings()))
+    assert float(count) == trained.sum()
+    np.testing.assert_allclose(float(got), -logp[trained].sum(), rtol=1e-5)
     task.cfg = task.mix.cfg = cfg.replace(distill_lmbda=1.0, distill_coef=1.0)
     assert task.mix.source(0) == "student"
 

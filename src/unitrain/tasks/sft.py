@@ -52,6 +52,9 @@ class SFTTask(Task):
         )
         self.tokens_per_step = rows * cfg.max_target_length
         self.teachers = load_teachers(run)
+        # The teachers whose soft targets the update takes: none where distill_coef is 0 (distill_seq_kd
+        # alone: the labels' cross-entropy on the teacher's samples, sequence-level KD).
+        self.scorers = self.teachers if cfg.distill_coef > 0 else []
         self.teacher_accuracy = TeacherAccuracy(run, self.teachers)
         self.update = step_lib.make_train_step(
             self.loss,
@@ -59,7 +62,7 @@ class SFTTask(Task):
             run.optimizer,
             run.state_shardings,
             self.batch_shardings(),
-            tuple(jax.tree.map(lambda x: x.sharding, t.params) for t in self.teachers),
+            tuple(jax.tree.map(lambda x: x.sharding, t.params) for t in self.scorers),
         )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
@@ -101,13 +104,13 @@ class SFTTask(Task):
             loss_sum, count, nll_sum = losses.cross_entropy(stats, weights, cfg.z_loss_weight)
             return loss_sum, (count, {"nll": (nll_sum, count)})
         vocab = self.run.model.vocab_size
-        soft = [t.targets(p, batch, cfg, vocab) for t, p in zip(self.teachers, teacher_params)]
+        soft = [t.targets(p, batch, cfg, vocab) for t, p in zip(self.scorers, teacher_params)]
         stats, divergence = losses.distill_token_stats(
             model.logits,
             hidden,
             batch["targets"],
             soft,
-            [t.weight for t in self.teachers],
+            [t.weight for t in self.scorers],
             cfg.logits_chunk_size,
             cfg.distill_temperature,
             cfg.gkd_beta,
@@ -139,7 +142,7 @@ class SFTTask(Task):
             batch = sharding.full_rows_to_global(batch, self.batch_shardings())
         if self.mix:
             mixed["distill/on_policy"] = float(source == gkd.STUDENT)
-        teachers = [t.params for t in self.teachers]
+        teachers = [t.params for t in self.scorers]
         state, metrics = self.run.programs("train_step", self.update, state, batch, *teachers)
         return state, {**metrics, **mixed, "num_truncated": truncated}
 

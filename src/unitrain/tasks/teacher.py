@@ -192,14 +192,14 @@ def distill(teachers: list[Teacher], cfg, advantages: np.ndarray, batch: dict) -
     return np.asarray(out), metrics
 
 
-@check("teacher_path", "distill_coef", "distill_reward_weight", "mode")
+@check("teacher_path", "distill_coef", "distill_reward_weight", "mode", "distill_seq_kd")
 def _distillation(c) -> str | None:
     named = bool(teacher_paths(c["teacher_path"]))
     if not named and c["distill_coef"] == 0 and c["distill_reward_weight"] == 1:
         return None
     if not named:
         return "distill_coef and distill_reward_weight weigh a teacher's KL and the reward: set teacher_path"
-    if c["distill_coef"] == 0:
+    if c["distill_coef"] == 0 and not c["distill_seq_kd"]:  # with it the teacher writes the labels: SeqKD alone
         return "teacher_path is set but distill_coef is 0, so the teacher would score for nothing: set distill_coef > 0"
     if c["mode"] == "sft":
         if c["distill_coef"] > 1:
