@@ -606,6 +606,7 @@ def test_the_dataset_steps_of_a_mix_are_the_offline_run(builtin_teachers, tmp_pa
         assert train.main(argv) == 0
         logged[lmbda] = [json.loads(l) for l in open(tmp_path / f"mix_{lmbda}" / "metrics.jsonl") if '"loss"' in l]
     assert [l["distill/on_policy"] for l in logged[0.5]] == [0.0, 0.0, 1.0]
+    assert [l["distill/samples_dropped"] == 0 for l in logged[0.5]] == [True, True, False]  # long samples
     assert all("distill/on_policy" not in l for l in logged[0.0])
     for offline, mixed in zip(logged[0.0][:2], logged[0.5][:2]):
         assert (offline["loss"], offline["grad_norm"]) == (mixed["loss"], mixed["grad_norm"])

@@ -134,14 +134,15 @@ class SFTTask(Task):
                     f"step {step}: the batch has no completion tokens to train on (check tokenizer_path, "
                     f"{self.cfg.completion_key!r}/{self.cfg.messages_key!r} in {self.cfg.dataset_path})"
                 )
-        source, mixed = self.mix.source(step) if self.mix else gkd.DATASET, {}
+        source = self.mix.source(step) if self.mix else gkd.DATASET
+        # The same keys every step of a mix, so that the logged means span every step.
+        mixed = {"distill/on_policy": float(source == gkd.STUDENT), "distill/samples_dropped": 0.0} if self.mix else {}
         if source == gkd.DATASET:
             batch = sharding.local_rows_to_global(batch, self.batch_shardings())
         else:
-            batch, mixed = self.mix.rows(batch, state["params"], step, source)
+            batch, sampled = self.mix.rows(batch, state["params"], step, source)
             batch = sharding.full_rows_to_global(batch, self.batch_shardings())
-        if self.mix:
-            mixed["distill/on_policy"] = float(source == gkd.STUDENT)
+            mixed.update(sampled)
         teachers = [t.params for t in self.scorers]
         state, metrics = self.run.programs("train_step", self.update, state, batch, *teachers)
         return state, {**metrics, **mixed, "num_truncated": truncated}
