@@ -274,6 +274,7 @@ RULES: dict[str, Rule] = {
     "distill_temperature": POSITIVE,
     "distill_top_k": POSITIVE_INT,
     "gkd_beta": optional(Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]")),
+    "distill_lmbda": Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "kl_type": choices(*KL_TYPES),
     "entropy_coef": NON_NEGATIVE,
     "num_iterations": POSITIVE_INT,

@@ -80,10 +80,12 @@ class TaskEvaluator:
         self.prompts = eval_prompts(cfg, tokenizer, cfg.eval_num_samples, records)
         self.samples = ""
 
-    def correct(self, n: int, sampling: SamplingParams, key) -> tuple[np.ndarray, list, int]:
+    def correct(self, n: int, sampling: SamplingParams, key, sampler=None) -> tuple[np.ndarray, list, int]:
         """([groups, n] bool: which samples are correct, the groups, how many prompts' workflow
-        raised: their groups are left out, as rejected ones are)."""
-        driver = Driver(self.sampler, self.workflow, n, sampling, self.reward_fn, give_up_after=len(self.prompts))
+        raised: their groups are left out, as rejected ones are), sampled by `sampler` (None: the evaluator's)."""
+        driver = Driver(
+            sampler or self.sampler, self.workflow, n, sampling, self.reward_fn, give_up_after=len(self.prompts)
+        )
         driver.start(self.prompts, key)
         driver.dispatch()
         groups = driver.groups()
@@ -95,24 +97,26 @@ class TaskEvaluator:
             )
         return np.stack([g.correct for g in groups]), groups, driver.errors
 
-    def __call__(self, params, step: int) -> dict:
-        cfg, stop = self.cfg, (self.tokenizer.eos_id,)
-        self.sampler.update_weights(params, step)
+    def __call__(self, params, step: int, sampler=None) -> dict:
+        """The metrics of the model of `params` sampled by `sampler` (None: the evaluator's, the
+        student's; a teacher's own, tasks/teacher.py TeacherAccuracy)."""
+        cfg, stop, sampler = self.cfg, (self.tokenizer.eos_id,), sampler or self.sampler
+        sampler.update_weights(params, step)
         greedy = SamplingParams(cfg.rollout_max_response_len, temperature=0.0, stop_token_ids=stop)
-        correct, answers, errors = self.correct(1, greedy, jax.random.key(0))
+        correct, answers, errors = self.correct(1, greedy, jax.random.key(0), sampler)
         result = {"eval_accuracy": float(correct.mean())}
         result.update(self.workflow.metrics([t for g in answers for t in g.trajectories], prefix="eval_"))
         self.samples = self.workflow.markdown(answers)
         if cfg.eval_n_samples:
             sampled = SamplingParams.from_config(cfg, stop_token_ids=stop)
-            sampled_correct, _, sampled_errors = self.correct(cfg.eval_n_samples, sampled, jax.random.key(1))
+            sampled_correct, _, sampled_errors = self.correct(cfg.eval_n_samples, sampled, jax.random.key(1), sampler)
             result[f"eval_pass_at_{cfg.eval_pass_k}"] = float(
                 np.mean([pass_at_k(cfg.eval_n_samples, c, cfg.eval_pass_k) for c in sampled_correct.sum(axis=1)])
             )
             errors += sampled_errors
         if errors:  # shown on the eval's line only when a workflow raised
             result["eval_workflow_errors"] = float(errors)
-        release(self.sampler)
+        release(sampler)
         return result
 
 

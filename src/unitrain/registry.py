@@ -106,6 +106,7 @@ CONFIG_CHECKS = (
     "unitrain.tasks.rl:CONFIG_CHECKS",
     "unitrain.tasks.ppo:CONFIG_CHECKS",
     "unitrain.tasks.teacher:CONFIG_CHECKS",
+    "unitrain.tasks.gkd:CONFIG_CHECKS",
     "unitrain.tasks.rm:CONFIG_CHECKS",
     "unitrain.tasks.dpo:CONFIG_CHECKS",
     "unitrain.tasks.online_dpo:CONFIG_CHECKS",

@@ -28,7 +28,7 @@ from helpers import (
     small_model_config,
     torch_logits,
 )
-from unitrain import losses, modes, reward_model, run, train
+from unitrain import losses, modes, reward_model, run, sharding, train
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
 from unitrain.tasks.teacher import distill
@@ -121,6 +121,9 @@ def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers
     )
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert metrics["distill/teacher_kl"] == pytest.approx(kl.sum() / batch["loss_mask"].sum(), rel=1e-5)
+    for i in (0, 1):  # each teacher's own reverse KL beside the weighted total
+        own = np.where(batch["loss_mask"] > 0, out["old_logprobs"] - out[f"teacher_logprobs_{i}"], 0.0)
+        assert metrics[f"distill/teacher_kl/{i}"] == pytest.approx(own.sum() / batch["loss_mask"].sum(), rel=1e-5)
 
 
 def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight):
@@ -196,6 +199,10 @@ def test_a_grpo_run_distils_from_a_teacher_with_and_without_the_outcome_reward(b
     (two,) = [json.loads(l) for l in open(tmp_path / "two" / "metrics.jsonl") if '"loss"' in l]
     assert two["distill/teacher_kl"] == pytest.approx(0.5 * pure["distill/teacher_kl"], abs=0.1)
     assert two["distill/teacher_kl"] != pytest.approx(0.5 * pure["distill/teacher_kl"], abs=1e-4)
+    # Each teacher's own KL beside the total: the first's is the one-teacher run's, the weights mix them.
+    assert two["distill/teacher_kl/0"] == pytest.approx(pure["distill/teacher_kl"], rel=1e-5)
+    kl = 0.5 * two["distill/teacher_kl/0"] + 0.5 * two["distill/teacher_kl/1"]
+    assert two["distill/teacher_kl"] == pytest.approx(kl, rel=1e-5) and "distill/teacher_kl/0" not in pure
 
 
 @pytest.mark.parametrize("mode", ["grpo", "ppo"])
@@ -344,6 +351,15 @@ def test_the_compiled_distillation_gradient_holds_no_full_logits():
     assert temp_bytes(16) < full_logits  # measured: 0.6 (the step's temporaries grow with the chunk)
 
 
+def sft_task(cfg):
+    """(the run, its state, the SFT task, its first batch on the host)."""
+    built, state = run.build_run(cfg)
+    task = modes.create(built)
+    batch = next(task.data_iterator)
+    batch.pop("num_truncated")
+    return built, state, task, batch
+
+
 def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_teachers, tmp_path):
     """mode=sft's loss with a teacher (an HF Llama of 512 embeddings) on a packed batch of the
     built-in task, through the update's chunked path (8 positions of 32) and all at once: both are
@@ -357,10 +373,7 @@ def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_t
         "distill_top_k=7",
         "logits_chunk_size=8",
     )
-    built, state = run.build_run(cfg)
-    task = modes.create(built)
-    batch = next(task.data_iterator)
-    batch.pop("num_truncated")
+    built, state, task, batch = sft_task(cfg)
     params, (teacher,) = state["params"], task.teachers
     rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     forward = jax.jit(lambda graphdef, p: nnx.merge(graphdef, p)(*rows)[0], static_argnums=0)
@@ -413,6 +426,191 @@ def test_an_sft_distillation_mistake_is_one_line(builtin_teachers, tmp_path, cap
     assert train.main(sft_argv(tmp_path, f"teacher_path={builtin_teachers[0]}", "distill_coef=1.5")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "set distill_coef <= 1" in err
+
+
+# ---------------------------------------------------------------- GKD's mix of completions (tasks/gkd.py)
+
+
+def segments_of(rows: dict, tokenizer) -> list[tuple[str, list[int], list[int]]]:
+    """(prompt text, token ids, trained target columns within them) of every example of SFT rows,
+    the built-in task's prompt being the text up to its '='."""
+    out = []
+    for r in range(len(rows["inputs"])):
+        for s in np.unique(rows["inputs_segmentation"][r][rows["inputs_segmentation"][r] > 0]):
+            cols = np.flatnonzero(rows["inputs_segmentation"][r] == s)
+            ids = rows["inputs"][r, cols].tolist()
+            text = tokenizer.decode(ids)
+            out.append((text[: text.index("=") + 1], ids, np.flatnonzero(rows["targets_segmentation"][r, cols] > 0)))
+    return out
+
+
+def test_an_on_policy_step_trains_on_the_student_samples_by_numpy_gkd(builtin_teachers, tmp_path):
+    """distill_lmbda 1 (TRL GKDTrainer's lmbda, Agarwal et al. 2024): the step's rows are the
+    dataset batch's prompts, each followed by the student's sample of it (the sampler called here with
+    the step's key), trained on the sampled tokens alone, those that do not fit counted out; the loss is GKD's generalised JSD at beta
+    0.5 on them, NumPy's formula (numpy_gkd) on the two models' logits of each example alone."""
+    cfg = sft_config(
+        tmp_path,
+        f"teacher_path={builtin_teachers[0]}",
+        "distill_coef=1.0",
+        "distill_lmbda=1.0",
+        "gkd_beta=0.5",
+        "distill_top_k=7",
+        "logits_chunk_size=8",
+        "rollout_max_response_len=6",
+    )
+    built, state, task, batch = sft_task(cfg)
+    params, (teacher,), tokenizer = state["params"], task.teachers, built.tokenizer
+    assert task.mix.source(0) == "student"
+    rows, metrics = task.mix.rows(batch, params, 0, "student")
+    examples, asked = segments_of(rows, tokenizer), segments_of(batch, tokenizer)
+    # The untrained student's samples run to the 6 tokens, longer than the data's answers: the rows
+    # hold fewer of them, and the rest are counted out.
+    dropped = metrics["distill/samples_dropped"]
+    assert dropped > 0 and len(examples) + dropped == len(asked) and len(examples) > 8
+    # The student's samples of the batch's prompts, as the sampler gives them for the step's key:
+    # each kept example is one of them, its sampled tokens the ones trained on.
+    encode = lambda text: [tokenizer.bos_id] * (tokenizer.bos_id is not None) + tokenizer.encode(text)  # noqa: E731
+    prompts = [encode(a[0]) for a in asked]
+    task.sampler.update_weights(params, 0)
+    done = task.sampler.generate(prompts, task.mix.sampling, jax.random.fold_in(jax.random.key(cfg.seed), 0))
+    samples = [prompts[j] + done.tokens[j, : done.lengths[j]].tolist() for j in range(len(asked))]
+    width = cfg.max_target_length
+    padded = {k: np.zeros((len(examples), width), np.int32) for k in ("inputs", "positions", "segments")}
+    for i, (text, ids, trained) in enumerate(examples):
+        samples.remove(ids)  # one of the samples, not two examples for one
+        np.testing.assert_array_equal(trained, np.arange(len(encode(text)) - 1, len(ids) - 1))
+        padded["inputs"][i, : len(ids)], padded["positions"][i, : len(ids)] = ids, np.arange(len(ids))
+        padded["segments"][i, : len(ids)] = 1
+    forward = jax.jit(lambda graphdef, p: nnx.merge(graphdef, p)(*padded.values())[0], static_argnums=0)
+    student, teacher_logits = forward(built.graphdef, params), forward(teacher.graphdef, teacher.params)
+    jsd = numpy_gkd(student, teacher_logits, 1.0, 7, 0.5)
+    want = sum(jsd[i, e[2]].sum() for i, e in enumerate(examples))
+    on_device = sharding.full_rows_to_global(rows, task.batch_shardings())
+    got, (count, out) = jax.jit(lambda *args: task.loss(*args))(params, on_device, teacher.params)
+    assert float(count) == sum(len(e[2]) for e in examples)
+    np.testing.assert_allclose([float(got), float(out["distill/jsd"][0])], [want, want], rtol=1e-4)
+
+
+def test_a_seq_kd_step_trains_on_the_teacher_greedy_answers_as_transformers_gives_them(builtin_teachers, tmp_path):
+    """distill_seq_kd (TRL GKDTrainer's seq_kd) at a temperature near 0: every step's completions are
+    the teacher's greedy continuations of the batch's prompts, those of transformers' forward of its
+    checkpoint token by token. With distill_coef 0 (sequence-level KD alone) the update takes no
+    teacher and its loss is NumPy's cross-entropy of those answers; distill_lmbda's coin still gives
+    the student's samples where it falls."""
+    cfg = sft_config(
+        tmp_path,
+        f"teacher_path={builtin_teachers[0]}",
+        "distill_coef=0",
+        "distill_seq_kd=true",
+        "rollout_temperature=1e-4",
+        "rollout_max_response_len=3",
+    )
+    built, state, task, batch = sft_task(cfg)
+    assert [task.mix.source(s) for s in range(3)] == ["teacher"] * 3
+    rows, _ = task.mix.rows(batch, state["params"], 0, "teacher")
+    for r in (0, 5):
+        columns = np.flatnonzero(rows["inputs_segmentation"][r] == 1)
+        ids = rows["inputs"][r, columns].tolist()
+        trained = np.flatnonzero(rows["targets_segmentation"][r, columns] > 0)
+        prompt_end = int(trained[0]) + 1
+        greedy = ids[:prompt_end]
+        while len(greedy) < len(ids):
+            greedy.append(int(np.argmax(torch_logits(builtin_teachers[0], greedy)[-1])))
+        assert ids == greedy and 1 <= len(ids) - prompt_end <= 3
+    assert task.scorers == []
+    inputs = (rows["inputs"], rows["inputs_position"], rows["inputs_segmentation"])
+    logits = nnx.merge(built.graphdef, state["params"])(*inputs)[0]
+    logp = np.take_along_axis(log_softmax(np.asarray(logits, np.float64)), rows["targets"][..., None], -1)[..., 0]
+    trained = rows["targets_segmentation"] > 0
+    got, (count, _) = jax.jit(task.loss)(state["params"], sharding.full_rows_to_global(rows, task.batch_shardings()))
+    assert float(count) == trained.sum()
+    np.testing.assert_allclose(float(got), -logp[trained].sum(), rtol=1e-5)
+    task.cfg = task.mix.cfg = cfg.replace(distill_lmbda=1.0, distill_coef=1.0)
+    assert task.mix.source(0) == "student"
+
+
+def test_the_eval_logs_each_teacher_accuracy_and_the_student_gap_to_it(builtin_teachers, tmp_path):
+    """Two teachers evaluated once by the student's evaluator (a reward about half of untrained
+    answers pass, so accuracies differ from 0 and 1): the first's is the eval_accuracy a run whose
+    student is that teacher, not trained (learning_rate 0), logs; the gap is teacher minus student
+    at each evaluation."""
+    evals = ["reward=format", "format_reward_pattern=[a-z]", "eval_num_samples=16", "eval_n_samples=0"]
+    argv = sft_argv(
+        tmp_path,
+        "run_name=gap",
+        f"teacher_path={','.join(builtin_teachers)}",
+        "distill_coef=0.5",
+        "eval_interval=1",
+        *evals,
+    )
+    assert train.main(argv) == 0
+    lines = [json.loads(l) for l in open(tmp_path / "gap" / "metrics.jsonl") if "eval_accuracy" in l]
+    assert len(lines) == 2
+    teachers = [lines[0][f"eval_teacher_accuracy/{i}"] for i in (0, 1)]
+    for line in lines:
+        for i in (0, 1):
+            assert line[f"eval_teacher_accuracy/{i}"] == teachers[i]
+            assert line[f"eval_teacher_accuracy_gap/{i}"] == pytest.approx(teachers[i] - line["eval_accuracy"])
+    argv = sft_argv(tmp_path, "run_name=as_teacher", f"load_parameters_path={builtin_teachers[0]}", "steps=1", *evals)
+    assert train.main([*argv, "learning_rate=0", "eval_interval=1"]) == 0
+    (line,) = [json.loads(l) for l in open(tmp_path / "as_teacher" / "metrics.jsonl") if "eval_acc" in l]
+    assert line["eval_accuracy"] == teachers[0] and 0 < teachers[0] < 1 and teachers[1] != teachers[0]
+
+
+def jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_an_on_policy_run_never_reads_the_dataset_completions(builtin_teachers, tmp_path):
+    """distill_lmbda 1 on two datasets of the same prompts whose completions differ (same lengths,
+    so the packer lays them out alike): the runs are the same to the last digit; offline (lmbda 0)
+    they differ."""
+    sums = [(a, b) for a in range(10) for b in range(10)]
+    data = {
+        name: jsonl(tmp_path / f"{name}.jsonl", [{"prompt": f"{a}+{b}=", "completion": answer(a, b)} for a, b in sums])
+        for name, answer in (("right", lambda a, b: f"{a + b:02d}"), ("wrong", lambda a, b: "99"))
+    }
+    logged = {}
+    for lmbda in (1.0, 0.0):
+        for name, path in data.items():
+            argv = sft_argv(
+                tmp_path,
+                f"run_name={name}_{lmbda}",
+                f"dataset_path={path}",
+                f"teacher_path={builtin_teachers[0]}",
+                "distill_coef=1.0",
+                f"distill_lmbda={lmbda}",
+            )
+            assert train.main(argv) == 0
+            lines = [json.loads(l) for l in open(tmp_path / f"{name}_{lmbda}" / "metrics.jsonl") if '"loss"' in l]
+            logged[name, lmbda] = [(l["loss"], l["grad_norm"], l.get("distill/on_policy")) for l in lines]
+    assert logged["right", 1.0] == logged["wrong", 1.0] and {l[2] for l in logged["right", 1.0]} == {1.0}
+    assert logged["right", 0.0] != logged["wrong", 0.0]
+
+
+def test_the_dataset_steps_of_a_mix_are_the_offline_run(builtin_teachers, tmp_path):
+    """distill_lmbda 0.5 with seed 0 draws the dataset for steps 0 and 1 and the student's samples at
+    step 2: until then its lines are the offline run's (lmbda 0) exactly, step 2's is not."""
+    logged = {}
+    for lmbda in (0.0, 0.5):
+        argv = sft_argv(
+            tmp_path,
+            f"run_name=mix_{lmbda}",
+            "steps=3",
+            f"teacher_path={builtin_teachers[0]}",
+            "distill_coef=1.0",
+            f"distill_lmbda={lmbda}",
+        )
+        assert train.main(argv) == 0
+        logged[lmbda] = [json.loads(l) for l in open(tmp_path / f"mix_{lmbda}" / "metrics.jsonl") if '"loss"' in l]
+    assert [l["distill/on_policy"] for l in logged[0.5]] == [0.0, 0.0, 1.0]
+    assert [l["distill/samples_dropped"] == 0 for l in logged[0.5]] == [True, True, False]  # long samples
+    assert all("distill/on_policy" not in l for l in logged[0.0])
+    for offline, mixed in zip(logged[0.0][:2], logged[0.5][:2]):
+        assert (offline["loss"], offline["grad_norm"]) == (mixed["loss"], mixed["grad_norm"])
+    assert logged[0.0][2]["loss"] != logged[0.5][2]["loss"]
 
 
 # ---------------------------------------------------------------- bad input
@@ -473,6 +671,21 @@ def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teach
             "teacher_weights has 1 weights but teacher_path names 2 teachers",
         ),
         ({"teacher_weights": "[-1.0]"}, "teacher_weights"),
+        (
+            {"mode": "grpo", "teacher_path": "/t", "distill_coef": "1", "distill_lmbda": "0.5"},
+            "mode=sft with teacher_path",
+        ),
+        ({"mode": "sft", "distill_seq_kd": "true"}, "choose the completions of offline distillation"),
+        (
+            {"mode": "sft", "teacher_path": "/a,/b", "distill_coef": "1", "distill_seq_kd": "true"},
+            "distill_seq_kd samples one teacher's completions",
+        ),
+        ({"mode": "sft", "teacher_path": "/t", "distill_coef": "0.5", "distill_lmbda": "0.5"}, "set distill_coef=1"),
+        (
+            {"mode": "sft", "teacher_path": "/t", "distill_coef": "1", "distill_lmbda": "1", "env": "guess_number"},
+            "an env's episodes distil on-policy in mode=grpo",
+        ),
+        ({"distill_lmbda": "1.5"}, "distill_lmbda"),
     ],
 )
 def test_distillation_config_mistakes_are_one_line(overrides, message):

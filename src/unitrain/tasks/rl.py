@@ -88,7 +88,7 @@ from unitrain.rollout.groups import make_filter
 from unitrain.rollout.shaping import reward_shapers, row_filters
 from unitrain.tasks.base import RunContext, Task
 from unitrain.tasks.reference import Reference
-from unitrain.tasks.teacher import distill, load_teachers
+from unitrain.tasks.teacher import TeacherAccuracy, distill, load_teachers
 
 log = logging.getLogger("unitrain")
 
@@ -295,6 +295,7 @@ class RLTask(Task):
                 log.info("rl_packing: packed rows hold no whole groups, so each sequence computes its own prompt")
             self.group_rows = {"logprobs": 1, "update": 1}
         self.teachers = load_teachers(run)
+        self.teacher_accuracy = TeacherAccuracy(run, self.teachers)
         # Replay measures the routes the trainer would change in the old policy's pass; distillation's
         # advantages take the old policy's logprobs.
         self.separate_old = (
@@ -397,7 +398,7 @@ class RLTask(Task):
     def evaluate(self, params, step):
         if not self.evaluator:
             return {}
-        results = self.evaluator(params, step)
+        results = self.teacher_accuracy(self.evaluator, params, step)
         self.eval_text = self.evaluator.samples
         return results
 

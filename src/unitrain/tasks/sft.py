@@ -11,7 +11,9 @@ data format may bring its own evaluator instead (data/formats.py; the recommende
 Offline distillation (`teacher_path`, tasks/teacher.py): the teachers' top-k tokens at each label
 position are soft targets beside the labels, their KL logged as distill/kl (per label token, at
 distill_temperature, unscaled; with gkd_beta GKD's divergence in its place, distill/jsd); the teachers are loaded once and run in the update's program, on
-each micro-batch. The eval loss stays the labels' cross-entropy: it needs no teacher.
+each micro-batch. The eval loss stays the labels' cross-entropy: it needs no teacher. With
+distill_lmbda or distill_seq_kd a step's completions may be the student's or the teacher's samples
+of its prompts (tasks/gkd.py, by the run's sampler: the one the evaluation uses).
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from unitrain.envs.factory import demonstrations
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
 from unitrain.rollout.driver import make_workflow
+from unitrain.tasks import gkd
 from unitrain.tasks.base import RunContext, Task
-from unitrain.tasks.teacher import load_teachers
+from unitrain.tasks.gkd import CompletionMix
+from unitrain.tasks.teacher import TeacherAccuracy, load_teachers
 
 
 class SFTTask(Task):
@@ -48,29 +52,37 @@ class SFTTask(Task):
         )
         self.tokens_per_step = rows * cfg.max_target_length
         self.teachers = load_teachers(run)
+        # The teachers whose soft targets the update takes: none where distill_coef is 0 (distill_seq_kd
+        # alone: the labels' cross-entropy on the teacher's samples, sequence-level KD).
+        self.scorers = self.teachers if cfg.distill_coef > 0 else []
+        self.teacher_accuracy = TeacherAccuracy(run, self.teachers)
         self.update = step_lib.make_train_step(
             self.loss,
             step_lib.StepConfig.from_config(cfg, run.learning_rate),
             run.optimizer,
             run.state_shardings,
             self.batch_shardings(),
-            tuple(jax.tree.map(lambda x: x.sharding, t.params) for t in self.teachers),
+            tuple(jax.tree.map(lambda x: x.sharding, t.params) for t in self.scorers),
         )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
-        self.task_eval, self.text, self.sampler = None, "", None
+        self.task_eval, self.text, self.mix = None, "", None
         self._seen_loss_tokens = False
         eval_path = split_path(cfg, "eval") if cfg.evaluates else "synthetic"
-        if eval_path != "synthetic" and cfg.eval_num_samples:  # synthetic rows have no prompts or answers
-            self.sampler = sampler = make_sampler(run)
-            self.task_eval = format_choice.data_format(cfg).evaluator(cfg, run.tokenizer, sampler)
+        generates = eval_path != "synthetic" and cfg.eval_num_samples  # synthetic rows have no prompts or answers
+        mixes = cfg.distill_lmbda > 0 or cfg.distill_seq_kd
+        self.sampler = make_sampler(run) if generates or mixes else None
+        if mixes:
+            self.mix = CompletionMix(run, self.sampler, self.teachers[0] if cfg.distill_seq_kd else None)
+        if generates:
+            self.task_eval = format_choice.data_format(cfg).evaluator(cfg, run.tokenizer, self.sampler)
             if self.task_eval is None:
                 records = None if eval_path == "builtin" else eval_prompt_records(cfg, run.tokenizer)
                 warn_if_answers_cut(cfg, run.tokenizer, records)
                 self.task_eval = TaskEvaluator(
                     cfg,
                     run.tokenizer,
-                    sampler,
+                    self.sampler,
                     sft_reward_fn(cfg, records),
                     make_workflow(run, "multi_turn" if cfg.env else "single_turn"),  # the demonstrations' env plays
                     records,
@@ -92,13 +104,13 @@ class SFTTask(Task):
             loss_sum, count, nll_sum = losses.cross_entropy(stats, weights, cfg.z_loss_weight)
             return loss_sum, (count, {"nll": (nll_sum, count)})
         vocab = self.run.model.vocab_size
-        soft = [t.targets(p, batch, cfg, vocab) for t, p in zip(self.teachers, teacher_params)]
+        soft = [t.targets(p, batch, cfg, vocab) for t, p in zip(self.scorers, teacher_params)]
         stats, divergence = losses.distill_token_stats(
             model.logits,
             hidden,
             batch["targets"],
             soft,
-            [t.weight for t in self.teachers],
+            [t.weight for t in self.scorers],
             cfg.logits_chunk_size,
             cfg.distill_temperature,
             cfg.gkd_beta,
@@ -122,17 +134,25 @@ class SFTTask(Task):
                     f"step {step}: the batch has no completion tokens to train on (check tokenizer_path, "
                     f"{self.cfg.completion_key!r}/{self.cfg.messages_key!r} in {self.cfg.dataset_path})"
                 )
-        batch = sharding.local_rows_to_global(batch, self.batch_shardings())
-        teachers = [t.params for t in self.teachers]
+        source = self.mix.source(step) if self.mix else gkd.DATASET
+        # The same keys every step of a mix, so that the logged means span every step.
+        mixed = {"distill/on_policy": float(source == gkd.STUDENT), "distill/samples_dropped": 0.0} if self.mix else {}
+        if source == gkd.DATASET:
+            batch = sharding.local_rows_to_global(batch, self.batch_shardings())
+        else:
+            batch, sampled = self.mix.rows(batch, state["params"], step, source)
+            batch = sharding.full_rows_to_global(batch, self.batch_shardings())
+            mixed.update(sampled)
+        teachers = [t.params for t in self.scorers]
         state, metrics = self.run.programs("train_step", self.update, state, batch, *teachers)
-        return state, {**metrics, "num_truncated": truncated}
+        return state, {**metrics, **mixed, "num_truncated": truncated}
 
     def evaluate(self, params, step):
         sums = [self.run.programs("eval_step", self.eval_loss, params, b) for b in self.eval_batches]
         total, count = (sum(float(x[i]) for x in sums) for i in (0, 1))
         if self.task_eval is None:
             return {"eval_loss": total / max(count, 1.0)}
-        generated = self.task_eval(params, step)
+        generated = self.teacher_accuracy(self.task_eval, params, step)
         self.text = self.task_eval.samples
         return {"eval_loss": total / max(count, 1.0), **generated}
 

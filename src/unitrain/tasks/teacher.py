@@ -23,11 +23,17 @@ Offline (mode=sft): each teacher's top-`distill_top_k` tokens at every label pos
 gkd_beta GKD's generalised JSD in the KL's place, as TRL's GKDTrainer on dataset completions). The
 teacher runs in the update's own program on the micro-batch, its head a chunk of positions at a
 time as the student's (losses.teacher_targets, then losses.distill_token_stats): the two models'
-full-vocabulary logits exist for one chunk at a time, never for a whole row.
+full-vocabulary logits exist for one chunk at a time, never for a whole row. tasks/gkd.py chooses
+whose completions those rows hold (the dataset's, the teacher's, the student's samples).
+
+Metrics: distill/teacher_kl, with several teachers each one's (distill/teacher_kl/<i>); at every
+evaluation the teachers' eval accuracy, evaluated once by the student's evaluator through a sampler
+of the teacher's model, and the student's gap to it (TeacherAccuracy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -39,7 +45,10 @@ from unitrain import losses, sharding
 from unitrain import step as step_lib
 from unitrain.config import check
 from unitrain.data.tokenizer import load_tokenizer
+from unitrain.engines import colocated
+from unitrain.engines.colocated import ColocatedSampler
 from unitrain.errors import ConfigError
+from unitrain.evals import TaskEvaluator
 from unitrain.models import moe, sources
 from unitrain.models.base import SharedPrefixModel
 from unitrain.reward_model import check_fits, recorded_tokenizer
@@ -81,6 +90,16 @@ class Teacher:
             ", kept in host memory between uses" if cfg.teacher_host_offload else "",
         )
 
+    def on_device(self):
+        """The parameters in device memory (where teacher_host_offload keeps them in the host's)."""
+        return jax.device_put(self.params, self.device)
+
+    def sampler(self, run) -> ColocatedSampler:
+        """A colocated sampler of the teacher's model on the trainer's mesh (its own completions:
+        distill_seq_kd; its eval accuracy: TeacherAccuracy); the caller pushes on_device() to it."""
+        model = nnx.merge(self.graphdef, self.params)
+        return colocated.from_run(dataclasses.replace(run, model=model, graphdef=self.graphdef))
+
     def targets(self, params, batch, cfg, vocab: int) -> losses.SoftTargets:
         """The teacher's soft targets (losses.teacher_targets) at every position of SFT's rows, over
         the student's `vocab`; `params` (self.params, as the program takes them) brought to device memory."""
@@ -100,6 +119,35 @@ def load_teachers(run) -> list[Teacher]:
         return []
     weights = run.cfg.teacher_weights or [1.0 / len(paths)] * len(paths)
     return [Teacher(run, p, f"teacher_logprobs_{i}", float(w)) for i, (p, w) in enumerate(zip(paths, weights))]
+
+
+class TeacherAccuracy:
+    """How far the student's eval accuracy is from each teacher's: the teachers evaluated once, at
+    the first evaluation, by the student's own generation evaluator (evals.TaskEvaluator: the same
+    prompts, greedy answers and reward) through a sampler of their own; then at every evaluation
+    the gap, teacher minus student."""
+
+    def __init__(self, run, teachers: list[Teacher]):
+        self.run, self.teachers, self.accuracies = run, teachers, None
+
+    def __call__(self, evaluator, params, step: int) -> dict:
+        """evaluator(params, step), the student's metrics, and beside its eval_accuracy each teacher's
+        (eval_teacher_accuracy) and the gap (eval_teacher_accuracy_gap), suffixed /<i> per teacher
+        when there are several; the student's alone without teachers or with a data format's own
+        evaluator. The teachers go first, so the evaluator's samples stay the student's."""
+        if not self.teachers or not isinstance(evaluator, TaskEvaluator):
+            return evaluator(params, step)
+        if self.accuracies is None:
+            self.accuracies = [
+                evaluator(t.on_device(), 0, sampler=t.sampler(self.run))["eval_accuracy"] for t in self.teachers
+            ]
+            log.info("teachers' eval accuracy: %s", ", ".join(f"{a:.4f}" for a in self.accuracies))
+        results = evaluator(params, step)
+        for i, accuracy in enumerate(self.accuracies):
+            suffix = f"/{i}" if len(self.teachers) > 1 else ""
+            results[f"eval_teacher_accuracy{suffix}"] = accuracy
+            results[f"eval_teacher_accuracy_gap{suffix}"] = accuracy - results["eval_accuracy"]
+        return results
 
 
 def check_vocabulary(run, path: str) -> None:
@@ -123,7 +171,8 @@ def check_vocabulary(run, path: str) -> None:
 
 def distill(teachers: list[Teacher], cfg, advantages: np.ndarray, batch: dict) -> tuple[np.ndarray, dict]:
     """The estimator's `advantages` ([rows] or [rows, C]) with the distillation term, [rows, C]
-    (losses.distill_advantages over the old policy's and the teachers' logprobs), and its metric."""
+    (losses.distill_advantages over the old policy's and the teachers' logprobs), and its metrics:
+    the weighted per-token KL, and with several teachers each one's."""
     mask = batch["loss_mask"]
     out, kl = losses.distill_advantages(
         advantages,
@@ -134,17 +183,23 @@ def distill(teachers: list[Teacher], cfg, advantages: np.ndarray, batch: dict) -
         cfg.distill_coef,
         cfg.distill_reward_weight,
     )
-    return np.asarray(out), {"distill/teacher_kl": float(np.asarray(kl).sum() / max(mask.sum(), 1))}
+    tokens = max(mask.sum(), 1)
+    metrics = {"distill/teacher_kl": float(np.asarray(kl).sum() / tokens)}
+    if len(teachers) > 1:  # each teacher's own, unweighted: which one the student is far from
+        sampled = mask > 0
+        for i, t in enumerate(teachers):
+            metrics[f"distill/teacher_kl/{i}"] = float((batch["old_logprobs"] - batch[t.key])[sampled].sum() / tokens)
+    return np.asarray(out), metrics
 
 
-@check("teacher_path", "distill_coef", "distill_reward_weight", "mode")
+@check("teacher_path", "distill_coef", "distill_reward_weight", "mode", "distill_seq_kd")
 def _distillation(c) -> str | None:
     named = bool(teacher_paths(c["teacher_path"]))
     if not named and c["distill_coef"] == 0 and c["distill_reward_weight"] == 1:
         return None
     if not named:
         return "distill_coef and distill_reward_weight weigh a teacher's KL and the reward: set teacher_path"
-    if c["distill_coef"] == 0:
+    if c["distill_coef"] == 0 and not c["distill_seq_kd"]:  # with it the teacher writes the labels: SeqKD alone
         return "teacher_path is set but distill_coef is 0, so the teacher would score for nothing: set distill_coef > 0"
     if c["mode"] == "sft":
         if c["distill_coef"] > 1:
