@@ -87,8 +87,9 @@ computes bfloat16 matmuls in float32 and holds float32 copies of bfloat16 weight
 With `--topology NAME` it compiles instead for a TPU slice that need not be attached, as MaxText's
 train_compile does: NAME is JAX's topology name (v5e:2x2, v5e:16x16, v5p:4x4x4, v6e:8x8), the
 config's mesh spans its devices, the models take the TPU's kernels and layouts
-(sharding.compile_for), and the figures are XLA:TPU's own. It needs libtpu beside jax (`pip install
-libtpu`, or ./setup.sh --tpu), not a TPU.
+(sharding.compile_for), and the figures are XLA:TPU's own. It needs the libtpu that jax names beside it
+(`pip install 'jax[tpu]==<jax's version>'`, or ./setup.sh --tpu; another libtpu is refused in one line:
+an older one fails to compile splash attention), not a TPU.
 
 Exit 2 with `bench: <message>` for a config mistake, and for a program the compiler finds too big
 for the device's memory (XLA:TPU, --topology included): one line with the bytes it needs and the
@@ -105,6 +106,7 @@ import math
 import statistics
 import sys
 import time
+from importlib import metadata
 
 import jax
 import jax.numpy as jnp
@@ -256,6 +258,24 @@ def update_batch(cfg, rows: int, shardings: dict) -> dict:
     return {key: spec(key, where) for key, where in shardings.items()}
 
 
+def libtpu_mismatch() -> str | None:
+    """What is wrong with the installed libtpu for this jax, or None: jax's `tpu` extra names the
+    libtpu its Pallas kernels are built for (an older one fails to compile splash attention)."""
+    try:
+        installed = metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return None  # no libtpu at all: topologies says so
+    pins = [r.split(";")[0].strip() for r in metadata.requires("jax") or [] if r.startswith("libtpu") and "tpu" in r]
+    wanted = pins[0].removeprefix("libtpu").lstrip("=") if pins else ""
+    release = wanted.removesuffix(".*")  # ==0.0.50.* takes 0.0.50 and 0.0.50.1
+    if not wanted or installed in (wanted, release) or (wanted.endswith(".*") and installed.startswith(release + ".")):
+        return None
+    return (
+        f"libtpu {installed} is installed and jax {jax.__version__} is built for libtpu {wanted}; "
+        f"pip install 'jax[tpu]=={jax.__version__}' (or ./setup.sh --tpu) installs it"
+    )
+
+
 def tpu_topology(name: str) -> list:
     """The devices of the TPU slice `name` (e.g. v5e:2x2), for compiling ahead of time without it;
     each host holds up to 2 x 2 chips, as a v4, v5e, v5p or v6e host does."""
@@ -269,12 +289,17 @@ def tpu_topology(name: str) -> list:
     if not version or not 2 <= len(chips) <= 3 or min(chips) < 1:
         raise ConfigError(f"--topology {name!r}: expected a TPU version and its chips, e.g. v5e:2x2 or v5p:2x2x2")
     per_host = (min(chips[0], 2), min(chips[1], 2), 1)
+    mismatch = libtpu_mismatch()
+    if mismatch:
+        raise ConfigError(f"--topology: {mismatch}")
     try:
         return topologies.get_topology_desc(topology_name=name, platform="tpu", chips_per_host_bounds=per_host).devices
     except RuntimeError as e:  # includes XLA's JaxRuntimeError for a topology libtpu does not know
         first = str(e).splitlines()[0]
         if "not installed" in first:
-            raise ConfigError(f"--topology needs libtpu beside jax (pip install libtpu): {first}") from None
+            raise ConfigError(
+                f"--topology needs libtpu beside jax (pip install 'jax[tpu]=={jax.__version__}'): {first}"
+            ) from None
         raise ConfigError(f"--topology {name!r}: {first}") from None
 
 

@@ -114,6 +114,22 @@ def test_topology_needs_compile_only_a_valid_name_and_libtpu():
         assert proc.returncode == 2 and proc.stderr.startswith("bench: --topology needs libtpu beside jax"), proc.stderr
 
 
+@pytest.mark.parametrize("installed, refused", [("0.0.42", True), ("0.0.50.1", False), ("0.0.50", False)])
+def test_a_libtpu_other_than_the_one_jax_names_is_one_line(monkeypatch, installed, refused):
+    """jax 0.12.0.1 names libtpu==0.0.50.*; 0.0.42 fails to compile splash (`no such field:
+    'debug_locations'`), so --topology refuses it before compiling."""
+    import bench
+
+    versions = {"libtpu": installed}
+    monkeypatch.setattr(bench.metadata, "version", lambda name: versions[name])
+    monkeypatch.setattr(bench.metadata, "requires", lambda name: ['libtpu==0.0.50.*; extra == "tpu"', "numpy>=2"])
+    message = bench.libtpu_mismatch()
+    assert (message is not None) == refused
+    if refused:
+        assert message.startswith("libtpu 0.0.42 is installed and jax") and "for libtpu 0.0.50.*" in message
+        assert f"pip install 'jax[tpu]=={jax.__version__}'" in message
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install libtpu)")
 def test_topology_compiles_for_a_tpu_slice_that_is_not_here():
     """v5e:2x2 on this CPU: the program is XLA:TPU's for 4 chips, and the model takes the TPU's
