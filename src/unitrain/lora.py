@@ -14,7 +14,7 @@ each weight stacked over the layers in one module and applies it inside lax.scan
 function, so qwix attaches adapters to lm_head only. Acting on the weights needs nothing of a model
 but its parameters and their logical axes, so it serves every model source; dropout on the adapter
 input cannot be expressed this way, hence no lora_dropout. qwix does the quantisation of the frozen
-base (QLoRA: qwix.quantize / qwix.dequantize, int8 or nf4 in blocks of QUANT_BLOCK inputs).
+base (QLoRA: models/quant.py, int8 or nf4 in blocks of QUANT_BLOCK inputs).
 
 Which axes are inputs: the model dimension `embed` is the input of a weight that starts with it
 (wq, w_gate, lm_head) and the output of one that ends with it (wo, w_down); a leading `layers` axis
@@ -38,11 +38,11 @@ from flax import nnx
 from unitrain import sharding
 from unitrain.config import check
 from unitrain.errors import ConfigError
+from unitrain.models import quant
 from unitrain.models.base import SharedPrefixModel
 
 QUANT_BLOCK = 64  # inputs per quantisation scale, as QLoRA's NF4 blocks
 QUANTISED = ("int8", "nf4")
-FOUR_BIT = {"nf4": jnp.uint4}  # the code dtype qwix gives a 4-bit qtype
 
 
 ADAPTERS = "lora"  # the key of the trained part of a LoraModel's parameters
@@ -170,20 +170,7 @@ def delta(a: jax.Array, b: jax.Array, shape, target: Target) -> jax.Array:
 def quantise(w: jax.Array, target: Target, qtype: str):
     """The weight as a qwix QArray: one scale per layer, output channel and leading input axis, per
     block of QUANT_BLOCK along the last input axis (the whole axis when it is not a multiple)."""
-    last_in = target.in_axes[-1]
-    tiles = {last_in: QUANT_BLOCK} if w.shape[last_in] % QUANT_BLOCK == 0 else {}
-    q = qwix.quantize(
-        w, qtype, channelwise_axes=[ax for ax in range(w.ndim) if ax != last_in], tiled_axes=tiles, scale_dtype=w.dtype
-    )
-    # 4-bit codes are held one per byte: JAX's CPU runtime hands packed 4-bit arrays to compiled
-    # programs in a layout they refuse.
-    return q.replace(qvalue=q.qvalue.astype(jnp.uint8)) if qtype in FOUR_BIT else q
-
-
-def dequantise(q) -> jax.Array:
-    if q.qtype in FOUR_BIT:
-        q = q.replace(qvalue=q.qvalue.astype(FOUR_BIT[q.qtype]))
-    return qwix.dequantize(q)
+    return quant.quantise(w, target.in_axes, qtype, block=QUANT_BLOCK)
 
 
 # ---------------------------------------------------------------- the model
@@ -244,7 +231,7 @@ class LoraModel(nnx.Module):
         params = nnx.to_pure_dict(state)
         for t in self.targets:
             w = _get(params, t.path)
-            w = dequantise(w) if isinstance(w, qwix.QArray) else w
+            w = quant.dequantise(w) if isinstance(w, qwix.QArray) else w
             adapter = _get(self.lora, t.path)
             update = delta(adapter["a"][...], adapter["b"][...], w.shape, t)
             merged = (w.astype(jnp.float32) + self.alpha / self.rank * update).astype(t.dtype)
@@ -271,9 +258,9 @@ class LoraModel(nnx.Module):
         # Every targeted weight is merged, but XLA drops the merges the output head does not use.
         return self.merged().logits(hidden)
 
-    def decode_weights(self):
+    def decode_weights(self, quantization: str = "none"):
         """The merged model's: the sampler makes them once per weight version, not per token."""
-        return self.merged().decode_weights()
+        return self.merged().decode_weights(quantization)
 
     def for_decoding(self, weights):
         return self.merged().for_decoding(weights)

@@ -74,6 +74,8 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 POLICY_LOSSES = {"ppo": "unitrain.losses:token_log_ratio", "gspo": "unitrain.losses:sequence_log_ratio"}
 ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_IS_MODES = ("truncate", "mask")
+# rollout_quantization: the sampler's weights (engines/colocated.py; vLLM's own flags, engines/vllm.py)
+ROLLOUT_QUANTIZATIONS = ("none", "int8", "fp8")
 
 # dpo_loss_type: mode=dpo's preference losses (losses.py); kto reads unpaired records
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "cpo", "orpo", "kto")

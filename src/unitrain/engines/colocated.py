@@ -45,6 +45,13 @@ fit the next smaller row bucket, and from there the running rows decode in ever 
 noise is drawn by its index in the call, so a compacted row draws the tokens it would have drawn
 uncompacted. Figures: docs/PERFORMANCE.md.
 
+With `quantization` (rollout_quantization: int8 | fp8) the decode weights are the model's weight-only
+quantised ones (models/quant.py, qwix: one scale per output channel), made at a version's first call
+as above: the sampler samples from, and records the logprobs of, the quantised model, while the
+trainer keeps its full-precision parameters; `rollout_is` corrects for the gap, which the RL step
+logs as sampler_trainer_logprob_gap. Prefill, decode, beam search and the generation evals all run
+on them.
+
 With `SamplingParams.record_routes` (routing replay) the program also returns the experts every
 token ran in each MoE layer, collected from the model's reports (models/moe.py) around the prefill
 and each decode step; they are per-row fields, so compaction moves them with their rows.
@@ -368,7 +375,8 @@ class ColocatedSampler:
     `compaction` (config rollout_compaction): as rows end, the decode gathers the rows still running
     into smaller row buckets, down to this many rows; 0: off (module docstring). Decodes of fewer
     than `compaction_min_tokens` new tokens are not compacted: their buckets' compiles would cost
-    more than the ended rows do.
+    more than the ended rows do. `quantization` (config rollout_quantization, int8 | fp8): the
+    sampler's copy of the weights, its decode weights, weight-only quantised (module docstring).
     """
 
     def __init__(
@@ -382,8 +390,10 @@ class ColocatedSampler:
         cache_phases: int = 1,
         compaction: int = 0,
         compaction_min_tokens: int = 0,
+        quantization: str = "none",
     ):
         self.graphdef, params = nnx.split(model)
+        self.quantization = quantization
         self.params, self.version, self.decode = nnx.to_pure_dict(params), 0, None
         self.vocab_size, self.pad_id, self.mesh, self.cache_phases = model.vocab_size, pad_id, mesh, cache_phases
         self.compaction, self.compaction_min_tokens = compaction, compaction_min_tokens
@@ -402,16 +412,17 @@ class ColocatedSampler:
         self.decode = None
 
     def decode_weights(self):
-        """The model's `decode_weights` of the current parameters, made once (module docstring).
-        Of abstract parameters (bench's --compile-only), their abstract arrays."""
+        """The model's `decode_weights` of the current parameters, made once (module docstring),
+        quantised as `quantization` says. Of abstract parameters (bench's --compile-only), their
+        abstract arrays."""
         if self.decode is None:
-            graphdef = self.graphdef
+            graphdef, quantised = self.graphdef, () if self.quantization == "none" else (self.quantization,)
             make = self.programs.compiled(
                 "decode weights",
                 None,
                 self.params,
-                static=(graphdef,),
-                build=lambda: jax.jit(lambda p: nnx.merge(graphdef, p).decode_weights()),
+                static=(graphdef, *quantised),
+                build=lambda: jax.jit(lambda p: nnx.merge(graphdef, p).decode_weights(*quantised)),
             )
             abstract = isinstance(jax.tree.leaves(self.params)[0], jax.ShapeDtypeStruct)
             self.decode = make.out_info if abstract else make(self.params)
@@ -582,4 +593,5 @@ def from_run(run) -> ColocatedSampler:
         cache_phases=run.cfg.rollout_cache_phases,
         compaction=run.cfg.rollout_compaction,
         compaction_min_tokens=run.cfg.rollout_compaction_min_tokens,
+        quantization=run.cfg.rollout_quantization,
     )

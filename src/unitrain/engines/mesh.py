@@ -78,4 +78,5 @@ def from_run(run) -> RolloutMeshSampler:
         cache_phases=run.cfg.rollout_cache_phases,
         compaction=run.cfg.rollout_compaction,
         compaction_min_tokens=run.cfg.rollout_compaction_min_tokens,
+        quantization=run.cfg.rollout_quantization,
     )

@@ -53,11 +53,14 @@ class Model(Protocol):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The output head: hidden [B, T, E] -> logits [B, T, V] (compute dtype)."""
 
-    def decode_weights(self) -> Any:
+    def decode_weights(self, quantization: str = "none") -> Any:
         """What a sampler's token loop needs made from the parameters, as a pytree of arrays (None:
         nothing; our decoder: each layer's weights sliced out of the stacked ones, where XLA would
         copy the slices on every step). A sampler makes it in a program of its own once per
-        weight version and passes it to `for_decoding` in every call with those weights."""
+        weight version and passes it to `for_decoding` in every call with those weights.
+        `quantization` (rollout_quantization, int8 | fp8): the weights the sampler samples with,
+        weight-only quantised (our decoder's: qwix QArrays, models/quant.py); a sampler passes it
+        only when set, so a model that does not quantise may take no argument."""
 
     def for_decoding(self, weights: Any) -> Model:
         """The model as a sampler's token loop calls it, given `decode_weights()` of the same

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from unitrain import sharding
-from unitrain.models import kv_cache, moe
+from unitrain.models import kv_cache, moe, quant
 from unitrain.models.attention import attention_fn, attention_mask, cached_attention
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
@@ -205,20 +205,28 @@ class Decoder(nnx.Module):
             raise NotImplementedError("this decoder was built without an HF writer: build it with its model source")
         self.hf_writer(self, path)
 
-    def decode_weights(self):
-        """Where a stacked weight's slices are copies (`copies_weight_slices`), what a `Decoding`
-        runs on: each layer's `_decode_weights` sliced out of the stacked ones, and the head in the
-        compute dtype (a tied embedding transposed); elsewhere None, the slices costing nothing."""
+    def decode_weights(self, quantization: str = "none"):
+        """Where a stacked weight's slices are copies (`copies_weight_slices`) or the sampler's weights
+        are quantised, what a `Decoding` runs on: each layer's `_decode_weights` sliced out of the
+        stacked ones, and the head in the compute dtype (a tied embedding transposed); elsewhere
+        None, the slices costing nothing. `quantization` (rollout_quantization: int8 | fp8): every
+        matmul weight of the layers and the head weight-only quantised, one scale per output
+        channel (models/quant.py); norms, biases and the embedding table stay as they are."""
         cfg = self.cfg
-        if not copies_weight_slices(cfg.platform):
+        if quantization == "none" and not copies_weight_slices(cfg.platform):
             return None
+        if quantization != "none" and cfg.num_experts:  # the config refuses it (engines/factory.py)
+            raise ValueError("the quantised decode serves dense models: its experts' ragged_dot takes no QArray")
         params = self._stacked_layers()
-        return {
-            "layers": [
-                _decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)
-            ],
-            "head": self._head(),
-        }
+        layers = [_decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)]
+        head = self._head()
+        if quantization != "none":
+            layers = [
+                {name: quant.quantise(w, _IN_AXES[name], quantization) if name in _IN_AXES else w for name, w in p.items()}
+                for p in layers
+            ]
+            head = quant.quantise(head, (0,), quantization)
+        return {"layers": layers, "head": head}
 
     def for_decoding(self, weights):
         return self if weights is None else Decoding(self, weights)
@@ -244,7 +252,7 @@ class Decoder(nnx.Module):
         return (self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]).astype(cfg.dtype)
 
     def _apply_head(self, hidden, head):
-        return _constrain(self.cfg, jnp.einsum("bte,ev->btv", hidden, head), ("batch", "length", "vocab"))
+        return _constrain(self.cfg, quant.einsum("bte,ev->btv", hidden, head), ("batch", "length", "vocab"))
 
     def _stacked_layers(self) -> dict:
         """The layer parameters by name, each stacked on its leading `layers` axis."""
@@ -403,6 +411,8 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: kv_cach
 
 
 _MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", moe.ROUTER, *moe.EXPERT_PARAMS)
+# The input axes of a dense layer's decode weights: what a quantised decode weight's scale reduces.
+_IN_AXES = {"wqkv": (0,), "wo": (0, 1), "w_gate": (0,), "w_up": (0,), "w_down": (0,)}
 
 
 def _decode_weights(cfg: ModelConfig, p: dict) -> dict:
@@ -489,7 +499,8 @@ def _dense(x, w, n_in=1):
     a single row axis; over batch and length XLA:CPU would first copy the activation or its gradient
     into a transposed layout, for every projection of every layer (a third of the SFT step)."""
     rows = x.shape[: x.ndim - n_in]
-    y = x.reshape(math.prod(rows), -1) @ w.reshape(math.prod(w.shape[:n_in]), -1)
+    flat = w.reshape(math.prod(w.shape[:n_in]), math.prod(w.shape[n_in:]))  # a QArray's reshape takes no -1
+    y = quant.matmul(x.reshape(math.prod(rows), -1), flat)
     return y.reshape(*rows, *w.shape[n_in:])
 
 
