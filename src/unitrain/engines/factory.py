@@ -57,4 +57,25 @@ def _rollout_devices(c) -> str | None:
     return None
 
 
-CONFIG_CHECKS = (_rollout_devices,)
+@check("rollout_quantization", "sampler", "mode", "model_source", "num_experts")
+def _rollout_quantization(c) -> str | None:
+    """The sampler's quantised weights: the JAX samplers quantise our dense decoder's decode weights
+    (colocated.py); vLLM takes its own flags (vllm.py checks them); a plugin sampler is told nothing."""
+    q, sampler = c["rollout_quantization"], c["sampler"]
+    if q == "none":
+        return None
+    if c["mode"] in ("dpo", "rm"):
+        return f"rollout_quantization={q} quantises the sampler's weights; mode={c['mode']} samples nothing"
+    if sampler == "vllm":
+        return None
+    if sampler not in ("colocated", "mesh"):
+        return f"rollout_quantization={q} serves samplers colocated, mesh and vllm, not the plugin {sampler}"
+    if c["model_source"] != "unitrain" or c["num_experts"]:
+        return (
+            f"rollout_quantization={q} with sampler {sampler} quantises unitrain's dense decoder (model_source "
+            f"unitrain, num_experts 0), not model_source {c['model_source']} with num_experts {c['num_experts']}"
+        )
+    return None
+
+
+CONFIG_CHECKS = (_rollout_devices, _rollout_quantization)

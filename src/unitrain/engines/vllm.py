@@ -60,6 +60,7 @@ from jax.experimental import multihost_utils
 
 from unitrain import export, lora
 from unitrain.config import check
+from unitrain.engines import vllm_server
 from unitrain.engines.base import Completions, SamplingParams
 from unitrain.engines.vllm_server import CPU_HEAD_DIMS, EngineError, Server, is_cpu_build
 from unitrain.errors import ConfigError
@@ -70,6 +71,11 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank 
 SERVED_NAME = "unitrain"  # the model name our server answers to, whatever folder it loaded last
 MAX_CONCURRENT_ROWS = 1024  # rows in flight at once (threads; vLLM's own scheduler batches them)
 SUPERVISOR_NOTICE_SECONDS = 2.0  # a server's supervisor sees its child's end within 0.5 s
+# rollout_quantization -> vLLM's online quantisation (--quantization): the server quantises each
+# version as it loads it. vLLM 0.32 quantises online in bfloat16 or float16 only; its int8 is
+# weight-only on MoE experts alone (its linear layers stay unquantised).
+VLLM_QUANTIZATION = {"int8": "int8_per_channel_weight_only", "fp8": "fp8_per_channel"}
+VLLM_QUANTIZED_DTYPES = ("bfloat16", "float16")
 
 
 class ServerGone(EngineError):
@@ -615,6 +621,11 @@ def server_args(cfg, model_path: str, port: int, lora_rank: int = 0) -> list[str
         "--max-model-len": str(cfg.max_prompt_length + cfg.episode_max_tokens + cfg.rollout_max_response_len),
         "--dtype": cfg.dtype,
         **(lora_args if lora_rank else {}),
+        **(
+            {"--quantization": VLLM_QUANTIZATION[cfg.rollout_quantization]}
+            if cfg.rollout_quantization != "none"
+            else {}
+        ),
     }
     args = [a for flag, value in ours.items() if flag not in extra for a in (flag, value)]
     # Token ids in and out: vLLM needs no tokenizer. No chunked prefill: vLLM 0.32 on a CPU fails a
@@ -692,7 +703,27 @@ def _lora_rank(c) -> str | None:
     return None
 
 
-CONFIG_CHECKS = (_servers, _interrupt, _head_dim, _lora_rank)
+@check("sampler", "rollout_quantization", "vllm_urls", "vllm_python", "vllm_args", "dtype", "num_experts")
+def _quantization(c) -> str | None:
+    """rollout_quantization as vLLM's own --quantization, checked before a server starts: what vLLM
+    0.32 quantises online (its CPU build included: fp8 by torch's scaled matmul, int8 MoE experts)."""
+    q = c["rollout_quantization"]
+    if c["sampler"] != "vllm" or q == "none":
+        return None
+    if c["vllm_urls"]:
+        return f"rollout_quantization={q}: the servers of vllm_urls run as they were started; give them --quantization {VLLM_QUANTIZATION[q]} there and set rollout_quantization=none"
+    if q == "int8" and not c["num_experts"]:
+        return "rollout_quantization=int8: vLLM's int8 weight-only (int8_per_channel_weight_only) quantises MoE experts only, and this model is dense; use fp8 with sampler vllm, or int8 with sampler colocated"
+    if q == "int8" and is_cpu_build(c["vllm_python"]) and not vllm_server.has_amx():
+        return "rollout_quantization=int8: the int8 MoE kernel of vLLM's CPU build needs AMX (Sapphire Rapids or newer), which this CPU lacks; use fp8 with sampler vllm, or int8 with sampler colocated"
+    extra = shlex.split(c["vllm_args"])
+    dtype = extra[extra.index("--dtype") + 1] if "--dtype" in extra[:-1] else c["dtype"]
+    if dtype not in VLLM_QUANTIZED_DTYPES:
+        return f"rollout_quantization={q}: vLLM quantises online only {' or '.join(VLLM_QUANTIZED_DTYPES)} models, and its --dtype is {dtype}: set dtype (or --dtype in vllm_args) to bfloat16"
+    return None
+
+
+CONFIG_CHECKS = (_servers, _interrupt, _head_dim, _lora_rank, _quantization)
 
 
 def from_run(run) -> VLLMSampler:

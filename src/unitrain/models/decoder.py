@@ -222,7 +222,10 @@ class Decoder(nnx.Module):
         head = self._head()
         if quantization != "none":
             layers = [
-                {name: quant.quantise(w, _IN_AXES[name], quantization) if name in _IN_AXES else w for name, w in p.items()}
+                {
+                    name: quant.quantise(w, _IN_AXES[name], quantization) if name in _IN_AXES else w
+                    for name, w in p.items()
+                }
                 for p in layers
             ]
             head = quant.quantise(head, (0,), quantization)
