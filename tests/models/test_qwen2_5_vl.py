@@ -191,3 +191,37 @@ def test_export_round_trip(case, tmp_path):
     assert keep(after.vision_config) == keep(before.vision_config)
     reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
     np.testing.assert_array_equal(torch_logits(reloaded, case), torch_logits(case["torch_model"], case))
+
+
+def test_cached_decode_after_an_image_prompt_equals_the_full_forward(case):
+    """The one-image row as a sampler runs it: its prompt (the image's features in) prefilled into
+    the KV cache, then its last tokens one call at a time at their M-RoPE positions: the logits of
+    transformers' forward of the whole row."""
+    model = hf.load(case["path"])
+    n, prompt = case["lengths"][0], case["lengths"][0] - 3
+    ids, segments = case["ids"][:1, :n], case["segments"][:1, :n]
+    grids = case["grids"][:1]
+    vision = model.vision.cfg
+    features = encode(model, case["pixels"][:16], qwen2_5_vl.image_layout(grids, vision))
+    rope = qwen2_5_vl.mrope_positions(ids, segments, grids, case["pad"], vision)
+    positions = np.arange(n)[None]
+    call = nnx.jit(lambda m, t, p, s, c, **images: m(t, p, s, c, **images))
+    cols = slice(0, prompt)
+    logits, cache = call(
+        model,
+        ids[:, cols],
+        positions[:, cols],
+        segments[:, cols],
+        model.init_cache(1, n),
+        image_features=features,
+        rope_positions=rope[:, cols],
+    )
+    steps = [logits]
+    for col in range(prompt, n):
+        cols = slice(col, col + 1)
+        logits, cache = call(
+            model, ids[:, cols], positions[:, cols], segments[:, cols], cache, rope_positions=rope[:, cols]
+        )
+        steps.append(logits)
+    expected = torch_logits(case["torch_model"], case)[0, :n]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1)[0], expected, **TOL)
