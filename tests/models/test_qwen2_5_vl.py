@@ -5,6 +5,7 @@ images drawn here: a batch of one image, two images of different sizes, and none
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -225,3 +226,30 @@ def test_cached_decode_after_an_image_prompt_equals_the_full_forward(case):
         steps.append(logits)
     expected = torch_logits(case["torch_model"], case)[0, :n]
     np.testing.assert_allclose(np.concatenate(steps, axis=1)[0], expected, **TOL)
+
+
+def test_tower_gradients_equal_torch_autograd(case):
+    """The tower trains: the gradients of a random projection of its features with respect to the
+    patch embedding, every block's query projection and the merger are torch autograd's."""
+    model = hf.load(case["path"])
+    pixels, grids = case["pixels"][16:], case["grids"][1:]
+    vision = model.vision.cfg
+    probe = np.random.default_rng(0).normal(size=(sum(qwen2_5_vl.image_tokens(g, vision) for g in grids), 64))
+    graph, params = nnx.split(model)
+    layout = qwen2_5_vl.image_layout(grids, vision)
+    loss = lambda p: jnp.sum(nnx.merge(graph, p).encode_images(pixels, layout) * probe)  # noqa: E731
+    ours = jax.jit(jax.grad(loss))(params)["vision"]
+    tower = case["torch_model"].model.visual
+    tower.zero_grad()
+    (tower(torch.tensor(pixels), grid_thw=torch.tensor(grids)).pooler_output * torch.tensor(probe)).sum().backward()
+    E = vision.hidden_size
+    pairs = [
+        (ours["patch_embed"][...].transpose(4, 0, 1, 2, 3), tower.patch_embed.proj.weight.grad),
+        (ours["merge_w1"][...].T, tower.merger.mlp[0].weight.grad),
+        *(
+            (ours["blocks"]["wq"][...][i].reshape(E, E).T, b.attn.qkv.weight.grad[:E])
+            for i, b in enumerate(tower.blocks)
+        ),
+    ]
+    for got, expected in pairs:
+        np.testing.assert_allclose(np.asarray(got), expected.numpy(), atol=1e-4, rtol=1e-5)
