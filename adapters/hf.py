@@ -17,6 +17,7 @@ writes the per-expert one, which transformers, vLLM and older readers all load.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from unitrain import sharding
 from unitrain.adapters import hf_config
 from unitrain.errors import CheckpointError, ConfigError
 from unitrain.models import decoder as model_lib
+from unitrain.models import qwen2_5_vl
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -44,7 +46,8 @@ class _Mapping:
     then transposed by `perm` into unitrain's layout: unitrain axis u is view axis perm[u].
     `experts`: hf_key names one tensor per expert ({j}), stacked on the parameter's leading axis
     (perm and split then describe one expert's tensor). `part` = (axis, index, count): the parameter
-    is the index-th of `count` equal blocks of the HF tensor along that axis (a fused gate_up).
+    is the index-th of `count` equal blocks of the HF tensor along that axis (a fused gate_up, the
+    vision tower's fused qkv), the split, if on that axis, inside the block.
     """
 
     hf_key: str
@@ -117,6 +120,35 @@ def _mappings(cfg: model_lib.ModelConfig, fused_experts: bool = False) -> dict[s
     return m
 
 
+def _vision_mappings(cfg: qwen2_5_vl.VisionConfig) -> dict[str, _Mapping]:
+    """Qwen2.5-VL's vision tower (models/qwen2_5_vl.py) in `visual.*`: its fused qkv [3 * E, E] one
+    third per projection, the patch embedding's Conv3d kernel [E, C, t, p, p] as it is."""
+    D, block = cfg.head_dim, "visual.blocks.{i}."
+    m = {
+        "vision.patch_embed": _Mapping("visual.patch_embed.proj.weight", (1, 2, 3, 4, 0)),
+        "vision.merge_norm": _Mapping("visual.merger.ln_q.weight", (0,)),
+        "vision.merge_w1": _Mapping("visual.merger.mlp.0.weight", (1, 0)),
+        "vision.merge_b1": _Mapping("visual.merger.mlp.0.bias", (0,)),
+        "vision.merge_w2": _Mapping("visual.merger.mlp.2.weight", (1, 0)),
+        "vision.merge_b2": _Mapping("visual.merger.mlp.2.bias", (0,)),
+        "vision.blocks.attn_norm": _Mapping(block + "norm1.weight", (0,)),
+        "vision.blocks.mlp_norm": _Mapping(block + "norm2.weight", (0,)),
+        "vision.blocks.wo": _Mapping(block + "attn.proj.weight", (1, 2, 0), (1, D)),
+        "vision.blocks.bo": _Mapping(block + "attn.proj.bias", (0,)),
+    }
+    for j, name in enumerate("qkv"):
+        m[f"vision.blocks.w{name}"] = _Mapping(block + "attn.qkv.weight", (2, 0, 1), (0, D), part=(0, j, 3))
+        m[f"vision.blocks.b{name}"] = _Mapping(block + "attn.qkv.bias", (0, 1), (0, D), part=(0, j, 3))
+    for name in ("gate", "up", "down"):
+        m[f"vision.blocks.w_{name}"] = _Mapping(block + f"mlp.{name}_proj.weight", (1, 0))
+        m[f"vision.blocks.b_{name}"] = _Mapping(block + f"mlp.{name}_proj.bias", (0,))
+    return m
+
+
+# The parameters stacked on a leading layer axis, by the prefix of their path.
+_STACKED = ("layers.", "vision.blocks.")
+
+
 def tensor_names(cfg: model_lib.ModelConfig) -> dict[str, str]:
     """unitrain parameter path ('.'-joined) -> its HF tensor name ({i} = layer index, {j} = expert)."""
     return {name: m.hf_key for name, m in _mappings(cfg).items()}
@@ -133,7 +165,46 @@ def _hf_names(m: _Mapping, cfg: model_lib.ModelConfig, layer: int | None) -> lis
 
 def model_config_from_hf(path: str | Path, trust_remote_code: bool = False, **execution) -> model_lib.ModelConfig:
     """ModelConfig from an HF checkpoint dir; `execution` sets dtype, weight_dtype, remat_policy, ..."""
+    if _is_vision_language(path, trust_remote_code):
+        return model_lib.ModelConfig(**hf_config.vision_language_keys(path)[0], **execution)
     return model_lib.ModelConfig(**hf_config.model_keys(path, trust_remote_code), **execution)
+
+
+def vision_config_from_hf(path: str | Path, trust_remote_code: bool = False) -> qwen2_5_vl.VisionConfig | None:
+    """The vision tower of an HF vision-language checkpoint dir; None for a text model's."""
+    if not _is_vision_language(path, trust_remote_code):
+        return None
+    return qwen2_5_vl.VisionConfig(**hf_config.vision_language_keys(path)[1])
+
+
+def _is_vision_language(path, trust_remote_code: bool) -> bool:
+    return hf_config.read_hf_config(path, trust_remote_code).model_type in hf_config.VISION_LANGUAGE_TYPES
+
+
+def _vision_language_config(
+    cfg: model_lib.ModelConfig, vision: qwen2_5_vl.VisionConfig
+) -> transformers.PreTrainedConfig:
+    """config.json of a Qwen2.5-VL: the decoder's as its text config (M-RoPE's sections in its
+    rope parameters), the tower's, the special tokens."""
+    text = hf_config_from_model(dataclasses.replace(cfg, model_family="qwen2")).to_dict()
+    text["rope_parameters"]["mrope_section"] = list(cfg.mrope_section)
+    fields = {f.name: getattr(vision, f.name) for f in dataclasses.fields(vision)}
+    tokens = {name: fields.pop(name) for name in ("video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    rope_theta = fields.pop("rope_theta")
+    return transformers.Qwen2_5_VLConfig(
+        text_config={k: v for k, v in text.items() if k not in ("architectures", "model_type", "tie_word_embeddings")},
+        vision_config=dict(
+            fields,
+            fullatt_block_indexes=list(vision.fullatt_block_indexes),
+            hidden_act="silu",
+            rope_parameters={"rope_type": "axial", "rope_theta": rope_theta},
+        ),
+        image_token_id=cfg.image_token_id,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        dtype=str(np.dtype(cfg.weight_dtype)),
+        **tokens,
+    )
 
 
 def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedConfig:
@@ -239,7 +310,8 @@ def _read_layer(index: _TensorIndex, key: str, m: _Mapping, view_shape, u_index,
     for hf_axis in range(hf_ndim):
         if m.split and m.split[0] == hf_axis:
             outer, inner = view_index[v], view_index[v + 1]
-            hf_index.append(slice(outer.start * m.split[1], outer.stop * m.split[1]))
+            offset = m.part[1] * view_shape[v] * m.split[1] if m.part and m.part[0] == hf_axis else 0
+            hf_index.append(slice(outer.start * m.split[1] + offset, outer.stop * m.split[1] + offset))
             block_shape += [outer.stop - outer.start, m.split[1]]
             post_index += [slice(None), inner]
             v += 2
@@ -322,6 +394,7 @@ def load(
         execution.setdefault("platform", sharding.target_platform())
         model_cfg = model_config_from_hf(path, trust_remote_code, dtype=dtype, logical_axis_rules=rules, **execution)
     cfg, rules = model_cfg, model_cfg.logical_axis_rules
+    vision = vision_config_from_hf(path, trust_remote_code)
     mesh = mesh or single_device_mesh()
     index = _TensorIndex(path)
     rows = index.slice("model.embed_tokens.weight").get_shape()[0]
@@ -332,27 +405,29 @@ def load(
         return vocab.grown(
             narrow, *vocab.wider(nnx.eval_shape(lambda: model_lib.create(cfg, hf_writer=save)), mesh, rules)
         )
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_lib.create(cfg, hf_writer=save)))
+    create = model_lib.create if vision is None else functools.partial(qwen2_5_vl.create, vision=vision)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: create(cfg, hf_writer=save)))
     shardings = sharding.state_shardings(abstract, mesh, rules)
     mappings = _mappings(cfg, fused_experts=FUSED_EXPERTS.format(i=0) in index.files)
-    _check_no_unknown_tensors(path, index, cfg, mappings, other_tensors)
-    flat_vars = dict(nnx.to_flat_state(abstract))
+    if vision is not None:
+        mappings.update(_vision_mappings(vision))
+    flat_vars = {".".join(str(k) for k in key_path): var for key_path, var in nnx.to_flat_state(abstract)}
+    _check_no_unknown_tensors(path, index, cfg, mappings, flat_vars, other_tensors)
     flat_shardings = dict(nnx.to_flat_state(shardings))
     loaded = {}
-    for key_path, var in flat_vars.items():
+    for key_path, var in nnx.to_flat_state(abstract):
         name = ".".join(str(k) for k in key_path)
-        array = _load_param(
-            index, mappings[name], name.startswith("layers."), var, flat_shardings[key_path].get_value()
-        )
+        array = _load_param(index, mappings[name], name.startswith(_STACKED), var, flat_shardings[key_path].get_value())
         loaded[key_path] = var.replace(array)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings, other_tensors=()) -> None:
+def _check_no_unknown_tensors(path, index: _TensorIndex, cfg, mappings, flat_vars, other_tensors=()) -> None:
     """A tensor the model does not use means the config and weights disagree: say so, never drop it."""
     known = set(other_tensors)
-    for m in mappings.values():
-        known |= {name for i in range(cfg.num_decoder_layers) for name in _hf_names(m, cfg, i)}
+    for name, m in mappings.items():
+        layers = range(flat_vars[name].shape[0]) if name.startswith(_STACKED) else [None]
+        known |= {hf_name for i in layers for hf_name in _hf_names(m, cfg, i)}
     if cfg.tie_word_embeddings:
         known.add("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
     unknown = sorted(n for n in index.files if n not in known and not n.endswith(_IGNORED_SUFFIXES))
@@ -392,24 +467,32 @@ def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 
     """
     path = Path(path)
     cfg = model.cfg
-    mappings = _mappings(cfg)
+    vision = model.vision.cfg if isinstance(model, qwen2_5_vl.VisionLanguageModel) else None
+    mappings = {**_mappings(cfg), **(_vision_mappings(vision) if vision else {})}
     writer = _ShardWriter(path, max_shard_bytes) if jax.process_index() == 0 else None
+    parts: dict[str, dict[int, np.ndarray]] = {}  # a fused tensor's blocks until it has them all
     for key_path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = ".".join(str(k) for k in key_path)
         full = np.asarray(multihost_utils.process_allgather(var.get_value(), tiled=True))
         m = mappings[name]
-        layers = range(full.shape[0]) if name.startswith("layers.") else [None]
+        layers = range(full.shape[0]) if name.startswith(_STACKED) else [None]
         tensors = {}
         for i in layers:
             per_layer = full if i is None else full[i]
             for j, hf_name in enumerate(_hf_names(m, cfg, i)):
                 tensors[hf_name] = _to_hf(per_layer[j] if m.experts else per_layer, m)
+        if m.part:
+            for hf_name, t in tensors.items():
+                parts.setdefault(hf_name, {})[m.part[1]] = t
+            blocks = {n: parts.pop(n) for n in tensors if len(parts[n]) == m.part[2]}
+            tensors = {n: np.concatenate([b[k] for k in range(m.part[2])], axis=m.part[0]) for n, b in blocks.items()}
         if writer:
             for hf_name, t in tensors.items():
                 writer.add(hf_name, t)
     if writer:
         writer.close()
-        hf_config_from_model(cfg).save_pretrained(str(path))
+        hf_config = hf_config_from_model(cfg) if vision is None else _vision_language_config(cfg, vision)
+        hf_config.save_pretrained(str(path))
 
 
 INDEX = "model.safetensors.index.json"

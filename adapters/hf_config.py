@@ -15,6 +15,8 @@ from unitrain.errors import ConfigError
 DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MOE_TYPES = ("qwen3_moe", "mixtral")
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
+# Vision-language checkpoints the HF adapter reads (adapters/hf.py; not yet a run's model).
+VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,21 +63,13 @@ def _field(hf, name, config_file):
     return value
 
 
-def _check_supported(hf, config_file) -> None:
-    if hf.model_type not in MODEL_TYPES:
-        raise ConfigError(
-            f"{config_file}: field 'model_type' is '{hf.model_type}'; supported: {', '.join(MODEL_TYPES)}"
-        )
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
+def _check_supported(hf, config_file, types=MODEL_TYPES) -> None:
+    if hf.model_type not in types:
+        raise ConfigError(f"{config_file}: field 'model_type' is '{hf.model_type}'; supported: {', '.join(types)}")
     if getattr(hf, "mlp_bias", False):
         raise ConfigError(f"{config_file}: field 'mlp_bias' is true; MLP biases are not supported")
     if hf.model_type != "qwen2" and getattr(hf, "attention_bias", False):
         raise ConfigError(f"{config_file}: field 'attention_bias' is true; only Qwen2 has attention biases here")
-    if getattr(hf, "use_sliding_window", False):
-        raise ConfigError(
-            f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported"
-        )
     if hf.model_type == "qwen3_moe" and (
         getattr(hf, "decoder_sparse_step", 1) != 1 or getattr(hf, "mlp_only_layers", [])
     ):
@@ -111,6 +105,54 @@ def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
     config_file = Path(path) / "config.json"
     hf = read_hf_config(path, trust_remote_code)
     _check_supported(hf, config_file)
+    return _decoder_keys(hf, hf.model_type, config_file)
+
+
+def vision_language_keys(path: str | Path) -> tuple[dict, dict]:
+    """(the decoder's keys, the vision tower's) of the vision-language checkpoint at `path`: the
+    architecture keys of its text model with the multimodal RoPE's `mrope_section` and the
+    `image_token_id` whose embeddings the images' features replace, and the fields of
+    models/qwen2_5_vl.py's VisionConfig."""
+    config_file = Path(path) / "config.json"
+    hf = read_hf_config(path)
+    _check_supported(hf, config_file, VISION_LANGUAGE_TYPES)
+    text, vision = hf.text_config, hf.vision_config
+    if vision.hidden_act != "silu":
+        raise ConfigError(f"{config_file}: field 'vision_config.hidden_act' is '{vision.hidden_act}'; only 'silu'")
+    keys = _decoder_keys(text, hf.model_type, config_file)
+    keys.update(
+        mrope_section=tuple(text.rope_parameters["mrope_section"]),
+        image_token_id=hf.image_token_id,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+    )
+    vision_keys = dict(
+        depth=vision.depth,
+        hidden_size=vision.hidden_size,
+        intermediate_size=vision.intermediate_size,
+        num_heads=vision.num_heads,
+        out_hidden_size=vision.out_hidden_size,
+        fullatt_block_indexes=tuple(vision.fullatt_block_indexes),
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        spatial_merge_size=vision.spatial_merge_size,
+        window_size=vision.window_size,
+        in_channels=vision.in_channels,
+        rope_theta=float(vision.rope_parameters["rope_theta"]),
+        video_token_id=hf.video_token_id,
+        vision_start_token_id=hf.vision_start_token_id,
+        vision_end_token_id=hf.vision_end_token_id,
+    )
+    return keys, vision_keys
+
+
+def _decoder_keys(hf, family: str, config_file) -> dict:
+    """The architecture keys of the (text) model config `hf`, a decoder of `family`."""
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
+    if getattr(hf, "use_sliding_window", False):
+        raise ConfigError(
+            f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported"
+        )
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
@@ -120,7 +162,7 @@ def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
     heads = _field(hf, "num_attention_heads", config_file)
     emb = _field(hf, "hidden_size", config_file)
     return dict(
-        model_family=hf.model_type,
+        model_family=family,
         vocab_size=_field(hf, "vocab_size", config_file),
         emb_dim=emb,
         mlp_dim=_field(hf, "intermediate_size", config_file),
@@ -135,9 +177,9 @@ def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
         rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
-        qkv_bias=hf.model_type == "qwen2",
-        qk_norm=hf.model_type in ("qwen3", "qwen3_moe"),
+        qkv_bias=family in ("qwen2", "qwen2_5_vl"),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        sliding_window=getattr(hf, "sliding_window", None) if hf.model_type in ("mistral", "mixtral") else None,
+        sliding_window=getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral") else None,
         **_expert_keys(hf, config_file),
     )

@@ -4,7 +4,9 @@
 
 The weights come from transformers' own initialisation of the family's *ForCausalLM; the tokenizer
 is a byte-level BPE trained locally (on --corpus when given, else on a built-in text), with a
-ChatML chat template, so nothing is downloaded.
+ChatML chat template, so nothing is downloaded. qwen2_5_vl is a Qwen2.5-VL (its
+*ForConditionalGeneration) with a tiny vision tower (TINY_VISION), its image-pad and vision
+tokens in the tokenizer, and the image processor's config beside it.
 """
 
 from __future__ import annotations
@@ -13,12 +15,32 @@ import argparse
 import sys
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral", "qwen2_5_vl")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # the HF model_type where it is not the family name
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VISION_TOKENS = {  # config.json's field for each of Qwen2.5-VL's special tokens
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+# Qwen2.5-VL's tower at a test's size: 3 blocks (the middle one attending within the whole image),
+# windows of 2 x 2 merged tokens (56 pixels); images of a few hundred pixels a side make a few dozen
+# patches.
+TINY_VISION = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    fullatt_block_indexes=[1],
+    window_size=56,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
 )
 BUILTIN_CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -89,6 +111,12 @@ def hf_config(
         mlp_dim = expert_mlp
     if family == "gemma3":
         rope, extra = gemma3_fields(rope, rope_scaling, rope_theta, sliding_window, head_dim)
+    if family == "qwen2_5_vl":
+        if emb_dim != heads * head_dim:
+            raise ValueError("qwen2_5_vl's heads are emb_dim / heads wide: set --head-dim to that")
+        half = head_dim // 2  # Qwen's sections (16, 24, 24) of 64 frequencies, scaled
+        rope["mrope_section"] = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+        extra["vision_config"] = dict(TINY_VISION, out_hidden_size=emb_dim)
     return transformers.AutoConfig.for_model(
         MODEL_TYPES.get(family, family),
         vocab_size=vocab_size,
@@ -159,6 +187,9 @@ def make_tiny_model(
         raise ValueError(f"--family must be one of {FAMILIES}, got '{family}'")
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(vocab_size, corpus or BUILTIN_CORPUS)
+    if family == "qwen2_5_vl":
+        tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS.values())})
+        vocab_size = max(vocab_size, len(tokenizer))
     if extra_tokens:
         from unitrain.vocab import read_tokens
 
@@ -179,19 +210,30 @@ def make_tiny_model(
         rope_theta,
         experts,
     )
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
-    config.bos_token_id = None
-    config.initializer_range = init_std
+    text = config.get_text_config()  # a multimodal config's text part, else the config itself
+    for sub in {id(c): c for c in (config, text)}.values():
+        sub.eos_token_id = tokenizer.eos_token_id
+        sub.pad_token_id = tokenizer.pad_token_id
+        sub.bos_token_id = None
+    for sub in {id(c): c for c in (config, text, getattr(config, "vision_config", config))}.values():
+        sub.initializer_range = init_std
     torch.manual_seed(seed)
-    if num_labels:
+    if family == "qwen2_5_vl":
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        for field, token in VISION_TOKENS.items():
+            setattr(config, field, tokenizer.convert_tokens_to_ids(token))
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        # Images up to 28 x 28 x 64 pixels: at most 256 patches, 64 image tokens.
+        Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64).save_pretrained(out_dir)
+    elif num_labels:
         config.num_labels = num_labels
         model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF zero-initialises biases and ones norms; randomise them so tests see them
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith("bias") or "norm" in name or "ln_q" in name:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -31,7 +31,7 @@ from unitrain import sharding
 from unitrain.models import kv_cache, moe, quant
 from unitrain.models.attention import attention_fn, attention_mask, cached_attention
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_5_vl")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -84,11 +84,18 @@ class ModelConfig:
     # hidden_states; an unused head would hold memory, be decayed and find no tensor in an HF
     # *ForSequenceClassification checkpoint. Not a config key: the scalar-head builder sets it.
     output_head: bool = True
+    # Multimodal rotary positions (Qwen2.5-VL's M-RoPE): the head's frequencies in sections turning
+    # with the temporal, height and width position ids of a call's `rope_positions` (without them,
+    # the 1D RoPE of `positions`, which equals M-RoPE on text); and the image-pad token whose
+    # embeddings a call's `image_features` replace. Not config keys: an HF vision-language folder's
+    # config.json sets them (adapters/hf.py, models/qwen2_5_vl.py).
+    mrope_section: tuple[int, ...] = ()
+    image_token_id: int = -1
 
     @classmethod
     def from_config(cls, cfg: Any, platform: str, output_head: bool = True) -> ModelConfig:
         """Takes the model fields out of a unitrain Config (or any mapping with those keys)."""
-        own = ("platform", "output_head")
+        own = ("platform", "output_head", "mrope_section", "image_token_id")
         values = {f.name: cfg[f.name] for f in dataclasses.fields(cls) if f.name not in own}
         values["logical_axis_rules"] = sharding.rules_from_config(cfg["logical_axis_rules"])
         return cls(**values, platform=platform, output_head=output_head)
@@ -144,13 +151,12 @@ class DecoderLayers(nnx.Module):
             self.w_down = p(_normal, (M, E), ("mlp", "embed"))
 
 
-# Norms and biases are spared weight decay.
-_NO_DECAY = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "bk", "bv")
-
-
 class Decoder(nnx.Module):
     """The model. `hf_writer(model, path)` is what `save_hf` writes with: adapters.hf.save, given by
     the sources (models/source.py, adapters.hf.load), since the adapter imports this module."""
+
+    # Norms and biases are spared weight decay.
+    no_decay = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "bk", "bv")
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, hf_writer: Callable | None = None):
         self.cfg = cfg
@@ -177,7 +183,7 @@ class Decoder(nnx.Module):
 
     def decay_mask(self) -> dict:
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: path[-1].key not in _NO_DECAY, nnx.to_pure_dict(nnx.state(self, nnx.Param))
+            lambda path, _: path[-1].key not in self.no_decay, nnx.to_pure_dict(nnx.state(self, nnx.Param))
         )
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -234,14 +240,17 @@ class Decoder(nnx.Module):
     def for_decoding(self, weights):
         return self if weights is None else Decoding(self, weights)
 
-    def __call__(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None, routes=None):
-        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache, routes=routes)
+    def __call__(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None, routes=None, **images):
+        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache, routes=routes, **images)
         return self.logits(hidden), new_cache
 
-    def hidden_states(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None, routes=None):
+    def hidden_states(
+        self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None, routes=None, **images
+    ):
         """`routes` [B, T, L, k] int32 (routing replay, without a cache): each token's experts in
-        every MoE layer, replacing the router's choice (moe.moe_mlp; negative: the router's own)."""
-        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache, routes=routes)
+        every MoE layer, replacing the router's choice (moe.moe_mlp; negative: the router's own).
+        `images`: a vision-language model's `image_features` and `rope_positions` (see `_hidden`)."""
+        hidden, new_cache = self._hidden(tokens, positions, segment_ids, cache, routes=routes, **images)
         return hidden if cache is None else (hidden, new_cache)
 
     def logits(self, hidden):
@@ -261,12 +270,18 @@ class Decoder(nnx.Module):
         """The layer parameters by name, each stacked on its leading `layers` axis."""
         return {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
 
-    def _hidden(self, tokens, positions, segment_ids, cache, layers=None, routes=None):
+    def _hidden(
+        self, tokens, positions, segment_ids, cache, layers=None, routes=None, image_features=None, rope_positions=None
+    ):
         """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`;
-        `routes`: see `hidden_states`."""
+        `routes`: see `hidden_states`. `image_features` [N, E]: the embeddings of the image pads
+        (tokens `image_token_id`), in row-major order; `rope_positions` [B, T, 3]: M-RoPE's
+        position ids (`mrope_section`); `positions` still order the attention and the cache."""
         cfg = self.cfg
         x = self._embed(tokens)
-        cos, sin = rope_tables(cfg, positions)
+        if image_features is not None:
+            x = _with_image_features(x, tokens == cfg.image_token_id, image_features)
+        cos, sin = rope_tables(cfg, positions if rope_positions is None else rope_positions)
         params = self._stacked_layers()
         if cache is None:
             params = _with_routes(params, routes)
@@ -339,6 +354,13 @@ class Decoder(nnx.Module):
         return _constrain(cfg, x, ("batch", "length", "activation_embed"))
 
 
+def _with_image_features(x, is_image, features):
+    """x [B, T, E] with its image-pad rows replaced by `features` [N, E], the n-th pad (row-major)
+    by the n-th feature: a gather of each pad's feature, no scatter."""
+    order = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, features.shape[0] - 1).reshape(is_image.shape)
+    return jnp.where(is_image[..., None], jnp.take(features, order, axis=0).astype(x.dtype), x)
+
+
 def _with_routes(params: dict, routes, name: str = "routes") -> dict:
     """The stacked layer parameters with `routes` [B, T, L, k] beside them as `name` [L, B, T, k],
     so that the scan (or the unrolled loop) hands each layer its own slice."""
@@ -380,12 +402,12 @@ class Decoding:
     def __getattr__(self, name):  # the rest of the model interface: the decoder's own
         return getattr(self.model, name)
 
-    def __call__(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None):
-        hidden, new_cache = self.hidden_states(tokens, positions, segment_ids, cache)
+    def __call__(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None, **images):
+        hidden, new_cache = self.hidden_states(tokens, positions, segment_ids, cache, **images)
         return self.logits(hidden), new_cache
 
-    def hidden_states(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None):
-        return self.model._hidden(tokens, positions, segment_ids, cache, self.layers)
+    def hidden_states(self, tokens, positions, segment_ids, cache: kv_cache.KVCache | None = None, **images):
+        return self.model._hidden(tokens, positions, segment_ids, cache, self.layers, **images)
 
     def logits(self, hidden):
         return self.model._apply_head(hidden, self.head)
@@ -534,8 +556,14 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_tables(cfg: ModelConfig, positions):
-    """cos/sin [B, T, head_dim] for the rotate-half RoPE layout used by HF checkpoints."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    """cos/sin [B, T, head_dim] for the rotate-half RoPE layout used by HF checkpoints, of positions
+    [B, T], or of M-RoPE's [B, T, 3]: each frequency turns with the axis its `mrope_section` names."""
+    if positions.ndim == 3:
+        axis_of_frequency = np.repeat(np.arange(len(cfg.mrope_section)) % 3, cfg.mrope_section)
+        positions = jnp.take(positions, jnp.asarray(axis_of_frequency), axis=-1)  # [B, T, head_dim / 2]
+    else:
+        positions = positions[..., None]
+    angles = positions.astype(jnp.float32) * jnp.asarray(rope_inv_freq(cfg))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(cfg.dtype), jnp.sin(angles).astype(cfg.dtype)
 
