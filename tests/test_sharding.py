@@ -70,17 +70,19 @@ def layout_error(*overrides) -> str:
 @pytest.mark.parametrize(
     "args, mesh, dcn",
     [
-        ([], (1, 8, 1), (1, 1, 1)),
-        (["ici_data_parallelism=2"], (2, 4, 1), (1, 1, 1)),
-        (["ici_tensor_parallelism=2", "dcn_data_parallelism=2"], (1, 2, 2), (2, 1, 1)),
-        (["ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=-1"], (1, 4, 1), (1, 2, 1)),
-        (["ici_fsdp_parallelism=2", "ici_data_parallelism=4"], (4, 2, 1), (1, 1, 1)),
+        ([], (1, 8, 1, 1), (1, 1, 1, 1)),
+        (["ici_data_parallelism=2"], (2, 4, 1, 1), (1, 1, 1, 1)),
+        (["ici_tensor_parallelism=2", "dcn_data_parallelism=2"], (1, 2, 1, 2), (2, 1, 1, 1)),
+        (["ici_fsdp_parallelism=4", "dcn_fsdp_parallelism=-1"], (1, 4, 1, 1), (1, 2, 1, 1)),
+        (["ici_fsdp_parallelism=2", "ici_data_parallelism=4"], (4, 2, 1, 1), (1, 1, 1, 1)),
+        (["ici_fsdp_parallelism=2", "ici_context_parallelism=4"], (1, 2, 4, 1), (1, 1, 1, 1)),
+        (["ici_context_parallelism=2", "dcn_context_parallelism=2"], (1, 2, 2, 1), (1, 1, 2, 1)),
     ],
 )
 def test_mesh_fill(args, mesh, dcn):
     got = layout(*args)
     assert tuple(got.mesh_shape.values()) == mesh and tuple(got.dcn_mesh_shape.values()) == dcn
-    assert list(got.mesh_shape) == ["data", "fsdp", "tensor"]
+    assert list(got.mesh_shape) == ["data", "fsdp", "context", "tensor"]
 
 
 def test_layout_errors_name_the_sizes_and_the_devices():
@@ -96,15 +98,18 @@ def test_batch_sizes_and_updates_per_step():
     grpo = ["mode=grpo", "per_device_batch_size=1", "rollout_batch_size=8", "n_samples_per_prompt=4"]
     grpo += ["num_iterations=2", "steps=5"]  # 32 rollout rows, 8 per update
     assert (layout(*grpo).updates_per_step, layout(*grpo).optimizer_steps) == (4 * 2, 5 * 4 * 2)
+    # The context axis' devices share their rows: 8 devices, 4 of them on every row's sequence.
+    context = layout("per_device_batch_size=2", "ici_context_parallelism=4", "max_target_length=64")
+    assert (context.global_batch_size, context.rows_per_update) == (2 * 8 // 4, 2 * 8 // 4)
 
 
 def test_rollout_devices_split_the_mesh():
     got = layout(
         "mode=grpo", "sampler=mesh", "rollout_devices=4", "rollout_tensor_parallelism=2", "per_device_batch_size=4"
     )
-    assert got.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 1} and got.global_batch_size == 4 * 4
-    assert got.rollout_mesh_shape == {"data": 2, "fsdp": 1, "tensor": 2}
-    assert layout().rollout_mesh_shape == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert got.mesh_shape == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1} and got.global_batch_size == 4 * 4
+    assert got.rollout_mesh_shape == {"data": 2, "fsdp": 1, "context": 1, "tensor": 2}
+    assert layout().rollout_mesh_shape == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
 
 
 def test_rollout_device_layout_errors():

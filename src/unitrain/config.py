@@ -36,6 +36,7 @@ from unitrain.plugins import did_you_mean
 from unitrain.registry import (
     ADVANTAGE_ESTIMATORS,
     ATTENTION,
+    CONTEXT_PARALLEL_STRATEGIES,
     DATA_FORMATS,
     ENVS,
     FILTERS,
@@ -100,9 +101,12 @@ NON_NEGATIVE_INT = Rule(lambda v: _is_num(v) and isinstance(v, int) and v >= 0, 
 NAME = Rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
 MESH_SIZE = Rule(lambda v: v == -1 or v >= 1, "-1 (fill the remaining devices) or a positive int")
 DTYPE = choices("float32", "bfloat16", "float16")
-MESH_AXES = ("data", "fsdp", "tensor")
+# `context` splits the sequence (models/attention.py's context-parallel attention); the rollout mesh
+# samples without it (its size there is 1).
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+ROLLOUT_MESH_AXES = ("data", "fsdp", "tensor")
 TRAINER_MESH_KEYS = [f"{net}_{axis}_parallelism" for net in ("ici", "dcn") for axis in MESH_AXES]
-ROLLOUT_MESH_KEYS = [f"rollout_{axis}_parallelism" for axis in MESH_AXES]
+ROLLOUT_MESH_KEYS = [f"rollout_{axis}_parallelism" for axis in ROLLOUT_MESH_AXES]
 
 # Our decoder's families are the HF model types it reads: dense, and the mixtures of experts.
 DENSE_FAMILIES, MOE_FAMILIES = hf_config.DENSE_TYPES, hf_config.MOE_TYPES
@@ -137,7 +141,8 @@ RULES: dict[str, Rule] = {
     "weight_dtype": DTYPE,
     "remat_policy": choices("none", "full", "save_dots", "save_dots_no_batch"),
     "attention": choices(*ATTENTION),
-    **{f"{net}_{axis}_parallelism": MESH_SIZE for net in ("ici", "dcn", "rollout") for axis in MESH_AXES},
+    **{key: MESH_SIZE for key in TRAINER_MESH_KEYS + ROLLOUT_MESH_KEYS},
+    "context_parallel_strategy": choices(*CONTEXT_PARALLEL_STRATEGIES),
     "rollout_devices": NON_NEGATIVE_INT,
     "max_staleness": NON_NEGATIVE_INT,
     "max_concurrent_rollouts": NON_NEGATIVE_INT,

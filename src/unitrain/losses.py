@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from unitrain import plugins
+from unitrain import plugins, sharding
 from unitrain.config import check
 from unitrain.registry import (
     GROUP_ESTIMATORS,
@@ -53,17 +53,29 @@ def chunked(fn, chunk_size: int, *xs):
     """fn(*xs) over `chunk_size` positions of every row at a time: xs are pytrees of [B, T, ...]
     arrays, fn's outputs a pytree of [B, t, ...] ones, put back together as [B, T, ...] (0, or >= T:
     all at once). The chunks run in a `lax.scan` under `jax.checkpoint`, so the backward pass
-    recomputes one chunk at a time too: one chunk's intermediates (its logits) are the largest."""
+    recomputes one chunk at a time too: one chunk's intermediates (its logits) are the largest.
+    Where the rows are split over the context axis (c devices), a chunk is `chunk_size` positions
+    of each device's part, so that every device computes its own positions' (fn is per position)."""
     B, T = jax.tree.leaves(xs)[0].shape[:2]
-    if not chunk_size or chunk_size >= T:
+    c = sharding.sequence_shards()
+    c = c if T % c == 0 else 1
+    local = T // c
+    if not chunk_size or chunk_size >= local:
         return fn(*xs)
-    n = -(-T // chunk_size)
-    pad = n * chunk_size - T
-    chunks = lambda x: (
-        jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(B, n, chunk_size, *x.shape[2:]).swapaxes(0, 1)
-    )
+    n = -(-local // chunk_size)
+    pad = n * chunk_size - local
+
+    def chunks(x):  # [B, T, ...] -> [n, B, c * chunk_size, ...]: chunk i of every device's part
+        x = jnp.pad(x.reshape(B, c, local, *x.shape[2:]), [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.moveaxis(x.reshape(B, c, n, chunk_size, *x.shape[3:]), 2, 0)
+        return x.reshape(n, B, c * chunk_size, *x.shape[4:])
+
+    def joined(x):
+        x = jnp.moveaxis(x.reshape(n, B, c, chunk_size, *x.shape[3:]), 0, 2)
+        return x.reshape(B, c, n * chunk_size, *x.shape[4:])[:, :, :local].reshape(B, T, *x.shape[4:])
+
     _, out = jax.lax.scan(jax.checkpoint(lambda _, c: (None, fn(*c))), None, jax.tree.map(chunks, xs))
-    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, n * chunk_size, *x.shape[3:])[:, :T], out)
+    return jax.tree.map(joined, out)
 
 
 def token_stats(

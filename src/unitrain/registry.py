@@ -55,6 +55,8 @@ RL_MODES = (
 
 # attention: the reference einsums (xla), a platform's fused kernel, or auto (the decoder's kernels)
 ATTENTION = ("auto", "xla", "cudnn", "splash")
+# context_parallel_strategy: how attention reads the keys of a sequence split over the `context` axis
+CONTEXT_PARALLEL_STRATEGIES = ("auto", "all_gather", "ring")
 
 # advantage_estimator: fn(advantages.Rollout) -> ({"advantages", ...}, metrics); GRPO's choice (gae is
 # PPO's, from its critic's values)
@@ -88,6 +90,7 @@ CONFIG_CHECKS = (
     "unitrain.models.sources:CONFIG_CHECKS",
     "unitrain.adapters.mllm_jax:CONFIG_CHECKS",
     "unitrain.models.moe:CONFIG_CHECKS",
+    "unitrain.models.context_parallel:CONFIG_CHECKS",
     "unitrain.sharding:CONFIG_CHECKS",
     "unitrain.distributed:CONFIG_CHECKS",
     "unitrain.checkpoint:CONFIG_CHECKS",

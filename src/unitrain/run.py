@@ -25,11 +25,12 @@ def device_layout(cfg) -> sharding.Layout:
     """The config on the target devices (this job's, or compile_for's): the attention kernel checked
     against their platform, then the meshes' shapes and the batch sizes. A config these devices
     cannot run is a ConfigError here, before anything is built."""
+    layout = sharding.layout_for(cfg)
     try:
-        attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype)
+        attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype, sharding.context_size(layout))
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
-    return sharding.layout_for(cfg)
+    return layout
 
 
 def build_model(cfg, mesh):

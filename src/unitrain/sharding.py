@@ -30,7 +30,7 @@ Rules = tuple[tuple[str, Any], ...]
 # adapters.hf.load that run without a config.
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    ("length", "context"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
@@ -100,11 +100,19 @@ def compile_for(target: list):
         _compile_target = previous
 
 
+def sequence_shards() -> int:
+    """The devices the sequence axis is split over in the current mesh: its `context` axis, which the
+    `length` rule names where it is above 1 (a config check); 1 outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or "context" not in mesh.axis_names else mesh.shape["context"]
+
+
 def create_mesh(ici_shape: dict, dcn_shape: dict, devices=None) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor); dcn sizes span slices (TPU) or processes (GPU/CPU)."""
+    """Mesh with axes (data, fsdp, context, tensor), an axis the shapes leave out of size 1; dcn sizes
+    span slices (TPU) or processes (GPU/CPU)."""
     devices = target_devices() if devices is None else devices
-    ici = [ici_shape[a] for a in MESH_AXES]
-    dcn = [dcn_shape[a] for a in MESH_AXES]
+    ici = [ici_shape.get(a, 1) for a in MESH_AXES]
+    dcn = [dcn_shape.get(a, 1) for a in MESH_AXES]
     if math.prod(dcn) > 1:
         # TPU slices are the granules across DCN; elsewhere (GPU, CPU) a process is.
         granule_is_process = devices[0].platform != "tpu"
@@ -133,7 +141,7 @@ class Layout:
     mesh_shape: dict  # the trainer's ici size per mesh axis
     dcn_mesh_shape: dict  # the trainer's size per mesh axis across slices (TPU) or processes
     rollout_mesh_shape: dict  # the rollout mesh's (all 1 without rollout_devices)
-    global_batch_size: int  # rows per micro-batch: per_device_batch_size * the trainer's devices
+    global_batch_size: int  # rows per micro-batch: per_device_batch_size * the trainer's devices / its context size
     rows_per_update: int  # global_batch_size * gradient_accumulation_steps
     updates_per_step: int  # GRPO: rollout rows / rows_per_update * num_iterations; else 1
     optimizer_steps: int  # steps * updates_per_step: the learning-rate schedule's horizon
@@ -143,7 +151,9 @@ def layout_for(cfg) -> Layout:
     """The Layout of `cfg` on the target devices; a ConfigError where they cannot hold it."""
     ici, dcn, rollout = _mesh_shapes(cfg)
     _check_expert_split(cfg, {a: ici[a] * dcn[a] for a in MESH_AXES}, rollout)
-    global_batch_size = cfg.per_device_batch_size * math.prod(ici.values()) * math.prod(dcn.values())
+    # The context axis' devices share their rows, each holding a part of every row's sequence.
+    devices = math.prod(ici.values()) * math.prod(dcn.values())
+    global_batch_size = cfg.per_device_batch_size * devices // (ici["context"] * dcn["context"])
     rows_per_update = global_batch_size * cfg.gradient_accumulation_steps
     updates_per_step = 1
     if cfg.mode in RL_MODES:
@@ -163,6 +173,11 @@ def layout_for(cfg) -> Layout:
         updates_per_step=updates_per_step,
         optimizer_steps=cfg.steps * updates_per_step,
     )
+
+
+def context_size(layout: Layout) -> int:
+    """The devices every row's sequence is split over (ici and dcn context sizes)."""
+    return layout.mesh_shape["context"] * layout.dcn_mesh_shape["context"]
 
 
 def _check_expert_split(cfg, *meshes: dict) -> None:
@@ -193,10 +208,8 @@ def _mesh_shapes(cfg) -> tuple[dict, dict, dict]:
         )
     trainer = _fill({k: cfg[k] for k in TRAINER_MESH_KEYS}, n - r, "the ici_* and dcn_* parallelism sizes")
     rollout = _fill({k: cfg[k] for k in ROLLOUT_MESH_KEYS}, r or 1, "the rollout_*_parallelism sizes")
-    return tuple(
-        {a: sizes[f"{net}_{a}_parallelism"] for a in MESH_AXES}
-        for net, sizes in (("ici", trainer), ("dcn", trainer), ("rollout", rollout))
-    )
+    ici, dcn = ({a: trainer[f"{net}_{a}_parallelism"] for a in MESH_AXES} for net in ("ici", "dcn"))
+    return ici, dcn, {a: rollout.get(f"rollout_{a}_parallelism", 1) for a in MESH_AXES}
 
 
 def _fill(sizes: dict, n: int, what: str) -> dict:

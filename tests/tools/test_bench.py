@@ -72,7 +72,7 @@ def test_compile_only_tiny_fsdp8_reports_sharded_memory():
     assert memory["argument"] > 0 and memory["temp"] >= 0
     assert memory["total_estimate"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
     assert memory["peak"] >= memory["argument"]
-    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     assert result["config"]["num_devices"] == 8
     total_param_bytes = result["num_params"] * 4  # weight_dtype float32
     assert abs(result["param_bytes_per_device"] - total_param_bytes / 8) <= 0.1 * total_param_bytes / 8
@@ -92,7 +92,7 @@ def test_compile_for_builds_the_config_mesh_and_program_for_its_devices():
         assert sharding.target_platform() == "cpu"
         result = bench.compile_only(load_checked(["configs/base.yml", *overrides]))
     assert len(sharding.target_devices()) == 8
-    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
     assert result["config"]["num_devices"] == 4 and result["config"]["global_batch_rows"] == 8
     whole = bench.compile_only(load_checked(["configs/base.yml", *overrides]))
     assert whole["config"]["num_devices"] == 8
@@ -141,7 +141,7 @@ def test_topology_compiles_for_a_tpu_slice_that_is_not_here():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["config"]["platform"] == "tpu" and result["config"]["device_kind"].startswith("TPU v5")
-    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
     memory = result["memory_per_device"]
     assert memory["temp"] > 0 and memory["peak"] > memory["argument"]
 
@@ -499,7 +499,7 @@ def test_compile_only_rm_score_sizes_the_scoring_forward():
     result = json.loads(lines[0])
     assert {"rows", "length", "param_bytes_per_device", "batch_bytes_per_device", "memory_per_device"} <= set(result)
     assert (result["mode"], result["rows"], result["length"]) == ("rm_score", 8, 40)
-    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert result["config"]["mesh_shape"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     cfg = load_checked(["configs/base.yml", *args])
     mesh = sharding.trainer_mesh(cfg, sharding.layout_for(cfg))
     model = build_scalar_model(cfg, mesh, "")

@@ -17,10 +17,16 @@ import jax.numpy as jnp
 from unitrain import sharding
 
 
-def attention_kernel(choice: str, platform: str, dtype: str) -> str:
+def attention_kernel(choice: str, platform: str, dtype: str, context: int = 1) -> str:
     """The implementation the `attention` choice runs on `platform` (sharding.target_platform()) at compute
-    `dtype`: auto is cuDNN on a GPU in 16 bits, splash on a TPU, else xla. ValueError where it cannot run."""
-    fused = {"gpu": "cudnn", "tpu": "splash"}.get(platform)
+    `dtype` over a sequence split on `context` devices: auto is cuDNN on a GPU in 16 bits, splash on a
+    TPU, else xla, and xla where the sequence is split (context_parallel.py runs the reference's
+    math on each device's part). ValueError where it cannot run."""
+    if context > 1 and choice not in ("auto", "xla"):
+        raise ValueError(
+            f"attention={choice} has no context-parallel form (the sequence is split over {context} devices); use xla or auto"
+        )
+    fused = {"gpu": "cudnn", "tpu": "splash"}.get(platform) if context == 1 else None
     if choice == "auto":
         return fused if fused == "splash" or (fused == "cudnn" and dtype != "float32") else "xla"
     if choice not in ("xla", fused):
@@ -143,7 +149,7 @@ def _masked(scores, mask):
     return jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
 
 
-def _masked_scores(q, k, mask):
+def masked_scores(q, k, mask):
     """[B,K,G,T,S] float32 scaled scores of q [B,K,G,T,D] and k [B,K,S,D], masked (`_masked`)."""
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
     return _masked(scores, mask[:, None, None])
@@ -162,7 +168,7 @@ def _attend_fwd(q, k, v, mask):
     more scores matmul, where keeping them costs writing, holding (a float32 [B, H, T, T] per layer
     until the backward) and reading them again. (The two parts stay apart: for a query with no key
     the maximum is the float32 minimum, which would absorb the sum's log.)"""
-    scores = _masked_scores(q, k, mask)
+    scores = masked_scores(q, k, mask)
     top = jnp.max(scores, axis=-1, keepdims=True)
     log_sum = jnp.log(jnp.sum(jnp.exp(scores - top), axis=-1, keepdims=True))
     probs = jnp.exp(scores - top - log_sum)
@@ -171,22 +177,29 @@ def _attend_fwd(q, k, v, mask):
 
 
 def _attend_bwd(residuals, d_out):
-    """The softmax's gradient as FlashAttention's backward writes it, p * (dp - rowsum(d_out * out)):
-    the row sums come from [.., T, D] arrays, where autodiff's reduces the [.., T, S] product p * dp
-    (in XLA:CPU inside the dp matmul's fusion, at several times the matmul's cost) and masks it
-    again. Masked entries have p = 0, so they need no mask; only a query with no key at all
-    (uniform p over the masked scores) is zeroed, by its row's flag `live`."""
     q, k, v, mask, top, log_sum, out = residuals
-    probs = jnp.exp(_masked_scores(q, k, mask) - top - log_sum)
-    live = jnp.any(mask, axis=-1)
-    d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_out, v).astype(jnp.float32)
     row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    scale = jnp.where(live[:, None, None, :, None], 1 / math.sqrt(q.shape[-1]), 0.0)
+    live = jnp.any(mask, axis=-1)[:, None, None, :]
+    return *softmax_grads(q, k, v, mask, top, log_sum, row, live, d_out), None
+
+
+def softmax_grads(q, k, v, mask, top, log_sum, row, live, d_out):
+    """(d_q, d_k, d_v) of softmax(q k^T / sqrt(D)) v over these keys, given each query's softmax
+    row maximum and log-sum (`top`, `log_sum` [..., T, 1], over all the keys it attends to, which
+    may be more than these) and rowsum(d_out * out) (`row`). The softmax's gradient as
+    FlashAttention's backward writes it, p * (dp - row): the row sums come from [.., T, D] arrays,
+    where autodiff's reduces the [.., T, S] product p * dp (in XLA:CPU inside the dp matmul's
+    fusion, at several times the matmul's cost) and masks it again. Masked entries have p = 0, so
+    they need no mask; only a query with no key at all (uniform p over the masked scores) is
+    zeroed, by its flag `live` (broadcast to [B, K, G, T])."""
+    probs = jnp.exp(masked_scores(q, k, mask) - top - log_sum)
+    d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_out, v).astype(jnp.float32)
+    scale = jnp.where(live[..., None], 1 / math.sqrt(q.shape[-1]), 0.0)
     d_scores = (probs * (d_probs - row) * scale).astype(q.dtype)
     d_q = jnp.einsum("bkgts,bksd->bkgtd", d_scores, k)
     d_k = jnp.einsum("bkgts,bkgtd->bksd", d_scores, q)
     d_v = jnp.einsum("bkgts,bkgtd->bksd", probs.astype(d_out.dtype), d_out)
-    return d_q, d_k, d_v, None
+    return d_q, d_k, d_v
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

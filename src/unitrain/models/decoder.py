@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from unitrain import sharding
-from unitrain.models import kv_cache, moe, quant
+from unitrain.models import context_parallel, kv_cache, moe, quant
 from unitrain.models.attention import attention_fn, attention_mask, cached_attention
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_5_vl")
@@ -79,6 +79,8 @@ class ModelConfig:
     scan_layers: bool = True
     attention: str = "xla"
     attention_chunk_size: int = 256  # as base.yml: models built outside a run config (HF adapter, tools) chunk alike
+    context_parallel_strategy: str = "auto"
+    context_load_balance: bool = True
     logical_axis_rules: tuple = ()
     # False: no LM head, the backbone of a scalar-head model (models/scalar_head.py), which reads only
     # hidden_states; an unused head would hold memory, be decayed and find no tensor in an HF
@@ -281,23 +283,27 @@ class Decoder(nnx.Module):
         x = self._embed(tokens)
         if image_features is not None:
             x = _with_image_features(x, tokens == cfg.image_token_id, image_features)
-        cos, sin = rope_tables(cfg, positions if rope_positions is None else rope_positions)
-        params = self._stacked_layers()
+        rope = positions if rope_positions is None else rope_positions
         if cache is None:
-            params = _with_routes(params, routes)
-            attend = attention_fn(cfg, segment_ids, positions)
+            return context_parallel.forward(cfg, self._uncached, x, positions, segment_ids, rope, routes), None
+        cos, sin = rope_tables(cfg, rope)
+        x, new_cache = _run_cached(cfg, x, self._stacked_layers(), cos, sin, segment_ids, positions, cache, layers)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
 
-            def layer(x, p):
-                x, _, routed = _layer(cfg, p, x, cos, sin, attend, segment_ids)
-                return x, routed
+    def _uncached(self, x, positions, segment_ids, rope, routes, attend):
+        """The final-normed hidden states of a call without a cache from its embeddings x, `rope`
+        the positions RoPE reads (`positions` or M-RoPE's) and `attend` its attention."""
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg, rope)
+        params = _with_routes(self._stacked_layers(), routes)
 
-            x, routed = _run_stack(cfg, x, params, layer)
-            moe.report(routed)
-            new_cache = None
-        else:
-            x, new_cache = _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache, layers)
-        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        return x, new_cache
+        def layer(x, p):
+            x, _, routed = _layer(cfg, p, x, cos, sin, attend, segment_ids)
+            return x, routed
+
+        x, routed = _run_stack(cfg, x, params, layer)
+        moe.report(routed)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
 
     def hidden_states_shared_prefix(
         self, tokens, positions, segment_ids, prefix_len: int, group_rows: int, routes=None

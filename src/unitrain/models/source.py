@@ -31,8 +31,10 @@ def source(cfg, mesh, output_head: bool = True) -> decoder.Decoder:
     `output_head`, a scalar head's backbone: no LM head, that of the checkpoint (HF or unitrain) not read."""
     platform = sharding.target_platform()
     model_cfg = decoder.ModelConfig.from_config(cfg, platform, output_head=output_head)
-    kernel = attention_kernel(model_cfg.attention, platform, model_cfg.dtype)
-    log.info("attention: %s%s", kernel, f" (auto on {platform})" if model_cfg.attention == "auto" else "")
+    context = mesh.shape["context"]
+    kernel = attention_kernel(model_cfg.attention, platform, model_cfg.dtype, context)
+    where = f" (auto on {platform}{f', context {context}' if context > 1 else ''})"
+    log.info("attention: %s%s", kernel, where if model_cfg.attention == "auto" else "")
     rules = model_cfg.logical_axis_rules
     # Checked on the abstract model, before any parameter is materialised.
     sharding.check_not_replicated(

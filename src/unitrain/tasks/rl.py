@@ -290,9 +290,10 @@ class RLTask(Task):
         self.group_rows = shared_prompt_rows(
             cfg, run.layout.rows_per_update, run.model, batch_parallelism(run.mesh, run.rules)
         )
-        if self.packing:
-            if max(self.group_rows.values()) > 1:
-                log.info("rl_packing: packed rows hold no whole groups, so each sequence computes its own prompt")
+        split = run.mesh.shape["context"] > 1
+        if (self.packing or split) and max(self.group_rows.values()) > 1:
+            why = "packed rows hold no whole groups" if self.packing else "the sequence is split over the context axis"
+            log.info("rl: %s, so each sequence computes its own prompt", why)
             self.group_rows = {"logprobs": 1, "update": 1}
         self.teachers = load_teachers(run)
         self.teacher_accuracy = TeacherAccuracy(run, self.teachers)

@@ -1,0 +1,315 @@
+"""Context parallelism: the decoder's forward over rows whose sequence is split along the `context`
+mesh axis (the `length` rule), and its attention there.
+
+Every activation [B, T, ...] holds T / c positions a device. The queries stay where they are; the
+keys and values reach them by `context_parallel_strategy`:
+
+- all_gather: each layer gathers the axis' keys and values whole (the gradient goes back by a
+  reduce-scatter), and attention.py's reference attention runs over them, its queries in chunks;
+- ring: the keys and values go around the axis a block at a time (ppermute), each device folding a
+  block into its queries' softmax online (FlashAttention's running maximum and sum) while the next
+  block is on its way, so no device holds them whole. The backward goes around the ring again, each
+  block's key and value gradients travelling with it until they are home.
+
+The masks come from segment ids and positions, which travel with the keys, so packed rows, padding
+and any order of the columns are right, and RoPE reads each column's own position. Load balancing
+(`context_load_balance`) uses that: under a causal mask the late positions attend to many more keys
+than the early ones, so the forward reorders the columns, device i holding chunks i and 2c-1-i of
+the 2c chunks of a row, and restores the order of its final hidden states: the losses never see it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from unitrain import sharding
+from unitrain.config import check
+from unitrain.models.attention import attention, attention_fn, attention_mask, masked_scores, softmax_grads
+from unitrain.registry import RL_MODES
+
+log = logging.getLogger("unitrain")
+
+AXIS = "context"
+RING_FROM = 4096  # auto: the ring where a device's share of a row has at least this many positions
+
+
+def shards(cfg) -> int:
+    """How many devices the sequence is split over in the current mesh (1 outside one, or for a
+    model built without rules)."""
+    return sharding.sequence_shards() if cfg.logical_axis_rules else 1
+
+
+def forward(cfg, run, x, positions, segment_ids, rope, routes):
+    """run(x, positions, segment_ids, rope, routes, attend) -> hidden [B, T, E], the layer stack
+    over the embeddings x given the attention of these columns (`rope`: the positions RoPE reads);
+    under context parallelism the columns padded to a whole number of chunks (padding is segment
+    0), load-balanced, and back in their order afterwards."""
+    c = shards(cfg)
+    if c == 1:
+        return run(x, positions, segment_ids, rope, routes, attention_fn(cfg, segment_ids, positions))
+    T = x.shape[1]
+    chunks = 2 * c if cfg.context_load_balance else c
+    pad = -T % chunks
+    columns = [x, positions, segment_ids, rope] + ([] if routes is None else [routes])
+    columns = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in columns]
+    if cfg.context_load_balance:
+        columns = [balance(cfg, a, c) for a in columns]
+    x, positions, segment_ids, rope, *rest = columns
+    attend = sharded_attention_fn(cfg, segment_ids, positions, c, T + pad)
+    hidden = run(x, positions, segment_ids, rope, rest[0] if rest else None, attend)
+    if cfg.context_load_balance:
+        hidden = balance(cfg, hidden, c, inverse=True)
+    return hidden[:, :T]
+
+
+def strategy(choice: str, length: int, c: int) -> str:
+    """The strategy of `choice` for rows of `length` columns over c devices: auto is the ring where
+    each device's share is at least RING_FROM positions (enough attention per block to hide the
+    next block's transfer), else one gather."""
+    if choice != "auto":
+        return choice
+    chosen = "ring" if length // c >= RING_FROM else "all_gather"
+    _log_choice(chosen, length, c)
+    return chosen
+
+
+@functools.cache
+def _log_choice(chosen: str, length: int, c: int) -> None:
+    log.info(
+        "context_parallel_strategy auto: %s for rows of %d positions over %d devices (%d each; the ring from %d)",
+        chosen,
+        length,
+        c,
+        length // c,
+        RING_FROM,
+    )
+
+
+def sharded_attention_fn(cfg, segment_ids, positions, c: int, length: int):
+    """attend(q, k, v) over the context axis: q [B, T, H, D], k/v [B, K, T, D], all split along T."""
+    rules = cfg.logical_axis_rules
+    spec = lambda *axes: sharding.logical_to_spec(axes, rules)
+    q_spec, kv_spec, rows = (
+        spec("batch", "length", "heads", "kv"),
+        spec("batch", "kv_heads", "length", "kv"),
+        spec("batch", "length"),
+    )
+    chosen = strategy(cfg.context_parallel_strategy, length, c)
+    body = _gathered if chosen == "all_gather" else _ring
+    run = jax.shard_map(
+        functools.partial(body, window=cfg.sliding_window, chunk=cfg.attention_chunk_size, c=c),
+        in_specs=(q_spec, kv_spec, kv_spec, rows, rows),
+        out_specs=q_spec,
+        check_vma=False,
+    )
+    return lambda q, k, v: run(q, k, v, segment_ids, positions)
+
+
+def _gathered(q, k, v, segments, positions, window, chunk, c):
+    gather = lambda a, axis: jax.lax.all_gather(a, AXIS, axis=axis, tiled=True)
+    mask = attention_mask(segments, positions, gather(segments, 1), gather(positions, 1), window)
+    return attention(q, gather(k, 2), gather(v, 2), mask, chunk)
+
+
+# ---------------------------------------------------------------- the ring
+
+
+def _pass(block, c):
+    """Each device's block to the next device of the axis."""
+    return jax.lax.ppermute(block, AXIS, [(i, (i + 1) % c) for i in range(c)])
+
+
+def _grouped(q, K):
+    """q [B, T, H, D] -> [B, K, G, T, D], the reference's layout."""
+    B, T, H, D = q.shape
+    return q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
+
+
+def _by_chunks(fn, size, queries, carry=None):
+    """fn over `size` queries at a time: `queries` a tuple of (array, its query axis), the arrays
+    padded to whole chunks and each chunk's slices handed to fn(carry, *slices) -> (carry, out),
+    in a scan (recomputed in the backward: jax.checkpoint); returns (carry, outs [n, ...])."""
+    T = queries[0][0].shape[queries[0][1]]
+    size = size if 0 < size < T else T
+    n = -(-T // size)
+
+    def split(a, axis):
+        a = jnp.pad(a, [(0, n * size - T if i == axis else 0) for i in range(a.ndim)])
+        return jnp.moveaxis(a.reshape(*a.shape[:axis], n, size, *a.shape[axis + 1 :]), axis, 0)
+
+    return jax.lax.scan(
+        jax.checkpoint(lambda carry, xs: fn(carry, *xs)), carry, tuple(split(a, ax) for a, ax in queries)
+    )
+
+
+def _joined(outs, axis, T):
+    """The scan's outputs [n, ..., size, ...] (query axis `axis` of a chunk) -> [..., T, ...]."""
+    x = jnp.moveaxis(outs, 0, axis)
+    return jax.lax.slice_in_dim(x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :]), 0, T, axis=axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, segments, positions, window, chunk, c):
+    return _ring_fwd(q, k, v, segments, positions, window, chunk, c)[0]
+
+
+def _ring_fwd(q, k, v, segments, positions, window, chunk, c):
+    """The c blocks folded into each query's running maximum `top`, sum of exponentials `total` and
+    weighted sum of values; kept for the backward: the output and the softmax's top and log-sum."""
+    B, T, H, D = q.shape
+    qg = _grouped(q, k.shape[1])
+    top = jnp.full(qg.shape[:-1], jnp.finfo(jnp.float32).min)
+    total = jnp.zeros(qg.shape[:-1], jnp.float32)
+    acc = jnp.zeros(qg.shape, jnp.float32)
+    block = (k, v, segments, positions)
+    for step in range(c):
+        arriving = _pass(block, c) if step < c - 1 else None
+        kb, vb, sb, pb = block
+
+        def fold(_, q, seg, pos, top, total, acc, kb=kb, vb=vb, sb=sb, pb=pb):
+            scores = masked_scores(q, kb, attention_mask(seg, pos, sb, pb, window))
+            new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+            decay = jnp.exp(top - new_top)
+            p = jnp.exp(scores - new_top[..., None])
+            total = total * decay + jnp.sum(p, axis=-1)
+            acc = acc * decay[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p.astype(vb.dtype), vb).astype(jnp.float32)
+            return None, (new_top, total, acc)
+
+        _, outs = _by_chunks(fold, chunk, ((qg, 3), (segments, 1), (positions, 1), (top, 3), (total, 3), (acc, 3)))
+        top, total, acc = (_joined(o, 3, T) for o in outs)
+        block = arriving
+    out = (acc / total[..., None]).astype(q.dtype)
+    log_sum = jnp.log(total)
+    result = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    return result, (qg, k, v, segments, positions, out, top, log_sum)
+
+
+def _ring_bwd(window, chunk, c, residuals, d_out):
+    """attention.softmax_grads of each block as it comes round, the block's key and value gradients
+    passed on with it: after c passes they are back on the device that holds those keys."""
+    qg, k, v, segments, positions, out, top, log_sum = residuals
+    B, T, H, D = d_out.shape
+    d_out = _grouped(d_out, k.shape[1])
+    row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    live = top > jnp.finfo(jnp.float32).min  # a query with no key at all (padding) has no gradient
+    d_q = jnp.zeros(qg.shape, jnp.float32)
+    block = (k, v, segments, positions, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for step in range(c):
+        kb, vb, sb, pb, d_kb, d_vb = block
+
+        def grads(d_kv, q, seg, pos, top, log_sum, row, live, d_out, kb=kb, vb=vb, sb=sb, pb=pb):
+            mask = attention_mask(seg, pos, sb, pb, window)
+            d_q, d_k, d_v = softmax_grads(
+                q, kb, vb, mask, top[..., None], log_sum[..., None], row[..., None], live, d_out
+            )
+            return (d_kv[0] + d_k.astype(jnp.float32), d_kv[1] + d_v.astype(jnp.float32)), d_q.astype(jnp.float32)
+
+        queries = ((qg, 3), (segments, 1), (positions, 1), (top, 3), (log_sum, 3), (row, 3), (live, 3), (d_out, 3))
+        (d_kb, d_vb), d_qs = _by_chunks(grads, chunk, queries, (d_kb, d_vb))
+        d_q = d_q + _joined(d_qs, 3, T)
+        block = _pass((kb, vb, sb, pb, d_kb, d_vb) if step < c - 1 else (d_kb, d_vb), c)
+    d_k, d_v = block[-2:]
+    d_q = d_q.astype(qg.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    return d_q, d_k.astype(k.dtype), d_v.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------- load balancing
+
+
+def balance(cfg, x, c: int, inverse: bool = False):
+    """x [B, T, ...] split along T over the context axis, its 2c chunks of columns in row order
+    (device j: chunks 2j and 2j+1) -> device i holding chunks i and 2c-1-i; `inverse` back. Each
+    device sends one even and one odd chunk and receives one of each: two ppermutes."""
+    spec = sharding.logical_to_spec(("batch", "length") + (None,) * (x.ndim - 2), cfg.logical_axis_rules)
+    move = _restore if inverse else _reorder
+    return jax.shard_map(functools.partial(move, c=c), in_specs=spec, out_specs=spec, check_vma=False)(x)
+
+
+def _halves(x):
+    s = x.shape[1] // 2
+    return x[:, :s], x[:, s:]
+
+
+def _reorder(x, c):
+    # Device j's chunk 2j + r (r = 0, 1) goes to device 2j + r when that is below c (its first
+    # slot), else to device 2c-1-(2j+r) (its second).
+    to = lambda k: k if k < c else 2 * c - 1 - k
+    even, odd = (jax.lax.ppermute(h, AXIS, [(j, to(2 * j + r)) for j in range(c)]) for r, h in enumerate(_halves(x)))
+    # Device i's first chunk, i, has i's parity; its second, 2c-1-i, the other.
+    first_even = jax.lax.axis_index(AXIS) % 2 == 0
+    return jnp.where(first_even, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
+
+
+def _restore(x, c):
+    # Device i holds chunks i and 2c-1-i: the even one goes to device (its index) // 2 as that
+    # device's first chunk, the odd one as its second.
+    first, second = _halves(x)
+    first_even = jax.lax.axis_index(AXIS) % 2 == 0
+    even, odd = jnp.where(first_even, first, second), jnp.where(first_even, second, first)
+    home = lambda i, r: (i if (i % 2 == r) else 2 * c - 1 - i) // 2
+    even, odd = (jax.lax.ppermute(h, AXIS, [(i, home(i, r)) for i in range(c)]) for r, h in enumerate((even, odd)))
+    return jnp.concatenate([even, odd], 1)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _devices(c) -> int | None:
+    """The context devices the config asks for; None where a size fills the mesh (-1), known only on
+    the devices (each device's share is then checked where it is traced: the model pads)."""
+    ici, dcn = c["ici_context_parallelism"], c["dcn_context_parallelism"]
+    return None if -1 in (ici, dcn) else ici * dcn
+
+
+@check("ici_context_parallelism", "dcn_context_parallelism", "logical_axis_rules", "model_source", "moe_routing_replay")
+def _split(c) -> str | None:
+    """The `length` rule is what splits the sequence, and our decoder is what attends across it."""
+    if _devices(c) == 1:
+        return None
+    length = dict((r[0], r[1]) for r in c["logical_axis_rules"] if isinstance(r, list) and len(r) == 2).get("length")
+    if length != AXIS:
+        return f"context parallelism splits the sequence by the `length` rule: logical_axis_rules needs [length, context], not [length, {length}]"
+    if c["model_source"] != "unitrain":
+        return (
+            f"context parallelism is our decoder's attention: it needs model_source unitrain, not {c['model_source']}"
+        )
+    if c["moe_routing_replay"]:
+        return "moe_routing_replay is not supported with context parallelism yet (its routes are read in the columns' order): set it false or the context sizes to 1"
+    return None
+
+
+@check(
+    "ici_context_parallelism",
+    "dcn_context_parallelism",
+    "context_load_balance",
+    "max_target_length",
+    "attention_chunk_size",
+    "logits_chunk_size",
+    "mode",
+)
+def _divides(c) -> str | None:
+    """Rows of max_target_length columns (the modes but grpo and ppo, whose rows are bucketed
+    prompts and completions) split into whole chunks: c, or 2c with load balancing, and each
+    device's share into whole attention and LM-head chunks where those are smaller."""
+    n = _devices(c)
+    if n in (None, 1) or c["mode"] in RL_MODES:
+        return None
+    T, parts = c["max_target_length"], 2 * n if c["context_load_balance"] else n
+    if T % parts:
+        times = " x 2 (context_load_balance: a chunk from each end of the row)" if c["context_load_balance"] else ""
+        return f"max_target_length ({T}) must be a multiple of the {n} context devices{times}: {parts}"
+    share = T // n
+    for key in ("attention_chunk_size", "logits_chunk_size"):
+        if 0 < c[key] < share and share % c[key]:
+            return f"{key} ({c[key]}) must divide each context device's {share} of max_target_length's {T} positions"
+    return None
+
+
+CONFIG_CHECKS = (_split, _divides)
