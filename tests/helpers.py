@@ -278,6 +278,107 @@ def grpo_update(cfg, batch_np):
     return float(m["loss"]), jax.device_get(state["params"])
 
 
+# ---------------------------------------------------------------- one step on fixed rows
+
+# float32 on CPU: the same step computed another way (packed rows, a split sequence) sums in other
+# orders; relative 1e-4 (of the largest parameter change, for the update) bounds that.
+STEP_RTOL, STEP_ATOL = 1e-4, 1e-5
+
+# The RL modes' fast run (RL_FAST), its later keys in place of its own: longer completions, so that
+# rows differ in length and pack, and a constant step from the first.
+FIXED_STEP_FAST = [
+    *RL_FAST,
+    "rollout_max_response_len=32",
+    "rollout_temperature=1.0",
+    "lr_schedule=constant",
+    # adam_eps >> |gradient|: the first update is about learning_rate * gradient, so it shows any
+    # difference in the gradient instead of Adam's sign.
+    "adam_eps=1.0",
+    "learning_rate=1.0",
+]
+
+
+def fixed_step_config(tmp_path, *overrides):
+    from unitrain.checks import load_checked
+
+    return load_checked([BASE_YML, f"base_output_directory={tmp_path}", *FIXED_STEP_FAST, *overrides])
+
+
+def fixed_groups(cfg, tokenizer):
+    """A fixed long-tailed round (tools/bench.py's): most completions short, a few at the maximum,
+    prompts of 2 to 12 ids, random rewards, and sampler logprobs within 1.5 of the untrained
+    model's (about -log vocab), so that rollout_is keeps some sequences and rejects others."""
+    import dataclasses
+
+    import numpy as np
+
+    from bench import long_tailed_groups
+
+    groups = long_tailed_groups(
+        cfg.rollout_batch_size,
+        cfg.n_samples_per_prompt,
+        (2, 12),
+        cfg.rollout_max_response_len,
+        tokenizer.vocab_size,
+        0.2,
+    )
+    rng = np.random.default_rng(1)
+    out = []
+    for g in groups:
+        draws = rng.uniform(-1.5, 1.5, (len(g.trajectories), cfg.rollout_max_response_len))
+        rows = tuple(
+            dataclasses.replace(t, logprobs=(draws[i, : len(t.ids)] - np.log(cfg.vocab_size)).astype(np.float32))
+            for i, t in enumerate(g.trajectories)
+        )
+        out.append(dataclasses.replace(g, trajectories=rows))
+    return out
+
+
+def one_step(cfg):
+    """(metrics, the state after one step, the params before, the task) of one step (RL modes: on
+    the fixed round; the others on their data's first batch)."""
+    import jax
+    import numpy as np
+
+    from unitrain import modes, run
+    from unitrain.registry import RL_MODES
+
+    built, state = run.build_run(cfg)
+    task = modes.create(built)
+    if cfg.mode in RL_MODES:
+        groups = fixed_groups(cfg, built.tokenizer)
+        task.rollouts.prepare_batch = lambda step, push: (groups, {})
+    before = jax.tree.map(np.asarray, state["params"])
+    state = task.train_state(state)
+    state, metrics = task.step(state, 0)
+    return metrics, state, before, task
+
+
+def assert_same_step(got, want):
+    """Two one_step results alike: every metric but the timings, and the update."""
+    import pytest
+
+    (m_g, s_g, before, _), (m_w, s_w, _, _) = got, want
+    timed = {k for k in m_w if k.startswith("time_") or k.endswith("_per_sec")}
+    assert set(m_g) == set(m_w)
+    for k in sorted(set(m_w) - timed):
+        assert float(m_g[k]) == pytest.approx(float(m_w[k]), rel=STEP_RTOL, abs=STEP_ATOL), k
+    assert_same_change(s_g["params"], s_w["params"], before)
+
+
+def assert_same_change(got, want, before):
+    """The parameters `got` and `want` moved alike from `before`."""
+    import jax
+    import numpy as np
+
+    for a, b, p in zip(*(jax.tree.leaves(jax.tree.map(np.asarray, t)) for t in (got, want, before))):
+        change = b - p
+        assert np.abs(change).max() > 0  # the update moved every parameter
+        np.testing.assert_allclose(
+            a - p, change, atol=10 * STEP_RTOL * np.abs(change).max(), rtol=STEP_RTOL
+        )  # float32 rounding of tiny changes
+
+
 # ---------------------------------------------------------------- a scripted environment
 
 

@@ -1,40 +1,19 @@
 """rl_packing: the first-fit-decreasing packer, and packed updates equal to unpacked ones (GRPO and
 its loss variants, PPO with its critic, DPO): loss, every metric and the parameters after the update."""
 
-import dataclasses
 import itertools
 
 import jax
 import numpy as np
 import pytest
 
-from bench import long_tailed_groups
-from helpers import REPO, RL_FAST
+from helpers import FIXED_STEP_FAST as FAST
+from helpers import REPO, assert_same_step, fixed_groups, one_step
+from helpers import STEP_ATOL as ATOL
+from helpers import STEP_RTOL as RTOL
+from helpers import fixed_step_config as config
 from unitrain import modes, run, sharding
-from unitrain.checks import load_checked
 from unitrain.data.rl_packing import RolloutPacking, first_fit_decreasing
-
-# float32 on CPU: a packed row computes each sequence with other matmul shapes than its own row, so
-# sums round differently; relative 1e-4 (of the largest parameter change, for the update) bounds that.
-RTOL, ATOL = 1e-4, 1e-5
-
-# The RL modes' fast run (helpers.RL_FAST), its later keys in place of its own: longer completions,
-# so that rows differ in length and pack, and a constant step from the first.
-FAST = [
-    *RL_FAST,
-    "rollout_max_response_len=32",
-    "rollout_temperature=1.0",
-    "lr_schedule=constant",
-    # adam_eps >> |gradient|: the first update is about learning_rate * gradient, so it shows any
-    # difference in the gradient instead of Adam's sign.
-    "adam_eps=1.0",
-    "learning_rate=1.0",
-]
-
-
-def config(tmp_path, *overrides):
-    return load_checked([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *FAST, *overrides])
-
 
 # ------------------------------------------------------------------ the packer
 
@@ -67,66 +46,6 @@ def test_first_fit_decreasing_places_every_sequence_once_within_the_budget(seed)
 def test_a_sequence_longer_than_the_row_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         first_fit_decreasing([3, 9], 8)
-
-
-# ------------------------------------------------------------------ a fixed long-tailed round
-
-
-def fixed_groups(cfg, tokenizer):
-    """A fixed long-tailed round (tools/bench.py's): most completions short, a few at the maximum,
-    prompts of 2 to 12 ids, random rewards, and sampler logprobs within 1.5 of the untrained
-    model's (about -log vocab), so that rollout_is keeps some sequences and rejects others."""
-    groups = long_tailed_groups(
-        cfg.rollout_batch_size,
-        cfg.n_samples_per_prompt,
-        (2, 12),
-        cfg.rollout_max_response_len,
-        tokenizer.vocab_size,
-        0.2,
-    )
-    rng = np.random.default_rng(1)
-    out = []
-    for g in groups:
-        draws = rng.uniform(-1.5, 1.5, (len(g.trajectories), cfg.rollout_max_response_len))
-        rows = tuple(
-            dataclasses.replace(t, logprobs=(draws[i, : len(t.ids)] - np.log(cfg.vocab_size)).astype(np.float32))
-            for i, t in enumerate(g.trajectories)
-        )
-        out.append(dataclasses.replace(g, trajectories=rows))
-    return out
-
-
-def one_step(cfg):
-    """(metrics, the state after one step, the params before, the task) of one step (RL modes: on
-    the fixed round)."""
-    built, state = run.build_run(cfg)
-    task = modes.create(built)
-    if cfg.mode != "dpo":
-        groups = fixed_groups(cfg, built.tokenizer)
-        task.rollouts.prepare_batch = lambda step, push: (groups, {})
-    before = jax.tree.map(np.asarray, state["params"])
-    state = task.train_state(state)
-    state, metrics = task.step(state, 0)
-    return metrics, state, before, task
-
-
-def assert_same_step(packed, unpacked):
-    (m_p, s_p, before, _), (m_u, s_u, _, _) = packed, unpacked
-    timed = {k for k in m_u if k.startswith("time_") or k.endswith("_per_sec")}
-    assert set(m_p) == set(m_u)
-    for k in sorted(set(m_u) - timed):
-        assert float(m_p[k]) == pytest.approx(float(m_u[k]), rel=RTOL, abs=ATOL), k
-    assert_same_change(s_p["params"], s_u["params"], before)
-
-
-def assert_same_change(got, want, before):
-    """The parameters `got` and `want` moved alike from `before`."""
-    for a, b, p in zip(*(jax.tree.leaves(jax.tree.map(np.asarray, t)) for t in (got, want, before))):
-        change = b - p
-        assert np.abs(change).max() > 0  # the update moved every parameter
-        np.testing.assert_allclose(
-            a - p, change, atol=10 * RTOL * np.abs(change).max(), rtol=RTOL
-        )  # float32 rounding of tiny changes
 
 
 # Every aggregation without and with both KL and rollout_is; token-mean also with each alone.
