@@ -1,6 +1,7 @@
 """Times unitrain's jitted SFT train step, its sampler or whole GRPO steps and prints one JSON line.
 
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
+    python tools/bench.py [CONFIG_YML] [key=value ...] --against ici_context_parallelism=8 --against per_device_batch_size=8
     python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler|rm_score] [--out mem.json]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --against rollout_cache_phases=1
@@ -40,6 +41,10 @@ its shape) and reports the median seconds and GB/s: sampler=mesh copies the trai
 the rollout mesh; sampler=vllm exports them and its server reloads them (time_weight_export and
 time_weight_reload apart).
 
+--mode sft (the default) times the SFT train step; with `--against key=value` the config (A) and
+the config with those overrides (B) in turn, A B A B, each on its own synthetic batch (the same rows
+where both have as many), B's figures and speedup (the median of the pairs' A/B step-time ratios)
+under "against": e.g. a row's sequence split over 8 devices against the unsplit step.
 The mesh, model, optimizer state and step are built by unitrain.run.build_run and the SFT task from the config
 (default configs/base.yml; key=value are ordinary config overrides). Each step sees the configured
 global batch (global_batch_size * gradient_accumulation_steps rows of max_target_length): random
@@ -468,20 +473,45 @@ def compile_sampler(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
     }
 
 
-def bench(cfg, steps: int, warmup: int) -> dict:
+def sft_step(cfg) -> list:
+    """[run, the SFT task's compiled step, the train state, a synthetic batch of one update's rows]."""
     run, state = build_run(cfg.replace(eval_interval=0))
-    mesh, task = run.mesh, modes.create(run)
+    task = modes.create(run)
+    batch = sharding.local_rows_to_global(synthetic_batch(cfg, run.layout.rows_per_update), task.batch_shardings())
+    return [run, run.programs.compiled("train_step", task.update, state, batch), state, batch]
+
+
+def bench(cfg, steps: int, warmup: int, cfg_b=None) -> dict:
+    """SFT steps of `cfg` (A) and of `cfg_b` (B; None: A alone) in turn, A B A B, each on its own
+    synthetic batch (the same rows where both have as many: the same seed)."""
+    sides = [sft_step(c) for c in (cfg, cfg_b) if c is not None]
+    times, losses = tuple([] for _ in sides), [None] * len(sides)
+    for i in range(warmup + steps):
+        for k, (side, series) in enumerate(zip(sides, times)):
+            start = time.perf_counter()
+            side[2], step_metrics = side[1](side[2], side[3])
+            losses[k] = float(step_metrics["loss"])  # waits for the step
+            if i >= warmup:
+                series.append(time.perf_counter() - start)
+    result = sft_result(cfg, sides[0][0], sides[0][2], times[0], losses[0], steps, warmup)
+    if cfg_b is not None:
+        run_b, a, b = sides[1][0], times[0], times[1]
+        result["against"] = {
+            "mesh_shape": dict(run_b.mesh.shape),
+            "global_batch_rows": run_b.layout.rows_per_update,
+            "step_time_median": statistics.median(b),
+            "step_times": b,
+            "tokens_per_sec": run_b.layout.rows_per_update * cfg_b.max_target_length / statistics.median(b),
+            "final_loss": losses[1],
+            "speedup_median": statistics.median(x / y for x, y in zip(a, b)),
+        }
+    return result
+
+
+def sft_result(cfg, run, state, times: list, loss: float, steps: int, warmup: int) -> dict:
+    """A's figures: its step times, throughput and MFU."""
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     rows = run.layout.rows_per_update
-    batch = sharding.local_rows_to_global(synthetic_batch(cfg, rows), task.batch_shardings())
-    compiled = run.programs.compiled("train_step", task.update, state, batch)
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, step_metrics = compiled(state, batch)
-        jax.block_until_ready(step_metrics)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
     peak = metrics.peak_flops_per_device(cfg)
     flops_per_token = run.model.flops_per_token(cfg.max_target_length)
     median = statistics.median(times)
@@ -491,9 +521,9 @@ def bench(cfg, steps: int, warmup: int) -> dict:
         "config": {k: cfg[k] for k in CONFIG_KEYS}
         | {
             "global_batch_rows": rows,
-            "mesh_shape": dict(mesh.shape),
+            "mesh_shape": dict(run.mesh.shape),
             "device_kind": jax.devices()[0].device_kind,
-            "num_devices": mesh.size,
+            "num_devices": run.mesh.size,
             "steps": steps,
             "warmup": warmup,
         },
@@ -502,11 +532,11 @@ def bench(cfg, steps: int, warmup: int) -> dict:
         "step_time_max": max(times),
         "tokens_per_sec": tokens_per_sec,
         "model_flops_per_token": flops_per_token,
-        "model_flops_per_sec_per_device": tokens_per_sec * flops_per_token / mesh.size,
+        "model_flops_per_sec_per_device": tokens_per_sec * flops_per_token / run.mesh.size,
         "matmul_peak_flops_per_device": peak,
         "peak_source": "config" if cfg.peak_flops_per_device is not None else f"jnp.dot {cfg.matmul_peak_size}",
-        "mfu": metrics.mfu(tokens_per_sec, flops_per_token, peak, mesh.size),
-        "final_loss": float(step_metrics["loss"]),
+        "mfu": metrics.mfu(tokens_per_sec, flops_per_token, peak, run.mesh.size),
+        "final_loss": loss,
     }
 
 
@@ -950,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="sampler, grpo_round: also time the config with this override, A B A B in one process",
+        help="sft, sampler, grpo_round: also time the config with this override (repeat for several), A B A B in one process",
     )
     opts = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     args = opts.args
@@ -979,9 +1009,9 @@ def run_mode(opts, args: list[str]) -> dict:
     cfg = load_checked(args)
     if opts.long_tail and (opts.mode != "sampler" or opts.compile_only):
         raise ConfigError("--long-tail times a long-tailed sampler round: --mode sampler, without --compile-only")
-    if opts.against and (opts.mode not in ("sampler", "grpo_round") or opts.compile_only):
+    if opts.against and (opts.mode not in ("sft", "sampler", "grpo_round") or opts.compile_only):
         raise ConfigError(
-            "--against times two configs side by side: --mode sampler or grpo_round, without --compile-only"
+            "--against times two configs side by side: --mode sft, sampler or grpo_round, without --compile-only"
         )
     if opts.mode == "grpo_round":
         if opts.compile_only or not 0 <= opts.long_fraction <= 1:
@@ -1027,7 +1057,7 @@ def run_mode(opts, args: list[str]) -> dict:
         return compile_only(cfg.replace(mode=opts.mode) if opts.mode == "grpo" else cfg)
     if opts.mode == "grpo":
         return bench_grpo(cfg, opts.prompts, opts.samples, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
-    return bench(cfg, opts.steps, opts.warmup)
+    return bench(cfg, opts.steps, opts.warmup, load_checked([*args, *opts.against]) if opts.against else None)
 
 
 if __name__ == "__main__":

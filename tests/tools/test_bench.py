@@ -365,6 +365,22 @@ def test_sampler_against_an_override_times_both_in_turn(tiny_checkpoint, capsys)
     assert "--against times two configs side by side" in capsys.readouterr().err
 
 
+def test_sft_against_an_override_times_both_on_the_same_rows(capsys):
+    """--against on the SFT step: the same 8 rows on the fsdp mesh (A) and split over a context axis
+    of 2 (B: 2 rows a device of the batch axes); both steps give the same loss."""
+    import bench
+
+    common = ["configs/base.yml", "model_name=tiny", "max_target_length=32", "peak_flops_per_device=1e12"]
+    split = ["--against", "ici_context_parallelism=2", "--against", "per_device_batch_size=2"]
+    assert bench.main([*common, "per_device_batch_size=1", "--steps", "2", "--warmup", "0", *split]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    a, b = result["step_time_min"], result["against"]
+    assert result["config"]["global_batch_rows"] == b["global_batch_rows"] == 8
+    assert b["mesh_shape"] == {"data": 1, "fsdp": 4, "context": 2, "tensor": 1} and len(b["step_times"]) == 2
+    assert b["final_loss"] == pytest.approx(result["final_loss"], rel=1e-5) and a > 0
+    assert b["speedup_median"] > 0
+
+
 def test_a_long_tailed_round_gives_each_row_its_budget(tiny_checkpoint, capsys):
     """--long-tail: the rows' budgets are long_tail_budgets (one in 16 rows, at least one, runs to
     --new-tokens); compaction draws the same tokens; tokens/s counts the budgets."""

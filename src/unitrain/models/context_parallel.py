@@ -98,10 +98,13 @@ def sharded_attention_fn(cfg, segment_ids, positions, c: int, length: int):
         spec("batch", "kv_heads", "length", "kv"),
         spec("batch", "length"),
     )
-    chosen = strategy(cfg.context_parallel_strategy, length, c)
-    body = _gathered if chosen == "all_gather" else _ring
+    window, chunk = cfg.sliding_window, cfg.attention_chunk_size
+    if strategy(cfg.context_parallel_strategy, length, c) == "all_gather":
+        body = functools.partial(_gathered, window=window, chunk=chunk)
+    else:
+        body = functools.partial(_ring, window=window, chunk=chunk, c=c, balanced=cfg.context_load_balance)
     run = jax.shard_map(
-        functools.partial(body, window=cfg.sliding_window, chunk=cfg.attention_chunk_size, c=c),
+        body,
         in_specs=(q_spec, kv_spec, kv_spec, rows, rows),
         out_specs=q_spec,
         check_vma=False,
@@ -109,13 +112,19 @@ def sharded_attention_fn(cfg, segment_ids, positions, c: int, length: int):
     return lambda q, k, v: run(q, k, v, segment_ids, positions)
 
 
-def _gathered(q, k, v, segments, positions, window, chunk, c):
+def _gathered(q, k, v, segments, positions, window, chunk):
+    """The queries over the whole row's keys (their masks doing the causality: no block skipped)."""
     gather = lambda a, axis: jax.lax.all_gather(a, AXIS, axis=axis, tiled=True)
     mask = attention_mask(segments, positions, gather(segments, 1), gather(positions, 1), window)
     return attention(q, gather(k, 2), gather(v, 2), mask, chunk)
 
 
 # ---------------------------------------------------------------- the ring
+
+# The query axis of each query-side array (queries, segments, positions; the running or final
+# softmax figures and d_out, all [B, K, G, T, ...]) and the key axis of a block's arrays.
+_QUERY_AXES = (3, 1, 1)
+_BLOCK_AXES = (2, 2, 1, 1)
 
 
 def _pass(block, c):
@@ -127,6 +136,11 @@ def _grouped(q, K):
     """q [B, T, H, D] -> [B, K, G, T, D], the reference's layout."""
     B, T, H, D = q.shape
     return q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
+
+
+def _half(arrays, axes, which: int):
+    """The first (0) or second (1) half of each array along its axis: a balanced device's chunk."""
+    return tuple(jnp.split(a, 2, axis=ax)[which] for a, ax in zip(arrays, axes))
 
 
 def _by_chunks(fn, size, queries, carry=None):
@@ -152,66 +166,132 @@ def _joined(outs, axis, T):
     return jax.lax.slice_in_dim(x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :]), 0, T, axis=axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring(q, k, v, segments, positions, window, chunk, c):
-    return _ring_fwd(q, k, v, segments, positions, window, chunk, c)[0]
+def _fold(queries, state, block, window, chunk):
+    """`state` (each query's running maximum, sum of exponentials and weighted sum of values) with
+    the block's keys folded in: FlashAttention's online softmax, `chunk` queries at a time."""
+    kb, vb, sb, pb = block
+
+    def one(_, q, seg, pos, top, total, acc):
+        scores = masked_scores(q, kb, attention_mask(seg, pos, sb, pb, window))
+        new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+        decay = jnp.exp(top - new_top)
+        p = jnp.exp(scores - new_top[..., None])
+        total = total * decay + jnp.sum(p, axis=-1)
+        acc = acc * decay[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p.astype(vb.dtype), vb).astype(jnp.float32)
+        return None, (new_top, total, acc)
+
+    _, outs = _by_chunks(one, chunk, tuple(zip(queries + state, _QUERY_AXES + (3, 3, 3))))
+    return tuple(_joined(o, 3, queries[0].shape[3]) for o in outs)
 
 
-def _ring_fwd(q, k, v, segments, positions, window, chunk, c):
-    """The c blocks folded into each query's running maximum `top`, sum of exponentials `total` and
-    weighted sum of values; kept for the backward: the output and the softmax's top and log-sum."""
+def _grads(queries, block, window, chunk):
+    """(d_q, d_k, d_v), float32, of the block's part of the attention: attention.softmax_grads,
+    `chunk` queries at a time; queries: (q, segments, positions, top, log_sum, row, live, d_out)."""
+    kb, vb, sb, pb = block
+
+    def one(d_kv, q, seg, pos, top, log_sum, row, live, d_out):
+        mask = attention_mask(seg, pos, sb, pb, window)
+        d_q, d_k, d_v = softmax_grads(q, kb, vb, mask, top[..., None], log_sum[..., None], row[..., None], live, d_out)
+        return (d_kv[0] + d_k.astype(jnp.float32), d_kv[1] + d_v.astype(jnp.float32)), d_q.astype(jnp.float32)
+
+    zeros = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+    (d_k, d_v), d_qs = _by_chunks(one, chunk, tuple(zip(queries, _QUERY_AXES + (3,) * 5)), zeros)
+    return _joined(d_qs, 3, queries[0].shape[3]), d_k, d_v
+
+
+def _from_earlier(step: int, c: int):
+    """Whether the block at ring `step` comes from an earlier device of the axis: j = i - step < i."""
+    i = jax.lax.axis_index(AXIS)
+    return (i - step) % c < i
+
+
+def _placed(part, which: int, axis: int):
+    """`part` as the first (0) or second (1) half of an array twice its size along `axis`, zeros in the other."""
+    zeros = jnp.zeros_like(part)
+    return jnp.concatenate([part, zeros] if which == 0 else [zeros, part], axis=axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, k, v, segments, positions, window, chunk, c, balanced):
+    return _ring_fwd(q, k, v, segments, positions, window, chunk, c, balanced)[0]
+
+
+def _ring_fwd(q, k, v, segments, positions, window, chunk, c, balanced):
+    """The c blocks folded into each query's softmax as they come round, each only as far as the
+    causal mask lets the queries see it: a column never attends a later one, so the block from
+    device j = i - step (step > 0) is, in row order (a chunk a device), wholly seen where j < i and
+    not at all where j > i; balanced (device i: chunks i and 2c-1-i), where j < i all queries see
+    its first chunk alone, where j > i only the queries' second chunk sees it, whole. Half the
+    block's work either way. Kept for the backward: the output and the softmax's top and log-sum."""
     B, T, H, D = q.shape
     qg = _grouped(q, k.shape[1])
-    top = jnp.full(qg.shape[:-1], jnp.finfo(jnp.float32).min)
-    total = jnp.zeros(qg.shape[:-1], jnp.float32)
-    acc = jnp.zeros(qg.shape, jnp.float32)
+    queries = (qg, segments, positions)
+    state = (
+        jnp.full(qg.shape[:-1], jnp.finfo(jnp.float32).min),
+        jnp.zeros(qg.shape[:-1], jnp.float32),
+        jnp.zeros(qg.shape, jnp.float32),
+    )
     block = (k, v, segments, positions)
     for step in range(c):
         arriving = _pass(block, c) if step < c - 1 else None
-        kb, vb, sb, pb = block
+        whole = functools.partial(_fold, queries, block=block, window=window, chunk=chunk)
+        if step == 0:
+            state = whole(state)
+        elif not balanced:
+            state = jax.lax.cond(_from_earlier(step, c), whole, lambda s: s, state)
+        else:
 
-        def fold(_, q, seg, pos, top, total, acc, kb=kb, vb=vb, sb=sb, pb=pb):
-            scores = masked_scores(q, kb, attention_mask(seg, pos, sb, pb, window))
-            new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
-            decay = jnp.exp(top - new_top)
-            p = jnp.exp(scores - new_top[..., None])
-            total = total * decay + jnp.sum(p, axis=-1)
-            acc = acc * decay[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p.astype(vb.dtype), vb).astype(jnp.float32)
-            return None, (new_top, total, acc)
+            def earlier(s, b=block):
+                return _fold(queries, s, _half(b, _BLOCK_AXES, 0), window, chunk)
 
-        _, outs = _by_chunks(fold, chunk, ((qg, 3), (segments, 1), (positions, 1), (top, 3), (total, 3), (acc, 3)))
-        top, total, acc = (_joined(o, 3, T) for o in outs)
+            def later(s, b=block):
+                first, second = _half(s, (3, 3, 3), 0), _half(s, (3, 3, 3), 1)
+                second = _fold(_half(queries, _QUERY_AXES, 1), second, b, window, chunk)
+                return tuple(jnp.concatenate(h, axis=3) for h in zip(first, second))
+
+            state = jax.lax.cond(_from_earlier(step, c), earlier, later, state)
         block = arriving
+    top, total, acc = state
     out = (acc / total[..., None]).astype(q.dtype)
     log_sum = jnp.log(total)
     result = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return result, (qg, k, v, segments, positions, out, top, log_sum)
 
 
-def _ring_bwd(window, chunk, c, residuals, d_out):
-    """attention.softmax_grads of each block as it comes round, the block's key and value gradients
-    passed on with it: after c passes they are back on the device that holds those keys."""
+def _ring_bwd(window, chunk, c, balanced, residuals, d_out):
+    """attention.softmax_grads of each block as it comes round, of what the forward folded in, the
+    block's key and value gradients passed on with it: after c passes they are back on the device
+    that holds those keys."""
     qg, k, v, segments, positions, out, top, log_sum = residuals
     B, T, H, D = d_out.shape
     d_out = _grouped(d_out, k.shape[1])
     row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     live = top > jnp.finfo(jnp.float32).min  # a query with no key at all (padding) has no gradient
+    queries = (qg, segments, positions, top, log_sum, row, live, d_out)
     d_q = jnp.zeros(qg.shape, jnp.float32)
     block = (k, v, segments, positions, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for step in range(c):
-        kb, vb, sb, pb, d_kb, d_vb = block
+        keys, d_kv = block[:4], block[4:]
+        whole = functools.partial(_grads, queries, keys, window, chunk)
+        if step == 0:
+            grads = whole()
+        elif not balanced:
+            nothing = lambda: (jnp.zeros(qg.shape, jnp.float32), *(jnp.zeros_like(a) for a in d_kv))
+            grads = jax.lax.cond(_from_earlier(step, c), whole, nothing)
+        else:
 
-        def grads(d_kv, q, seg, pos, top, log_sum, row, live, d_out, kb=kb, vb=vb, sb=sb, pb=pb):
-            mask = attention_mask(seg, pos, sb, pb, window)
-            d_q, d_k, d_v = softmax_grads(
-                q, kb, vb, mask, top[..., None], log_sum[..., None], row[..., None], live, d_out
-            )
-            return (d_kv[0] + d_k.astype(jnp.float32), d_kv[1] + d_v.astype(jnp.float32)), d_q.astype(jnp.float32)
+            def earlier(b=keys):
+                d_q, d_k, d_v = _grads(queries, _half(b, _BLOCK_AXES, 0), window, chunk)
+                return d_q, _placed(d_k, 0, 2), _placed(d_v, 0, 2)
 
-        queries = ((qg, 3), (segments, 1), (positions, 1), (top, 3), (log_sum, 3), (row, 3), (live, 3), (d_out, 3))
-        (d_kb, d_vb), d_qs = _by_chunks(grads, chunk, queries, (d_kb, d_vb))
-        d_q = d_q + _joined(d_qs, 3, T)
-        block = _pass((kb, vb, sb, pb, d_kb, d_vb) if step < c - 1 else (d_kb, d_vb), c)
+            def later(b=keys):
+                d_q, d_k, d_v = _grads(_half(queries, _QUERY_AXES + (3,) * 5, 1), b, window, chunk)
+                return _placed(d_q, 1, 3), d_k, d_v
+
+            grads = jax.lax.cond(_from_earlier(step, c), earlier, later)
+        d_q = d_q + grads[0]
+        d_kv = (d_kv[0] + grads[1], d_kv[1] + grads[2])
+        block = _pass((*keys, *d_kv) if step < c - 1 else d_kv, c)
     d_k, d_v = block[-2:]
     d_q = d_q.astype(qg.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return d_q, d_k.astype(k.dtype), d_v.astype(v.dtype), None, None
