@@ -528,7 +528,12 @@ def _dense(x, w, n_in=1):
     """x's last `n_in` axes contracted with w's first: one matmul of the rows flattened to one axis
     by the weight flattened to two (both reshapes are bitcasts). The weight gradient then contracts
     a single row axis; over batch and length XLA:CPU would first copy the activation or its gradient
-    into a transposed layout, for every projection of every layer (a third of the SFT step)."""
+    into a transposed layout, for every projection of every layer (a third of the SFT step).
+    Rows split along the sequence (context parallelism) are contracted as they are: flattened, a
+    device's part of each row would not be one block of the flat axis, and every activation would
+    be gathered whole to make it one."""
+    if sharding.sequence_shards() > 1:
+        return jnp.tensordot(x, w, axes=n_in)
     rows = x.shape[: x.ndim - n_in]
     flat = w.reshape(math.prod(w.shape[:n_in]), math.prod(w.shape[n_in:]))  # a QArray's reshape takes no -1
     y = quant.matmul(x.reshape(math.prod(rows), -1), flat)
