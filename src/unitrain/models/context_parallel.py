@@ -100,7 +100,7 @@ def sharded_attention_fn(cfg, segment_ids, positions, c: int, length: int):
     )
     window, chunk = cfg.sliding_window, cfg.attention_chunk_size
     if strategy(cfg.context_parallel_strategy, length, c) == "all_gather":
-        body = functools.partial(_gathered, window=window, chunk=chunk)
+        body = functools.partial(_gathered, window=window, chunk=chunk, balanced=cfg.context_load_balance)
     else:
         body = functools.partial(_ring, window=window, chunk=chunk, c=c, balanced=cfg.context_load_balance)
     run = jax.shard_map(
@@ -112,11 +112,23 @@ def sharded_attention_fn(cfg, segment_ids, positions, c: int, length: int):
     return lambda q, k, v: run(q, k, v, segment_ids, positions)
 
 
-def _gathered(q, k, v, segments, positions, window, chunk):
-    """The queries over the whole row's keys (their masks doing the causality: no block skipped)."""
-    gather = lambda a, axis: jax.lax.all_gather(a, AXIS, axis=axis, tiled=True)
-    mask = attention_mask(segments, positions, gather(segments, 1), gather(positions, 1), window)
-    return attention(q, gather(k, 2), gather(v, 2), mask, chunk)
+def _gathered(q, k, v, segments, positions, window, chunk, balanced):
+    """The queries over the row's keys gathered whole, their masks doing the causality. Balanced,
+    a device's first chunk (i < c) sees none of the row's second half, the c chunks that are
+    every device's second: it attends to the first halves alone (a quarter of the work spared)."""
+    gather = lambda arrays: tuple(
+        jax.lax.all_gather(a, AXIS, axis=ax, tiled=True) for a, ax in zip(arrays, _BLOCK_AXES)
+    )
+    attend = lambda q, seg, pos, keys: attention(
+        q, keys[0], keys[1], attention_mask(seg, pos, *keys[2:], window), chunk
+    )
+    block = (k, v, segments, positions)
+    if not balanced:
+        return attend(q, segments, positions, gather(block))
+    early, late = gather(_half(block, _BLOCK_AXES, 0)), gather(_half(block, _BLOCK_AXES, 1))
+    whole = tuple(jnp.concatenate(pair, axis=ax) for pair, ax in zip(zip(early, late), _BLOCK_AXES))
+    (q1, q2), (seg1, seg2), (pos1, pos2) = (jnp.split(a, 2, axis=1) for a in (q, segments, positions))
+    return jnp.concatenate([attend(q1, seg1, pos1, early), attend(q2, seg2, pos2, whole)], axis=1)
 
 
 # ---------------------------------------------------------------- the ring
