@@ -104,10 +104,10 @@ def test_balanced_order_puts_both_ends_of_the_row_on_each_device():
 
 def test_auto_strategy_by_each_devices_share_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="unitrain"):
-        assert context_parallel.strategy("auto", 8 * 4096, 8) == "ring"
-        assert context_parallel.strategy("auto", 8 * 4095, 8) == "all_gather"
+        assert context_parallel.strategy("auto", 8 * 256, 8) == "ring"
+        assert context_parallel.strategy("auto", 8 * 255, 8) == "all_gather"
         assert context_parallel.strategy("ring", 64, 8) == "ring"
-    assert "auto: ring for rows of 32768 positions over 8 devices (4096 each" in caplog.text
+    assert "auto: ring for rows of 2048 positions over 8 devices (256 each" in caplog.text
 
 
 def config_error(*overrides) -> str:

@@ -34,7 +34,11 @@ from unitrain.registry import RL_MODES
 log = logging.getLogger("unitrain")
 
 AXIS = "context"
-RING_FROM = 4096  # auto: the ring where a device's share of a row has at least this many positions
+# auto: the ring where a device's share of a row has at least this many positions. On 8 CPU devices
+# at 256 a device the ring's step took 1.09-1.16x the unsplit one's, the gather's 1.67x
+# (docs/PERFORMANCE.md): the ring skips half of each block the mask hides, the gather a quarter.
+# Below it, c - 1 transfers of tiny blocks cost more than one gather.
+RING_FROM = 256
 
 
 def shards(cfg) -> int:
@@ -68,8 +72,7 @@ def forward(cfg, run, x, positions, segment_ids, rope, routes):
 
 def strategy(choice: str, length: int, c: int) -> str:
     """The strategy of `choice` for rows of `length` columns over c devices: auto is the ring where
-    each device's share is at least RING_FROM positions (enough attention per block to hide the
-    next block's transfer), else one gather."""
+    each device's share is at least RING_FROM positions, else one gather."""
     if choice != "auto":
         return choice
     chosen = "ring" if length // c >= RING_FROM else "all_gather"
