@@ -15,7 +15,8 @@ from unitrain.errors import ConfigError
 DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MOE_TYPES = ("qwen3_moe", "mixtral")
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
-# Vision-language checkpoints the HF adapter reads (adapters/hf.py; not yet a run's model).
+# Vision-language checkpoints: our decoder (its keys those of the text model) with a vision tower
+# whose dimensions stay in the checkpoint's config.json (models/qwen2_5_vl.py, adapters/hf.py).
 VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -101,9 +102,13 @@ def _expert_keys(hf, config_file) -> dict:
 
 
 def model_keys(path: str | Path, trust_remote_code: bool = False) -> dict:
-    """The architecture keys of base.yml (config.MODEL_KEYS) that describe the checkpoint at `path`."""
+    """The architecture keys of base.yml (config.MODEL_KEYS) that describe the checkpoint at `path`:
+    of a vision-language one, its decoder's (vision_language_keys)."""
     config_file = Path(path) / "config.json"
     hf = read_hf_config(path, trust_remote_code)
+    if hf.model_type in VISION_LANGUAGE_TYPES:
+        keys = vision_language_keys(path)[0]
+        return {k: v for k, v in keys.items() if k not in ("mrope_section", "image_token_id")}
     _check_supported(hf, config_file)
     return _decoder_keys(hf, hf.model_type, config_file)
 

@@ -108,8 +108,10 @@ ROLLOUT_MESH_AXES = ("data", "fsdp", "tensor")
 TRAINER_MESH_KEYS = [f"{net}_{axis}_parallelism" for net in ("ici", "dcn") for axis in MESH_AXES]
 ROLLOUT_MESH_KEYS = [f"rollout_{axis}_parallelism" for axis in ROLLOUT_MESH_AXES]
 
-# Our decoder's families are the HF model types it reads: dense, and the mixtures of experts.
+# Our decoder's families are the HF model types it reads: dense, the mixtures of experts, and the
+# vision-language ones (a dense decoder with a vision tower, read from an HF folder).
 DENSE_FAMILIES, MOE_FAMILIES = hf_config.DENSE_TYPES, hf_config.MOE_TYPES
+VISION_LANGUAGE_FAMILIES = hf_config.VISION_LANGUAGE_TYPES
 
 # Per-key constraints beyond the type (which comes from the default in base.yml): a new key that
 # needs one adds a row here, e.g. "learning_rate": NON_NEGATIVE.
@@ -118,7 +120,7 @@ RULES: dict[str, Rule] = {
     "base_output_directory": NAME,
     "seed": NON_NEGATIVE,
     "model_name": Rule(lambda v: isinstance(v, str), '"" (no model yml) or the name of a configs/models yml'),
-    "model_family": choices(*DENSE_FAMILIES, *MOE_FAMILIES),
+    "model_family": choices(*DENSE_FAMILIES, *MOE_FAMILIES, *VISION_LANGUAGE_FAMILIES),
     "vocab_size": POSITIVE_INT,
     "emb_dim": POSITIVE_INT,
     "mlp_dim": POSITIVE_INT,

@@ -3,6 +3,7 @@ weight-decay mask (models/base.py: decay_mask)."""
 
 from __future__ import annotations
 
+import jax
 import optax
 
 
@@ -22,8 +23,17 @@ def learning_rate_schedule(cfg, optimizer_steps: int, peak: float | None = None)
     return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
-def make_optimizer(cfg, decay_mask, learning_rate: optax.Schedule) -> optax.GradientTransformation:
-    """decay_mask: a pytree of bools shaped like the parameters (True = weight decay applies)."""
+def make_optimizer(cfg, decay_mask, learning_rate: optax.Schedule, frozen=None) -> optax.GradientTransformation:
+    """decay_mask: a pytree of bools shaped like the parameters (True = weight decay applies);
+    `frozen` another (True = never updated: no moments held, not in the clipped norm), or None."""
+    optimizer = _adamw(cfg, decay_mask, learning_rate)
+    if frozen is None:
+        return optimizer
+    labels = jax.tree.map(lambda f: "frozen" if f else "trained", frozen)
+    return optax.multi_transform({"trained": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+
+def _adamw(cfg, decay_mask, learning_rate: optax.Schedule) -> optax.GradientTransformation:
     adamw = optax.adamw(
         learning_rate,
         b1=cfg.adam_b1,

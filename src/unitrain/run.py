@@ -16,7 +16,7 @@ from unitrain import step as step_lib
 from unitrain.context import RunContext
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError
-from unitrain.models import scalar_head, sources
+from unitrain.models import qwen2_5_vl, scalar_head, sources
 from unitrain.models.attention import attention_kernel
 from unitrain.optimizer import learning_rate_schedule, make_optimizer
 
@@ -66,7 +66,8 @@ def build_run(cfg) -> tuple[RunContext, dict]:
     params = nnx.to_pure_dict(params)
     adapters_only = cfg.lora_rank > 0
     learning_rate = learning_rate_schedule(cfg, layout.optimizer_steps)
-    optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only), learning_rate)
+    frozen = qwen2_5_vl.tower_mask(model.decay_mask()) if cfg.freeze_vision_tower else None
+    optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only), learning_rate, frozen)
     state = step_lib.init_state(params, optimizer, mesh, cfg.optimizer_host_offload, adapters_only)
     run = RunContext(
         cfg=cfg,

@@ -28,13 +28,16 @@ log = logging.getLogger("unitrain")
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
     """Shardings of optimizer.init(params): each moment takes its parameter's sharding, everything
-    else (step counts) is replicated over the mesh. `params` may be concrete or abstract."""
+    else (step counts) is replicated over the mesh; a frozen parameter's empty slot (optax's
+    MaskedNode, optimizer.make_optimizer's `frozen`) stays empty. `params` may be concrete or abstract."""
+    frozen = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     return optax.tree_map_params(
         optimizer,
-        lambda _, s: s,
+        lambda x, s: x if frozen(x) else s,
         jax.eval_shape(optimizer.init, params),
         param_shardings,
         transform_non_params=lambda _: sharding.replicated(mesh),
+        is_leaf=frozen,
     )
 
 

@@ -7,6 +7,7 @@ without its LM head (sources.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -14,8 +15,9 @@ import jax
 from flax import nnx
 
 from unitrain import checkpoint, sharding
-from unitrain.adapters import hf
-from unitrain.models import decoder
+from unitrain.adapters import hf, hf_config
+from unitrain.config import VISION_LANGUAGE_FAMILIES as VISION_LANGUAGE
+from unitrain.models import decoder, qwen2_5_vl
 from unitrain.models.attention import attention_kernel
 
 log = logging.getLogger("unitrain")
@@ -31,16 +33,21 @@ def source(cfg, mesh, output_head: bool = True) -> decoder.Decoder:
     `output_head`, a scalar head's backbone: no LM head, that of the checkpoint (HF or unitrain) not read."""
     platform = sharding.target_platform()
     model_cfg = decoder.ModelConfig.from_config(cfg, platform, output_head=output_head)
+    path = cfg.load_parameters_path
+    vision = hf.vision_config_from_hf(path, cfg.trust_remote_code) if cfg.model_family in VISION_LANGUAGE else None
+    if vision is not None:  # the decoder's multimodal fields, like the tower, are the checkpoint's (config.json)
+        keys, _ = hf_config.vision_language_keys(path)
+        model_cfg = dataclasses.replace(model_cfg, mrope_section=keys["mrope_section"], image_token_id=keys["image_token_id"])
     context = mesh.shape["context"]
     kernel = attention_kernel(model_cfg.attention, platform, model_cfg.dtype, context)
     where = f" (auto on {platform}{f', context {context}' if context > 1 else ''})"
     log.info("attention: %s%s", kernel, where if model_cfg.attention == "auto" else "")
     rules = model_cfg.logical_axis_rules
     # Checked on the abstract model, before any parameter is materialised.
+    create = decoder.create if vision is None else functools.partial(qwen2_5_vl.create, vision=vision)
     sharding.check_not_replicated(
-        nnx.state(nnx.eval_shape(lambda: decoder.create(model_cfg))), mesh, rules, cfg.max_replicated_param_mib
+        nnx.state(nnx.eval_shape(lambda: create(model_cfg))), mesh, rules, cfg.max_replicated_param_mib
     )
-    path = cfg.load_parameters_path
     if path and os.path.isfile(os.path.join(path, "config.json")):
         return hf.load(path, mesh=mesh, model_cfg=model_cfg, other_tensors=() if output_head else HEAD_TENSORS)
     model = sharding.init_sharded(lambda: decoder.create(model_cfg, cfg.seed, hf.save), mesh, rules)

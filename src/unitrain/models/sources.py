@@ -16,9 +16,10 @@ reads or initialises the head) makes it a critic or a reward model.
 from __future__ import annotations
 
 import inspect
+import os
 
 from unitrain import plugins, registry
-from unitrain.config import check
+from unitrain.config import VISION_LANGUAGE_FAMILIES, check
 from unitrain.errors import ConfigError
 
 
@@ -64,4 +65,28 @@ def _attention_kernel(c) -> str | None:
     return f"attention={c['attention']} is a kernel of model_source unitrain; model_source {c['model_source']} brings its own attention (use auto or xla)"
 
 
-CONFIG_CHECKS = (_heads_group, _head_dim, _llama3_rope, _attention_kernel)
+@check("model_family", "load_parameters_path", "model_source")
+def _vision_language_folder(c) -> str | None:
+    # The tower's dimensions are no config keys: config.json holds them.
+    if c["model_family"] not in VISION_LANGUAGE_FAMILIES or (
+        c["model_source"] == "unitrain" and os.path.isfile(os.path.join(c["load_parameters_path"], "config.json"))
+    ):
+        return None
+    return (
+        f"model_family {c['model_family']} (a vision tower) is read from an HF folder only: set load_parameters_path "
+        "to one (with model_source unitrain)"
+    )
+
+
+@check("freeze_vision_tower", "model_family", "lora_rank")
+def _frozen_tower(c) -> str | None:
+    if not c["freeze_vision_tower"]:
+        return None
+    if c["model_family"] not in VISION_LANGUAGE_FAMILIES:
+        return f"freeze_vision_tower is true but model_family {c['model_family']} has no vision tower"
+    if c["lora_rank"]:
+        return "freeze_vision_tower is true with lora_rank > 0: LoRA already trains its adapters alone"
+    return None
+
+
+CONFIG_CHECKS = (_heads_group, _head_dim, _llama3_rope, _attention_kernel, _vision_language_folder, _frozen_tower)
