@@ -289,7 +289,9 @@ class VisionLanguageModel(decoder.Decoder):
 def tower_mask(tree: dict) -> dict:
     """A bool per leaf of the pure dict `tree` (the model's parameters, or a mask like them): True
     under the vision tower (freeze_vision_tower's optimizer mask)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: any(getattr(k, "key", None) == "vision" for k in path), tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, "key", None) == "vision" for k in path), tree
+    )
 
 
 def create(cfg: decoder.ModelConfig, vision: VisionConfig, seed: int = 0, hf_writer=None) -> VisionLanguageModel:

@@ -37,7 +37,9 @@ def source(cfg, mesh, output_head: bool = True) -> decoder.Decoder:
     vision = hf.vision_config_from_hf(path, cfg.trust_remote_code) if cfg.model_family in VISION_LANGUAGE else None
     if vision is not None:  # the decoder's multimodal fields, like the tower, are the checkpoint's (config.json)
         keys, _ = hf_config.vision_language_keys(path)
-        model_cfg = dataclasses.replace(model_cfg, mrope_section=keys["mrope_section"], image_token_id=keys["image_token_id"])
+        model_cfg = dataclasses.replace(
+            model_cfg, mrope_section=keys["mrope_section"], image_token_id=keys["image_token_id"]
+        )
     context = mesh.shape["context"]
     kernel = attention_kernel(model_cfg.attention, platform, model_cfg.dtype, context)
     where = f" (auto on {platform}{f', context {context}' if context > 1 else ''})"
