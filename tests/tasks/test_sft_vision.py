@@ -83,8 +83,11 @@ def test_sft_on_a_qwen2_5_vl_checkpoint(tmp_path, tiny_checkpoint, frozen):
     assert (moved & tower == set()) if frozen else ("model.visual.blocks.0.mlp.up_proj.weight" in moved)
 
 
-def test_vision_keys_need_a_vision_language_checkpoint(tmp_path):
+def test_vision_keys_need_a_vision_language_checkpoint(tmp_path, tiny_checkpoint):
     with pytest.raises(ConfigError, match="freeze_vision_tower is true but model_family llama has no vision tower"):
         run_config(tmp_path, "freeze_vision_tower=true")
     with pytest.raises(ConfigError, match="model_family qwen2_5_vl .* is read from an HF folder only"):
         run_config(tmp_path, "model_family=qwen2_5_vl")
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    with pytest.raises(ConfigError, match="mode=rm exports a sequence classifier, which transformers has none of"):
+        run_config(tmp_path, "mode=rm", f"load_parameters_path={ckpt}", f"export_hf_path={tmp_path / 'out'}")

@@ -23,7 +23,7 @@ from flax import nnx
 
 from unitrain import losses, sharding
 from unitrain import step as step_lib
-from unitrain.config import check
+from unitrain.config import VISION_LANGUAGE_FAMILIES, check
 from unitrain.context import RunContext
 from unitrain.data.preference import MARGIN, PAIR_FIELDS, eval_pair_batches, make_preference_iterator
 from unitrain.models.scalar_head import pool_last
@@ -116,4 +116,16 @@ def _reward_model_mode(c) -> str | None:
     return None
 
 
-CONFIG_CHECKS = (_reward_model_mode,)
+@check("mode", "model_family", "export_hf_path")
+def _classifier_export(c) -> str | None:
+    """The export is a *ForSequenceClassification folder: transformers has no such class for a
+    vision-language family (an error after training otherwise)."""
+    if c["mode"] == "rm" and c["export_hf_path"] and c["model_family"] in VISION_LANGUAGE_FAMILIES:
+        return (
+            f"mode=rm exports a sequence classifier, which transformers has none of for model_family "
+            f"{c['model_family']}; drop export_hf_path (the run's checkpoints keep the reward model)"
+        )
+    return None
+
+
+CONFIG_CHECKS = (_reward_model_mode, _classifier_export)
