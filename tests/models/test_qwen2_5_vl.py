@@ -117,6 +117,31 @@ def test_features_and_logits_equal_transformers(case):
         np.testing.assert_allclose(ours[b, :n], expected[b, :n], **TOL)
 
 
+def test_rows_padded_to_a_budget_encode_as_transformers(case):
+    """A training batch's form: two rows of images (the 4 x 4 and 6 x 10 ones; the 8 x 4 one) padded
+    to a budget of 96 patches, encoded under a RowLayout: each row's features are its images'
+    in transformers' forward, in order."""
+    model = hf.load(case["path"])
+    vision, budget, rows = model.vision.cfg, 96, [[0, 1], [2]]
+    starts = np.cumsum([0, *(int(np.prod(g)) for g in case["grids"])])
+    pixels = np.zeros((len(rows), budget, case["pixels"].shape[1]), np.float32)
+    parts = []
+    for b, row in enumerate(rows):
+        own = np.concatenate([case["pixels"][starts[i] : starts[i + 1]] for i in row])
+        pixels[b, : len(own)] = own
+        parts.append(qwen2_5_vl.row_layout([case["grids"][i] for i in row], vision, budget))
+    layout = qwen2_5_vl.RowLayout(*(np.concatenate(p) if i == 0 else np.stack(p) for i, p in enumerate(zip(*parts))))
+    features = np.asarray(encode(model, pixels.reshape(-1, pixels.shape[-1]), layout)).reshape(
+        len(rows), budget // 4, -1
+    )
+    with torch.no_grad():
+        expected = case["torch_model"].get_image_features(torch.tensor(case["pixels"]), torch.tensor(case["grids"]))
+    expected = [e.numpy() for e in expected.pooler_output]
+    for b, row in enumerate(rows):
+        want = np.concatenate([expected[i] for i in row])
+        np.testing.assert_allclose(features[b, : len(want)], want, **TOL)
+
+
 def test_packed_row_equals_its_sequences_apart(case):
     """The image row and the text row packed into one row of two segments: each sequence's logits
     are its own row's in transformers' forward (M-RoPE positions restart with the segment)."""

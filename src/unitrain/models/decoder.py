@@ -277,7 +277,7 @@ class Decoder(nnx.Module):
     ):
         """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`;
         `routes`: see `hidden_states`. `image_features` [N, E]: the embeddings of the image pads
-        (tokens `image_token_id`), in row-major order; `rope_positions` [B, T, 3]: M-RoPE's
+        (tokens `image_token_id`), in row-major order (or [B, N, E], each row's: _with_image_features); `rope_positions` [B, T, 3]: M-RoPE's
         position ids (`mrope_section`); `positions` still order the attention and the cache."""
         cfg = self.cfg
         x = self._embed(tokens)
@@ -362,9 +362,15 @@ class Decoder(nnx.Module):
 
 def _with_image_features(x, is_image, features):
     """x [B, T, E] with its image-pad rows replaced by `features` [N, E], the n-th pad (row-major)
-    by the n-th feature: a gather of each pad's feature, no scatter."""
-    order = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, features.shape[0] - 1).reshape(is_image.shape)
-    return jnp.where(is_image[..., None], jnp.take(features, order, axis=0).astype(x.dtype), x)
+    by the n-th feature, or by a row's own `features` [B, N, E] (a training batch's, each row's
+    images padded to the same budget): a gather of each pad's feature, no scatter."""
+    if features.ndim == 3:
+        order = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, features.shape[1] - 1)
+        gathered = jnp.take_along_axis(features, order[..., None], axis=1)
+    else:
+        order = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, features.shape[0] - 1).reshape(is_image.shape)
+        gathered = jnp.take(features, order, axis=0)
+    return jnp.where(is_image[..., None], gathered.astype(x.dtype), x)
 
 
 def _with_routes(params: dict, routes, name: str = "routes") -> dict:

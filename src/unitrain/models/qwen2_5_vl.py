@@ -96,6 +96,38 @@ def image_tokens(grid, cfg: VisionConfig) -> int:
 def image_layout(grids, cfg: VisionConfig) -> ImageLayout:
     """The layout of images of patch grids `grids` [(t, h, w), ...], their patches in the processor's
     order: frame by frame, merge unit by merge unit (row-major), the unit's patches row-major."""
+    positions, windows, images = _patch_keys(grids, cfg)
+    return ImageLayout(positions, _blocks(windows), _blocks(images))
+
+
+class RowLayout(NamedTuple):
+    """The layout of rows of a training batch, each holding its images' patches then padding up to
+    the same budget of P patches: each patch's (row, column) in its image [B * P, 2], and the
+    window [B, P] and the image (and frame) [B, P] each patch attends within, numbered from 1 in
+    each row; 0 = a padding patch, which attends to itself alone. Fixed shapes whatever the images:
+    one compiled program; attention is over each row's P patches under the mask these numbers make."""
+
+    positions: np.ndarray
+    windows: np.ndarray
+    images: np.ndarray
+
+
+def row_layout(grids, cfg: VisionConfig, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row's (positions [P, 2], windows [P], images [P]) of RowLayout for images of patch grids
+    `grids` (their patches first, in the processor's order) in a budget of P patches."""
+    positions, windows, images = (np.zeros((budget, n), np.int32) for n in (2, 1, 1))
+    if len(grids):
+        own, window_keys, image_keys = _patch_keys(grids, cfg)
+        n = len(own)
+        positions[:n] = own
+        windows[:n, 0] = np.unique(window_keys, axis=0, return_inverse=True)[1].reshape(-1) + 1
+        images[:n, 0] = np.unique(image_keys, axis=0, return_inverse=True)[1].reshape(-1) + 1
+    return positions, windows[:, 0], images[:, 0]
+
+
+def _patch_keys(grids, cfg: VisionConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each patch's (row, column) in its image [N, 2], and the keys of the window [N, 3] and of the
+    image and frame [N, 2] it attends within."""
     m = cfg.spatial_merge_size
     per_window = cfg.window_size // m // cfg.patch_size  # merge units along a window's side
     positions, windows, images = [], [], []
@@ -107,11 +139,7 @@ def image_layout(grids, cfg: VisionConfig) -> ImageLayout:
             np.stack([np.full_like(frame, i), frame, unit_row // per_window * n_windows + unit_col // per_window], -1)
         )
         images.append(np.stack([np.full_like(frame, i), frame], -1))
-    return ImageLayout(
-        np.concatenate(positions).astype(np.int32),
-        _blocks(np.concatenate(windows)),
-        _blocks(np.concatenate(images)),
-    )
+    return np.concatenate(positions).astype(np.int32), np.concatenate(windows), np.concatenate(images)
 
 
 def _blocks(keys: np.ndarray) -> Blocks:
@@ -213,7 +241,7 @@ class VisionTower(nnx.Module):
         self.merge_w2 = param(decoder._normal, (merged, cfg.out_hidden_size), ("mlp", "embed"))
         self.merge_b2 = param(decoder._zeros, (cfg.out_hidden_size,), ("norm",))
 
-    def __call__(self, pixels, layout: ImageLayout):
+    def __call__(self, pixels, layout: ImageLayout | RowLayout):
         cfg, dt = self.cfg, self.text.dtype
         n = pixels.shape[0]
         x = pixels.astype(dt) @ self.patch_embed[...].reshape(-1, cfg.hidden_size).astype(dt)
@@ -229,8 +257,8 @@ class VisionTower(nnx.Module):
                 for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
             )
             q, k = (_rotate(a, cos, sin) for a in (q, k))
-            attend = lambda blocks: lambda: _block_attention(q, k, v, blocks)
-            out = jax.lax.cond(is_full, attend(layout.images), attend(layout.windows))
+            attend = _row_attention if isinstance(layout, RowLayout) else _block_attention
+            out = jax.lax.cond(is_full, lambda: attend(q, k, v, layout.images), lambda: attend(q, k, v, layout.windows))
             x = x + jnp.einsum("nhd,hde->ne", out, p["wo"].astype(dt)) + p["bo"].astype(dt)
             h = decoder.rms_norm(x, p["mlp_norm"], VISION_NORM_EPS)
             gate, up = (h @ p[f"w_{n}"].astype(dt) + p[f"b_{n}"].astype(dt) for n in ("gate", "up"))
@@ -270,6 +298,15 @@ def _block_attention(q, k, v, blocks: Blocks):
     return out.reshape(-1, *q.shape[1:])[blocks.slots]
 
 
+def _row_attention(q, k, v, groups):
+    """Bidirectional attention of q, k, v [B * P, heads, D] within each row's groups [B, P] of
+    patches (the same nonzero number; a padding patch, 0, to itself alone)."""
+    B, P = groups.shape
+    rows = lambda a: a.reshape(B, P, *a.shape[1:])  # noqa: E731
+    mask = ((groups[:, :, None] == groups[:, None, :]) & (groups[:, :, None] > 0)) | jnp.eye(P, dtype=bool)
+    return attention(rows(q), rows(k).swapaxes(1, 2), rows(v).swapaxes(1, 2), mask).reshape(q.shape)
+
+
 class VisionLanguageModel(decoder.Decoder):
     """Our decoder (its ModelConfig with `mrope_section` and `image_token_id`) with Qwen2.5-VL's
     vision tower beside it, under `vision`."""
@@ -280,9 +317,10 @@ class VisionLanguageModel(decoder.Decoder):
         super().__init__(cfg, rngs=rngs, hf_writer=hf_writer)
         self.vision = VisionTower(vision, cfg, rngs=rngs)
 
-    def encode_images(self, pixels, layout: ImageLayout):
+    def encode_images(self, pixels, layout: ImageLayout | RowLayout):
         """The features [image tokens, emb_dim] of the images whose patches are `pixels` (the
-        processor's pixel_values, the images' patches one after the other)."""
+        processor's pixel_values, the images' patches one after the other; with a RowLayout each
+        row's, padded to its budget: a padding patch's features are never read)."""
         return self.vision(pixels, layout)
 
 
