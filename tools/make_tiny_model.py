@@ -6,7 +6,7 @@ The weights come from transformers' own initialisation of the family's *ForCausa
 is a byte-level BPE trained locally (on --corpus when given, else on a built-in text), with a
 ChatML chat template, so nothing is downloaded. qwen2_5_vl is a Qwen2.5-VL (its
 *ForConditionalGeneration) with a tiny vision tower (TINY_VISION), its image-pad and vision
-tokens in the tokenizer, and the image processor's config beside it.
+tokens in the tokenizer (its template writes image parts as Qwen2.5-VL's does), and the image processor's config beside it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ MODEL_TYPES = {"gemma3": "gemma3_text"}  # the HF model_type where it is not the
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen2.5-VL's template writes a user's image part as one pad between the vision tokens (the data
+# pipeline makes it the image's many pads), its text parts as they are.
+VISION_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 VISION_TOKENS = {  # config.json's field for each of Qwen2.5-VL's special tokens
@@ -189,6 +197,7 @@ def make_tiny_model(
     tokenizer = build_tokenizer(vocab_size, corpus or BUILTIN_CORPUS)
     if family == "qwen2_5_vl":
         tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS.values())})
+        tokenizer.chat_template = VISION_CHAT_TEMPLATE
         vocab_size = max(vocab_size, len(tokenizer))
     if extra_tokens:
         from unitrain.vocab import read_tokens

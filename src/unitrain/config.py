@@ -216,6 +216,7 @@ RULES: dict[str, Rule] = {
     "messages_key": NAME,
     "per_device_batch_size": POSITIVE_INT,
     "max_target_length": POSITIVE_INT,
+    "max_image_patches": NON_NEGATIVE_INT,
     "truncation": choices("truncate", "drop"),
     "num_epochs": optional(POSITIVE_INT),
     "builtin_task_digits": POSITIVE_INT,

@@ -101,6 +101,7 @@ CONFIG_CHECKS = (
     "unitrain.evals:CONFIG_CHECKS",
     "unitrain.reward_model:CONFIG_CHECKS",
     "unitrain.data.prompt_ids:CONFIG_CHECKS",
+    "unitrain.data.images:CONFIG_CHECKS",
     "unitrain.data.rl_packing:CONFIG_CHECKS",
     "unitrain.engines.factory:CONFIG_CHECKS",
     "unitrain.engines.vllm:CONFIG_CHECKS",

@@ -25,6 +25,7 @@ import numpy as np
 
 from unitrain.data import format_choice
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
+from unitrain.data.images import Vision
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import file_records, split_path
 from unitrain.errors import ConfigError, DataError
@@ -55,14 +56,19 @@ def example_arrays(segments, max_len: int, truncation: str, pad_id: int) -> dict
     return {"inputs": inputs, "targets": targets, "loss_mask": loss_mask, "num_truncated": np.int32(overlong)}
 
 
-def _example_fn(cfg, tokenizer):
-    """record -> example_arrays(...); the BOS/EOS and chat policy of each record kind lives here."""
+def _example_fn(cfg, tokenizer, vision=None):
+    """record -> example_arrays(...); the BOS/EOS and chat policy of each record kind lives here.
+    With `vision` (a _Vision: max_image_patches > 0) every example carries its images' pixels and
+    grids, none for a text record."""
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     eos = [tokenizer.eos_id]
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     last_only = cfg.chat_loss_on == "last_assistant"
 
     def to_example(record: dict) -> dict:
+        return to_arrays(record, vision.read(record) if "images" in record else [])
+
+    def to_arrays(record: dict, images: list) -> dict:
         if "ids" in record:  # synthetic: the whole row is trained on
             segments = [(record["ids"], True)]
         elif "messages" in record or cfg.chat_template:  # the chat template owns BOS and end-of-turn tokens
@@ -73,12 +79,15 @@ def _example_fn(cfg, tokenizer):
             ]
             pieces = tokenizer.chat_segments(messages, last_only, tools=record.get("tools"))
             segments = [(tokenizer.encode(text), on) for text, on in pieces]
+            if images:
+                segments = vision.expand(segments, images, record["where"])
         else:  # plain texts, concatenated verbatim: separators belong in the data
             segments = [
                 (bos + tokenizer.encode(record["prompt"]), False),
                 (tokenizer.encode(record["completion"]) + eos, True),
             ]
-        return example_arrays(segments, cfg.max_target_length, cfg.truncation, tokenizer.pad_id)
+        example = example_arrays(segments, cfg.max_target_length, cfg.truncation, tokenizer.pad_id)
+        return example if vision is None else vision.with_pixels(example, images)
 
     return to_example
 
@@ -156,6 +165,10 @@ def eval_prompt_records(cfg, tokenizer) -> list[dict]:
     record's label_key field when it has one, else its completion (the last assistant turn)."""
     out = []
     for record in file_records(cfg, tokenizer, split_path(cfg, "eval"), cfg.label_key):
+        if "images" in record:
+            raise DataError(
+                f"{record['where']}: answers are not generated for records with images; set eval_num_samples=0"
+            )
         if "messages" in record:
             prompt, completion = record["messages"][:-1], record["messages"][-1]["content"]
         else:
@@ -181,7 +194,12 @@ def make_sft_dataset(
     records_of_shard, where = shard_records(
         _records(cfg, tokenizer, split, path, demonstration), path, shard, num_shards
     )
-    to_example = _example_fn(cfg, tokenizer)
+    vision = Vision(cfg) if cfg.max_image_patches else None
+    to_example = _example_fn(cfg, tokenizer, vision)
+    if vision is not None:
+        vision.check(records_of_shard)
+    elif path not in ("builtin", "synthetic"):  # generated records hold no images
+        _refuse_images(records_of_shard)
     _check_not_empty(records_of_shard.map(to_example), where, max_len)
 
     seed = shard_seed(cfg.seed, shard)
@@ -197,15 +215,21 @@ def make_sft_dataset(
         dropped=lambda e: None if "inputs" in e else int(e["num_truncated"]),
         keep=lambda e, n: {**e, "num_truncated": np.int32(e["num_truncated"] + n)},
     )
+    lengths = {k: max_len for k in _PACKED}
+    padding = {"inputs": tokenizer.pad_id, "targets": tokenizer.pad_id, "loss_mask": 0, "num_truncated": 0}
+    if vision is not None:  # a row's images: at most the budget's patches, each image at least one token's
+        lengths.update(pixels=vision.budget, image_grids=vision.budget // vision.cfg.merge_unit)
+        padding.update(pixels=0.0, image_grids=0)
     it = grain.experimental.FirstFitPackIterDataset(
         it,
-        length_struct={k: max_len for k in _PACKED},
+        length_struct=lengths,
         num_packing_bins=rows,
         seed=seed,
         max_sequences_per_bin=None if cfg.packing else 1,  # packing=false: one example per row
-        padding_struct={"inputs": tokenizer.pad_id, "targets": tokenizer.pad_id, "loss_mask": 0, "num_truncated": 0},
+        padding_struct=padding,
     )
-    return it.batch(rows, drop_remainder=True).map(_to_batch)
+    to_batch = _to_batch if vision is None else lambda packed: {**_to_batch(packed), **vision.batch_fields(packed)}
+    return it.batch(rows, drop_remainder=True).map(to_batch)
 
 
 def make_sft_iterator(
@@ -228,6 +252,15 @@ def make_sft_iterator(
         process_count,
         lambda rows, s: make_sft_dataset(cfg, tokenizer, rows, split, s, cfg.data_shards, demonstration),
     )
+
+
+def _refuse_images(records: grain.MapDataset) -> None:
+    for i in range(len(records)):
+        if "images" in records[i]:
+            raise DataError(
+                f"{records[i]['where']}: the record has images; they need a vision-language model "
+                "(load_parameters_path) and max_image_patches > 0"
+            )
 
 
 def _check_not_empty(examples: grain.MapDataset, where: str, max_len: int) -> None:

@@ -191,19 +191,50 @@ def _normalize(row, where: str, prompt_key: str, completion_key: str, messages_k
             isinstance(messages, list)
             and messages
             and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and (isinstance(m.get("content"), str) or (m["role"] == "user" and _is_parts(m.get("content"))))
                 for m in messages
             )
         )
         if not ok:
-            raise DataError(f"{where}: field {messages_key!r} must be a non-empty list of {{role, content}} strings")
+            raise DataError(
+                f"{where}: field {messages_key!r} must be a non-empty list of {{role, content}}, each content a "
+                "string (a user's may be a list of {type: text, text} and {type: image, image: path} parts)"
+            )
         if messages[-1]["role"] != "assistant":
             raise DataError(f"{where}: the last message must be the assistant turn to train on")
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+        record = {"messages": [{"role": m["role"], "content": _content(m["content"], where)} for m in messages]}
+        parts = [p for m in record["messages"] if isinstance(m["content"], list) for p in m["content"]]
+        images = [p["image"] for p in parts if p["type"] == "image"]
+        return {**record, "images": images, "where": where} if images else record
     raise DataError(
         f"{where}: record has neither {prompt_key!r}+{completion_key!r} nor {messages_key!r} "
         f"(it has {sorted(row)}); set prompt_key/completion_key or messages_key"
     )
+
+
+def _is_parts(content) -> bool:
+    return isinstance(content, list) and all(
+        isinstance(p, dict)
+        and (
+            (p.get("type") == "text" and isinstance(p.get("text"), str))
+            or (p.get("type") == "image" and isinstance(p.get("image"), str))
+        )
+        for p in content
+    )
+
+
+def _content(content, where: str):
+    """A message's content; an image part's path made absolute, relative to the data file (`where`
+    is file:line or file:row N)."""
+    if isinstance(content, str):
+        return content
+    folder = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
+    return [
+        {**p, "image": os.path.join(folder, os.path.expanduser(p["image"]))} if p["type"] == "image" else dict(p)
+        for p in content
+    ]
 
 
 def split_path(cfg, split: str) -> str:

@@ -27,6 +27,7 @@ from flax import nnx
 from unitrain import losses, sharding
 from unitrain import step as step_lib
 from unitrain.data import format_choice
+from unitrain.data.images import IMAGE_FIELDS
 from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator
 from unitrain.data.sources import split_path
 from unitrain.engines.base import close
@@ -34,6 +35,7 @@ from unitrain.engines.factory import make_sampler
 from unitrain.envs.factory import demonstrations
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
+from unitrain.models import qwen2_5_vl
 from unitrain.rollout.driver import make_workflow
 from unitrain.tasks import gkd
 from unitrain.tasks.base import RunContext, Task
@@ -97,7 +99,9 @@ class SFTTask(Task):
         the eval's) the distillation loss, losses.distill_cross_entropy."""
         cfg = self.cfg
         model = nnx.merge(self.run.graphdef, params)
-        hidden = model.hidden_states(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+        hidden = model.hidden_states(
+            batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], **self._images(model, batch)
+        )
         weights = (batch["targets_segmentation"] > 0).astype(jnp.float32)
         if not teacher_params:
             stats = losses.token_stats(model.logits, hidden, batch["targets"], cfg.logits_chunk_size)
@@ -121,8 +125,24 @@ class SFTTask(Task):
         name = "distill/kl" if cfg.gkd_beta is None else "distill/jsd"
         return loss_sum, (count, {"nll": (nll_sum, count), name: (divergence_sum, count)})
 
+    def _images(self, model, batch) -> dict:
+        """The decoder's image arguments of a batch with images (max_image_patches): the rows' images
+        encoded by the tower (a frozen one passes no gradient), M-RoPE's positions."""
+        if "pixels" not in batch:
+            return {}
+        pixels = batch["pixels"]
+        rows, budget = pixels.shape[:2]
+        layout = qwen2_5_vl.RowLayout(
+            batch["patch_positions"].reshape(rows * budget, 2), batch["patch_windows"], batch["patch_images"]
+        )
+        features = model.encode_images(pixels.reshape(rows * budget, -1), layout).reshape(rows, -1, model.cfg.emb_dim)
+        if self.cfg.freeze_vision_tower:
+            features = jax.lax.stop_gradient(features)
+        return {"image_features": features, "rope_positions": batch["rope_positions"]}
+
     def batch_shardings(self) -> dict:
-        return {k: sharding.batch_sharding(self.run.mesh, self.run.rules) for k in BATCH_FIELDS}
+        fields = BATCH_FIELDS + (IMAGE_FIELDS if self.cfg.max_image_patches else ())
+        return {k: sharding.batch_sharding(self.run.mesh, self.run.rules) for k in fields}
 
     def step(self, state, step):
         batch = next(self.data_iterator)
