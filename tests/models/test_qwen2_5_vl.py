@@ -119,9 +119,9 @@ def test_features_and_logits_equal_transformers(case):
 
 def test_rows_padded_to_a_budget_encode_as_transformers(case):
     """A training batch's form: two rows of images (the 4 x 4 and 6 x 10 ones; the 8 x 4 one) padded
-    to a budget of 96 patches, encoded under a RowLayout: each row's features are its images'
-    in transformers' forward, in order."""
-    model = hf.load(case["path"])
+    to a budget of 96 patches, encoded under a RowLayout, 32 queries at a time: each row's features
+    are its images' in transformers' forward, in order."""
+    model = hf.load(case["path"], attention_chunk_size=32)
     vision, budget, rows = model.vision.cfg, 96, [[0, 1], [2]]
     starts = np.cumsum([0, *(int(np.prod(g)) for g in case["grids"])])
     pixels = np.zeros((len(rows), budget, case["pixels"].shape[1]), np.float32)

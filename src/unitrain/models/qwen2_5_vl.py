@@ -23,6 +23,7 @@ prompt's images are encoded once and their features serve every sample of its gr
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -257,7 +258,11 @@ class VisionTower(nnx.Module):
                 for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
             )
             q, k = (_rotate(a, cos, sin) for a in (q, k))
-            attend = _row_attention if isinstance(layout, RowLayout) else _block_attention
+            attend = (
+                functools.partial(_row_attention, chunk_size=self.text.attention_chunk_size)
+                if isinstance(layout, RowLayout)
+                else _block_attention
+            )
             out = jax.lax.cond(is_full, lambda: attend(q, k, v, layout.images), lambda: attend(q, k, v, layout.windows))
             x = x + jnp.einsum("nhd,hde->ne", out, p["wo"].astype(dt)) + p["bo"].astype(dt)
             h = decoder.rms_norm(x, p["mlp_norm"], VISION_NORM_EPS)
@@ -298,13 +303,14 @@ def _block_attention(q, k, v, blocks: Blocks):
     return out.reshape(-1, *q.shape[1:])[blocks.slots]
 
 
-def _row_attention(q, k, v, groups):
+def _row_attention(q, k, v, groups, chunk_size=0):
     """Bidirectional attention of q, k, v [B * P, heads, D] within each row's groups [B, P] of
-    patches (the same nonzero number; a padding patch, 0, to itself alone)."""
+    patches (the same nonzero number; a padding patch, 0, to itself alone), `chunk_size` queries at a
+    time (the decoder's attention_chunk_size: a row's scores are P x P)."""
     B, P = groups.shape
     rows = lambda a: a.reshape(B, P, *a.shape[1:])  # noqa: E731
     mask = ((groups[:, :, None] == groups[:, None, :]) & (groups[:, :, None] > 0)) | jnp.eye(P, dtype=bool)
-    return attention(rows(q), rows(k).swapaxes(1, 2), rows(v).swapaxes(1, 2), mask).reshape(q.shape)
+    return attention(rows(q), rows(k).swapaxes(1, 2), rows(v).swapaxes(1, 2), mask, chunk_size).reshape(q.shape)
 
 
 class VisionLanguageModel(decoder.Decoder):
