@@ -277,8 +277,9 @@ class Decoder(nnx.Module):
     ):
         """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`;
         `routes`: see `hidden_states`. `image_features` [N, E]: the embeddings of the image pads
-        (tokens `image_token_id`), in row-major order (or [B, N, E], each row's: _with_image_features); `rope_positions` [B, T, 3]: M-RoPE's
-        position ids (`mrope_section`); `positions` still order the attention and the cache."""
+        (tokens `image_token_id`), in row-major order (or [B, N, E], each row's: _with_image_features);
+        `rope_positions` [B, T, 3]: M-RoPE's position ids (`mrope_section`); `positions` still order
+        the attention and the cache."""
         cfg = self.cfg
         x = self._embed(tokens)
         if image_features is not None:
