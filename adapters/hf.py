@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -453,11 +454,64 @@ def read_tensor(path: str | Path, name: str, shape: tuple, dtype, sharding_, per
 
 
 def _to_hf(array: np.ndarray, m: _Mapping) -> np.ndarray:
+    """`array` in the HF tensor's layout: a view where numpy can give one (q/k/v/o's heads merge
+    without a copy), else a copy."""
     view = array.transpose(np.argsort(m.perm))
     if m.split:
         a = m.split[0]
         view = view.reshape(view.shape[:a] + (view.shape[a] * view.shape[a + 1],) + view.shape[a + 2 :])
-    return np.ascontiguousarray(view)
+    return view
+
+
+def _gathered(array: jax.Array) -> np.ndarray:
+    """A parameter's whole host copy (a collective: every process gathers)."""
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def _stand_in(array: jax.Array) -> np.ndarray:
+    """A parameter's shape and no data: one zero broadcast (no memory; views of it stay views)."""
+    return np.broadcast_to(np.zeros((), np.int8), array.shape)
+
+
+def _vision(model: model_lib.Decoder):
+    return model.vision.cfg if isinstance(model, qwen2_5_vl.VisionLanguageModel) else None
+
+
+def hf_tensors(model: model_lib.Decoder, host=_gathered) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF tensor name, the tensor in HF's layout, a view of its host copy where it can be) of every
+    parameter, one parameter brought to host (`host`) at a time; a tensor fused from several
+    parameters once it has them all. Every process must run it to the end: gathering a sharded
+    parameter is a collective."""
+    cfg, vision = model.cfg, _vision(model)
+    mappings = {**_mappings(cfg), **(_vision_mappings(vision) if vision else {})}
+    parts: dict[str, dict[int, np.ndarray]] = {}  # a fused tensor's blocks until it has them all
+    for key_path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = ".".join(str(k) for k in key_path)
+        full = host(var.get_value())
+        m = mappings[name]
+        for i in range(full.shape[0]) if name.startswith(_STACKED) else [None]:
+            per_layer = full if i is None else full[i]
+            for j, hf_name in enumerate(_hf_names(m, cfg, i)):
+                tensor = _to_hf(per_layer[j] if m.experts else per_layer, m)
+                if not m.part:
+                    yield hf_name, tensor
+                    continue
+                blocks = parts.setdefault(hf_name, {})
+                blocks[m.part[1]] = tensor
+                if len(blocks) == m.part[2]:
+                    del parts[hf_name]
+                    yield hf_name, np.concatenate([blocks[k] for k in range(m.part[2])], axis=m.part[0])
+
+
+def hf_shapes(model: model_lib.Decoder) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF tensor name, shape) of what hf_tensors yields, in its order; nothing is gathered."""
+    return [(name, tensor.shape) for name, tensor in hf_tensors(model, _stand_in)]
+
+
+def hf_config_of(model: model_lib.Decoder) -> transformers.PreTrainedConfig:
+    """The config.json of `model` as an HF checkpoint (what save writes beside the tensors)."""
+    vision = _vision(model)
+    return hf_config_from_model(model.cfg) if vision is None else _vision_language_config(model.cfg, vision)
 
 
 def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -466,33 +520,13 @@ def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 
     Every process must call it: gathering a sharded parameter to host is a collective.
     """
     path = Path(path)
-    cfg = model.cfg
-    vision = model.vision.cfg if isinstance(model, qwen2_5_vl.VisionLanguageModel) else None
-    mappings = {**_mappings(cfg), **(_vision_mappings(vision) if vision else {})}
     writer = _ShardWriter(path, max_shard_bytes) if jax.process_index() == 0 else None
-    parts: dict[str, dict[int, np.ndarray]] = {}  # a fused tensor's blocks until it has them all
-    for key_path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = ".".join(str(k) for k in key_path)
-        full = np.asarray(multihost_utils.process_allgather(var.get_value(), tiled=True))
-        m = mappings[name]
-        layers = range(full.shape[0]) if name.startswith(_STACKED) else [None]
-        tensors = {}
-        for i in layers:
-            per_layer = full if i is None else full[i]
-            for j, hf_name in enumerate(_hf_names(m, cfg, i)):
-                tensors[hf_name] = _to_hf(per_layer[j] if m.experts else per_layer, m)
-        if m.part:
-            for hf_name, t in tensors.items():
-                parts.setdefault(hf_name, {})[m.part[1]] = t
-            blocks = {n: parts.pop(n) for n in tensors if len(parts[n]) == m.part[2]}
-            tensors = {n: np.concatenate([b[k] for k in range(m.part[2])], axis=m.part[0]) for n, b in blocks.items()}
+    for hf_name, tensor in hf_tensors(model):
         if writer:
-            for hf_name, t in tensors.items():
-                writer.add(hf_name, t)
+            writer.add(hf_name, np.ascontiguousarray(tensor))
     if writer:
         writer.close()
-        hf_config = hf_config_from_model(cfg) if vision is None else _vision_language_config(cfg, vision)
-        hf_config.save_pretrained(str(path))
+        hf_config_of(model).save_pretrained(str(path))
 
 
 INDEX = "model.safetensors.index.json"

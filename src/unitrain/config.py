@@ -165,6 +165,11 @@ RULES: dict[str, Rule] = {
     "vllm_request_timeout": POSITIVE,
     "vllm_max_retries": NON_NEGATIVE_INT,
     "vllm_restarts": NON_NEGATIVE_INT,
+    "vllm_weight_transfer": Rule(
+        lambda v: v in ("", "memory", "folder"),
+        '"" (memory for the servers the trainer starts of model_source unitrain, else folder) | memory | folder',
+        ("memory", "folder"),
+    ),
     # ranked is the data format's choice (rollout_decoding=beam), not a value of its own
     "workflow": Rule(
         lambda v: v != "ranked" and builtin_or_plugin(WORKFLOWS).test(v),

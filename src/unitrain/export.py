@@ -32,8 +32,14 @@ def export_hf(run, params, path: str) -> None:
         from unitrain.adapters import hf
 
         model.save_peft(os.path.join(path, "lora_adapter"), hf.tensor_names(model.base.cfg))
-    if jax.process_index() != 0:
-        return
+    if jax.process_index() == 0:
+        describe(run, path)
+
+
+def describe(run, path: str) -> None:
+    """What export_hf writes beside the model's config.json and weights in `path` (process 0): the
+    run's tokenizer, its special ids in config.json (and `architectures` where the source's config
+    has none), generation_config.json."""
     import transformers
 
     tokenizer = run.tokenizer

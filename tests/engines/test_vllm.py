@@ -10,6 +10,7 @@ The tests that start servers share one xdist group (one worker, one server at a 
 module's server; `--enforce-eager` (through vllm_args) spares each start torch.compile's warm-up."""
 
 import dataclasses
+import glob
 import http.server
 import json
 import os
@@ -20,6 +21,7 @@ import threading
 import time
 import types
 import urllib.request
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -198,20 +200,27 @@ def perturbed(params):
 
 @needs_vllm
 def test_a_new_version_serves_the_new_weights(served, tmp_path):
+    """The module's server takes versions from shared memory (its default for a server of its own):
+    the tied model's new weights, lm_head included, are served, and no weights are on disk."""
     run, params, sampler = served
+    assert sampler.transfer == "memory"
     new = perturbed(params)
     sampler.update_weights(new, 1)
     export.export_hf(run, new, str(tmp_path / "new"))
     expected = [hf_greedy(hf_model(tmp_path / "new"), p, 8) for p in PROMPTS]
     out = sampler.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
     assert out.tokens.tolist() == expected and out.version == 1
+    assert_drawn_by(
+        hf_model(tmp_path / "new"), PROMPTS, sampler.generate(PROMPTS, SamplingParams(8), jax.random.key(1))
+    )
     measured = sampler.metrics()
     assert {"time_weight_export", "time_weight_reload"} <= set(measured) and measured["engine_servers_up"] == 1
     assert 0 < measured["engine_busy_fraction"] < 1
     sampler.update_weights(new, 1)  # the same version again (an eval after the step's push): nothing to do
     assert "time_weight_export" not in sampler.metrics()
-    exported = os.listdir(sampler.export_root)
-    assert exported == ["version_1"]  # one copy on disk
+    # The servers start from a folder without weights; one version in shared memory.
+    assert os.listdir(sampler.export_root) == ["model"] and not list(Path(sampler.export_root).rglob("*.safetensors"))
+    assert sorted(os.listdir(sampler.shared.root)) == ["python", "version_1.bin", "version_1.json"]
 
 
 def hf_logprobs(model, prompt, tokens):
@@ -255,17 +264,83 @@ def test_fp8_rollouts_serve_every_pushed_version_quantised(ckpt, tmp_path):
 
 
 @needs_vllm
-def test_a_server_already_running_is_reloaded_and_left_running(served, ckpt, tmp_path):
-    run, params, sampler = served
+def test_a_folder_transfer_reloads_a_server_of_ours_and_one_already_running(ckpt, tmp_path):
+    """vllm_weight_transfer=folder: the server starts from the first version's HF folder (untied: the
+    tied model's lm_head reloads too) and reloads each next one from its folder; a server of
+    vllm_urls gets folders by default (it may have no extension) and is left running."""
+    run, state = build_run(engine_cfg(tmp_path / "own", ckpt, vllm_weight_transfer="folder"))
+    sampler = vllm.VLLMSampler(run)
+    assert sampler.transfer == "folder"
+    new = perturbed(state["params"])
+    export.export_hf(run, new, str(tmp_path / "new"))
+    for version, weights, model in ((0, state["params"], hf_model(ckpt)), (1, new, hf_model(tmp_path / "new"))):
+        sampler.update_weights(weights, version)
+        assert os.listdir(sampler.export_root) == [f"version_{version}"]  # one copy on disk
+        out = sampler.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
+        assert out.version == version and out.tokens.tolist() == [hf_greedy(model, p, 8) for p in PROMPTS]
     [engine] = sampler.engines
-    cfg = engine_cfg(tmp_path, ckpt, vllm_urls=[engine.url], vllm_python="/nonexistent")
+    cfg = engine_cfg(tmp_path / "guest", ckpt, vllm_urls=[engine.url], vllm_python="/nonexistent")
     guest = vllm.VLLMSampler(build_run(cfg)[0])
-    guest.update_weights(params, 5)
+    assert guest.transfer == "folder"
+    guest.update_weights(state["params"], 5)
+    assert (tmp_path / "guest" / "default" / "vllm_weights" / "version_5" / "model.safetensors").exists()
     out = guest.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
     assert out.version == 5 and out.tokens.tolist() == [hf_greedy(hf_model(ckpt), p, 8) for p in PROMPTS]
+    assert_drawn_by(hf_model(ckpt), PROMPTS, guest.generate(PROMPTS, SamplingParams(8), jax.random.key(1)))
     guest.close()
     assert engine.server.alive()
-    sampler.update_weights(params, 6)  # the module's sampler takes its server back
+    # A memory transfer to this server, started without the worker extension: one line saying so.
+    cfg = engine_cfg(tmp_path / "memory", ckpt, vllm_urls=[engine.url], vllm_weight_transfer="memory")
+    guest = vllm.VLLMSampler(build_run(cfg)[0])
+    with pytest.raises(EngineError, match="memory needs a server started with --worker-extension-cls unitrain"):
+        guest.update_weights(state["params"], 6)
+    guest.close()
+    sampler.close()
+
+
+@needs_vllm
+def test_an_untied_model_goes_through_shared_memory_to_a_server_of_vllm_urls(served, tiny_checkpoint, tmp_path):
+    """vllm_weight_transfer=memory to a server of vllm_urls started with the extension (the module's,
+    whose model is untied): an untied model of the same shape, its own lm_head served, version after
+    version; each newer version replaces the last in shared memory, and closing the sampler removes
+    them."""
+    run, params, sampler = served
+    [engine] = sampler.engines
+    untied = tiny_checkpoint("qwen2", **{**TINY, "tie": False})
+    cfg = engine_cfg(tmp_path, untied, vllm_urls=[engine.url], vllm_weight_transfer="memory")
+    guest_run, state = build_run(cfg)
+    guest = vllm.VLLMSampler(guest_run)
+    assert guest.transfer == "memory" and "lm_head" in state["params"]
+    for version, weights in ((7, state["params"]), (8, perturbed(state["params"]))):
+        guest.update_weights(weights, version)
+        assert sorted(os.listdir(guest.shared.root)) == [f"version_{version}.bin", f"version_{version}.json"]
+        export.export_hf(guest_run, weights, str(tmp_path / f"v{version}"))
+        model = hf_model(tmp_path / f"v{version}")
+        out = guest.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
+        assert out.version == version and out.tokens.tolist() == [hf_greedy(model, p, 8) for p in PROMPTS]
+        assert_drawn_by(model, PROMPTS, guest.generate(PROMPTS, SamplingParams(8), jax.random.key(version)))
+    guest.close()
+    assert not os.path.exists(guest.shared.root) and engine.server.alive()
+    sampler.update_weights(params, 9)  # the module's sampler takes its server back
+
+
+@pytest.mark.parametrize(
+    "keys,transfer",
+    [
+        ({}, "memory"),
+        ({"vllm_urls": "[http://127.0.0.1:1]"}, "folder"),
+        ({"vllm_urls": "[http://127.0.0.1:1]", "vllm_weight_transfer": "memory"}, "memory"),
+        ({"vllm_weight_transfer": "folder"}, "folder"),
+        ({"model_source": "plugin_model_source:source"}, "folder"),
+    ],
+)
+def test_the_weight_transfer_is_memory_for_servers_of_our_own_and_a_folder_for_the_others(keys, transfer):
+    assert vllm.weight_transfer(make_cfg(sampler="vllm", mode="grpo", head_dim=32, **keys)) == transfer
+
+
+def test_the_memory_transfer_of_another_model_source_is_a_config_error():
+    with pytest.raises(ConfigError, match="vllm_weight_transfer=memory writes unitrain's decoder's tensors"):
+        make_cfg(sampler="vllm", mode="grpo", model_source="plugin_model_source:source", vllm_weight_transfer="memory")
 
 
 def assert_drawn_by(model, prompts, out):
@@ -320,7 +395,8 @@ def test_a_weight_update_interrupts_the_rows_in_flight_which_go_on_under_the_new
     continuation from those tokens is the new weights' (the new model's forward over the whole prefix)."""
     run, params, sampler = served
     [engine] = sampler.engines
-    cfg = engine_cfg(tmp_path, ckpt, vllm_urls=[engine.url], vllm_interrupt=True, max_staleness=1)
+    keys = dict(vllm_urls=[engine.url], vllm_weight_transfer="memory", vllm_interrupt=True, max_staleness=1)
+    cfg = engine_cfg(tmp_path, ckpt, **keys)
     guest = vllm.VLLMSampler(build_run(cfg)[0])
     new = perturbed(params)
     guest.update_weights(params, 1)
@@ -786,10 +862,11 @@ def test_a_trainer_killed_with_sigkill_leaves_no_server_and_resumes_with_its_wei
         time.sleep(0.5)
     assert not group_members(supervisor)
 
-    resumed_at = max(saved_steps(run_dir))
+    assert not glob.glob(f"/dev/shm/unitrain_vllm_{trainer.pid}_*")  # its shared-memory weights are gone too
+
     assert train.main(args) == 0
+    # The resumed run's server served the checkpoint's weights (pushed from shared memory): its
+    # samples' logprobs are the trainer's.
     assert_trained(metrics(run_dir), 3, on_policy=(0, 1, 2))
     starts = [l for l in (run_dir / "vllm_server.log").read_text().splitlines() if l.startswith("==== unitrain:")]
-    assert len(starts) == 2
-    # The resumed run's server started with the checkpoint's weights: the version of its step.
-    assert f"--model {run_dir / 'vllm_weights' / f'version_{resumed_at}'} " in starts[1]
+    assert len(starts) == 2 and all(f"--model {run_dir / 'vllm_weights' / 'model'} " in s for s in starts)

@@ -6,10 +6,14 @@ here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TP
               vllm_server.log, vllm_server_1.log, ...), or the servers of vllm_urls already running
               (started with VLLM_SERVER_DEV_MODE=1, on the same filesystem). Every server serves
               every version; each row goes to the server with the fewest of our rows in flight.
-    weights   update_weights(params, v) exports the policy as an HF folder (export.export_policy: any
-              model source, LoRA merged; under vllm_export_dir, e.g. /dev/shm), waits for this
-              sampler's rows in flight (none straddles two versions), then each server pauses,
-              reloads from the folder, drops its prefix cache (else prefixes of the old weights are
+    weights   update_weights(params, v) writes the policy (LoRA merged) where the servers read it,
+              by vllm_weight_transfer (weight_transfer): `memory` writes it once into shared memory
+              in the servers' layout and dtype (engines/vllm_weights.py; the servers we start run
+              the worker extension engines/vllm_worker.py, which loads it in place); `folder`
+              exports it as an HF folder (export.export_policy: any model source; under
+              vllm_export_dir, e.g. /dev/shm), which a server reloads as any model. It then waits
+              for this sampler's rows in flight (none straddles two versions), and each server
+              pauses, loads version v, drops its prefix cache (else prefixes of the old weights are
               served), takes version v and resumes; v must then be what it reports. The first
               version starts the servers (or reaches those of vllm_urls). With vllm_interrupt the
               push does not wait for the rows: it aborts them (/abort_requests), and each returns
@@ -33,7 +37,8 @@ here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TP
               supervisors: engines/vllm_server.py).
     metrics   metrics(): the pushes' parts, engine_busy_fraction and engine_servers_up.
 
-Several processes: each exports (a collective), process 0 alone talks to the server and broadcasts.
+Several processes: each gathers its share of the weights (a collective), process 0 alone writes them,
+talks to the server and broadcasts.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from unitrain.config import check
 from unitrain.engines import vllm_server
 from unitrain.engines.base import Completions, SamplingParams
 from unitrain.engines.vllm_server import CPU_HEAD_DIMS, EngineError, Server, is_cpu_build
+from unitrain.engines.vllm_weights import EXTENSION, LOAD_METHOD, SharedWeights
 from unitrain.errors import ConfigError
 
 log = logging.getLogger("unitrain")
@@ -172,7 +178,9 @@ class VLLMSampler:
         # A LoRA run's servers keep the frozen base (its first export, adapters off) and load each
         # version's adapters alone (vLLM's runtime LoRA): megabytes a push, not the model.
         self.adapters = pushes_adapters(run)
-        self.base_path = ""
+        self.base_path = ""  # what the servers start from: a LoRA run's base, or memory's model folder
+        self.transfer = "adapters" if self.adapters else weight_transfer(cfg)
+        self.shared = SharedWeights(run) if self.transfer == "memory" else None
         self.interrupts = cfg.vllm_interrupt  # InterruptingSampler: a push aborts the rows in flight
         self.interrupting = False  # a push is aborting them
         self.pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_ROWS, thread_name_prefix="vllm-row")
@@ -192,11 +200,15 @@ class VLLMSampler:
         failure = ""
         if self.leader:
             try:
-                untie_embeddings(path)
+                if self.transfer == "folder":
+                    untie_embeddings(path)
                 self._load(path, version)
-                with self.lock:  # a server restarting reads the folder it started from
+                with self.lock:  # a server restarting reads the version it started from
                     keep = {path} | {e.path for e in self.engines if e.state == "starting"}
-                export.prune_versions(self.export_root, keep)
+                if self.shared:
+                    self.shared.prune(keep)
+                else:
+                    export.prune_versions(self.export_root, keep)
             except EngineError as e:
                 failure = str(e)
         self._agree(failure, "the weight reload")
@@ -208,8 +220,14 @@ class VLLMSampler:
             self.pushed[name] = self.pushed.get(name, 0.0) + seconds
 
     def _export(self, params, version: int) -> str:
-        """The folder the servers load `version` from: the policy (export_policy), or for a LoRA run
-        its adapters in PEFT's format, the base written once first (the model with its adapters off)."""
+        """What the servers load `version` from: its manifest in shared memory (the model folder the
+        servers start from written once first), the policy's folder (export_policy), or for a LoRA
+        run its adapters in PEFT's format (the base written once first: the model, adapters off)."""
+        if self.shared:
+            if not self.base_path and self.leader and not self.cfg.vllm_urls:
+                self.base_path = os.path.join(self.export_root, "model")
+                self.shared.write_model_folder(self.base_path)
+            return self.shared.write(params, version)
         if not self.adapters:
             return export.export_policy(self.run, params, version, self.export_root)
         if not self.base_path:
@@ -309,9 +327,26 @@ class VLLMSampler:
             self._tag(engine, path, version)
             return
         engine.client.call("/pause?mode=wait")
-        engine.client.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        if self.shared:
+            self._load_shared(engine, path, version)
+        else:
+            engine.client.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
         engine.client.call("/reset_prefix_cache")
         self._tag(engine, path, version)
+
+    def _load_shared(self, engine: _Engine, manifest: str, version: int) -> None:
+        """Every worker of `engine` loads the version of `manifest` from shared memory (its extension)."""
+        try:
+            answer = engine.client.call("/collective_rpc", {"method": LOAD_METHOD, "kwargs": {"manifest": manifest}})
+        except ServerGone:
+            raise
+        except EngineError as e:
+            raise EngineError(
+                f"{e}; vllm_weight_transfer=memory needs a server started with --worker-extension-cls {EXTENSION} "
+                "on this host (else set vllm_weight_transfer=folder)"
+            ) from None
+        if answer["results"] != [str(version)] * len(answer["results"]):
+            raise EngineError(f"the vLLM server at {engine.url} loaded {answer['results']} for version {version}")
 
     def _tag(self, engine: _Engine, path: str, version: int) -> None:
         engine.client.call("/update_weight_version", {"new_version": str(version)})
@@ -331,7 +366,7 @@ class VLLMSampler:
             model = engine.client.call("/v1/models", method="GET")["data"][0]
         except ServerGone as e:
             raise EngineError(f"vllm_urls: {e}") from None
-        if tied(model["root"]):
+        if tied(model["root"]):  # with either transfer: a tied model ignores lm_head.weight
             raise EngineError(
                 f"vllm_urls: the server at {engine.url} serves {model['root']}, a model with tied "
                 "embeddings, whose lm_head vLLM's reload leaves stale; start it from a folder this "
@@ -346,18 +381,21 @@ class VLLMSampler:
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_SERVER_DEV_MODE": "1"}
         if self.adapters:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if self.shared:  # where its workers import the extension from
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (self.shared.python_path(), env.get("PYTHONPATH"))))
         with self.lock:
             if self.closed:
                 raise EngineError("the sampler is closed")
             path, version = self.model_path, self.version
             engine.path, engine.served_name = path, SERVED_NAME  # the path kept on disk while it starts
-        args = server_args(cfg, self.base_path or path, free_port(), lora_rank=cfg.lora_rank if self.adapters else 0)
-        engine.server = Server(cfg.vllm_python, args, engine.log_path, env)
+        lora_rank = cfg.lora_rank if self.adapters else 0
+        args = server_args(cfg, self.base_path or path, free_port(), lora_rank, memory=bool(self.shared))
+        engine.server = Server(cfg.vllm_python, args, engine.log_path, env, self.shared.root if self.shared else "")
         engine.url = engine.server.url
         log.info("starting a vLLM server at %s (a minute on a CPU; log: %s)", engine.url, engine.log_path)
         engine.server.wait_ready(cfg.vllm_startup_timeout)
         engine.client = Client(engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
-        (self._reload if self.adapters else self._tag)(engine, path, version)
+        (self._tag if self.transfer == "folder" else self._reload)(engine, path, version)
         log.info("vLLM server up at %s in %.1f s (log: %s)", engine.url, time.perf_counter() - started, engine.log_path)
         while True:  # versions pushed while it started
             with self.lock:
@@ -559,6 +597,8 @@ class VLLMSampler:
         for engine in self.engines:
             if engine.server is not None:
                 engine.server.stop()
+        if self.shared:
+            self.shared.close()
 
 
 def _stop(server: Server) -> str:
@@ -606,9 +646,11 @@ def untie_embeddings(path: str) -> None:
         json.dump({**config, "tie_word_embeddings": False}, f, indent=2)
 
 
-def server_args(cfg, model_path: str, port: int, lora_rank: int = 0) -> list[str]:
+def server_args(cfg, model_path: str, port: int, lora_rank: int = 0, memory: bool = False) -> list[str]:
     """The vLLM server's command line: ours, then vllm_args (which may override what has a value).
-    `lora_rank` > 0: runtime LoRA adapters of that rank, two at a time (a version's and the next)."""
+    `lora_rank` > 0: runtime LoRA adapters of that rank, two at a time (a version's and the next).
+    `memory`: the worker extension that loads versions from shared memory, and no weights read at
+    the start (`model_path` is a folder without any: the first version comes from memory)."""
     extra = shlex.split(cfg.vllm_args)
     lora_args = {"--max-lora-rank": str(next(r for r in VLLM_LORA_RANKS if r >= lora_rank)), "--max-loras": "2"}
     ours = {
@@ -626,11 +668,20 @@ def server_args(cfg, model_path: str, port: int, lora_rank: int = 0) -> list[str
             if cfg.rollout_quantization != "none"
             else {}
         ),
+        **({"--worker-extension-cls": EXTENSION, "--load-format": "dummy"} if memory else {}),
     }
     args = [a for flag, value in ours.items() if flag not in extra for a in (flag, value)]
     # Token ids in and out: vLLM needs no tokenizer. No chunked prefill: vLLM 0.32 on a CPU fails a
     # seeded request whose prompt it splits across steps ("CPU Generator does not use offset").
     return [*args, "--skip-tokenizer-init", "--no-enable-chunked-prefill", *["--enable-lora"] * bool(lora_rank), *extra]
+
+
+def weight_transfer(cfg) -> str:
+    """How versions reach the servers: vllm_weight_transfer, or by default memory for the servers the
+    trainer starts (with the extension) and a folder for those of vllm_urls (started without it)."""
+    if cfg.vllm_weight_transfer:
+        return cfg.vllm_weight_transfer
+    return "folder" if cfg.vllm_urls or cfg.model_source != "unitrain" else "memory"
 
 
 def pushes_adapters(run) -> bool:
@@ -723,7 +774,18 @@ def _quantization(c) -> str | None:
     return None
 
 
-CONFIG_CHECKS = (_servers, _interrupt, _head_dim, _lora_rank, _quantization)
+@check("sampler", "vllm_weight_transfer", "model_source")
+def _memory_transfer(c) -> str | None:
+    """The memory transfer writes the HF tensors of unitrain's decoder."""
+    if c["sampler"] == "vllm" and c["vllm_weight_transfer"] == "memory" and c["model_source"] != "unitrain":
+        return (
+            f"vllm_weight_transfer=memory writes unitrain's decoder's tensors, not those of model_source "
+            f"{c['model_source']}; set vllm_weight_transfer=folder (or leave it empty)"
+        )
+    return None
+
+
+CONFIG_CHECKS = (_servers, _interrupt, _head_dim, _lora_rank, _quantization, _memory_transfer)
 
 
 def from_run(run) -> VLLMSampler:

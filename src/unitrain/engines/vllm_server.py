@@ -1,7 +1,7 @@
 """The vLLM server process of `sampler: vllm` (engines/vllm.py): started on 127.0.0.1 from the engine's
 own interpreter, watched, and ended with everything it started.
 
-    server = Server(python, model_path, server_args, log_path)
+    server = Server(python, server_args, log_path, env, leftover)
     server.wait_ready(timeout)          # EngineError with the last lines of its log if it never comes up
     server.alive(); server.tail()       # is it running; the last lines of its log
     server.stop()                       # the whole process group, within seconds
@@ -10,7 +10,8 @@ vLLM runs several processes (the API server, its engine core, workers). They are
 supervisor, this file run as a script by the trainer's interpreter (it imports nothing heavy): it
 leads a process group of its own, and ends the whole group when the trainer stops it, when the
 server exits, or when the trainer is gone (a `kill -9` of the trainer re-parents the supervisor,
-which it sees within half a second).
+which it sees within half a second). A trainer gone that way also leaves `leftover` behind (its
+shared-memory weights, engines/vllm_weights.py): the supervisor removes it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +64,7 @@ class EngineError(UserError):
 class Server:
     """One vLLM OpenAI-compatible server under its supervisor; its output goes to `log_path` (appended)."""
 
-    def __init__(self, python: str, server_args: list[str], log_path: str, env: dict):
+    def __init__(self, python: str, server_args: list[str], log_path: str, env: dict, leftover: str = ""):
         self.log_path, self.port = log_path, int(server_args[server_args.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         command = [python, "-m", "vllm.entrypoints.openai.api_server", *server_args]
@@ -71,7 +73,7 @@ class Server:
             log.write(f"\n{START_HEADER} {' '.join(command)}\n")
             log.flush()
             self.process = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), str(os.getpid()), *command],
+                [sys.executable, os.path.abspath(__file__), str(os.getpid()), leftover, *command],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -140,15 +142,18 @@ def log_tail(path: str, lines: int = 4) -> str:
     return " | ".join([*head, *last])
 
 
-def supervise(trainer_pid: int, command: list[str]) -> int:
+def supervise(trainer_pid: int, leftover: str, command: list[str]) -> int:
     """The supervisor: runs `command`, and ends the process group when asked to (SIGTERM, SIGINT), when
-    the command exits, or when the trainer `trainer_pid` is no longer its parent."""
+    the command exits, or when the trainer `trainer_pid` is no longer its parent (then it removes the
+    folder `leftover` too, if one is named: the trainer cannot)."""
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
     child = subprocess.Popen(command)
     while child.poll() is None and not stopping and os.getppid() == trainer_pid:
         time.sleep(0.5)
+    if leftover and os.getppid() != trainer_pid:
+        shutil.rmtree(leftover, ignore_errors=True)
     if child.poll() is None:
         child.terminate()
         os.killpg(0, signal.SIGTERM)  # vLLM's engine core and workers too (this process ignores it)
@@ -180,4 +185,4 @@ def group_members(pgid: int) -> list[int]:
 
 
 if __name__ == "__main__":
-    sys.exit(supervise(int(sys.argv[1]), sys.argv[2:]))
+    sys.exit(supervise(int(sys.argv[1]), sys.argv[2], sys.argv[3:]))
