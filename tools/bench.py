@@ -38,8 +38,8 @@ those overrides (B) in turn, A B A B, each with its own model from the same seed
 as the median of the pairs' A/B step-time ratios (rl_packing=true: packed against unpacked rows).
 --mode push times `--steps` weight pushes (update_weights) for the config's model (random weights of
 its shape) and reports the median seconds and GB/s: sampler=mesh copies the trainer's parameters to
-the rollout mesh; sampler=vllm exports them and its server reloads them (time_weight_export and
-time_weight_reload apart).
+the rollout mesh; sampler=vllm writes them (by vllm_weight_transfer: into shared memory, or an HF
+folder) and its server loads them (time_weight_export and time_weight_reload apart).
 
 --mode sft (the default) times the SFT train step; with `--against key=value` the config (A) and
 the config with those overrides (B) in turn, A B A B, each on its own synthetic batch (the same rows
@@ -893,11 +893,13 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
     if cfg.sampler not in ("mesh", "vllm"):
         raise ConfigError("--mode push times the weight push of sampler=mesh or sampler=vllm")
     run, state = build_run(cfg)
+    params = state["params"]
+    del state  # the optimizer's moments (twice the parameters): a push needs the parameters alone
     sampler = make_sampler(run)
     times, parts, via_hosts = [], [], []
     for version in range(warmup + steps):
         start = time.perf_counter()
-        sampler.update_weights(state["params"], version)
+        sampler.update_weights(params, version)
         times.append(sampler.push_seconds if cfg.sampler == "mesh" else time.perf_counter() - start)
         parts.append(
             {k: v for k, v in sampler.metrics().items() if k.startswith("time_")}
@@ -906,15 +908,15 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
         )
         if cfg.sampler == "mesh":  # the multi-process path (each parameter through the hosts), in one process
             start = time.perf_counter()
-            jax.block_until_ready(jax.tree.map(rollout_mesh.through_hosts, state["params"], sampler.shardings))
+            jax.block_until_ready(jax.tree.map(rollout_mesh.through_hosts, params, sampler.shardings))
             via_hosts.append(time.perf_counter() - start)
     close(sampler)
     median = statistics.median(times[warmup:])
-    gigabytes = sum(x.nbytes for x in jax.tree.leaves(state["params"])) / 1e9
+    gigabytes = sum(x.nbytes for x in jax.tree.leaves(params)) / 1e9
     result = {
         "mode": "push",
         "sampler": cfg.sampler,
-        "parameters": sum(x.size for x in jax.tree.leaves(state["params"])),
+        "parameters": sum(x.size for x in jax.tree.leaves(params)),
         "weight_dtype": cfg.weight_dtype,
         "gigabytes": gigabytes,
         "push_seconds_median": median,

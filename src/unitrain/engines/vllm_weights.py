@@ -26,6 +26,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,9 @@ class SharedWeights:
         self.dtype = jnp.dtype(run.cfg.dtype)  # what the server serves (--dtype)
         shared = SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
         self.root = tempfile.mkdtemp(prefix=f"unitrain_vllm_{os.getpid()}_", dir=shared) if self.leader else ""
+        # Removed by close(), else when the sampler is collected or the trainer exits (a trainer
+        # killed outright: by the servers' supervisors, engines/vllm_server.py).
+        self.close = weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
 
     def write_model_folder(self, path: str) -> None:
         """config.json (tie_word_embeddings false), the tokenizer and generation_config.json: the
@@ -100,10 +104,6 @@ class SharedWeights:
         for file in os.listdir(self.root):
             if file.startswith("version_") and file.rsplit(".", 1)[0] not in kept:
                 os.remove(os.path.join(self.root, file))
-
-    def close(self) -> None:
-        if self.root:
-            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def decoder_config(model):
