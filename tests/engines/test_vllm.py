@@ -220,7 +220,7 @@ def test_a_new_version_serves_the_new_weights(served, tmp_path):
     assert "time_weight_export" not in sampler.metrics()
     # The servers start from a folder without weights; one version in shared memory.
     assert os.listdir(sampler.export_root) == ["model"] and not list(Path(sampler.export_root).rglob("*.safetensors"))
-    assert sorted(os.listdir(sampler.shared.root)) == ["python", "version_1.bin", "version_1.json"]
+    assert sorted(os.listdir(sampler.shared.root)) == ["python", "version_1.json", "weights_0.bin", "weights_1.bin"]
 
 
 def hf_logprobs(model, prompt, tokens):
@@ -302,8 +302,9 @@ def test_a_folder_transfer_reloads_a_server_of_ours_and_one_already_running(ckpt
 def test_an_untied_model_goes_through_shared_memory_to_a_server_of_vllm_urls(served, tiny_checkpoint, tmp_path):
     """vllm_weight_transfer=memory to a server of vllm_urls started with the extension (the module's,
     whose model is untied): an untied model of the same shape, its own lm_head served, version after
-    version; each newer version replaces the last in shared memory, and closing the sampler removes
-    them."""
+    version. A version's buffer is the spare one (that of the version before last) once a newer one
+    is loaded, and the third version is written into the first one's: what the server serves then is
+    the third's. Closing the sampler removes them."""
     run, params, sampler = served
     [engine] = sampler.engines
     untied = tiny_checkpoint("qwen2", **{**TINY, "tie": False})
@@ -311,9 +312,13 @@ def test_an_untied_model_goes_through_shared_memory_to_a_server_of_vllm_urls(ser
     guest_run, state = build_run(cfg)
     guest = vllm.VLLMSampler(guest_run)
     assert guest.transfer == "memory" and "lm_head" in state["params"]
-    for version, weights in ((7, state["params"]), (8, perturbed(state["params"]))):
+    versions = [state["params"], perturbed(state["params"]), perturbed(perturbed(state["params"]))]
+    for version, weights in enumerate(versions, start=7):
         guest.update_weights(weights, version)
-        assert sorted(os.listdir(guest.shared.root)) == [f"version_{version}.bin", f"version_{version}.json"]
+        buffers = ["weights_0.bin", "weights_1.bin"][: version - 6]
+        assert sorted(os.listdir(guest.shared.root)) == [f"version_{version}.json", *buffers]
+        assert guest.model_path.endswith(f"version_{version}.json")
+        assert json.load(open(guest.model_path))["file"] == ["weights_0.bin", "weights_1.bin"][(version - 7) % 2]
         export.export_hf(guest_run, weights, str(tmp_path / f"v{version}"))
         model = hf_model(tmp_path / f"v{version}")
         out = guest.generate(PROMPTS, SamplingParams(8, temperature=0.0), jax.random.key(0))
@@ -321,7 +326,7 @@ def test_an_untied_model_goes_through_shared_memory_to_a_server_of_vllm_urls(ser
         assert_drawn_by(model, PROMPTS, guest.generate(PROMPTS, SamplingParams(8), jax.random.key(version)))
     guest.close()
     assert not os.path.exists(guest.shared.root) and engine.server.alive()
-    sampler.update_weights(params, 9)  # the module's sampler takes its server back
+    sampler.update_weights(params, 10)  # the module's sampler takes its server back
 
 
 @pytest.mark.parametrize(

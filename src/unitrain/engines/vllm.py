@@ -339,7 +339,7 @@ class VLLMSampler:
         try:
             answer = engine.client.call("/collective_rpc", {"method": LOAD_METHOD, "kwargs": {"manifest": manifest}})
         except ServerGone:
-            raise
+            raise  # lost: the caller's to handle
         except EngineError as e:
             raise EngineError(
                 f"{e}; vllm_weight_transfer=memory needs a server started with --worker-extension-cls {EXTENSION} "

@@ -7,12 +7,15 @@ memory, in the layout the server's model loads, for the server's worker extensio
     manifest = weights.write(params, version)      # every process (a collective); process 0 writes
     weights.prune(keep); weights.close()
 
-A version is two files: version_<v>.bin, its tensors at page-aligned offsets in the dtype the server
-serves (`dtype`), and version_<v>.json, the manifest: the version, that file, and each tensor's HF
-name, dtype, shape and offset. A tied embedding is written once and named twice (lm_head.weight at
-the embedding's offset): the server's model is untied, as vLLM's in-place reload leaves a tied
-lm_head at the weights it started with. The server starts from the model folder with dummy weights
-(--load-format dummy) and loads the newest version before it serves.
+A version is a manifest, version_<v>.json (the version, its buffer, and each tensor's HF name, dtype,
+shape and page-aligned offset), and a buffer, weights_<k>.bin, its tensors in the dtype the server
+serves (`dtype`). Buffers are reused: the one of the version before the last loaded is the spare the
+next version is written into, kept mapped (a new file's first touch of each page costs more than the
+copy), so that the shared memory holds two copies of the model at most. A tied embedding is written
+once and named twice (lm_head.weight at the embedding's offset): the server's model is untied, as
+vLLM's in-place reload leaves a tied lm_head at the weights it started with. The server starts from
+the model folder with dummy weights (--load-format dummy) and loads the newest version before it
+serves.
 
 Several processes: each gathers its share of every parameter (a collective), process 0 writes, on
 its own host: the servers that read it run there.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import mmap
 import os
 import shutil
@@ -51,6 +55,10 @@ class SharedWeights:
         # Removed by close(), else when the sampler is collected or the trainer exits (a trainer
         # killed outright: by the servers' supervisors, engines/vllm_server.py).
         self.close = weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
+        self.entries, self.aliases, self.size = [], [], 0  # every version's layout (_plan)
+        self.buffers: dict[str, np.memmap] = {}  # the buffer files and their mappings, kept
+        self.holds: dict[str, str] = {}  # a version's manifest -> the buffer it describes
+        self.made = 0  # buffers made
 
     def write_model_folder(self, path: str) -> None:
         """config.json (tie_word_embeddings false), the tokenizer and generation_config.json: the
@@ -72,38 +80,62 @@ class SharedWeights:
     def write(self, params, version: int) -> str:
         """`params` as version `version`; -> its manifest's path (every process calls it, process 0 writes)."""
         model = nnx.merge(self.run.graphdef, params)
-        tensors = hf.hf_tensors(model.merged() if isinstance(model, lora.LoraModel) else model)
+        model = model.merged() if isinstance(model, lora.LoraModel) else model
+        tensors = hf.hf_tensors(model)
         if not self.leader:
             for _ in tensors:  # this process's part of each gather
                 pass
             return ""
-        name = f"version_{version}"
-        entries, end = [], 0
-        with open(os.path.join(self.root, name + ".bin"), "wb+") as f:
-            for hf_name, tensor in tensors:
-                offset = -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
-                end = offset + tensor.size * self.dtype.itemsize
-                f.truncate(end)
-                slot = np.memmap(f, self.dtype, "r+", offset, tensor.shape)
-                np.copyto(slot, tensor, casting="same_kind")  # the one copy, cast to the served dtype
-                del slot
-                entries.append(
-                    {"name": hf_name, "dtype": self.dtype.name, "shape": list(tensor.shape), "offset": offset}
-                )
-        if decoder_config(self.run.model).tie_word_embeddings:
-            embedding = next(e for e in entries if e["name"] == "model.embed_tokens.weight")
-            entries.append({**embedding, "name": "lm_head.weight"})
-        manifest = os.path.join(self.root, name + ".json")
+        if not self.entries:
+            self._plan(model)
+        file = self._free_buffer()
+        buffer = self.buffers[file]
+        for entry, (_, tensor) in zip(self.entries, tensors, strict=True):
+            start = entry["offset"]
+            slot = buffer[start : start + tensor.size * self.dtype.itemsize].view(self.dtype).reshape(tensor.shape)
+            np.copyto(slot, tensor, casting="same_kind")  # the one copy, cast to the served dtype
+        manifest = os.path.join(self.root, f"version_{version}.json")
         with open(manifest, "w") as f:
-            json.dump({"version": version, "file": name + ".bin", "tensors": entries}, f)
+            json.dump({"version": version, "file": file, "tensors": self.entries + self.aliases}, f)
+        self.holds[manifest] = file
         return manifest
 
+    def _plan(self, model) -> None:
+        """Where each tensor goes in a buffer (the same for every version: the same model), and the
+        tied lm_head's alias."""
+        end = 0
+        for name, shape in hf.hf_shapes(model):
+            offset = -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = offset + math.prod(shape) * self.dtype.itemsize
+            self.entries.append({"name": name, "dtype": self.dtype.name, "shape": list(shape), "offset": offset})
+        self.size = end
+        if model.cfg.tie_word_embeddings:
+            embedding = next(e for e in self.entries if e["name"] == "model.embed_tokens.weight")
+            self.aliases = [{**embedding, "name": "lm_head.weight"}]
+
+    def _free_buffer(self) -> str:
+        """A buffer that holds no version kept: the spare one (mapped, its pages there: written again
+        at memory speed, where a new file's first touch of each page costs more than the copy), else
+        a new one. Names are never reused: a server keeps its mapping of each."""
+        spare = [file for file in self.buffers if file not in self.holds.values()]
+        if spare:
+            return spare[0]
+        file = f"weights_{self.made}.bin"
+        self.made += 1
+        with open(os.path.join(self.root, file), "wb+") as f:
+            f.truncate(self.size)
+        self.buffers[file] = np.memmap(os.path.join(self.root, file), np.uint8, "r+", shape=(self.size,))
+        return file
+
     def prune(self, keep: set[str]) -> None:
-        """Removes the versions but those whose manifests are in `keep`."""
-        kept = {os.path.basename(p).removesuffix(".json") for p in keep}
-        for file in os.listdir(self.root):
-            if file.startswith("version_") and file.rsplit(".", 1)[0] not in kept:
-                os.remove(os.path.join(self.root, file))
+        """Removes the versions but those whose manifests are in `keep`; of the buffers they free, one
+        stays as the spare the next version is written into, the others are removed."""
+        for manifest in [m for m in self.holds if m not in keep]:
+            os.remove(manifest)
+            del self.holds[manifest]
+        for file in [file for file in self.buffers if file not in self.holds.values()][1:]:
+            del self.buffers[file]
+            os.remove(os.path.join(self.root, file))
 
 
 def decoder_config(model):

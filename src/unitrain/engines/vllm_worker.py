@@ -9,8 +9,8 @@ The server is started with `--worker-extension-cls unitrain.engines.vllm_worker.
     {"method": "load_shared_weights", "kwargs": {"manifest": "/dev/shm/.../version_3.json"}}
 
 The manifest names one file of raw tensors (in shared memory) and each tensor's HF name, dtype, shape
-and byte offset in it. Each worker maps the file (no copy: the tensors are views of the mapping) and
-loads them in place through its model runner's in-place reload (vLLM's layerwise reload: the model's
+and byte offset in it. Each worker maps the file (no copy: the tensors are views of the mapping; the
+mapping is kept for the next versions written into the same file) and loads them in place through its model runner's in-place reload (vLLM's layerwise reload: the model's
 load_weights, then each layer's processing into the kernels' layout, which a CPU build's packed GEMM
 weights need). It answers the version the manifest says.
 """
@@ -25,18 +25,23 @@ import os
 import torch
 
 
-def shared_tensors(manifest: str) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+def shared_tensors(manifest: str, buffers: dict) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     """The version the manifest at `manifest` describes, and its (HF name, tensor) pairs: views of a
-    mapping of its file."""
+    mapping of its buffer file. `buffers` keeps the mappings (file -> mmap) from call to call: the
+    trainer writes the next versions into the same files, and a mapping read before reads again
+    without a page fault; one of a file since removed is dropped (its memory freed)."""
     with open(manifest) as f:
         described = json.load(f)
-    with open(os.path.join(os.path.dirname(manifest), described["file"]), "rb") as f:
-        # A private mapping: reads come from the shared pages, nothing is copied unless written.
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    for path in [path for path in buffers if not os.path.exists(path)]:
+        del buffers[path]
+    path = os.path.join(os.path.dirname(manifest), described["file"])
+    if path not in buffers:
+        with open(path, "r+b") as f:
+            buffers[path] = mmap.mmap(f.fileno(), 0)  # shared: it sees what the trainer writes
     pairs = []
     for entry in described["tensors"]:
         dtype, shape = getattr(torch, entry["dtype"]), entry["shape"]
-        tensor = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=entry["offset"])
+        tensor = torch.frombuffer(buffers[path], dtype=dtype, count=math.prod(shape), offset=entry["offset"])
         pairs.append((entry["name"], tensor.view(shape)))
     return described["version"], pairs
 
@@ -45,6 +50,8 @@ class SharedMemoryWeights:
     """Mixed into vLLM's worker class by `--worker-extension-cls`: `self` is the worker."""
 
     def load_shared_weights(self, manifest: str) -> str:
-        version, pairs = shared_tensors(manifest)
+        if not hasattr(self, "shared_buffers"):
+            self.unitrain_buffers = {}
+        version, pairs = shared_tensors(manifest, self.unitrain_buffers)
         self.reload_weights(weights_iterator=pairs)
         return str(version)
