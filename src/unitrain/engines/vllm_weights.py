@@ -23,7 +23,6 @@ its own host: the servers that read it run there.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import mmap
@@ -63,8 +62,10 @@ class SharedWeights:
     def write_model_folder(self, path: str) -> None:
         """config.json (tie_word_embeddings false), the tokenizer and generation_config.json: the
         folder the servers start from, written once (process 0)."""
-        cfg = dataclasses.replace(decoder_config(self.run.model), tie_word_embeddings=False)
-        hf.hf_config_from_model(cfg).save_pretrained(path)
+        model = self.run.model
+        config = hf.hf_config_of(model.base if isinstance(model, lora.LoraModel) else model)
+        config.tie_word_embeddings = False
+        config.save_pretrained(path)
         export.describe(self.run, path)
 
     def python_path(self) -> str:
@@ -136,8 +137,3 @@ class SharedWeights:
         for file in [file for file in self.buffers if file not in self.holds.values()][1:]:
             del self.buffers[file]
             os.remove(os.path.join(self.root, file))
-
-
-def decoder_config(model):
-    """The ModelConfig of unitrain's decoder `model` (a LoRA model's base)."""
-    return (model.base if isinstance(model, lora.LoraModel) else model).cfg
