@@ -514,7 +514,9 @@ def test_rollout_quantization_is_the_servers_online_quantization_or_refused_befo
     cfg = make_cfg(**keys, dtype="bfloat16")
     args = vllm.server_args(cfg, "/w/version_0", 8000)
     assert args[args.index("--quantization") + 1] == "fp8_per_channel"
-    assert "--quantization" not in vllm.server_args(make_cfg(sampler="vllm", mode="grpo"), "/w/version_0", 8000)
+    assert "--quantization" not in vllm.server_args(
+        make_cfg(sampler="vllm", mode="grpo", vllm_python=python, head_dim=32), "/w/version_0", 8000
+    )
     assert make_cfg(**keys, vllm_args="--dtype float16").rollout_quantization == "fp8"
     with pytest.raises(
         ConfigError, match="vLLM quantises online only bfloat16 or float16 models, and its --dtype is float32"

@@ -464,7 +464,10 @@ def test_push_mode_times_the_copy_to_the_rollout_mesh():
         and result["push_seconds_median"] > 0
         and result["through_hosts_seconds_median"] > 0
     )
-    assert result["rollout_mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and result["trainer_mesh"]["fsdp"] == 4
+    assert (
+        result["rollout_mesh"] == {"data": 2, "fsdp": 2, "context": 1, "tensor": 1}
+        and result["trainer_mesh"]["fsdp"] == 4
+    )
     proc = run_bench("configs/base.yml", "model_name=tiny", "--mode", "push")  # sampler colocated: nothing to push
     assert proc.returncode == 2 and "--mode push times the weight push of sampler=mesh" in proc.stderr
 
