@@ -22,14 +22,14 @@ import math
 import mmap
 import os
 
-import torch
 
-
-def shared_tensors(manifest: str, buffers: dict) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+def shared_tensors(manifest: str, buffers: dict) -> tuple[int, list]:
     """The version the manifest at `manifest` describes, and its (HF name, tensor) pairs: views of a
     mapping of its buffer file. `buffers` keeps the mappings (file -> mmap) from call to call: the
     trainer writes the next versions into the same files, and a mapping read before reads again
     without a page fault; one of a file since removed is dropped (its memory freed)."""
+    import torch  # the engine's venv has it; unitrain's own requirements need not
+
     with open(manifest) as f:
         described = json.load(f)
     for path in [path for path in buffers if not os.path.exists(path)]:
