@@ -9,7 +9,7 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from unitrain import compile_cache, sharding
+from unitrain import compile_cache, sharding, step
 
 
 @dataclasses.dataclass
@@ -29,3 +29,10 @@ class RunContext:
     learning_rate: optax.Schedule  # the optimizer's, by optimizer step
     state_shardings: dict  # shardings of {params, opt_state, step}
     programs: compile_cache.CompileCache  # the run's one ahead-of-time compile cache
+
+    def make_update(self, loss_fn, batch_shardings, frozen_shardings=()):
+        """The jitted, donated train step of `loss_fn` over this run's state (step.make_train_step)."""
+        settings = step.StepConfig.from_config(self.cfg, self.learning_rate)
+        return step.make_train_step(
+            loss_fn, settings, self.optimizer, self.state_shardings, batch_shardings, frozen_shardings
+        )

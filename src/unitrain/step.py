@@ -3,7 +3,8 @@ train step over any loss, the jitted and donated update. Programs compile throug
 compile cache (compile_cache.py); rows move between host and global arrays with sharding.py.
 
     state = init_state(params, optimizer, mesh)                       # {params, opt_state, step}
-    update = make_train_step(task.loss, StepConfig.from_config(cfg, learning_rate), optimizer, state_shardings, task.batch_shardings())
+    update = make_train_step(task.loss, StepConfig.from_config(cfg, learning_rate), optimizer, state_shardings,
+                             task.batch_shardings())          # a mode: run.make_update(task.loss, shardings)
     state, metrics = programs("train_step", update, state, batch)     # compiled once per batch shape
 """
 

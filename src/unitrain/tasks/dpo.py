@@ -42,7 +42,6 @@ import numpy as np
 from flax import nnx
 
 from unitrain import losses, sharding
-from unitrain import step as step_lib
 from unitrain.config import check
 from unitrain.context import RunContext
 from unitrain.data.preference import (
@@ -231,13 +230,7 @@ class DPOTask(PairLearner, Task):
             cfg, run.tokenizer, rows, jax.process_index(), jax.process_count()
         )
         self.tokens_per_step = 2 * rows * cfg.max_target_length  # both sequences of every pair
-        self.update = step_lib.make_train_step(
-            self.loss,
-            step_lib.StepConfig.from_config(cfg, run.learning_rate),
-            run.optimizer,
-            run.state_shardings,
-            self.batch_shardings(),
-        )
+        self.update = run.make_update(self.loss, self.batch_shardings())
         batches = eval_pair_batches(cfg, run.tokenizer, run.layout.global_batch_size, cfg.eval_steps)
         self.eval_batches = [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
         if self.eval_batches:

@@ -51,7 +51,7 @@ def pair_rows(groups, width: int, pad_id: int) -> dict:
 
 
 class OnlineDPOTask(PairLearner, RLTask):
-    estimator = "grpo"  # the RL step's estimator slot; online DPO's pairs need no advantages
+    estimator = None  # its pairs need no advantages
 
     def __init__(self, run, **kwargs):
         if run.cfg.rollout_batch_size != run.layout.rows_per_update:

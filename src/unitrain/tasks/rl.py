@@ -71,7 +71,6 @@ from flax import nnx
 
 from unitrain import advantages as advantages_lib
 from unitrain import losses, rewards, sharding
-from unitrain import step as step_lib
 from unitrain.config import check
 from unitrain.data import format_choice
 from unitrain.data.prompts import make_prompt_iterator
@@ -242,11 +241,11 @@ class StepRows:
 
 class RLTask(Task):
     """The RL step of the module docstring. A mode picks its estimator (`estimator`, a registry name
-    or plugin) and its extra learners (`learners`: objects with passes(state, rows) -> {key: [rows, C]}
+    or plugin; None for a mode that trains on no advantages) and its extra learners (`learners`: objects with passes(state, rows) -> {key: [rows, C]}
     and update(state, rows) -> (state, metrics) over the step's StepRows (row_pass, updates),
     trained before the policy on the same rows)."""
 
-    estimator: str
+    estimator: str | None
 
     def __init__(self, run: RunContext, *, prompts=None, sampling: SamplingParams | None = None):
         """`prompts`: the prompt stream (next() -> {"prompts", "num_dropped"}, get_state, set_state;
@@ -262,7 +261,7 @@ class RLTask(Task):
         self.max_completion = self.workflow.max_tokens
         self.shapers = reward_shapers(cfg, self.max_completion)
         self.row_filters = row_filters(cfg)
-        self.estimate = advantages_lib.make_estimator(self.estimator)
+        self.estimate = advantages_lib.make_estimator(self.estimator) if self.estimator else None
         self.learners: list = []
         # Every process samples the same prompts with the same key (the sampler wants identical
         # inputs everywhere) and so computes the same batch; each then hands JAX only its own rows.
@@ -318,13 +317,7 @@ class RLTask(Task):
             scorers += [(t.key, self.teacher_stats(t), t.device) for t in self.teachers]
             self.logprob_fn = jax.jit(functools.partial(rollout_logprobs, stats, self.separate_old, tuple(scorers)))
         self.policy_loss_config = losses.PolicyLossConfig.from_config(cfg)
-        self.update_fn = step_lib.make_train_step(
-            self.loss,
-            step_lib.StepConfig.from_config(cfg, run.learning_rate),
-            run.optimizer,
-            run.state_shardings,
-            self.batch_shardings(),
-        )
+        self.update_fn = run.make_update(self.loss, self.batch_shardings())
         self.evaluator = None
         if cfg.evaluates:  # the data format's own evaluation (a recommender's HR/NDCG) or the generation eval
             # of the configured workflow (ranked rollouts are evaluated by their greedy answer)

@@ -22,7 +22,6 @@ import jax
 from flax import nnx
 
 from unitrain import losses, sharding
-from unitrain import step as step_lib
 from unitrain.config import VISION_LANGUAGE_FAMILIES, check
 from unitrain.context import RunContext
 from unitrain.data.preference import MARGIN, PAIR_FIELDS, eval_pair_batches, make_preference_iterator
@@ -55,13 +54,7 @@ class RMTask(Task):
         self.rows2d = sharding.batch_sharding(run.mesh, run.rules)
         self.rows1d = sharding.batch_sharding(run.mesh, run.rules, ("batch",))
         self.rewards = functools.partial(pair_rewards, run.graphdef)
-        self.update = step_lib.make_train_step(
-            self.loss,
-            step_lib.StepConfig.from_config(cfg, run.learning_rate),
-            run.optimizer,
-            run.state_shardings,
-            self.batch_shardings(),
-        )
+        self.update = run.make_update(self.loss, self.batch_shardings())
         batches = eval_pair_batches(cfg, run.tokenizer, run.layout.global_batch_size, cfg.eval_steps)
         self.eval_batches = [sharding.full_rows_to_global(b, self.batch_shardings()) for b in batches]
         if self.eval_batches:

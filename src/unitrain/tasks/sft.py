@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unitrain import losses, sharding
-from unitrain import step as step_lib
 from unitrain.data import format_choice
 from unitrain.data.images import IMAGE_FIELDS
 from unitrain.data.sft import BATCH_FIELDS, eval_prompt_records, make_sft_iterator
@@ -58,13 +57,8 @@ class SFTTask(Task):
         # alone: the labels' cross-entropy on the teacher's samples, sequence-level KD).
         self.scorers = self.teachers if cfg.distill_coef > 0 else []
         self.teacher_accuracy = TeacherAccuracy(run, self.teachers)
-        self.update = step_lib.make_train_step(
-            self.loss,
-            step_lib.StepConfig.from_config(cfg, run.learning_rate),
-            run.optimizer,
-            run.state_shardings,
-            self.batch_shardings(),
-            tuple(jax.tree.map(lambda x: x.sharding, t.params) for t in self.scorers),
+        self.update = run.make_update(
+            self.loss, self.batch_shardings(), tuple(jax.tree.map(lambda x: x.sharding, t.params) for t in self.scorers)
         )
         self.eval_loss = jax.jit(self._eval_sums)
         self.eval_batches = self._eval_batches() if cfg.evaluates else []
