@@ -213,10 +213,10 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
     learning_rate = learning_rate_schedule(cfg, layout.optimizer_steps)
     optimizer = make_optimizer(cfg, lora.trainable(model.decay_mask(), adapters_only), learning_rate)
     trained, trained_shardings = (lora.trainable(t, adapters_only) for t in (params, param_shardings))
-    opt_state = _abstract(
-        jax.eval_shape(optimizer.init, trained),
-        step_lib.opt_state_shardings(optimizer, trained, trained_shardings, mesh),
-    )
+    opt_shardings = step_lib.opt_state_shardings(optimizer, trained, trained_shardings, mesh)
+    if cfg.optimizer_host_offload:  # where step.init_state puts it
+        opt_shardings = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_shardings)
+    opt_state = _abstract(jax.eval_shape(optimizer.init, trained), opt_shardings)
     state = {
         "params": params,
         "opt_state": opt_state,
@@ -314,13 +314,7 @@ def compile_only(cfg) -> dict:
     run, state = abstract_run(cfg.replace(eval_interval=0))
     mesh, task = run.mesh, modes.create(run)
     shardings = task.batch_shardings()
-    update = step_lib.make_train_step(
-        task.loss,
-        step_lib.StepConfig.from_config(cfg, run.learning_rate),
-        run.optimizer,
-        run.state_shardings,
-        shardings,
-    )
+    update = run.make_update(task.loss, shardings)
     batch = update_batch(cfg, run.layout.rows_per_update, shardings)
     start = time.perf_counter()
     compiled = run.programs.compiled(f"{cfg.mode} update", update, state, batch)
@@ -421,6 +415,9 @@ def memory_per_device(compiled) -> dict | None:
         name: int(getattr(memory, f"{name}_size_in_bytes"))
         for name in ("argument", "output", "temp", "generated_code", "alias")
     }
+    # in host memory (optimizer_host_offload, reward_model_host_offload); not part of the device's peak
+    per_device["host_argument"] = int(memory.host_argument_size_in_bytes)
+    per_device["host_temp"] = int(memory.host_temp_size_in_bytes)
     per_device["total_estimate"] = (
         per_device["argument"] + per_device["output"] + per_device["temp"] - per_device["alias"]
     )

@@ -281,21 +281,27 @@ def test_compile_only_sampler_sizes_the_program_generate_runs():
         bench.compile_sampler(mesh_cfg, 5, 9, 6)
 
 
-def test_abstract_state_matches_init_state():
-    """The abstract state --compile-only compiles for has the shapes, dtypes and shardings of the real one."""
+@pytest.mark.parametrize("offload", [False, True])
+def test_abstract_state_matches_init_state(offload):
+    """The abstract state --compile-only compiles for has the shapes, dtypes, shardings and memories
+    (the optimizer state's in host memory with optimizer_host_offload) of the real one."""
     import jax
 
     import bench
     from unitrain import sharding
     from unitrain.run import build_run
 
-    cfg = load_checked(["configs/base.yml", "model_name=tiny", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    overrides = ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", f"optimizer_host_offload={str(offload).lower()}"]
+    cfg = load_checked(["configs/base.yml", "model_name=tiny", *overrides])
     _, real = build_run(cfg)
     _, abstract = bench.abstract_run(cfg)
     assert jax.tree.structure(real) == jax.tree.structure(abstract)
     for r, a in zip(jax.tree.leaves(real), jax.tree.leaves(abstract)):
         assert (r.shape, r.dtype) == (a.shape, a.dtype)
         assert r.sharding.is_equivalent_to(a.sharding, r.ndim)
+        assert r.sharding.memory_kind == a.sharding.memory_kind
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(abstract["opt_state"]) if x.ndim}
+    assert kinds == {"pinned_host" if offload else "device"}
     per_device = sharding.bytes_per_device(real)
     assert bench.bytes_per_device(real) == bench.bytes_per_device(abstract) == max(per_device.values())
 
