@@ -100,20 +100,42 @@ def library(path: str = "") -> dict:
             raise ConfigError(f"{where} holds no MLLM_JAX/language folder; model_source mllm_jax expects {EXPECTED}")
         if path not in sys.path:
             sys.path.append(path)  # last: the checkout's other top-level folders (tests/, plugins/) shadow nothing
-    try:
-        modules = {name: importlib.import_module(name) for name in API}
-    except Exception as e:  # noqa: BLE001 - whatever breaks the import of the user's checkout, said in one line
-        raise ConfigError(
-            f"MLLM_JAX does not import from {where} ({type(e).__name__}: {e}); model_source mllm_jax expects {EXPECTED}"
-        ) from None
-    found = Path(modules["MLLM_JAX.language.llama.llama"].__file__).parents[3]
+    modules = _imported(API, f"from {where}")
+    found = _root(modules)
     if path and found.resolve() != Path(path).resolve():
         raise ConfigError(
             f"{where}: MLLM_JAX imports from {found} instead (imported before, or earlier on the Python path)"
         )
-    missing = [f"{m}.{n}" for m, names in API.items() for n in names if not hasattr(modules[m], n)]
+    return modules
+
+
+def revived(lib: dict, module: str, name: str):
+    """A module of the checkout's deprecated/ folder (its Qwen3 at 8b19c02), imported as deprecated/README.md
+    revives one, moved back into the active tree: deprecated/MLLM_JAX and its language/ join the search
+    paths of the packages MLLM_JAX and MLLM_JAX.language, after their own folders (nothing moved or edited)."""
+    old = _root(lib) / "deprecated" / "MLLM_JAX"
+    for package, folder in (("MLLM_JAX", old), ("MLLM_JAX.language", old / "language")):
+        search = importlib.import_module(package).__path__  # a package's __path__ is its submodules' search path
+        if str(folder) not in search:
+            search.append(str(folder))
+    return _imported({module: (name,)}, f"at {_root(lib)}")[module]
+
+
+def _root(modules: dict) -> Path:
+    return Path(modules["MLLM_JAX.language.llama.llama"].__file__).parents[3]
+
+
+def _imported(api: dict, where: str) -> dict:
+    """The modules of `api` (module -> names it must have); one line when one fails to import or lacks a name."""
+    try:
+        modules = {name: importlib.import_module(name) for name in api}
+    except Exception as e:  # noqa: BLE001 - whatever breaks the import of the user's checkout, said in one line
+        raise ConfigError(
+            f"MLLM_JAX does not import {where} ({type(e).__name__}: {e}); model_source mllm_jax expects {EXPECTED}"
+        ) from None
+    missing = [f"{m}.{n}" for m, names in api.items() for n in names if not hasattr(modules[m], n)]
     if missing:
-        raise ConfigError(f"MLLM_JAX at {found} has no {missing[0]}; model_source mllm_jax expects {EXPECTED}")
+        raise ConfigError(f"MLLM_JAX {where} has no {missing[0]}; model_source mllm_jax expects {EXPECTED}")
     return modules
 
 
@@ -162,8 +184,7 @@ def _sizes(hf_cfg, where) -> dict:
     return {**sizes, "rope_theta": float(rope.get("rope_theta", 10000.0))}
 
 
-def _llama(lib, hf_cfg, where, dtype):
-    """MLLM_JAX's Llama computes in the dtype its parameters come in (cast to `dtype` by the adapter)."""
+def _llama_config(lib, hf_cfg, where):
     config = lib["MLLM_JAX.language.llama.llama"].LlamaConfig(
         **_sizes(hf_cfg, where),
         head_dim=getattr(hf_cfg, "head_dim", None),
@@ -171,28 +192,47 @@ def _llama(lib, hf_cfg, where, dtype):
         mlp_bias=bool(getattr(hf_cfg, "mlp_bias", False)),
     )
     config.jax_attention_backend = "dot"
-    return lib["MLLM_JAX.language.llama.llama"].LlamaForCausalLM(config)
+    return config
+
+
+def _jax_config(lib, dtype):
+    config_cls = _hashable(lib["MLLM_JAX.language.llama.llama"].LlamaJaxConfig)
+    return config_cls(mesh=None, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype))
+
+
+def _llama(lib, hf_cfg, where, dtype):
+    """MLLM_JAX's Llama computes in the dtype its parameters come in (cast to `dtype` by the adapter)."""
+    return lib["MLLM_JAX.language.llama.llama"].LlamaForCausalLM(_llama_config(lib, hf_cfg, where))
 
 
 def _qwen2(lib, hf_cfg, where, dtype):
     config = lib["MLLM_JAX.language.qwen2.configuration_qwen2"].Qwen2Config(**_sizes(hf_cfg, where))
     config.head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     config.jax_attention_backend = "dot"
-    jax_config = _hashable(lib["MLLM_JAX.language.llama.llama"].LlamaJaxConfig)(
-        mesh=None, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype)
-    )
-    return lib["MLLM_JAX.language.qwen2.modular_qwen2"].Qwen2ForCausalLM(config, jax_config)
+    return lib["MLLM_JAX.language.qwen2.modular_qwen2"].Qwen2ForCausalLM(config, _jax_config(lib, dtype))
 
 
-FAMILIES = {"llama": _llama, "qwen2": _qwen2}
-_NOT_IMPORTABLE = ("qwen3", "qwen3_moe")
+def _qwen3(lib, hf_cfg, where, dtype):
+    """Its Qwen3Config cannot be made (its __init__ passes tie_word_embeddings on to object.__init__);
+    its Qwen3 modules read the same fields of a LlamaConfig."""
+    qwen3 = revived(lib, "MLLM_JAX.language.qwen3.modular_qwen3", "Qwen3ForCausalLM")
+    return qwen3.Qwen3ForCausalLM(_llama_config(lib, hf_cfg, where), _jax_config(lib, dtype))
+
+
+FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3}
+# Why not its Qwen3-MoE: no portable path to pick without editing MLLM_JAX (`megablox=True` is a local of gmm()).
+_QWEN3_MOE = (
+    "its Qwen3-MoE calls megablox's TPU kernel unconditionally (gmm() in deprecated/MLLM_JAX/language/qwen3_moe/"
+    "modular_qwen3.py, whose ragged_dot path is unreachable), which imports aqt and runs in bfloat16 over "
+    "MLLM_JAX's own dp/tp mesh"
+)
 
 
 def _read_hf_config(path: Path, trust_remote_code: bool):
     hf_cfg = read_hf_config(path, trust_remote_code)
     why = f"model_source mllm_jax runs MLLM_JAX's {', '.join(FAMILIES)}"
-    if hf_cfg.model_type in _NOT_IMPORTABLE:
-        why += f" (its {hf_cfg.model_type} sits in deprecated/ at {EXPECTED} and does not import from there)"
+    if hf_cfg.model_type == "qwen3_moe":
+        why += f"; {_QWEN3_MOE} (use model_source unitrain or tunix)"
     _require(hf_cfg.model_type in FAMILIES, path / "config.json", "model_type", hf_cfg.model_type, why)
     return hf_cfg
 
@@ -236,8 +276,13 @@ class MllmJaxModel(library_model.LibraryModel):
     """An MLLM_JAX causal LM with unitrain's model interface (models/base.py): the linen module
     (static) and its parameters as NNX Params with their logical axes."""
 
-    def __init__(self, lm, layer_cache, params: dict, dims: Dims, dtype: str, remat: bool, hf_config: str):
+    def __init__(
+        self, lm, layer_cache, params: dict, dims: Dims, dtype: str, remat: bool, hf_config: str, splash_length=0
+    ):
         self.lm = lm
+        # Its Qwen3's attention runs a splash kernel (TPU only, causal by column: blind to padding and packing)
+        # on every call whose length is a multiple of 128, when head_dim is one too (Qwen3Attention.__call__).
+        self.splash_length = splash_length
         self.layer_cache = layer_cache  # MLLM_JAX's LlamaAttention.init_cache
         self.params = nnx.data(params)
         self.dims, self.vocab_size = dims, dims.vocab
@@ -263,7 +308,20 @@ class MllmJaxModel(library_model.LibraryModel):
         return self.lm.apply({"params": params}, *args, method=method)
 
     def _forward(self, tokens, positions, segment_ids, cache):
-        """The final-normed hidden states and the updated cache (None without one)."""
+        """The final-normed hidden states and the updated cache (None without one), never by way of a
+        splash kernel (see `splash_length`): such a call is made one masked column longer, or with a
+        cache (whose columns are counted) as two calls, all but the last token, then that one."""
+        n = tokens.shape[1]
+        if not self.splash_length or n % self.splash_length:
+            return self._layers(tokens, positions, segment_ids, cache)
+        if cache is None:
+            pad = functools.partial(jnp.pad, pad_width=((0, 0), (0, 1)))
+            return self._layers(pad(tokens), pad(positions), pad(segment_ids), None)[0][:, :n], None
+        first, cache = self._layers(tokens[:, :-1], positions[:, :-1], segment_ids[:, :-1], cache)
+        last, cache = self._layers(tokens[:, -1:], positions[:, -1:], segment_ids[:, -1:], cache)
+        return jnp.concatenate([first, last], axis=1), cache
+
+    def _layers(self, tokens, positions, segment_ids, cache):
         weights = self._weights()
         if cache is None:
             mask = library_model.attention_mask(segment_ids, positions, segment_ids, positions)
@@ -398,6 +456,7 @@ def load(
         dtype,
         remat_policy == "full",
         json.dumps(config, indent=2),
+        splash_length=128 if hf_cfg.model_type == "qwen3" and dims.head_dim % 128 == 0 else 0,
     )
 
 
