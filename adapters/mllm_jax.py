@@ -396,12 +396,14 @@ def load(
     max_replicated_param_mib: float | None = None,
     weight_dtype: str | None = None,
     remat_policy: str = "none",
+    output_head: bool = True,
 ) -> MllmJaxModel:
     """An HF checkpoint dir as an MLLM_JAX model whose parameters are placed in their shardings.
 
     `dtype` is the compute dtype, `weight_dtype` (default: dtype) the parameters'. Dimensions that
     do not divide their mesh axes, and (with max_replicated_param_mib) a large parameter left fully
-    replicated on several devices, are ConfigErrors before anything is read.
+    replicated on several devices, are ConfigErrors before anything is read. Without `output_head`
+    the lm_head is neither read nor held (the backbone of a scalar head: its hidden_states only).
     """
     path = Path(path)
     if remat_policy not in REMAT:
@@ -414,6 +416,8 @@ def load(
     lm = FAMILIES[hf_cfg.model_type](lib, hf_cfg, path / "config.json", dtype)
     tokens = jnp.zeros((1, 2), jnp.int32)
     shapes = jax.eval_shape(lambda: lm.init(jax.random.key(0), tokens, tokens, None, tokens)["params"])
+    if not output_head:
+        shapes = {k: v for k, v in shapes.items() if k != "lm_head"}
     weight_dtype = weight_dtype or dtype
     abstract = {
         p: nnx.Param(jax.ShapeDtypeStruct(s.shape, weight_dtype), out_sharding=_logical_axes(p), eager_sharding=False)
@@ -460,9 +464,9 @@ def load(
     )
 
 
-def source(cfg, mesh) -> MllmJaxModel:
+def source(cfg, mesh, output_head: bool = True) -> MllmJaxModel:
     """`model_source: mllm_jax`: the HF checkpoint at load_parameters_path through MLLM_JAX's models,
-    imported from mllm_jax_path (else the Python path)."""
+    imported from mllm_jax_path (else the Python path); without its lm_head under a scalar head."""
     path = cfg.load_parameters_path
     if not path or not (Path(path) / "config.json").is_file():
         raise ConfigError(
@@ -483,6 +487,7 @@ def source(cfg, mesh) -> MllmJaxModel:
         max_replicated_param_mib=cfg.max_replicated_param_mib,
         weight_dtype=cfg.weight_dtype,
         remat_policy=cfg.remat_policy,
+        output_head=output_head,
     )
 
 

@@ -203,32 +203,63 @@ def test_save_hf_reloads_in_transformers_untied(loaded, tmp_path):
     np.testing.assert_array_equal(torch_logits(tmp_path / "out", tokens)[0], torch_logits(path, tokens)[0])
 
 
+def _curve(cfg, keys) -> np.ndarray:
+    return np.asarray([[l[k] for k in keys] for l in map(json.loads, open(cfg.metrics_file)) if "loss" in l])
+
+
+RL_REWARD = ["reward=format", "format_reward_pattern=[aeiou]", "rollout_temperature=2.0"]
+# mode -> its overrides and the metrics compared; lora: SFT's adapters on MLLM_JAX's projection kernels
+MODES = {
+    "sft": ([], ()),
+    "lora": (["lora_rank=4", r"lora_target=params/model/layers_\d+/(self_attn|mlp)/\w+_proj/kernel"], ()),
+    "grpo": ([*RL_REWARD, "remat_policy=full"], ("reward_mean", "entropy")),
+    "ppo": (RL_REWARD, ("reward_mean", "critic/value_loss", "critic/grad_norm")),
+}
+
+
 @needs_mllm_jax
-@pytest.mark.parametrize("mode", ["sft", "grpo"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_trainer_with_model_source_mllm_jax_sharded_equals_one_device(checkpoint, tmp_path, mode):
-    """model_source=mllm_jax through train.train: fsdp=8 gives one device's losses (grpo: its rollouts too)."""
-    from helpers import GRPO_FAST, SFT_FAST, only_first_device, run_config
+    """model_source=mllm_jax through train.train: fsdp=8 gives one device's losses (grpo, ppo: its rollouts
+    too; ppo: its critic, MLLM_JAX's model without its lm_head under a value head, trained beside it)."""
+    from helpers import GRPO_FAST, PPO_FAST, SFT_FAST, only_first_device, run_config
     from unitrain import train
 
     path = str(checkpoint("qwen2"))
-    fast = SFT_FAST if mode == "sft" else GRPO_FAST
-    common = [*fast, "model_source=mllm_jax", f"mllm_jax_path={PATH}", f"load_parameters_path={path}"]
+    overrides, extra = MODES[mode]
+    fast = {"grpo": GRPO_FAST, "ppo": PPO_FAST}.get(mode, SFT_FAST)
+    common = [*fast, *overrides, "model_source=mllm_jax", f"mllm_jax_path={PATH}", f"load_parameters_path={path}"]
     common += [f"tokenizer_path={path}", "steps=2", "learning_rate=1e-3", "warmup_steps=0"]
-    if mode == "grpo":
-        common += ["reward=format", "format_reward_pattern=[aeiou]", "rollout_temperature=2.0", "remat_policy=full"]
     with only_first_device():
         one = run_config(tmp_path, *common, "run_name=one")  # still 8 devices' rows per step
         assert train.train(one) == 0
     sharded = run_config(tmp_path, *common, "run_name=sharded", "ici_fsdp_parallelism=8")
     assert train.train(sharded) == 0
-
-    def curve(cfg):
-        keys = ("loss", "grad_norm") + (("reward_mean", "entropy") if mode == "grpo" else ())
-        return [[l[k] for k in keys] for l in map(json.loads, open(cfg.metrics_file)) if "loss" in l]
-
-    a, b = np.asarray(curve(one)), np.asarray(curve(sharded))
+    keys = ("loss", "grad_norm", *extra)
+    a, b = _curve(one, keys), _curve(sharded, keys)
     assert a.shape[0] == 2 and a[:, 1].max() > 0  # real updates
     np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6)
+
+
+@needs_mllm_jax
+@pytest.mark.parametrize("mode", ["dpo", "rm"])
+def test_pair_mode_steps_equal_our_decoders(checkpoint, tmp_path, mode):
+    """mode=dpo (the reference: the starting weights) and mode=rm (MLLM_JAX's model without its lm_head
+    under a fresh score head, the same draw as ours) on the built-in pairs: the losses and gradient norms
+    of MLLM_JAX's Llama equal our decoder's on the same untied checkpoint, step after step."""
+    from helpers import PAIR_E2E, run_config
+    from unitrain import train
+
+    path = str(checkpoint("llama"))
+    common = [f"mode={mode}", *PAIR_E2E, f"load_parameters_path={path}", f"tokenizer_path={path}", "model_name="]
+    common += ["steps=3", "eval_interval=0", "learning_rate=1e-3", "warmup_steps=0"]
+    ours = run_config(tmp_path, *common, "run_name=ours")
+    theirs = run_config(tmp_path, *common, "run_name=theirs", "model_source=mllm_jax", f"mllm_jax_path={PATH}")
+    assert train.train(ours) == 0 and train.train(theirs) == 0
+    keys = ("loss", "grad_norm", "rewards/accuracy" if mode == "dpo" else "accuracy")
+    a, b = _curve(ours, keys), _curve(theirs, keys)
+    assert a.shape[0] == 3 and np.ptp(a[:, 0]) > 1e-3  # the loss moves
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------- refusals
