@@ -12,15 +12,18 @@ MLLM_JAX is no package and carries no licence: it is imported at run time from t
     model.layers (each called as layer(inputs_embeds, input_ids, cache, attn_mask,
     position_embeddings) -> (cache, out)), model.norm and lm_head; the parameter tree of its init;
   - a layer's cache {k, v: [batch, kv_heads, length, head_dim], end_index: [batch]}, written at
-    column end_index[0] by every row; the config attribute `jax_attention_backend`.
-Its Qwen3 and Qwen3-MoE (deprecated/ at that commit) do not import from its checkout: they import
-`..llama.llama` and `MLLM_JAX.kernels`, which deprecated/ lacks; HF model_type llama and qwen2 run.
+    column end_index[0] by every row; the config attribute `jax_attention_backend`;
+  - Qwen3: deprecated/MLLM_JAX/language/qwen3/modular_qwen3.py's Qwen3ForCausalLM (`revived`: it imports
+    `..llama.llama`, the active tree's, so it is read as part of the MLLM_JAX package), configured by a
+    LlamaConfig, with the layers' interface above.
+Its Qwen3-MoE is refused (`_QWEN3_MOE`): no portable path to pick without editing it.
 
 The forward calls its modules one by one (the loop of its *Model.__call__): that __call__ makes any
 call of more than one token causal by column, blind to padding and to packed segments; here every
 call gets the additive mask [B, 1, Tq, Tk] of segments and positions (library_model.attention_mask),
 which its layers' dot-product attention adds as it is. Its splash and flash kernels (TPU) take a
-causal mask only, so its layers get no mesh and the `dot` backend: its portable path everywhere.
+causal mask only, so its layers get no mesh and the `dot` backend: its portable path everywhere
+(Qwen3's attention has no backend switch: `splash_length`).
 A layer's cache is MLLM_JAX's, each column's segment and position kept beside it (library_model.py).
 
 Weights: the HF folder's safetensors read under MLLM_JAX's parameter names by unitrain's reader

@@ -306,6 +306,18 @@ def test_a_missing_or_incompatible_checkout_is_one_line_naming_path_and_commit(t
         del sys.modules[name]
     with pytest.raises(ConfigError, match=r"does not import from .*ModuleNotFoundError.*not_installed_dependency"):
         mllm_jax.library(str(tmp_path))
+    # Every name the adapter needs, but no deprecated/ folder: its Qwen3 is one line.
+    (package / "llama" / "llama.py").write_text(
+        "LlamaConfig = LlamaJaxConfig = LlamaForCausalLM = LlamaAttention = 0\n"
+    )
+    (package / "qwen2" / "modular_qwen2.py").write_text("Qwen2ForCausalLM = 0\n")
+    for name in [n for n in sys.modules if n.split(".")[0] == "MLLM_JAX"]:
+        del sys.modules[name]
+    lib = mllm_jax.library(str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=rf"does not import at {tmp_path} .*No module named 'MLLM_JAX.language.qwen3'"
+    ):
+        mllm_jax.revived(lib, "MLLM_JAX.language.qwen3.modular_qwen3", "Qwen3ForCausalLM")
 
 
 def test_train_main_exits_2_with_one_line(tmp_path, tiny_checkpoint, capsys, no_mllm_jax_imported):

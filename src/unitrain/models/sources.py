@@ -3,7 +3,7 @@ sources, which do not import it.
 
 unitrain   our decoder (source.py): random init, HF safetensors or a unitrain checkpoint
 tunix      Tunix's model library (unitrain.adapters.tunix; the `tunix` extra): HF checkpoints
-mllm_jax   MLLM_JAX's Llama and Qwen2 (unitrain.adapters.mllm_jax; a checkout at mllm_jax_path): HF checkpoints
+mllm_jax   MLLM_JAX's Llama, Qwen2 and Qwen3 (unitrain.adapters.mllm_jax; a checkout at mllm_jax_path): HF checkpoints
 pkg.module:fn   any fn(cfg, mesh) -> Model
 
 A source is fn(cfg, mesh, output_head=True) -> Model, the model of cfg.load_parameters_path with
