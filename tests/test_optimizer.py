@@ -107,3 +107,40 @@ def test_gradient_clipping_caps_the_global_norm():
     np.testing.assert_allclose(clipped["embed"], [0.6, 0.8, 0.0], rtol=1e-6)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     assert np.all(np.isfinite(updates["embed"]))
+
+
+def test_the_streamed_update_equals_the_whole_one():
+    """step.streamed_update (the optimizer state in host memory, a parameter at a time) against
+    optimizer.update over the whole tree: clipped by the global norm, weight decay masked, a frozen
+    parameter (no moments), three steps so the moments and counts carry."""
+    from unitrain.step import streamed_update
+
+    c = cfg("warmup_steps=0", "lr_schedule=constant", "weight_decay=0.1", "max_grad_norm=1.0")
+    frozen = {"embed": False, "norm": False, "frozen": True, "layers": {"w": False}}
+    decay = {"embed": True, "norm": False, "frozen": True, "layers": {"w": True}}
+    optimizer = make_optimizer(c, decay, schedule_of(c), frozen)
+    keys = iter(jax.random.split(jax.random.key(0), 3))
+    params = {
+        "embed": jax.random.normal(next(keys), (5, 3)),
+        "norm": jnp.ones(3),
+        "frozen": jax.random.normal(next(keys), (4,)),
+        "layers": {"w": jax.random.normal(next(keys), (2, 3, 3))},
+    }
+    whole_params, whole_state = params, optimizer.init(params)
+    host_state = sharding.with_memory_kind(optimizer.init(params), "pinned_host")
+    streamed_params = params
+    for step in range(3):
+        key = jax.random.key(step + 1)
+        grads = jax.tree.map(lambda p: 10.0 * jax.random.normal(key, p.shape), params)
+        updates, whole_state = optimizer.update(grads, whole_state, whole_params)
+        whole_params = optax.apply_updates(whole_params, updates)
+        streamed_params, host_state = jax.jit(streamed_update, static_argnums=(0, 4))(
+            optimizer, grads, host_state, streamed_params, 1.0
+        )
+    for a, b in zip(jax.tree.leaves(streamed_params), jax.tree.leaves(whole_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(streamed_params["frozen"], params["frozen"])
+    assert jax.tree.structure(host_state) == jax.tree.structure(whole_state)
+    for a, b in zip(jax.tree.leaves(host_state), jax.tree.leaves(whole_state)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state)} == {"pinned_host"}

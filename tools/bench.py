@@ -415,13 +415,18 @@ def memory_per_device(compiled) -> dict | None:
         name: int(getattr(memory, f"{name}_size_in_bytes"))
         for name in ("argument", "output", "temp", "generated_code", "alias")
     }
-    # in host memory (optimizer_host_offload, reward_model_host_offload); not part of the device's peak
-    per_device["host_argument"] = int(memory.host_argument_size_in_bytes)
-    per_device["host_temp"] = int(memory.host_temp_size_in_bytes)
+    # In host memory (optimizer_host_offload, reward_model_host_offload); XLA:TPU's peak counts it,
+    # the device's peak here does not.
+    host = {
+        name: int(getattr(memory, f"host_{name}_size_in_bytes")) for name in ("argument", "output", "temp", "alias")
+    }
+    per_device["host_argument"], per_device["host_temp"] = host["argument"], host["temp"]
     per_device["total_estimate"] = (
         per_device["argument"] + per_device["output"] + per_device["temp"] - per_device["alias"]
     )
-    per_device["peak"] = int(memory.peak_memory_in_bytes)
+    per_device["peak"] = int(memory.peak_memory_in_bytes) - (
+        host["argument"] + host["output"] + host["temp"] - host["alias"]
+    )
     return per_device
 
 

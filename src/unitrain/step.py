@@ -123,15 +123,14 @@ def with_router_losses(loss_fn, aux_coef: float, z_coef: float):
     return loss
 
 
-def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *frozen, opt_device_shardings=None):
+def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *frozen):
     """One optimizer step over `gradient_accumulation_steps` micro-batches, exact at token level.
 
     loss_fn(params, micro_batch, *frozen) -> (loss_sum, (denominator, {metric: (sum, count)})), `frozen`
     the parameters of models the loss runs but does not train (a teacher's), as they are. Gradients of
     the summed losses are added up over micro-batches and divided once by the total denominator;
-    each metric likewise ends as its total sum over its total count. With the optimizer state
-    offloaded to host memory, `opt_device_shardings` brings it to the device for the update (the
-    step's out_shardings send it back). `learning_rate` is the optimizer's schedule (run.learning_rate),
+    each metric likewise ends as its total sum over its total count. An optimizer state offloaded
+    to host memory is updated a parameter at a time (streamed_update). `learning_rate` is the optimizer's schedule (run.learning_rate),
     read for the step's metric. A mixture of experts' router terms join the loss (with_router_losses).
     """
     k = settings.gradient_accumulation_steps
@@ -156,11 +155,12 @@ def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *frozen, 
     denom = jnp.maximum(denom, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, trained)
     grad_norm = optax.tree.norm(grads)
-    opt_state = state["opt_state"]
-    if opt_device_shardings is not None:
-        opt_state = jax.device_put(opt_state, opt_device_shardings)
-    updates, opt_state = optimizer.update(grads, opt_state, trained)
-    params = full(optax.apply_updates(trained, updates))
+    if settings.optimizer_host_offload:
+        trained, opt_state = streamed_update(optimizer, grads, state["opt_state"], trained, settings.max_grad_norm)
+    else:
+        updates, opt_state = optimizer.update(grads, state["opt_state"], trained)
+        trained = optax.apply_updates(trained, updates)
+    params = full(trained)
     clipped = jnp.minimum(grad_norm, settings.max_grad_norm) if settings.max_grad_norm > 0 else grad_norm
     step_metrics = {
         "loss": loss_sum / denom,
@@ -173,16 +173,54 @@ def train_step(loss_fn, settings: StepConfig, optimizer, state, batch, *frozen, 
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
 
 
+def streamed_update(optimizer, grads, opt_state, trained, max_grad_norm: float):
+    """(updated parameters, optimizer state) of optimizer.update with the state in host memory, a
+    parameter at a time: one parameter's moments come to the device, are updated and go back before
+    the next one's come, so the device holds one parameter's moments beside the gradients (moving
+    the whole state over at once peaks higher than keeping it there: docs/PERFORMANCE.md). Each
+    call sees one parameter, the others as empty arrays. The global-norm clip runs first, over the
+    parameters the optimizer holds moments for (make_optimizer's clip leaves frozen ones out), so
+    each call's own clip finds its parameter within the bound and leaves it be."""
+    leaves, treedef = jax.tree.flatten(trained)
+    grad_leaves = jax.tree.leaves(grads)
+    index = jax.tree.unflatten(treedef, list(range(len(leaves))))
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  a frozen parameter's empty slot
+
+    def over_state(f, non_params):  # f(state leaf, its parameter's index) on the parameter-shaped leaves
+        return optax.tree_map_params(optimizer, f, opt_state, index, transform_non_params=non_params, is_leaf=masked)
+
+    # the parameter each state leaf belongs to (-1: step counts and the like, the same after every call)
+    owners = jax.tree.leaves(over_state(lambda x, j: x if masked(x) else j, lambda _: -1))
+    moved = sorted(set(owners) - {-1})
+    if max_grad_norm > 0:
+        clipped, _ = optax.clip_by_global_norm(max_grad_norm).update([grad_leaves[j] for j in moved], None)
+        grad_leaves = [*grad_leaves]
+        for j, g in zip(moved, clipped):
+            grad_leaves[j] = g
+
+    def empty_but(i, x, j):
+        return x if j == i or masked(x) else jnp.zeros((0,), x.dtype)
+
+    updated, states, sent = list(leaves), {}, None
+    for i in moved:
+        state = over_state(functools.partial(empty_but, i), lambda x: x)
+        if sent is not None:  # this parameter's moments move once the previous one's have left
+            state, _ = jax.lax.optimization_barrier((state, sent))
+        state = jax.device_put(state, jax.memory.Space.Device)
+        one, grad = ([empty_but(i, x, j) for j, x in enumerate(tree)] for tree in (leaves, grad_leaves))
+        updates, state = optimizer.update(jax.tree.unflatten(treedef, grad), state, jax.tree.unflatten(treedef, one))
+        sent = jax.device_put(state, jax.memory.Space.Host)
+        states[i] = jax.tree.leaves(sent)
+        updated[i] = optax.apply_updates(leaves[i], jax.tree.leaves(updates)[i])
+    new_state = [states[o if o >= 0 else moved[-1]][k] for k, o in enumerate(owners)]
+    return jax.tree.unflatten(treedef, updated), jax.tree.unflatten(jax.tree.structure(opt_state), new_state)
+
+
 def make_train_step(loss_fn, settings: StepConfig, optimizer, state_shardings, batch_shardings, frozen_shardings=()):
     """train_step jitted with explicit shardings and the state donated; `frozen_shardings` those of
     train_step's `frozen` parameters, one tree each."""
-    opt_device = (
-        jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
-        if settings.optimizer_host_offload
-        else None
-    )
     return jax.jit(
-        functools.partial(train_step, loss_fn, settings, optimizer, opt_device_shardings=opt_device),
+        functools.partial(train_step, loss_fn, settings, optimizer),
         in_shardings=(state_shardings, batch_shardings, *frozen_shardings),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
