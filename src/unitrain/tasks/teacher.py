@@ -26,7 +26,8 @@ time as the student's (losses.teacher_targets, then losses.distill_token_stats):
 full-vocabulary logits exist for one chunk at a time, never for a whole row. tasks/gkd.py chooses
 whose completions those rows hold (the dataset's, the teacher's, the student's samples).
 
-Metrics: distill/teacher_kl, with several teachers each one's (distill/teacher_kl/<i>); at every
+Metrics: distill/teacher_kl, with several teachers each one's (distill/teacher_kl/<i>; offline
+distill/kl and distill/kl/<i>, tasks/sft.py); at every
 evaluation the teachers' eval accuracy, evaluated once by the student's evaluator through a sampler
 of the teacher's model, and the student's gap to it (TeacherAccuracy).
 """
