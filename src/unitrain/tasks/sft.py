@@ -45,7 +45,8 @@ from unitrain.tasks.teacher import TeacherAccuracy, load_teachers
 
 
 class SFTTask(Task):
-    def __init__(self, run: RunContext):
+    def __init__(self, run: RunContext, teachers: list | None = None):
+        """`teachers`: built ones in place of teacher_path's (tools/bench.py's abstract teachers)."""
         super().__init__(run)
         cfg = self.cfg
         rows = run.layout.rows_per_update
@@ -54,7 +55,7 @@ class SFTTask(Task):
             cfg, run.tokenizer, rows, "train", jax.process_index(), jax.process_count(), self.demonstration
         )
         self.tokens_per_step = rows * cfg.max_target_length
-        self.teachers = load_teachers(run)
+        self.teachers = load_teachers(run) if teachers is None else teachers
         # The teachers whose soft targets the update takes: none where distill_coef is 0 (distill_seq_kd
         # alone: the labels' cross-entropy on the teacher's samples, sequence-level KD).
         self.scorers = self.teachers if cfg.distill_coef > 0 else []
