@@ -3,6 +3,7 @@
     python tools/bench.py [CONFIG_YML] [key=value ...] [--steps 10] [--warmup 2] [--out bench.json]
     python tools/bench.py [CONFIG_YML] [key=value ...] --against ici_context_parallelism=8 --against per_device_batch_size=8
     python tools/bench.py [CONFIG_YML] [key=value ...] --compile-only [--mode grpo|sampler|rm_score] [--out mem.json]
+    python tools/bench.py [CONFIG_YML] teacher_path=T distill_coef=0.5 --teacher num_decoder_layers=8 --compile-only
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler [--batch 16 --prompt-len 64 --new-tokens 128]
     python tools/bench.py [CONFIG_YML] load_parameters_path=CKPT --mode sampler --against rollout_cache_phases=1
     python tools/bench.py [CONFIG_YML] --mode sampler --batch 64 --new-tokens 256 --long-tail --against rollout_compaction=0
@@ -79,6 +80,11 @@ mesh (with reward_model_host_offload its parameters in host memory, which XLA:CP
 from the devices'); it prints the rows and length, the parameters' and the batch's bytes per device
 (the program's arguments) and the compiler's memory. reward_model_path is not read: give the reward
 model's architecture as the model keys (model_name=llama3.1-8b).
+With teacher_path and mode=sft the update is offline distillation's, the teachers' forward in it
+(tasks/teacher.py): teacher_path is not read either, each teacher an abstract model of the config's
+model keys with the `--teacher key=value` overrides over them (a 32B teacher beside an 8B student:
+`--teacher emb_dim=5120 --teacher mlp_dim=25600 ...`); teacher_params and teacher_bytes_per_device
+(pinned host memory with teacher_host_offload) beside the student's.
 load_parameters_path is not read (the shapes come from the model keys, which default to its architecture). To size
 an N-device mesh on a CPU machine, make the process see N devices, e.g. for fsdp over 8:
 
@@ -136,7 +142,10 @@ from unitrain.optimizer import learning_rate_schedule, make_optimizer
 from unitrain.rollout.groups import Group
 from unitrain.rollout.workflow import Sampled, Transcript
 from unitrain.run import build_model, build_run, device_layout
+from unitrain.tasks import teacher
 from unitrain.tasks.grpo import GRPOTask
+from unitrain.tasks.sft import SFTTask
+from unitrain.tasks.teacher import Teacher
 
 
 def synthetic_batch(cfg, rows: int, seed: int = 0) -> dict:
@@ -308,22 +317,34 @@ def tpu_topology(name: str) -> list:
         raise ConfigError(f"--topology {name!r}: {first}") from None
 
 
-def compile_only(cfg) -> dict:
+def compile_only(cfg, teacher_cfg=None) -> dict:
     """Compiles one optimizer update of the config's mode (sft, dpo, grpo) on abstract state and
-    batch; returns the compiler's per-device memory."""
+    batch; with teacher_path (mode=sft) its teachers abstract models of `teacher_cfg`'s architecture;
+    returns the compiler's per-device memory."""
     run, state = abstract_run(cfg.replace(eval_interval=0))
-    mesh, task = run.mesh, modes.create(run)
+    mesh = run.mesh
+    if cfg.teacher_path:
+        if cfg.mode != "sft":
+            raise ConfigError(
+                f"--compile-only sizes a teacher in mode=sft's update (offline distillation), not in mode={cfg.mode}'s"
+            )
+        task = SFTTask(run, abstract_teachers(run, teacher_cfg or cfg))
+    else:
+        task = modes.create(run)
+    teachers = tuple(t.params for t in task.scorers) if cfg.teacher_path else ()
     shardings = task.batch_shardings()
-    update = run.make_update(task.loss, shardings)
+    update = run.make_update(task.loss, shardings, tuple(jax.tree.map(lambda x: x.sharding, t) for t in teachers))
     batch = update_batch(cfg, run.layout.rows_per_update, shardings)
     start = time.perf_counter()
-    compiled = run.programs.compiled(f"{cfg.mode} update", update, state, batch)
+    compiled = run.programs.compiled(f"{cfg.mode} update", update, state, batch, *teachers)
     compile_seconds = time.perf_counter() - start
     return {
         "compile_only": True,
         "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
         "param_bytes_per_device": bytes_per_device(state["params"]),
         "opt_state_bytes_per_device": bytes_per_device(state["opt_state"]),
+        "teacher_params": [int(sum(x.size for x in jax.tree.leaves(t))) for t in teachers],
+        "teacher_bytes_per_device": bytes_per_device(teachers),
         "memory_per_device": memory_per_device(compiled),
         "cost_analysis_flops": compiler_flops(compiled),
         "model_flops_per_device": sum(
@@ -341,6 +362,17 @@ def compile_only(cfg) -> dict:
             "platform": mesh.devices.flat[0].platform,
         },
     }
+
+
+def abstract_teachers(run, teacher_cfg) -> list[Teacher]:
+    """The config's teachers (teacher_path is not read) as abstract models of `teacher_cfg`'s model
+    keys on the run's mesh, in pinned host memory with teacher_host_offload, as load_teacher keeps them."""
+    model, _, params, shardings = abstract_model(
+        lambda: build_model(teacher_cfg.replace(load_parameters_path=""), run.mesh), run.mesh, run.rules
+    )
+    if run.cfg.teacher_host_offload:
+        params = _abstract(params, jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings))
+    return [Teacher(model, params, f"teacher_logprobs_{i}", w) for i, w in enumerate(teacher.weights(run.cfg))]
 
 
 def compiler_flops(compiled) -> float | None:
@@ -980,6 +1012,14 @@ def main(argv: list[str] | None = None) -> int:
         help="with --compile-only: compile for this TPU slice (JAX's name, e.g. v5e:2x2) ahead of time",
     )
     parser.add_argument(
+        "--teacher",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--compile-only with mode=sft and teacher_path (not read): the teachers' model keys over the config's "
+        "(repeat for several)",
+    )
+    parser.add_argument(
         "--against",
         action="append",
         default=[],
@@ -1057,8 +1097,13 @@ def run_mode(opts, args: list[str]) -> dict:
         )
     if opts.mode == "sampler":
         return bench_sampler(cfg, opts.batch, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup, opts.long_tail)
+    if opts.teacher and not (opts.compile_only and cfg.teacher_path):
+        raise ConfigError(
+            "--teacher gives the shape of teacher_path's teachers: it needs teacher_path and --compile-only"
+        )
     if opts.compile_only:
-        return compile_only(cfg.replace(mode=opts.mode) if opts.mode == "grpo" else cfg)
+        teacher_cfg = load_checked([*args, *opts.teacher]) if opts.teacher else None
+        return compile_only(cfg.replace(mode=opts.mode) if opts.mode == "grpo" else cfg, teacher_cfg)
     if opts.mode == "grpo":
         return bench_grpo(cfg, opts.prompts, opts.samples, opts.prompt_len, opts.new_tokens, opts.steps, opts.warmup)
     return bench(cfg, opts.steps, opts.warmup, load_checked([*args, *opts.against]) if opts.against else None)

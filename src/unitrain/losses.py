@@ -154,30 +154,37 @@ def teacher_targets(head, hidden, chunk_size: int, k: int, temperature: float, v
     return chunked(lambda h: top_k_targets(head(h)[..., :vocab], min(k, vocab), temperature), chunk_size, hidden)
 
 
-def distill_token_stats(
-    head, hidden, targets, soft: list[SoftTargets], weights, chunk_size: int, temperature: float, beta=None
-):
+def distill_token_stats(head, hidden, targets, soft: list[SoftTargets], chunk_size: int, temperature: float, beta=None):
     """TokenStats of head(hidden) at the labels `targets` (temperature 1: the labels' cross-entropy)
-    and sum_i weights[i] * soft_target_divergence (beta's) from each teacher's SoftTargets at
-    `temperature`, [B, T], from one chunk of the student's logits at a time (`chunked`)."""
+    and each teacher's soft_target_divergence (beta's) from its SoftTargets at `temperature`, a
+    [B, T] array per teacher, from one chunk of the student's logits at a time (`chunked`)."""
 
     def stats(h, t, soft):
         logits = head(h).astype(jnp.float32)
-        divergence = sum(w * soft_target_divergence(logits, s, temperature, beta) for w, s in zip(weights, soft))
-        return logit_stats(logits, t), divergence
+        return logit_stats(logits, t), [soft_target_divergence(logits, s, temperature, beta) for s in soft]
 
     return chunked(stats, chunk_size, hidden, targets, soft)
 
 
-def distill_cross_entropy(stats: TokenStats, kl, weights, coef: float, temperature: float, z_loss_weight: float = 0.0):
+def distill_cross_entropy(
+    stats: TokenStats,
+    divergences,
+    teacher_weights,
+    weights,
+    coef: float,
+    temperature: float,
+    z_loss_weight: float = 0.0,
+):
     """Offline distillation's loss (Hinton et al. 2015): per weighted position
-        (1 - coef) * CE(label) + coef * temperature^2 * KL(teacher_T || student_T) + z-loss
-    (T^2 keeps the KL's gradient on the CE's scale as the temperature softens both; `kl` may be
-    GKD's divergence in the KL's place). weights [B, T] {0, 1}. Returns (loss_sum, weight_sum,
-    nll_sum, kl_sum)."""
+        (1 - coef) * CE(label) + coef * temperature^2 * sum_i teacher_weights[i] * KL_i + z-loss
+    KL_i = divergences[i], KL(teacher_i,T || student_T) [B, T] (T^2 keeps the KL's gradient on the
+    CE's scale as the temperature softens both; GKD's divergence may stand in the KL's place).
+    weights [B, T] {0, 1}. Returns (loss_sum, weight_sum, nll_sum, the weighted KL's sum, [each
+    teacher's KL sum])."""
     loss_sum, count, nll_sum = cross_entropy(stats, weights, z_loss_weight)
-    kl_sum = jnp.where(weights > 0, kl, 0.0).sum()
-    return loss_sum - coef * nll_sum + coef * temperature**2 * kl_sum, count, nll_sum, kl_sum
+    kl_sums = [jnp.where(weights > 0, kl, 0.0).sum() for kl in divergences]
+    kl_sum = sum(w * s for w, s in zip(teacher_weights, kl_sums))
+    return loss_sum - coef * nll_sum + coef * temperature**2 * kl_sum, count, nll_sum, kl_sum, kl_sums
 
 
 def cross_entropy(stats: TokenStats, weights, z_loss_weight: float = 0.0):

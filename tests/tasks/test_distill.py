@@ -2,8 +2,8 @@
 tokens in the RL step's logprob pass, equal to transformers' forward of the same checkpoints; the
 per-token reverse-KL advantage equals its NumPy formula; a GRPO run with a teacher, with and without
 the outcome reward, logs distill/teacher_kl. Offline (mode=sft): the top-k soft-target loss equals
-its NumPy formula, chunked or not, on a fixed padded batch and on two models' logits; an SFT run
-with a teacher logs distill/kl. The bad inputs are one line and exit 2."""
+its NumPy formula, chunked or not, on a fixed padded batch and on three models' logits, each
+teacher's KL logged beside their weighted one; an SFT run with a teacher logs distill/kl. The bad inputs are one line and exit 2."""
 
 import json
 import math
@@ -246,20 +246,21 @@ def numpy_soft_target_loss(student, teachers, weights, targets, mask, coef, T, k
     """Hinton et al. 2015's loss with top-k soft targets p_i (numpy_soft_targets), from full
     softmaxes in float64, against the student's q = softmax(logits / T) over its whole vocabulary;
     per label token (1 - coef) * CE(label) + coef * T^2 * sum_i w_i KL(p_i || q). Returns (loss sum,
-    KL sum) over mask, and the loss's gradient in the student's logits, by hand: per label token
-    (1 - coef) * (softmax(logits) - onehot(label)) + coef * T * sum_i w_i (q - p_i)."""
+    weighted KL sum, [each teacher's KL sum]) over mask, and the loss's gradient in the student's
+    logits, by hand: per label token (1 - coef) * (softmax(logits) - onehot(label)) + coef * T * sum_i w_i (q - p_i)."""
     student = np.asarray(student, np.float64)
     logq = log_softmax(student / T)
-    kl, pull = 0.0, 0.0
+    each, pull = [], 0.0
     for w, teacher in zip(weights, teachers):
         p = numpy_soft_targets(teacher, T, k)
-        kl = kl + w * (p * (np.log(np.where(p > 0, p, 1.0)) - logq)).sum(-1)
+        each.append((p * (np.log(np.where(p > 0, p, 1.0)) - logq)).sum(-1)[mask > 0].sum())
         pull = pull + w * (np.exp(logq) - p)
+    kl = sum(w * e for w, e in zip(weights, each))
     logits = log_softmax(student)
     ce = -np.take_along_axis(logits, targets[..., None], -1)[..., 0]
     onehot = np.eye(student.shape[-1])[targets]
     grad = ((1 - coef) * (np.exp(logits) - onehot) + coef * T * pull) * mask[..., None]
-    return ((1 - coef) * ce + coef * T**2 * kl)[mask > 0].sum(), kl[mask > 0].sum(), grad
+    return (1 - coef) * ce[mask > 0].sum() + coef * T**2 * kl, kl, each, grad
 
 
 def test_the_soft_target_loss_is_the_numpy_formula():
@@ -271,18 +272,20 @@ def test_the_soft_target_loss_is_the_numpy_formula():
     mask = (np.arange(T) < np.array([10, 6, 1])[:, None]).astype(np.float32)
     student, *teachers = (rng.normal(size=(B, T, V)).astype(np.float32) * 3 for _ in range(3))
     targets = rng.integers(0, V, (B, T))
-    want, want_kl, want_grad = numpy_soft_target_loss(student, teachers, [0.7, 0.3], targets, mask, 0.4, 2.0, k)
+    want, want_kl, want_each, want_grad = numpy_soft_target_loss(
+        student, teachers, [0.7, 0.3], targets, mask, 0.4, 2.0, k
+    )
 
     def loss(student, chunk):
         soft = [losses.teacher_targets(lambda h: h, t, chunk, k, 2.0, V) for t in teachers]
-        stats, kl = losses.distill_token_stats(lambda h: h, student, targets, soft, [0.7, 0.3], chunk, 2.0)
-        total, count, _, kl_sum = losses.distill_cross_entropy(stats, kl, mask, 0.4, 2.0)
-        return total, (count, kl_sum)
+        stats, kl = losses.distill_token_stats(lambda h: h, student, targets, soft, chunk, 2.0)
+        total, count, _, kl_sum, each = losses.distill_cross_entropy(stats, kl, [0.7, 0.3], mask, 0.4, 2.0)
+        return total, (count, kl_sum, each)
 
     for chunk in (0, 3):
-        (got, (count, kl_sum)), grad = jax.value_and_grad(loss, has_aux=True)(student, chunk)
+        (got, (count, kl_sum, each)), grad = jax.value_and_grad(loss, has_aux=True)(student, chunk)
         assert float(count) == 17
-        np.testing.assert_allclose([float(got), float(kl_sum)], [want, want_kl], rtol=1e-5)
+        np.testing.assert_allclose([float(got), float(kl_sum), *each], [want, want_kl, *want_each], rtol=1e-5)
         np.testing.assert_allclose(grad, want_grad, atol=1e-5)
 
 
@@ -341,8 +344,8 @@ def test_the_compiled_distillation_gradient_holds_no_full_logits():
             t = nnx.merge(teacher, q)
             soft = [losses.teacher_targets(t.logits, t.hidden_states(*rows), chunk, 64, 2.0, 16384)]
             m = nnx.merge(student, p)
-            stats, kl = losses.distill_token_stats(m.logits, m.hidden_states(*rows), tokens, soft, [1.0], chunk, 2.0)
-            return losses.distill_cross_entropy(stats, kl, jnp.ones((B, T)), 0.5, 2.0)[0]
+            stats, kl = losses.distill_token_stats(m.logits, m.hidden_states(*rows), tokens, soft, chunk, 2.0)
+            return losses.distill_cross_entropy(stats, kl, [1.0], jnp.ones((B, T)), 0.5, 2.0)[0]
 
         compiled = jax.jit(jax.grad(loss)).lower(params, teacher_params, ints).compile()
         return compiled.memory_analysis().temp_size_in_bytes
@@ -360,39 +363,48 @@ def sft_task(cfg):
     return built, state, task, batch
 
 
-def test_the_sft_distillation_loss_is_the_numpy_formula_of_both_models(builtin_teachers, tmp_path):
-    """mode=sft's loss with a teacher (an HF Llama of 512 embeddings) on a packed batch of the
-    built-in task, through the update's chunked path (8 positions of 32) and all at once: both are
-    NumPy's formula on the two models' full logits, and so is GKD's (gkd_beta 0.5) in the KL's
-    place; the CE alone without the teacher's parameters."""
+def test_the_sft_distillation_loss_is_the_numpy_formula_of_the_models(builtin_teachers, tmp_path):
+    """mode=sft's loss with two teachers (an HF Llama and an HF Qwen3-MoE of 512 embeddings, weighed
+    0.75 and 0.25) on a packed batch of the built-in task, through the update's chunked path (8
+    positions of 32) and all at once: both are NumPy's formula on the three models' full logits, its
+    weighted KL logged as distill/kl and each teacher's own as distill/kl/<i>; so is GKD's (gkd_beta
+    0.5) in the KL's place; the CE alone without the teachers' parameters."""
     cfg = sft_config(
         tmp_path,
-        f"teacher_path={builtin_teachers[0]}",
+        f"teacher_path={','.join(builtin_teachers)}",
+        "teacher_weights=[0.75, 0.25]",
         "distill_coef=0.6",
         "distill_temperature=1.5",
         "distill_top_k=7",
         "logits_chunk_size=8",
     )
     built, state, task, batch = sft_task(cfg)
-    params, (teacher,) = state["params"], task.teachers
+    params, teachers, weights = state["params"], task.teachers, [0.75, 0.25]
     rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     forward = jax.jit(lambda graphdef, p: nnx.merge(graphdef, p)(*rows)[0], static_argnums=0)
-    student, teacher_logits = forward(built.graphdef, params), forward(teacher.graphdef, teacher.params)
+    student = forward(built.graphdef, params)
+    teacher_logits = [forward(t.graphdef, t.params) for t in teachers]
+    teacher_params = [t.params for t in teachers]
     mask = batch["targets_segmentation"] > 0
-    want, want_kl, _ = numpy_soft_target_loss(student, [teacher_logits], [1.0], batch["targets"], mask, 0.6, 1.5, 7)
+    want, want_kl, want_each, _ = numpy_soft_target_loss(
+        student, teacher_logits, weights, batch["targets"], mask, 0.6, 1.5, 7
+    )
+    assert abs(want_each[0] - want_each[1]) > 1e-3 * want_kl  # 10 times the tolerance: each is its own
     for chunk in (8, 0):
         task.cfg = cfg.replace(logits_chunk_size=chunk)  # read as the loss is traced: one trace each
-        got, (count, metrics) = jax.jit(lambda *args: task.loss(*args))(params, batch, teacher.params)
+        got, (count, metrics) = jax.jit(lambda *args: task.loss(*args))(params, batch, *teacher_params)
         assert float(count) == mask.sum()
-        np.testing.assert_allclose([float(got), float(metrics["distill/kl"][0])], [want, want_kl], rtol=1e-4)
+        logged = [float(metrics[k][0]) for k in ("distill/kl", "distill/kl/0", "distill/kl/1")]
+        np.testing.assert_allclose([float(got), *logged], [want, want_kl, *want_each], rtol=1e-4)
     ce, (_, metrics) = jax.jit(task.loss)(params, batch)
     assert float(ce) == pytest.approx(float(metrics["nll"][0])) and float(ce) != pytest.approx(want, rel=1e-3)
     task.cfg = cfg.replace(gkd_beta=0.5)
-    got, (_, metrics) = jax.jit(lambda *args: task.loss(*args))(params, batch, teacher.params)
-    jsd = numpy_gkd(student, teacher_logits, 1.5, 7, 0.5)[mask].sum()
+    got, (_, metrics) = jax.jit(lambda *args: task.loss(*args))(params, batch, *teacher_params)
+    jsd = [numpy_gkd(student, t, 1.5, 7, 0.5)[mask].sum() for t in teacher_logits]
     assert "distill/kl" not in metrics
-    np.testing.assert_allclose(float(metrics["distill/jsd"][0]), jsd, rtol=1e-4)
-    np.testing.assert_allclose(float(got), 0.4 * float(ce) + 0.6 * 1.5**2 * jsd, rtol=1e-4)
+    logged = [float(metrics[k][0]) for k in ("distill/jsd", "distill/jsd/0", "distill/jsd/1")]
+    np.testing.assert_allclose(logged, [0.75 * jsd[0] + 0.25 * jsd[1], *jsd], rtol=1e-4)
+    np.testing.assert_allclose(float(got), 0.4 * float(ce) + 0.6 * 1.5**2 * logged[0], rtol=1e-4)
 
 
 def sft_argv(tmp_path, *overrides) -> list[str]:
@@ -552,6 +564,10 @@ def test_the_eval_logs_each_teacher_accuracy_and_the_student_gap_to_it(builtin_t
         for i in (0, 1):
             assert line[f"eval_teacher_accuracy/{i}"] == teachers[i]
             assert line[f"eval_teacher_accuracy_gap/{i}"] == pytest.approx(teachers[i] - line["eval_accuracy"])
+    for line in [json.loads(l) for l in open(tmp_path / "gap" / "metrics.jsonl") if '"loss"' in l]:
+        # The update's KL to each teacher logged beside their mean (teacher_weights' default: 1/2 each).
+        kl = 0.5 * line["distill/kl/0"] + 0.5 * line["distill/kl/1"]
+        assert line["distill/kl"] == pytest.approx(kl, rel=1e-5) and line["distill/kl/0"] != line["distill/kl/1"]
     argv = sft_argv(tmp_path, "run_name=as_teacher", f"load_parameters_path={builtin_teachers[0]}", "steps=1", *evals)
     assert train.main([*argv, "learning_rate=0", "eval_interval=1"]) == 0
     (line,) = [json.loads(l) for l in open(tmp_path / "as_teacher" / "metrics.jsonl") if "eval_acc" in l]

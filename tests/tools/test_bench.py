@@ -583,3 +583,24 @@ def test_compile_only_compiles_the_rm_update_on_the_scalar_head_model():
         >= result["param_bytes_per_device"] + result["opt_state_bytes_per_device"]
     )
     assert result["model_flops_per_device"] > 0 and result["memory_per_device"]["temp"] > 0
+
+
+def test_compile_only_sizes_offline_distillation_with_abstract_teachers(capsys):
+    """mode=sft with two teachers of 4 layers (--teacher's keys over the tiny student's): teacher_path
+    is not read; each teacher has the parameters of that model built concretely, split over the 8
+    devices, and the update's arguments are the student's plus the teachers' exactly."""
+    import bench
+
+    student = ["configs/base.yml", *OVERRIDES]
+    distill = [*student, "teacher_path=/not/read,/nor/this", "distill_coef=0.5"]
+    result = bench.compile_only(load_checked(distill), load_checked([*distill, "num_decoder_layers=4"]))
+    alone = bench.compile_only(load_checked(student))
+    teacher_cfg = load_checked([*student, "num_decoder_layers=4"])
+    model = decoder.create(decoder.ModelConfig.from_config(teacher_cfg, sharding.target_platform()))
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert result["teacher_params"] == [count, count] and alone["teacher_params"] == []
+    assert abs(result["teacher_bytes_per_device"] - 2 * count * 4 / 8) < 0.05 * result["teacher_bytes_per_device"]
+    grown = result["memory_per_device"]["argument"] - alone["memory_per_device"]["argument"]
+    assert grown == result["teacher_bytes_per_device"] and result["memory_per_device"]["temp"] > 0
+    assert bench.main([*student, "--teacher", "num_decoder_layers=4", "--compile-only"]) == 2
+    assert capsys.readouterr().err.startswith("bench: --teacher gives the shape of teacher_path's teachers")

@@ -10,8 +10,9 @@ data format may bring its own evaluator instead (data/formats.py; the recommende
 
 Offline distillation (`teacher_path`, tasks/teacher.py): the teachers' top-k tokens at each label
 position are soft targets beside the labels, their KL logged as distill/kl (per label token, at
-distill_temperature, unscaled; with gkd_beta GKD's divergence in its place, distill/jsd); the teachers are loaded once and run in the update's program, on
-each micro-batch. The eval loss stays the labels' cross-entropy: it needs no teacher. With
+distill_temperature, unscaled, weighted by teacher_weights; with several teachers each one's too,
+distill/kl/<i>; with gkd_beta GKD's divergence in its place, distill/jsd); the teachers are loaded
+once and run in the update's program, on each micro-batch. The eval loss stays the labels' cross-entropy: it needs no teacher. With
 distill_lmbda or distill_seq_kd a step's completions may be the student's or the teacher's samples
 of its prompts (tasks/gkd.py, by the run's sampler: the one the evaluation uses).
 """
@@ -43,7 +44,8 @@ from unitrain.tasks.teacher import TeacherAccuracy, load_teachers
 
 
 class SFTTask(Task):
-    def __init__(self, run: RunContext):
+    def __init__(self, run: RunContext, teachers: list | None = None):
+        """`teachers`: built ones in place of teacher_path's (tools/bench.py's abstract teachers)."""
         super().__init__(run)
         cfg = self.cfg
         rows = run.layout.rows_per_update
@@ -52,7 +54,7 @@ class SFTTask(Task):
             cfg, run.tokenizer, rows, "train", jax.process_index(), jax.process_count(), self.demonstration
         )
         self.tokens_per_step = rows * cfg.max_target_length
-        self.teachers = load_teachers(run)
+        self.teachers = load_teachers(run) if teachers is None else teachers
         # The teachers whose soft targets the update takes: none where distill_coef is 0 (distill_seq_kd
         # alone: the labels' cross-entropy on the teacher's samples, sequence-level KD).
         self.scorers = self.teachers if cfg.distill_coef > 0 else []
@@ -103,21 +105,29 @@ class SFTTask(Task):
             return loss_sum, (count, {"nll": (nll_sum, count)})
         vocab = self.run.model.vocab_size
         soft = [t.targets(p, batch, cfg, vocab) for t, p in zip(self.scorers, teacher_params)]
-        stats, divergence = losses.distill_token_stats(
+        stats, divergences = losses.distill_token_stats(
             model.logits,
             hidden,
             batch["targets"],
             soft,
-            [t.weight for t in self.scorers],
             cfg.logits_chunk_size,
             cfg.distill_temperature,
             cfg.gkd_beta,
         )
-        loss_sum, count, nll_sum, divergence_sum = losses.distill_cross_entropy(
-            stats, divergence, weights, cfg.distill_coef, cfg.distill_temperature, cfg.z_loss_weight
+        loss_sum, count, nll_sum, divergence_sum, each = losses.distill_cross_entropy(
+            stats,
+            divergences,
+            [t.weight for t in self.scorers],
+            weights,
+            cfg.distill_coef,
+            cfg.distill_temperature,
+            cfg.z_loss_weight,
         )
         name = "distill/kl" if cfg.gkd_beta is None else "distill/jsd"
-        return loss_sum, (count, {"nll": (nll_sum, count), name: (divergence_sum, count)})
+        metrics = {"nll": (nll_sum, count), name: (divergence_sum, count)}
+        if len(each) > 1:  # each teacher's own, unweighted: which one the student is far from
+            metrics.update({f"{name}/{i}": (s, count) for i, s in enumerate(each)})
+        return loss_sum, (count, metrics)
 
     def _images(self, model, batch) -> dict:
         """The decoder's image arguments of a batch with images (max_image_patches): the rows' images

@@ -26,7 +26,8 @@ time as the student's (losses.teacher_targets, then losses.distill_token_stats):
 full-vocabulary logits exist for one chunk at a time, never for a whole row. tasks/gkd.py chooses
 whose completions those rows hold (the dataset's, the teacher's, the student's samples).
 
-Metrics: distill/teacher_kl, with several teachers each one's (distill/teacher_kl/<i>); at every
+Metrics: distill/teacher_kl, with several teachers each one's (distill/teacher_kl/<i>; offline
+distill/kl and distill/kl/<i>, tasks/sft.py); at every
 evaluation the teachers' eval accuracy, evaluated once by the student's evaluator through a sampler
 of the teacher's model, and the student's gap to it (TeacherAccuracy).
 """
@@ -62,33 +63,17 @@ def teacher_paths(teacher_path: str) -> list[str]:
 
 
 class Teacher:
-    """The teacher at `path` on the run's mesh: `graphdef` and `params` (in pinned host memory with
-    teacher_host_offload), `device` their device shardings (where the logprob pass brings them),
-    `shares_prefix` whether it computes a group's prompt once (SharedPrefixModel), `key` the batch
-    key of its logprobs and `weight` its weight in the KL."""
+    """A teacher on the run's mesh: `model`'s graphdef and its `params` as kept between uses (in
+    pinned host memory with teacher_host_offload; abstract arrays where tools/bench.py sizes a
+    teacher without its weights), `device` their device shardings (where the logprob pass brings
+    them), `shares_prefix` whether it computes a group's prompt once (SharedPrefixModel), `key` the
+    batch key of its logprobs and `weight` its weight in the KL."""
 
-    def __init__(self, run, path: str, key: str, weight: float):
-        cfg = run.cfg
-        check_vocabulary(run, path)
-        check_fits(cfg, run.mesh, run.rules, path, "teacher_path", "teacher_host_offload")
-        model = sources.build(cfg.replace(load_parameters_path=path), run.mesh)
-        if model.vocab_size < run.model.vocab_size:
-            raise ConfigError(
-                f"teacher_path={path!r}: the teacher has {model.vocab_size} token embeddings, fewer than the "
-                f"student's {run.model.vocab_size}; it cannot score every id the student samples"
-            )
-        self.graphdef, params = nnx.split(model)
-        params = nnx.to_pure_dict(params)
+    def __init__(self, model, params: dict, key: str, weight: float):
+        self.graphdef, self.params = nnx.graphdef(model), params
         self.device = step_lib.device_shardings(params)
-        self.params = sharding.with_memory_kind(params, "pinned_host") if cfg.teacher_host_offload else params
         self.shares_prefix = isinstance(model, SharedPrefixModel)
         self.key, self.weight = key, weight
-        log.info(
-            "teacher %s (weight %g)%s",
-            path,
-            weight,
-            ", kept in host memory between uses" if cfg.teacher_host_offload else "",
-        )
 
     def on_device(self):
         """The parameters in device memory (where teacher_host_offload keeps them in the host's)."""
@@ -115,10 +100,37 @@ class Teacher:
 def load_teachers(run) -> list[Teacher]:
     """The config's teachers, loaded once ([] without teacher_path)."""
     paths = teacher_paths(run.cfg.teacher_path)
-    if not paths:
-        return []
-    weights = run.cfg.teacher_weights or [1.0 / len(paths)] * len(paths)
-    return [Teacher(run, p, f"teacher_logprobs_{i}", float(w)) for i, (p, w) in enumerate(zip(paths, weights))]
+    return [load_teacher(run, p, f"teacher_logprobs_{i}", w) for i, (p, w) in enumerate(zip(paths, weights(run.cfg)))]
+
+
+def weights(cfg) -> list[float]:
+    """Each teacher's weight: teacher_weights, else equal ones."""
+    count = len(teacher_paths(cfg.teacher_path))
+    return [float(w) for w in cfg.teacher_weights or [1.0 / max(count, 1)] * count]
+
+
+def load_teacher(run, path: str, key: str, weight: float) -> Teacher:
+    """The teacher at `path` (any checkpoint a load_parameters_path takes), checked and built on the
+    run's mesh with its own architecture."""
+    cfg = run.cfg
+    check_vocabulary(run, path)
+    check_fits(cfg, run.mesh, run.rules, path, "teacher_path", "teacher_host_offload")
+    model = sources.build(cfg.replace(load_parameters_path=path), run.mesh)
+    if model.vocab_size < run.model.vocab_size:
+        raise ConfigError(
+            f"teacher_path={path!r}: the teacher has {model.vocab_size} token embeddings, fewer than the "
+            f"student's {run.model.vocab_size}; it cannot score every id the student samples"
+        )
+    params = nnx.to_pure_dict(nnx.state(model))
+    if cfg.teacher_host_offload:
+        params = sharding.with_memory_kind(params, "pinned_host")
+    log.info(
+        "teacher %s (weight %g)%s",
+        path,
+        weight,
+        ", kept in host memory between uses" if cfg.teacher_host_offload else "",
+    )
+    return Teacher(model, params, key, weight)
 
 
 class TeacherAccuracy:
