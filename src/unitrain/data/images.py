@@ -1,15 +1,19 @@
-"""Images of SFT records for a vision-language model (models/qwen2_5_vl.py): each image file turned
-into its patches and patch grid by the model's own image processor (transformers', read once from
-the checkpoint folder: no resizing code here), and a row's images laid out for the tower.
+"""Images of SFT and prompt records for a vision-language model (models/qwen2_5_vl.py): each image
+file turned into its patches and patch grid by the model's own image processor (transformers', read
+once from the checkpoint folder: no resizing code here), and a row's images laid out for the tower.
 
 A record's user turns may hold image parts, `{"type": "image", "image": "<path>"}` beside
-`{"type": "text", "text": ...}` (sources.py; the path relative to the data file). A row of a batch
-holds at most `max_image_patches` patches: its images' pixels padded to that budget, one compiled
-shape (qwen2_5_vl.RowLayout). A bad image (missing, not an image, more patches than the budget) is
-one line naming its record.
+`{"type": "text", "text": ...}` (sources.py; the path relative to the data file); so may a GRPO
+prompt record's prompt, whose images ride with its Prompt (PromptImages) to the sampler and the
+trainer's rows. A row of a batch holds at most `max_image_patches` patches: its images' pixels
+padded to that budget, one compiled shape (qwen2_5_vl.RowLayout). A bad image (missing, not an
+image, more patches than the budget) is one line naming its record.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -17,8 +21,30 @@ from unitrain.config import VISION_LANGUAGE_FAMILIES, check
 from unitrain.errors import DataError
 from unitrain.models import qwen2_5_vl
 
+# A record with images where the run reads none.
+IMAGES_NEED_A_MODEL = (
+    "the record has images; they need a vision-language model (load_parameters_path) and max_image_patches > 0"
+)
+
 # The batch fields a row's images add (beside data/sft.py's BATCH_FIELDS).
 IMAGE_FIELDS = ("pixels", "patch_positions", "patch_windows", "patch_images", "rope_positions")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptImages:
+    """A prompt's images as the tower takes them: their patches one after the other [n, patch_dim],
+    each one's patch grid (t, h, w), and a digest of the pixels: prompts of the same ids and images
+    are one prompt to the sampler (prefilled, and their images encoded, once)."""
+
+    pixels: np.ndarray
+    grids: tuple[tuple[int, int, int], ...]
+    key: bytes
+
+    @classmethod
+    def of(cls, images: list[tuple[np.ndarray, tuple]]) -> PromptImages:
+        """Vision.read's (patches, grid) of each image."""
+        pixels = np.concatenate([p for p, _ in images])
+        return cls(pixels, tuple(g for _, g in images), hashlib.blake2b(pixels.tobytes(), digest_size=16).digest())
 
 
 class Vision:
@@ -77,6 +103,11 @@ class Vision:
         expand = lambda ids: [t for i in ids for t in ([i] * next(sizes) if i == self.pad_id else [i])]  # noqa: E731
         return [(expand(ids), on) for ids, on in segments]
 
+    def prompt(self, ids: list[int], record: dict) -> tuple[list[int], PromptImages]:
+        """A prompt record's rendered ids with its images' pads expanded, and its images."""
+        images = self.read(record)
+        return self.expand([(ids, False)], images, record["where"])[0][0], PromptImages.of(images)
+
     def with_pixels(self, example: dict, images) -> dict:
         """example_arrays' example with its images' `pixels` [n, patch_dim] and `image_grids` [k, 3];
         dropped (as over-long) where truncation cut into an image's pads."""
@@ -106,6 +137,13 @@ class Vision:
             "patch_images": images,
             "rope_positions": rope,
         }
+
+
+def refuse_images(records) -> None:
+    """The first record with images, where the run reads none: one line naming it."""
+    for i in range(len(records)):
+        if "images" in records[i]:
+            raise DataError(f"{records[i]['where']}: {IMAGES_NEED_A_MODEL}")
 
 
 def _opened(file: str, where: str, use):

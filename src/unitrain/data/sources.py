@@ -249,7 +249,9 @@ def split_path(cfg, split: str) -> str:
 def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict]:
     """All {prompt, label} records of the files named by `spec`, checked eagerly (file:line on error).
 
-    The prompt must be a string; the label a string or a number (kept as its text, e.g. 72 -> "72").
+    The prompt must be a string, or a user turn's parts (text and image parts, as SFT's messages:
+    the record then carries its `images` and `where`, the paths relative to the data file); the
+    label a string or a number (kept as its text, e.g. 72 -> "72").
     """
     records = []
     for where, row in iter_rows(spec):
@@ -261,9 +263,14 @@ def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict
                 "set prompt_key and label_key"
             )
         prompt = row[prompt_key]
-        if not isinstance(prompt, str):
-            raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
-        records.append({"prompt": prompt, "label": label_text(row, label_key, where)})
+        if not isinstance(prompt, str) and not _is_parts(prompt):
+            raise DataError(
+                f"{where}: field {prompt_key!r} must be a string or a list of {{type: text, text}} and "
+                f"{{type: image, image: path}} parts, got {type(prompt).__name__}"
+            )
+        record = {"prompt": _content(prompt, where), "label": label_text(row, label_key, where)}
+        images = [p["image"] for p in record["prompt"] if p["type"] == "image"] if isinstance(prompt, list) else []
+        records.append({**record, "images": images, "where": where} if images else record)
     if not records:
         raise DataError(f"dataset path {spec!r} holds no records")
     return records
