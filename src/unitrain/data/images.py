@@ -159,21 +159,37 @@ def _opened(file: str, where: str, use):
         raise DataError(f"{where}: {file!r} is not a readable image ({type(e).__name__})") from None
 
 
-@check("max_image_patches", "model_family", "mode", "teacher_path", "eval_num_samples", "eval_interval")
+@check("max_image_patches", "model_family", "mode", "teacher_path", "lora_rank")
 def _images(c) -> str | None:
     if not c["max_image_patches"]:
         return None
     if c["model_family"] not in VISION_LANGUAGE_FAMILIES:
         return f"max_image_patches > 0 feeds images to a vision tower; model_family {c['model_family']} has none"
-    if c["mode"] != "sft":
-        return f"max_image_patches: images are read by mode=sft only so far; mode is {c['mode']}"
+    if c["mode"] not in ("sft", "grpo"):
+        return f"max_image_patches: images are read by mode=sft and mode=grpo only so far; mode is {c['mode']}"
     if c["teacher_path"]:
         return "max_image_patches with teacher_path: the teachers would score image pads without the images"
-    if c["eval_interval"] and c["eval_num_samples"]:
-        return "max_image_patches: answers are not generated with images yet; set eval_num_samples=0 (the eval loss is)"
+    if c["lora_rank"]:
+        return "max_image_patches with lora_rank > 0: the LoRA model does not take images yet"
     if c["max_image_patches"] % 4:
         return f"max_image_patches ({c['max_image_patches']}) must be a multiple of 4 (an image token is 2 x 2 patches)"
     return None
 
 
-CONFIG_CHECKS = (_images,)
+@check("max_image_patches", "mode", "sampler", "workflow", "rollout_decoding", "rl_packing", "rollout_chunk_tokens")
+def _rollouts_with_images(c) -> str | None:
+    """What GRPO's rollouts with images go through: the colocated sampler's single answers, unpacked rows."""
+    if not c["max_image_patches"] or c["mode"] != "grpo":
+        return None
+    if c["sampler"] != "colocated":
+        return f"max_image_patches: prompts with images are sampled by sampler colocated only so far; sampler is {c['sampler']}"
+    if c["workflow"] != "single_turn" or c["rollout_decoding"] != "sample":
+        return "max_image_patches: prompts with images take single sampled answers only so far (workflow single_turn, rollout_decoding sample)"
+    if c["rl_packing"]:
+        return "max_image_patches with rl_packing: packed rows do not carry images yet"
+    if c["rollout_chunk_tokens"]:
+        return "max_image_patches with rollout_chunk_tokens: a turn continued in another call is not re-prefilled with its images yet"
+    return None
+
+
+CONFIG_CHECKS = (_images, _rollouts_with_images)

@@ -165,15 +165,19 @@ def eval_prompt_records(cfg, tokenizer) -> list[dict]:
     record's label_key field when it has one, else its completion (the last assistant turn)."""
     out = []
     for record in file_records(cfg, tokenizer, split_path(cfg, "eval"), cfg.label_key):
-        if "images" in record:
+        images = {k: record[k] for k in ("images", "where") if "images" in record}
+        if images and [m["role"] for m in record["messages"]] != ["user", "assistant"]:
             raise DataError(
-                f"{record['where']}: answers are not generated for records with images; set eval_num_samples=0"
+                f"{record['where']}: answers are generated for image records of one user turn and its answer only; "
+                "set eval_num_samples=0"
             )
-        if "messages" in record:
+        if images:  # the user turn's parts, a prompt with images (data/prompt_ids.py)
+            prompt, completion = record["messages"][0]["content"], record["messages"][-1]["content"]
+        elif "messages" in record:
             prompt, completion = record["messages"][:-1], record["messages"][-1]["content"]
         else:
             prompt, completion = record["prompt"], record["completion"]
-        out.append({"prompt": prompt, "label": record.get("label", completion), "completion": completion})
+        out.append({"prompt": prompt, "label": record.get("label", completion), "completion": completion, **images})
     return out
 
 
