@@ -48,20 +48,23 @@ class PromptImages:
 
 
 class Vision:
-    """What the SFT pipeline needs of the vision-language checkpoint at load_parameters_path: its
-    image processor, the tower's patch sizes, the image-pad token, the row budget (max_image_patches)."""
+    """What the SFT and prompt pipelines need of the vision-language checkpoint at load_parameters_path
+    (its HF folder, or the one its run started from: config.vision_language_folder): its image
+    processor, the tower's patch sizes, the image-pad token, the row budget (max_image_patches)."""
 
     def __init__(self, cfg):
         import transformers  # here: only runs with images pay for it
 
         from unitrain.adapters import hf_config
+        from unitrain.config import vision_language_folder
 
-        keys, tower = hf_config.vision_language_keys(cfg.load_parameters_path)
+        folder = vision_language_folder(cfg.load_parameters_path)
+        keys, tower = hf_config.vision_language_keys(folder)
         self.cfg = qwen2_5_vl.VisionConfig(**tower)
         self.pad_id, self.budget = keys["image_token_id"], cfg.max_image_patches
         self.patch_dim = self.cfg.in_channels * self.cfg.temporal_patch_size * self.cfg.patch_size**2
         # The PIL backend: the torchvision one (Qwen2_5_VLProcessor's default) is no dependency.
-        self.processor = transformers.AutoImageProcessor.from_pretrained(cfg.load_parameters_path, backend="pil")
+        self.processor = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
 
     def check(self, records) -> None:
         """Fail before training on a record whose image is missing or not an image, or whose images
