@@ -32,7 +32,7 @@ def picture(rng: np.random.Generator, count: int, size: int) -> Image.Image:
     image = Image.new("RGB", (size, size), "white")
     pen = ImageDraw.Draw(image)
     cell = size // GRID
-    side = cell * 2 // 3
+    side = cell * 3 // 4  # a shape fills most of its cell (one image token at 84 pixels)
     for place in rng.choice(GRID * GRID, size=count, replace=False):
         row, col = divmod(int(place), GRID)
         x = col * cell + int(rng.integers(1, cell - side))  # a gap of 2+ pixels to the next cell

@@ -12,10 +12,12 @@ import transformers
 from PIL import Image, ImageDraw
 
 from helpers import metrics_by_step, run_cli, run_config, write_jsonl
-from unitrain import train
+from unitrain import sharding, train
+from unitrain.config import vision_language_folder
 from unitrain.data.sft import make_sft_iterator
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
+from unitrain.models import sources
 
 # Float32 on both sides; the sums run in another order: the mean NLL (~9) agrees to ~1e-5.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -125,6 +127,15 @@ def test_sft_with_images_on_a_qwen2_5_vl_checkpoint(tmp_path, tiny_checkpoint, i
     tower = {name for name in before if name.startswith("model.visual.")}
     assert "model.language_model.layers.0.mlp.up_proj.weight" in moved
     assert (moved & tower == set()) if frozen else ("model.visual.blocks.0.mlp.up_proj.weight" in moved)
+    if not frozen:  # a later run (a pipeline's next stage) from the checkpoint: the tower's shape from `ckpt`
+        later = run_config(tmp_path, f"load_parameters_path={cfg.checkpoint_dir}", f"tokenizer_path={ckpt}")
+        assert later.model_family == "qwen2_5_vl" and vision_language_folder(later.load_parameters_path) == str(ckpt)
+        model = sources.build(later, sharding.trainer_mesh(later, sharding.layout_for(later)))
+        np.testing.assert_array_equal(
+            np.asarray(model.vision.merge_w2[...]), after["model.visual.merger.mlp.2.weight"].T
+        )
+        exported = transformers.AutoImageProcessor.from_pretrained(tmp_path / "export", backend="pil")
+        assert exported.to_dict() == transformers.AutoImageProcessor.from_pretrained(ckpt, backend="pil").to_dict()
 
 
 def test_vision_keys_need_a_vision_language_checkpoint(tmp_path, tiny_checkpoint):
