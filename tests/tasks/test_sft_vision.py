@@ -14,7 +14,8 @@ from PIL import Image, ImageDraw
 from helpers import metrics_by_step, run_cli, run_config, write_jsonl
 from unitrain import sharding, train
 from unitrain.config import vision_language_folder
-from unitrain.data.sft import make_sft_iterator
+from unitrain.data.prompt_ids import fitting_prompts
+from unitrain.data.sft import eval_prompt_records, make_sft_iterator
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
 from unitrain.models import sources
@@ -187,3 +188,23 @@ def test_the_entry_exits_2_on_a_missing_image(tmp_path, tiny_checkpoint, image_d
     errors = [line for line in err.splitlines() if line.startswith("unitrain: ")]
     assert len(errors) == 1 and "chat.jsonl:1: image" in errors[0] and "missing.png' does not exist" in errors[0]
     assert "Traceback" not in err
+
+
+def test_generation_evals_prompt_with_the_records_images(tmp_path, tiny_checkpoint, image_data):
+    """An eval record of one user turn with an image is a prompt with its pixels (its pad expanded to
+    the image's tokens), labelled by its answer; a longer conversation with images is one line."""
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    cfg = vl_run(tmp_path, ckpt, image_data, f"eval_dataset_path={image_data}", "eval_interval=1")
+    tokenizer = load_tokenizer(str(ckpt))
+    records = eval_prompt_records(cfg, tokenizer)
+    prompts = fitting_prompts(cfg, tokenizer, 3, records, image_data)
+    pad = json.loads((ckpt / "config.json").read_text())["image_token_id"]
+    assert [p.label for p in prompts] == ["red", "blue", "Hello"] and prompts[2].images is None
+    for prompt, tokens in zip(prompts, (4, 15)):  # the images' tokens: 4 x 4 and 6 x 10 patches
+        assert prompt.text == "What colour is the square?" and prompt.ids.count(pad) == tokens
+        assert prompt.images.pixels.shape == (4 * tokens, 1176) and len(prompt.images.grids) == 1
+    two_turns = image_record("a.png", "red")
+    two_turns["messages"][:0] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    write_jsonl(tmp_path / "chat.jsonl", [two_turns])
+    with pytest.raises(DataError, match=r"chat.jsonl:1: answers are generated for image records of one user turn"):
+        eval_prompt_records(cfg, tokenizer)
