@@ -6,6 +6,8 @@ trains, and a bad image or image key is one line."""
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
@@ -16,6 +18,7 @@ from unitrain import sharding, train
 from unitrain.config import vision_language_folder
 from unitrain.data.prompt_ids import fitting_prompts
 from unitrain.data.sft import eval_prompt_records, make_sft_iterator
+from unitrain.data.sources import read_prompt_records
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
 from unitrain.models import sources
@@ -208,3 +211,51 @@ def test_generation_evals_prompt_with_the_records_images(tmp_path, tiny_checkpoi
     write_jsonl(tmp_path / "chat.jsonl", [two_turns])
     with pytest.raises(DataError, match=r"chat.jsonl:1: answers are generated for image records of one user turn"):
         eval_prompt_records(cfg, tokenizer)
+
+
+def as_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def with_bytes(parts, folder):
+    """Parts with each image's file as its bytes (datasets' Image feature: a struct {bytes, path})."""
+    image = lambda p: {"type": "image", "image": {"bytes": (folder / p["image"]).read_bytes(), "path": None}}  # noqa: E731
+    return [image(p) if p["type"] == "image" else p for p in parts]
+
+
+def test_parquet_records_carry_their_images_bytes(tmp_path, tiny_checkpoint, image_data):
+    """The conversations of the jsonl as a parquet file with each image's bytes, every content a list of
+    parts (a column has one type): SFT's batches and GRPO's prompts are those of the files on disk;
+    bytes that are no image are one line naming the row."""
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    tokenizer = load_tokenizer(str(ckpt))
+    records = [json.loads(line) for line in open(image_data)]
+    parts = lambda content: content if isinstance(content, list) else [{"type": "text", "text": content}]  # noqa: E731
+    rows = [
+        {"messages": [{"role": m["role"], "content": with_bytes(parts(m["content"]), tmp_path)} for m in r["messages"]]}
+        for r in records
+    ]
+    batches = [
+        next(iter(make_sft_iterator(vl_run(tmp_path, ckpt, data), tokenizer, 8)))
+        for data in (image_data, as_parquet(tmp_path / "chat.parquet", rows))
+    ]
+    assert batches[0].keys() == batches[1].keys()
+    for key in batches[0]:
+        np.testing.assert_array_equal(batches[0][key], batches[1][key])
+
+    question = records[1]["messages"][0]["content"]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": question, "label": "blue"}])
+    in_parquet = as_parquet(tmp_path / "prompts.parquet", [{"prompt": with_bytes(question, tmp_path), "label": "blue"}])
+    cfg = vl_run(tmp_path, ckpt, image_data, "mode=grpo", "max_prompt_length=64", "label_key=label")
+    (on_disk,), (from_bytes,) = (
+        fitting_prompts(cfg, tokenizer, 1, read_prompt_records(str(path), "prompt", "label"), str(path))
+        for path in (prompts, in_parquet)
+    )
+    assert on_disk.ids == from_bytes.ids and on_disk.images.key == from_bytes.images.key
+    np.testing.assert_array_equal(on_disk.images.pixels, from_bytes.images.pixels)
+
+    rows[1]["messages"][0]["content"][0]["image"]["bytes"] = b"plain text"
+    bad = as_parquet(tmp_path / "bad.parquet", rows)
+    with pytest.raises(DataError, match=r"bad.parquet:row 1: image 1 \(bytes\) is not a readable image"):
+        make_sft_iterator(vl_run(tmp_path, ckpt, bad), tokenizer, 8)

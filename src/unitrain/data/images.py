@@ -3,7 +3,8 @@ file turned into its patches and patch grid by the model's own image processor (
 once from the checkpoint folder: no resizing code here), and a row's images laid out for the tower.
 
 A record's user turns may hold image parts, `{"type": "image", "image": "<path>"}` beside
-`{"type": "text", "text": ...}` (sources.py; the path relative to the data file); so may a GRPO
+`{"type": "text", "text": ...}` (sources.py; the path relative to the data file; in a parquet or
+arrow file the image's bytes, as datasets' Image feature stores them); so may a GRPO
 prompt record's prompt, whose images ride with its Prompt (PromptImages) to the sampler and the
 trainer's rows. A row of a batch holds at most `max_image_patches` patches: its images' pixels
 padded to that budget, one compiled shape (qwen2_5_vl.RowLayout). A bad image (missing, not an
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 
 import numpy as np
 
@@ -82,15 +84,15 @@ class Vision:
                 )
 
     def _sizes(self, record: dict):
-        for file in record["images"]:
-            yield _opened(file, record["where"], lambda image: image.size)
+        for k, file in enumerate(record["images"]):
+            yield _opened(file, k, record["where"], lambda image: image.size)
 
     def read(self, record: dict) -> list[tuple[np.ndarray, tuple]]:
         """The record's images as (patches [n, patch_dim], grid (t, h, w)), in the order of its image
         parts (a checked record's)."""
         out = []
-        for file in record["images"]:
-            processed = _opened(file, record["where"], lambda image: self.processor(images=[image.convert("RGB")]))
+        for k, file in enumerate(record["images"]):
+            processed = _opened(file, k, record["where"], lambda image: self.processor(images=[image.convert("RGB")]))
             out.append(
                 (np.asarray(processed["pixel_values"], np.float32), tuple(map(int, processed["image_grid_thw"][0])))
             )
@@ -149,17 +151,19 @@ def refuse_images(records) -> None:
             raise DataError(f"{records[i]['where']}: {IMAGES_NEED_A_MODEL}")
 
 
-def _opened(file: str, where: str, use):
-    """use(the PIL image of `file`); a missing or unreadable file is one line naming the record."""
+def _opened(file: str | bytes, k: int, where: str, use):
+    """use(the PIL image of `file`, a path or a file's bytes, the record's image k); a missing or
+    unreadable file is one line naming the record."""
     from PIL import Image, UnidentifiedImageError
 
+    name = repr(file) if isinstance(file, str) else f"image {k + 1} (bytes)"
     try:
-        with Image.open(file) as image:
+        with Image.open(file if isinstance(file, str) else io.BytesIO(file)) as image:
             return use(image)
     except (FileNotFoundError, IsADirectoryError):
-        raise DataError(f"{where}: image {file!r} does not exist") from None
+        raise DataError(f"{where}: image {name} does not exist") from None
     except (UnidentifiedImageError, OSError) as e:
-        raise DataError(f"{where}: {file!r} is not a readable image ({type(e).__name__})") from None
+        raise DataError(f"{where}: {name} is not a readable image ({type(e).__name__})") from None
 
 
 @check("max_image_patches", "model_family", "mode", "teacher_path", "lora_rank")
