@@ -52,7 +52,7 @@ def test_the_trainer_sees_each_groups_images_once_and_matches_the_sampler(
 ):
     """32 rows of 8 prompts: the logprob pass shares each group's prompt (4 rows) and its images, the
     update's micro-batches runs of 2; both take the sampler's logprobs, which without the images
-    they would not."""
+    they would not. An image pad the sampler drew is text to every pass, as it was to the sampler."""
     ckpt = tiny_checkpoint("qwen2_5_vl")
     cfg = vision_config(tmp_path, ckpt, image_prompts, "rollout_batch_size=8", "gradient_accumulation_steps=2")
     task, graphdef, params, _ = make_step(cfg)
@@ -73,6 +73,9 @@ def test_the_trainer_sees_each_groups_images_once_and_matches_the_sampler(
     assert encoded == [8 * BUDGET, 32 * BUDGET]  # a group's images once, or every row's
     np.testing.assert_allclose(shared, own, **TOL)
     np.testing.assert_allclose(np.asarray(shared)[sampled], rows["sampler_logprobs"][sampled], **TOL)
+    drawn = dict(rows, inputs=rows["inputs"].copy())  # every row's first answer token an image pad: text
+    drawn["inputs"][:, -rows["targets"].shape[1]] = task.run.model.cfg.image_token_id
+    np.testing.assert_allclose(stats(4, drawn).logprobs, stats(1, drawn).logprobs, **TOL)
     text_only = {k: v for k, v in rows.items() if k not in ("pixels", "rope_positions")}
     gap = np.abs(np.asarray(stats(1, text_only).logprobs) - rows["sampler_logprobs"])[sampled]
     assert gap.mean() > 0.05  # the image pads' embeddings alone: other logprobs

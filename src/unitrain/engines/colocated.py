@@ -233,10 +233,8 @@ _OUTPUT_FIELDS = ("tokens", "mask", "logprobs")
 
 
 def _fields(key: GenerateKey, fields: tuple[str, ...]) -> tuple[str, ...]:
-    """The per-row fields (or outputs) of the decode state: with routes recorded, `routes` too; with
-    images the rows' `rope_deltas` (not an output)."""
-    deltas = ("rope_deltas",) if key.images and fields is _ROW_FIELDS else ()
-    return (*fields, *("routes",) * key.record_routes, *deltas)
+    """The per-row fields (or outputs) of the decode state: with routes recorded, `routes` too."""
+    return (*fields, "routes") if key.record_routes else fields
 
 
 def _routed(model, call):
@@ -374,7 +372,7 @@ def _build(key: GenerateKey):
             group=1,
             running=running,
             stop=key.new_tokens,
-            fields=_fields(key, _ROW_FIELDS),
+            fields=(*_fields(key, _ROW_FIELDS), *("rope_deltas",) * key.images),
             outputs=_fields(key, _OUTPUT_FIELDS),
             rules=key.cache_rules,
         )
@@ -571,10 +569,11 @@ class ColocatedSampler:
         # The key may come from another mesh (the trainer's) or another process's device: its bits
         # are placed like any other input.
         bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(inputs.rng))}, replicated)["key"]
-        budgets = full_rows_to_global(
-            {"budgets": inputs.budgets}, sharding.batch_sharding(self.mesh, self.rules, ("batch",))
+        rows, rows2d = (
+            sharding.batch_sharding(self.mesh, self.rules, ("batch",)),
+            sharding.batch_sharding(self.mesh, self.rules),
         )
-        rows2d, rows = (sharding.batch_sharding(self.mesh, self.rules, *axes) for axes in ((), (("batch",),)))
+        budgets = full_rows_to_global({"budgets": inputs.budgets}, rows)
         images = inputs.images and full_rows_to_global(
             inputs.images, {k: rows if v.ndim == 1 else rows2d for k, v in inputs.images.items()}
         )
