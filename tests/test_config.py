@@ -466,6 +466,26 @@ def test_recipes_load():
     assert grpo.load_parameters_path == sft.checkpoint_dir == "runs/sft_then_grpo/sft/checkpoints"
 
 
+def test_the_shapes_recipe_chains_a_vision_language_model_through_its_stages(tmp_path, tiny_checkpoint, monkeypatch):
+    """configs/shapes_vl.yml as its comment runs it: every stage checked before the first runs, the GRPO
+    stage from the SFT stage's checkpoints (its tower's shape found through that run), the blank stage
+    on the blank pictures."""
+    from make_shapes import make_shapes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny_vl").symlink_to(tiny_checkpoint("qwen2_5_vl"))
+    make_shapes(tmp_path / "runs" / "shapes", train=4, eval_=4)
+    # 16 rows a device: the suite's 8 devices take GRPO's 128 rows an update (the recipe runs on one CPU device).
+    sft, grpo, blank = pipeline.stage_configs(
+        load_checked([str(CONFIGS / "shapes_vl.yml"), "per_device_batch_size=16"])
+    )
+    assert (sft.mode, grpo.mode, blank.action) == ("sft", "grpo", "eval")
+    assert sft.model_family == grpo.model_family == "qwen2_5_vl" and grpo.max_image_patches == 72
+    assert grpo.load_parameters_path == sft.checkpoint_dir and blank.load_parameters_path == grpo.checkpoint_dir
+    assert blank.eval_dataset_path == "runs/shapes/eval_blank.jsonl"
+
+
 def test_model_name_empty_on_the_command_line_takes_the_checkpoints_architecture(tiny_checkpoint):
     """gsm8k_grpo.yml sets model_name: qwen2.5-0.5b; another checkpoint's message names the way on,
     `model_name=`, and that way loads the checkpoint's architecture (its config.json)."""

@@ -608,15 +608,31 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
         ):
             return {}, os.path.join(path, "config.json")
         return hf_config.model_keys(path, inputs["trust_remote_code"]), os.path.join(path, "config.json")
-    for run_config in (
-        os.path.join(path, "config.yml"),
-        os.path.join(path, os.pardir, "config.yml"),
-        os.path.join(path, os.pardir, os.pardir, "config.yml"),
-    ):
-        if os.path.isdir(path) and os.path.isfile(run_config):
-            data, _ = _read_yml(Path(run_config))
-            where = _show_path(Path(os.path.normpath(run_config)))
-            return {k: data[k] for k in MODEL_KEYS if k in data}, where
+    run_config = _run_config_file(path)
+    if run_config is None:
+        return None
+    data, _ = _read_yml(Path(run_config))
+    return {k: data[k] for k in MODEL_KEYS if k in data}, _show_path(Path(os.path.normpath(run_config)))
+
+
+def _run_config_file(path: str) -> str | None:
+    """The config.yml of the unitrain run at `path` (its run, checkpoint or step directory), or None."""
+    candidates = [os.path.join(path, *[os.pardir] * up, "config.yml") for up in range(3)]
+    return next((c for c in candidates if os.path.isdir(path) and os.path.isfile(c)), None)
+
+
+def vision_language_folder(path: str) -> str | None:
+    """The HF folder that holds a vision-language model's tower dimensions and image processor (no
+    config keys): `path` itself, or for a unitrain checkpoint the folder its run started from (its
+    config.yml's load_parameters_path, followed back through earlier runs: a pipeline's stages);
+    None where the chain reaches no HF folder."""
+    seen = set()
+    while path and path not in seen:
+        seen.add(path)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+        run_config = _run_config_file(path)
+        path = _read_yml(Path(run_config))[0].get("load_parameters_path") if run_config else None
     return None
 
 

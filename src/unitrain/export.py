@@ -1,7 +1,7 @@
 """Export of a run's model as an HF checkpoint folder that transformers loads as is: the weights and
 config.json (the model's save_hf, its `architectures` named as transformers names them, so that an
 inference engine builds the causal LM class), the run's tokenizer with its chat template, the
-tokenizer's special ids in config.json, and generation_config.json, so that
+tokenizer's special ids in config.json, and generation_config.json (a vision-language model: its image processor), so that
 `AutoTokenizer.from_pretrained` and `model.generate` need nothing else and stop where unitrain's
 sampler stops (at EOS). With lora_export_adapters, the adapters alone in PEFT's format as well
 (<path>/lora_adapter).
@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 from unitrain.adapters import hf_config
-from unitrain.config import check
+from unitrain.config import VISION_LANGUAGE_FAMILIES, check, vision_language_folder
 
 POLICY_VERSION_FILE = "unitrain_version.json"  # beside an export_policy folder's weights: {"version": v}
 
@@ -55,6 +55,9 @@ def describe(run, path: str) -> None:
     with open(config_file, "w") as f:
         json.dump({**config, **ids}, f, indent=2, sort_keys=True)
     transformers.GenerationConfig(**ids).save_pretrained(path)
+    if run.cfg.model_family in VISION_LANGUAGE_FAMILIES:  # its image processor, as an HF folder of the family has
+        folder = vision_language_folder(run.cfg.load_parameters_path)
+        transformers.AutoImageProcessor.from_pretrained(folder, backend="pil").save_pretrained(path)
 
 
 def export_policy(run, params, version: int, root: str) -> str:

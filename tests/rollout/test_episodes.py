@@ -378,7 +378,7 @@ def test_grpo_rows_of_episodes_put_the_loss_on_sampled_tokens_only():
 
     group = make_group(Prompt((), "p", "l"), [episode([2, 3], "env_done"), episode([4], "length")])
     task = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(n_samples_per_prompt=2),
+        cfg=types.SimpleNamespace(n_samples_per_prompt=2, max_image_patches=0),
         run=types.SimpleNamespace(tokenizer=TOK),
         max_completion=64,
         replay=False,

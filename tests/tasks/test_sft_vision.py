@@ -6,16 +6,22 @@ trains, and a bad image or image key is one line."""
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
 from PIL import Image, ImageDraw
 
 from helpers import metrics_by_step, run_cli, run_config, write_jsonl
-from unitrain import train
-from unitrain.data.sft import make_sft_iterator
+from unitrain import sharding, train
+from unitrain.config import vision_language_folder
+from unitrain.data.prompt_ids import fitting_prompts
+from unitrain.data.sft import eval_prompt_records, make_sft_iterator
+from unitrain.data.sources import read_prompt_records
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.errors import ConfigError, DataError
+from unitrain.models import sources
 
 # Float32 on both sides; the sums run in another order: the mean NLL (~9) agrees to ~1e-5.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -125,6 +131,15 @@ def test_sft_with_images_on_a_qwen2_5_vl_checkpoint(tmp_path, tiny_checkpoint, i
     tower = {name for name in before if name.startswith("model.visual.")}
     assert "model.language_model.layers.0.mlp.up_proj.weight" in moved
     assert (moved & tower == set()) if frozen else ("model.visual.blocks.0.mlp.up_proj.weight" in moved)
+    if not frozen:  # a later run (a pipeline's next stage) from the checkpoint: the tower's shape from `ckpt`
+        later = run_config(tmp_path, f"load_parameters_path={cfg.checkpoint_dir}", f"tokenizer_path={ckpt}")
+        assert later.model_family == "qwen2_5_vl" and vision_language_folder(later.load_parameters_path) == str(ckpt)
+        model = sources.build(later, sharding.trainer_mesh(later, sharding.layout_for(later)))
+        np.testing.assert_array_equal(
+            np.asarray(model.vision.merge_w2[...]), after["model.visual.merger.mlp.2.weight"].T
+        )
+        exported = transformers.AutoImageProcessor.from_pretrained(tmp_path / "export", backend="pil")
+        assert exported.to_dict() == transformers.AutoImageProcessor.from_pretrained(ckpt, backend="pil").to_dict()
 
 
 def test_vision_keys_need_a_vision_language_checkpoint(tmp_path, tiny_checkpoint):
@@ -176,3 +191,71 @@ def test_the_entry_exits_2_on_a_missing_image(tmp_path, tiny_checkpoint, image_d
     errors = [line for line in err.splitlines() if line.startswith("unitrain: ")]
     assert len(errors) == 1 and "chat.jsonl:1: image" in errors[0] and "missing.png' does not exist" in errors[0]
     assert "Traceback" not in err
+
+
+def test_generation_evals_prompt_with_the_records_images(tmp_path, tiny_checkpoint, image_data):
+    """An eval record of one user turn with an image is a prompt with its pixels (its pad expanded to
+    the image's tokens), labelled by its answer; a longer conversation with images is one line."""
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    cfg = vl_run(tmp_path, ckpt, image_data, f"eval_dataset_path={image_data}", "eval_interval=1")
+    tokenizer = load_tokenizer(str(ckpt))
+    records = eval_prompt_records(cfg, tokenizer)
+    prompts = fitting_prompts(cfg, tokenizer, 3, records, image_data)
+    pad = json.loads((ckpt / "config.json").read_text())["image_token_id"]
+    assert [p.label for p in prompts] == ["red", "blue", "Hello"] and prompts[2].images is None
+    for prompt, tokens in zip(prompts, (4, 15)):  # the images' tokens: 4 x 4 and 6 x 10 patches
+        assert prompt.text == "What colour is the square?" and prompt.ids.count(pad) == tokens
+        assert prompt.images.pixels.shape == (4 * tokens, 1176) and len(prompt.images.grids) == 1
+    two_turns = image_record("a.png", "red")
+    two_turns["messages"][:0] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    write_jsonl(tmp_path / "chat.jsonl", [two_turns])
+    with pytest.raises(DataError, match=r"chat.jsonl:1: answers are generated for image records of one user turn"):
+        eval_prompt_records(cfg, tokenizer)
+
+
+def as_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def with_bytes(parts, folder):
+    """Parts with each image's file as its bytes (datasets' Image feature: a struct {bytes, path})."""
+    image = lambda p: {"type": "image", "image": {"bytes": (folder / p["image"]).read_bytes(), "path": None}}  # noqa: E731
+    return [image(p) if p["type"] == "image" else p for p in parts]
+
+
+def test_parquet_records_carry_their_images_bytes(tmp_path, tiny_checkpoint, image_data):
+    """The conversations of the jsonl as a parquet file with each image's bytes, every content a list of
+    parts (a column has one type): SFT's batches and GRPO's prompts are those of the files on disk;
+    bytes that are no image are one line naming the row."""
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    tokenizer = load_tokenizer(str(ckpt))
+    records = [json.loads(line) for line in open(image_data)]
+    parts = lambda content: content if isinstance(content, list) else [{"type": "text", "text": content}]  # noqa: E731
+    rows = [
+        {"messages": [{"role": m["role"], "content": with_bytes(parts(m["content"]), tmp_path)} for m in r["messages"]]}
+        for r in records
+    ]
+    batches = [
+        next(iter(make_sft_iterator(vl_run(tmp_path, ckpt, data), tokenizer, 8)))
+        for data in (image_data, as_parquet(tmp_path / "chat.parquet", rows))
+    ]
+    assert batches[0].keys() == batches[1].keys()
+    for key in batches[0]:
+        np.testing.assert_array_equal(batches[0][key], batches[1][key])
+
+    question = records[1]["messages"][0]["content"]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": question, "label": "blue"}])
+    in_parquet = as_parquet(tmp_path / "prompts.parquet", [{"prompt": with_bytes(question, tmp_path), "label": "blue"}])
+    cfg = vl_run(tmp_path, ckpt, image_data, "mode=grpo", "max_prompt_length=64", "label_key=label")
+    (on_disk,), (from_bytes,) = (
+        fitting_prompts(cfg, tokenizer, 1, read_prompt_records(str(path), "prompt", "label"), str(path))
+        for path in (prompts, in_parquet)
+    )
+    assert on_disk.ids == from_bytes.ids and on_disk.images.key == from_bytes.images.key
+    np.testing.assert_array_equal(on_disk.images.pixels, from_bytes.images.pixels)
+
+    rows[1]["messages"][0]["content"][0]["image"]["bytes"] = b"plain text"
+    bad = as_parquet(tmp_path / "bad.parquet", rows)
+    with pytest.raises(DataError, match=r"bad.parquet:row 1: image 1 \(bytes\) is not a readable image"):
+        make_sft_iterator(vl_run(tmp_path, ckpt, bad), tokenizer, 8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from unitrain.config import check
+from unitrain.data.images import IMAGES_NEED_A_MODEL, PromptImages, Vision
 from unitrain.errors import ConfigError, DataError
 
 # How many records the not-empty check (and eval prompts) read before concluding that nothing fits;
@@ -19,6 +20,7 @@ class Prompt:
     ids: tuple[int, ...]  # token ids fed to the sampler (BOS or chat template applied)
     text: str  # the prompt as the reward sees it: the raw text, before any template
     label: str  # the gold answer for the reward
+    images: PromptImages | None = None  # the images of its image pads (a vision-language model's)
 
 
 def prompt_fn(cfg, tokenizer):
@@ -31,10 +33,18 @@ def prompt_fn(cfg, tokenizer):
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     chat, max_len = cfg.chat_template, cfg.max_prompt_length
+    vision = Vision(cfg) if cfg.max_image_patches else None
 
     def to_prompt(record: dict) -> dict:
-        text = record["prompt"]
-        if isinstance(text, list):  # a conversation before its assistant turn (SFT chat eval files)
+        text, images = record["prompt"], None
+        if isinstance(text, list) and "type" in text[0]:  # a user turn's parts: the chat template places the images
+            ids = tokenizer.encode(tokenizer.render_prompt([*system, {"role": "user", "content": text}]))
+            if "images" in record:
+                if vision is None:
+                    raise DataError(f"{record['where']}: {IMAGES_NEED_A_MODEL}")
+                ids, images = vision.prompt(ids, record)
+            text = " ".join(p["text"] for p in text if p["type"] == "text")
+        elif isinstance(text, list):  # a conversation before its assistant turn (SFT chat eval files)
             ids, text = tokenizer.encode(tokenizer.render_prompt(text)), text[-1]["content"]
         elif chat:
             ids = tokenizer.encode(tokenizer.render_prompt([*system, {"role": "user", "content": text}]))
@@ -42,7 +52,7 @@ def prompt_fn(cfg, tokenizer):
             ids = bos + tokenizer.encode(text)
         fits = len(ids) <= max_len
         return {
-            "prompt": Prompt(tuple(int(i) for i in ids), text, record["label"]) if fits else None,
+            "prompt": Prompt(tuple(int(i) for i in ids), text, record["label"], images) if fits else None,
             "length": len(ids),
         }
 

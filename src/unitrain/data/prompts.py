@@ -11,6 +11,10 @@ Sources: `builtin` (the arithmetic task: text "12+3=", label "15"), or data file
 prompt text under `prompt_key` and the gold answer under `label_key` (GSM8K: question / answer, the
 label being the whole answer text that ends in "#### 72"; the reward extracts what it needs).
 
+A prompt may be a user turn's text and image parts (SFT's format, data/images.py): rendered by the
+chat template, its image pads expanded, its images' pixels on the Prompt (a vision-language model
+with max_image_patches).
+
 Rendering: with `chat_template: false`, ids = [BOS] + encode(text) (no BOS when the tokenizer has
 none), exactly as the SFT path starts an example; with `chat_template: true` the text becomes a user
 message (after a system message when `system_prompt` is set), rendered by the tokenizer's chat
@@ -24,6 +28,7 @@ import grain
 
 from unitrain.data import format_choice
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem
+from unitrain.data.images import Vision, refuse_images
 from unitrain.data.prompt_ids import BUILTIN_SCAN_LIMIT, Prompt, fitting_prompts, prompt_fn
 from unitrain.data.sft import CountDropped
 from unitrain.data.sources import split_path
@@ -91,6 +96,10 @@ def make_prompt_dataset(
     shard = records[:usable][process_index::process_count]
     if len(shard) == 0:
         raise DataError(f"dataset {path!r} has {len(records)} records, too few for {process_count} processes")
+    if path != "builtin" and cfg.max_image_patches:  # the images checked before training, as SFT's
+        Vision(cfg).check(shard)
+    elif path != "builtin":
+        refuse_images(shard)
     _check_not_empty(shard.map(to_prompt), path, cfg.max_prompt_length)
 
     ds = shard

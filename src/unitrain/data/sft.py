@@ -25,7 +25,7 @@ import numpy as np
 
 from unitrain.data import format_choice
 from unitrain.data.builtin import NUM_PROBLEMS, builtin_problem, max_builtin_length
-from unitrain.data.images import Vision
+from unitrain.data.images import Vision, refuse_images
 from unitrain.data.shards import ShardedIterator, shard_records, shard_seed, sharded_iterator
 from unitrain.data.sources import file_records, split_path
 from unitrain.errors import ConfigError, DataError
@@ -165,15 +165,19 @@ def eval_prompt_records(cfg, tokenizer) -> list[dict]:
     record's label_key field when it has one, else its completion (the last assistant turn)."""
     out = []
     for record in file_records(cfg, tokenizer, split_path(cfg, "eval"), cfg.label_key):
-        if "images" in record:
+        images = {k: record[k] for k in ("images", "where") if "images" in record}
+        if images and [m["role"] for m in record["messages"]] != ["user", "assistant"]:
             raise DataError(
-                f"{record['where']}: answers are not generated for records with images; set eval_num_samples=0"
+                f"{record['where']}: answers are generated for image records of one user turn and its answer only; "
+                "set eval_num_samples=0"
             )
-        if "messages" in record:
+        if images:  # the user turn's parts, a prompt with images (data/prompt_ids.py)
+            prompt, completion = record["messages"][0]["content"], record["messages"][-1]["content"]
+        elif "messages" in record:
             prompt, completion = record["messages"][:-1], record["messages"][-1]["content"]
         else:
             prompt, completion = record["prompt"], record["completion"]
-        out.append({"prompt": prompt, "label": record.get("label", completion), "completion": completion})
+        out.append({"prompt": prompt, "label": record.get("label", completion), "completion": completion, **images})
     return out
 
 
@@ -199,7 +203,7 @@ def make_sft_dataset(
     if vision is not None:
         vision.check(records_of_shard)
     elif path not in ("builtin", "synthetic"):  # generated records hold no images
-        _refuse_images(records_of_shard)
+        refuse_images(records_of_shard)
     _check_not_empty(records_of_shard.map(to_example), where, max_len)
 
     seed = shard_seed(cfg.seed, shard)
@@ -252,15 +256,6 @@ def make_sft_iterator(
         process_count,
         lambda rows, s: make_sft_dataset(cfg, tokenizer, rows, split, s, cfg.data_shards, demonstration),
     )
-
-
-def _refuse_images(records: grain.MapDataset) -> None:
-    for i in range(len(records)):
-        if "images" in records[i]:
-            raise DataError(
-                f"{records[i]['where']}: the record has images; they need a vision-language model "
-                "(load_parameters_path) and max_image_patches > 0"
-            )
 
 
 def _check_not_empty(examples: grain.MapDataset, where: str, max_len: int) -> None:

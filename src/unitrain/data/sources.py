@@ -193,18 +193,20 @@ def _normalize(row, where: str, prompt_key: str, completion_key: str, messages_k
             and all(
                 isinstance(m, dict)
                 and isinstance(m.get("role"), str)
-                and (isinstance(m.get("content"), str) or (m["role"] == "user" and _is_parts(m.get("content"))))
+                and (isinstance(m.get("content"), str) or _is_parts(m.get("content"), images=m["role"] == "user"))
                 for m in messages
             )
         )
         if not ok:
             raise DataError(
                 f"{where}: field {messages_key!r} must be a non-empty list of {{role, content}}, each content a "
-                "string (a user's may be a list of {type: text, text} and {type: image, image: path} parts)"
+                "string or a list of {type: text, text} parts (a user's also {type: image, image: path or bytes})"
             )
         if messages[-1]["role"] != "assistant":
             raise DataError(f"{where}: the last message must be the assistant turn to train on")
-        record = {"messages": [{"role": m["role"], "content": _content(m["content"], where)} for m in messages]}
+        record = {
+            "messages": [{"role": m["role"], "content": _content(m["content"], where, m["role"])} for m in messages]
+        }
         parts = [p for m in record["messages"] if isinstance(m["content"], list) for p in m["content"]]
         images = [p["image"] for p in parts if p["type"] == "image"]
         return {**record, "images": images, "where": where} if images else record
@@ -214,27 +216,47 @@ def _normalize(row, where: str, prompt_key: str, completion_key: str, messages_k
     )
 
 
-def _is_parts(content) -> bool:
+def _is_parts(content, images: bool = True) -> bool:
+    """Whether `content` is a list of text parts (and, with `images`, image parts)."""
     return isinstance(content, list) and all(
         isinstance(p, dict)
         and (
             (p.get("type") == "text" and isinstance(p.get("text"), str))
-            or (p.get("type") == "image" and isinstance(p.get("image"), str))
+            or (images and p.get("type") == "image" and _image_source(p.get("image")) is not None)
         )
         for p in content
     )
 
 
-def _content(content, where: str):
-    """A message's content; an image part's path made absolute, relative to the data file (`where`
-    is file:line or file:row N)."""
+def _image_source(image) -> str | bytes | None:
+    """An image part's image: a path, or the file's bytes (a parquet or arrow column: binary, or
+    datasets' Image feature, a struct {bytes, path}); None: neither."""
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    return image if isinstance(image, (str, bytes)) else None
+
+
+def _content(content, where: str, role: str = "user"):
+    """A message's content: a string; another role's text parts joined (a columnar file holds every
+    content as a list of parts); a user's parts each with its own keys (a columnar row's other fields
+    null), an image part's path made absolute, relative to the data file (`where` is file:line or
+    file:row N), or its bytes."""
     if isinstance(content, str):
         return content
+    if role != "user":
+        return "".join(p["text"] for p in content)
     folder = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
-    return [
-        {**p, "image": os.path.join(folder, os.path.expanduser(p["image"]))} if p["type"] == "image" else dict(p)
-        for p in content
-    ]
+
+    def part(p):
+        if p["type"] == "text":
+            return {"type": "text", "text": p["text"]}
+        image = _image_source(p["image"])
+        return {
+            "type": "image",
+            "image": image if isinstance(image, bytes) else os.path.join(folder, os.path.expanduser(image)),
+        }
+
+    return [part(p) for p in content]
 
 
 def split_path(cfg, split: str) -> str:
@@ -249,7 +271,9 @@ def split_path(cfg, split: str) -> str:
 def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict]:
     """All {prompt, label} records of the files named by `spec`, checked eagerly (file:line on error).
 
-    The prompt must be a string; the label a string or a number (kept as its text, e.g. 72 -> "72").
+    The prompt must be a string, or a user turn's parts (text and image parts, as SFT's messages:
+    the record then carries its `images` and `where`, the paths relative to the data file); the
+    label a string or a number (kept as its text, e.g. 72 -> "72").
     """
     records = []
     for where, row in iter_rows(spec):
@@ -261,9 +285,14 @@ def read_prompt_records(spec: str, prompt_key: str, label_key: str) -> list[dict
                 "set prompt_key and label_key"
             )
         prompt = row[prompt_key]
-        if not isinstance(prompt, str):
-            raise DataError(f"{where}: field {prompt_key!r} must be a string, got {type(prompt).__name__}")
-        records.append({"prompt": prompt, "label": label_text(row, label_key, where)})
+        if not isinstance(prompt, str) and not _is_parts(prompt):
+            raise DataError(
+                f"{where}: field {prompt_key!r} must be a string or a list of {{type: text, text}} and "
+                f"{{type: image, image: path}} parts, got {type(prompt).__name__}"
+            )
+        record = {"prompt": _content(prompt, where), "label": label_text(row, label_key, where)}
+        images = [p["image"] for p in record["prompt"] if p["type"] == "image"] if isinstance(prompt, list) else []
+        records.append({**record, "images": images, "where": where} if images else record)
     if not records:
         raise DataError(f"dataset path {spec!r} holds no records")
     return records

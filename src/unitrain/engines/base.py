@@ -45,6 +45,9 @@ The contract, for the author of a sampler on another engine (vLLM, SGLang, a ser
            version's first generate for its later ones). The trainer calls it when it will not
            sample again before its next update_weights: after a GRPO step's rollouts are taken
            (rounds already submitted keep what they use) and after an evaluation.
+  images   Optional: prompts with images (a vision-language model's) come as `images=`, one
+           data.images.PromptImages or None per prompt, to generate and submit; only the colocated
+           sampler takes them (the config refuses images with another).
   routes   Optional: with `sampling.record_routes` (routing replay of a mixture of experts), the
            experts each token ran, as `Completions.routes` and `prompt_routes` (the colocated and
            mesh samplers; an engine that cannot report them is refused by the config).
@@ -204,11 +207,13 @@ class Done:
         return self.completions
 
 
-def submit(sampler: Sampler, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array):
-    """The sampler's submit where it has one (sampling runs on while the caller goes on), else generate now."""
+def submit(sampler: Sampler, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array, images=None):
+    """The sampler's submit where it has one (sampling runs on while the caller goes on), else generate
+    now; `images` (prompts with images: one PromptImages or None each) only where some prompt has them."""
+    extra = {"images": images} if images is not None and any(i is not None for i in images) else {}
     if isinstance(sampler, SubmittingSampler):
-        return sampler.submit(prompt_ids, sampling, key)
-    return Done(sampler.generate(prompt_ids, sampling, key))
+        return sampler.submit(prompt_ids, sampling, key, **extra)
+    return Done(sampler.generate(prompt_ids, sampling, key, **extra))
 
 
 def close(sampler: Sampler) -> None:

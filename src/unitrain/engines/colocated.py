@@ -55,6 +55,13 @@ on them.
 With `SamplingParams.record_routes` (routing replay) the program also returns the experts every
 token ran in each MoE layer, collected from the model's reports (models/moe.py) around the prefill
 and each decode step; they are per-row fields, so compaction moves them with their rows.
+
+Prompts with images (a vision-language model's, `images`: a data.images.PromptImages per prompt or
+None): a prompt is one prefill row per distinct ids and images, whose images the tower encodes in
+the program, once, for every row sampled from it (the prefill rows' patches padded to the
+`image_patches` budget, qwen2_5_vl.image_rows: one compiled shape); the prefill takes M-RoPE's
+positions (made on the host), and each decode step rotates its token at its position plus its row's
+rope delta on all three axes, as transformers' generate does. The decode steps never see pixels.
 """
 
 from __future__ import annotations
@@ -84,7 +91,7 @@ from unitrain.engines.programs import (
     left_padded,
     sharded_cache,
 )
-from unitrain.models import moe
+from unitrain.models import moe, qwen2_5_vl
 from unitrain.sharding import full_rows_to_global, to_host
 
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +164,7 @@ class GenerateKey:
     # The row counts the decode compacts its running rows into, B first; () or (B,): no compaction.
     row_buckets: tuple[int, ...] = ()
     record_routes: bool = False  # routing replay: each token's experts per MoE layer (SamplingParams)
+    images: bool = False  # the prompts carry images (GenerateInputs.images)
 
     def phase_ends(self) -> list[int]:
         return phase_ends(self.new_tokens, self.cache_phases)
@@ -168,9 +176,8 @@ class GenerateKey:
         compaction = ""
         if len(self.row_buckets) > 1:
             compaction = f" compacted into rows {'/'.join(map(str, self.row_buckets[1:]))}"
-        return (
-            f"generate ({batch} prompt={self.prompt_columns} new={self.new_tokens} cache phases={phases}{compaction})"
-        )
+        images = " with images" if self.images else ""
+        return f"generate ({batch} prompt={self.prompt_columns}{images} new={self.new_tokens} cache phases={phases}{compaction})"
 
 
 @struct.dataclass
@@ -185,6 +192,9 @@ class GenerateInputs:
     temperature: Any  # float32 scalar (1 when greedy)
     top_p: Any  # float32 scalar
     rng: Any  # the call's key
+    # Prompts with images: the prefill rows' qwen2_5_vl.image_rows fields, `rope_positions` [R, P, 3]
+    # and `rope_deltas` [R] (qwen2_5_vl.prompt_rope); None: text prompts.
+    images: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +225,7 @@ class DecodeState:
     # and [B, P, L, k] the prompt's, set by the prefill (it rides along uncompacted: no step writes it).
     routes: Any = None
     prompt_routes: Any = None
+    rope_deltas: Any = None  # [B] int32 with images: the row's M-RoPE shift of every sampled position
 
 
 _ROW_FIELDS = ("tokens", "mask", "logprobs", "done", "last", "rows", "prompt_lens", "budgets")
@@ -260,7 +271,11 @@ def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) 
     token drawn from its last column."""
     block, B, N, pad_id = inputs.block, key.rows, key.new_tokens, key.pad_id
     cache = sharded_cache(model, block.tokens.shape[0], key.prompt_columns + columns, key.cache_rules)
-    prefill = lambda: model.hidden_states(block.tokens, block.positions, block.segments, cache)  # noqa: E731
+    images, deltas = {}, None
+    if key.images:  # each prefill row's images encoded once, for every row sampled from its prompt
+        images = {"image_features": model.encode_rows(inputs.images), "rope_positions": inputs.images["rope_positions"]}
+        deltas = inputs.images["rope_deltas"]
+    prefill = lambda: model.hidden_states(block.tokens, block.positions, block.segments, cache, **images)  # noqa: E731
     prompt_routes = None
     if key.record_routes:
         (hidden, cache), prompt_routes = _routed(model, prefill)
@@ -273,6 +288,7 @@ def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) 
     if block.source is not None:
         logits, cache = logits[block.source], cache_rows(model, cache, block.source, key.cache_rules)
         prompt_routes = None if prompt_routes is None else prompt_routes[block.source]
+        deltas = None if deltas is None else deltas[block.source]
     rows = jnp.arange(B, dtype=jnp.int32)
     token, logprob = _draw(key, inputs, logits, 0, rows)
     done = block.prompt_lens == 0  # batch-padding rows never emit
@@ -290,6 +306,7 @@ def _first_token(model, key: GenerateKey, inputs: GenerateInputs, columns: int) 
         budgets=inputs.budgets,
         routes=None if prompt_routes is None else jnp.full((B, N, *prompt_routes.shape[2:]), -1, jnp.int32),
         prompt_routes=prompt_routes,
+        rope_deltas=deltas,
     )
 
 
@@ -297,7 +314,13 @@ def _next_token(model, key: GenerateKey, inputs: GenerateInputs, state: DecodeSt
     """One decode step: every row's next token from the cache and its last token."""
     i, B = state.i, state.done.shape[0]
     pos = (state.prompt_lens + i - 1)[:, None]
-    forward = lambda: model(state.last[:, None], pos, jnp.ones((B, 1), jnp.int32), state.cache)  # noqa: E731
+    # With images the token's M-RoPE position: its position shifted by its row's delta on every axis.
+    rope = (
+        {}
+        if state.rope_deltas is None
+        else {"rope_positions": jnp.repeat((pos + state.rope_deltas[:, None])[..., None], 3, -1)}
+    )
+    forward = lambda: model(state.last[:, None], pos, jnp.ones((B, 1), jnp.int32), state.cache, **rope)  # noqa: E731
     emit = ~state.done
     routes = state.routes
     if key.record_routes:
@@ -349,7 +372,7 @@ def _build(key: GenerateKey):
             group=1,
             running=running,
             stop=key.new_tokens,
-            fields=_fields(key, _ROW_FIELDS),
+            fields=(*_fields(key, _ROW_FIELDS), *("rope_deltas",) * key.images),
             outputs=_fields(key, _OUTPUT_FIELDS),
             rules=key.cache_rules,
         )
@@ -377,6 +400,7 @@ class ColocatedSampler:
     than `compaction_min_tokens` new tokens are not compacted: their buckets' compiles would cost
     more than the ended rows do. `quantization` (config rollout_quantization, int8 | fp8): the
     sampler's copy of the weights, its decode weights, weight-only quantised (module docstring).
+    `image_patches` (config max_image_patches): the patches a prefill row's images fill at most.
     """
 
     def __init__(
@@ -391,8 +415,13 @@ class ColocatedSampler:
         compaction: int = 0,
         compaction_min_tokens: int = 0,
         quantization: str = "none",
+        image_patches: int = 0,
     ):
         self.graphdef, params = nnx.split(model)
+        # With images: the tower's config and the image pad, which the host-made inputs need.
+        self.image_patches, self.vision = image_patches, None
+        if image_patches:
+            self.vision = (model.vision.cfg, model.cfg.image_token_id)
         self.quantization = quantization
         self.params, self.version, self.decode = nnx.to_pure_dict(params), 0, None
         self.vocab_size, self.pad_id, self.mesh, self.cache_phases = model.vocab_size, pad_id, mesh, cache_phases
@@ -444,18 +473,23 @@ class ColocatedSampler:
         fits = lambda b: self.compaction and self.compaction <= b * group and b < rows
         return (rows, *[b for b in row_buckets(rows, self.parallelism) if fits(b)])
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Completions:
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array, images=None
+    ) -> Completions:
         """`logprobs` is each sampled token's log-prob under the temperature-scaled, top-k/top-p
-        filtered distribution it was drawn from (greedy: log-softmax of the raw logits)."""
-        return self.submit(prompt_ids, sampling, key).result()
+        filtered distribution it was drawn from (greedy: log-softmax of the raw logits). `images`:
+        each prompt's data.images.PromptImages or None (module docstring)."""
+        return self.submit(prompt_ids, sampling, key, images).result()
 
-    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> Pending:
+    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array, images=None) -> Pending:
         """generate, dispatched: returns at once while the devices sample; `.result()` waits for the
         Completions. Later calls (a train step on other devices) run meanwhile."""
-        call = self.generate_call(prompt_ids, sampling, key)
+        call = self.generate_call(prompt_ids, sampling, key, images)
         return Pending(self.generate_program(call)(call.inputs), len(prompt_ids), self.version, self.mesh)
 
-    def generate_call(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array) -> GenerateCall:
+    def generate_call(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array, images=None
+    ) -> GenerateCall:
         """The key of the generate program these prompts run (bucketed, module docstring) and its
         inputs, placed on the mesh. The weights may be abstract (jax.ShapeDtypeStruct with their
         shardings): tools/bench.py sizes the program's memory that way without running it."""
@@ -466,7 +500,8 @@ class ColocatedSampler:
         lens = np.asarray([len(p) for p in prompt_ids], np.int32)
         if lens.min() < 1:
             raise ValueError("every prompt needs at least one token")
-        block = self._prompt_block(prompt_ids, lens)
+        images = images if images is not None and any(i is not None for i in images) else None
+        block, firsts = self._prompt_block(prompt_ids, lens, images)
         B, greedy = len(block.prompt_lens), sampling.temperature == 0.0
         if sampling.row_budgets and len(sampling.row_budgets) != len(prompt_ids):
             raise ValueError(f"{len(sampling.row_budgets)} row budgets for {len(prompt_ids)} prompts")
@@ -486,6 +521,7 @@ class ColocatedSampler:
             use_top_p=not greedy and sampling.top_p < 1.0,
             row_buckets=self.row_buckets(B, sampling.max_new_tokens),
             record_routes=sampling.record_routes,
+            images=images is not None,
         )
         inputs = GenerateInputs(
             params=self.params,
@@ -496,20 +532,35 @@ class ColocatedSampler:
             temperature=np.float32(sampling.temperature if not greedy else 1.0),
             top_p=np.float32(sampling.top_p),
             rng=key,
+            images=None if images is None else self._image_inputs(block, [images[i] for i in firsts]),
         )
         return GenerateCall(program_key, inputs if self.mesh is None else self._on_mesh(inputs))
 
-    def _prompt_block(self, prompt_ids: list[list[int]], lens: np.ndarray) -> PromptBlock:
-        """The bucketed block of these prompts (`lens`: their lengths): where a prompt is given
-        several times, the prefill rows of the distinct prompts and each row's source among them."""
+    def _prompt_block(self, prompt_ids: list[list[int]], lens: np.ndarray, images) -> tuple[PromptBlock, list[int]]:
+        """The bucketed block of these prompts (`lens`: their lengths) and the prompt of each of its
+        prefill rows: where a prompt (its ids and images) is given several times, the prefill rows
+        of the distinct prompts and each row's source among them."""
         B, P = self.block_shape(len(prompt_ids), int(lens.max()))
-        distinct, source = _distinct(prompt_ids, B)
-        R = self.block_shape(len(distinct), int(lens.max()))[0]
+        keys = [
+            (tuple(p), None if images is None or images[b] is None else images[b].key) for b, p in enumerate(prompt_ids)
+        ]
+        firsts, source = _distinct(keys, B)
+        R = self.block_shape(len(firsts), int(lens.max()))[0]
         if R == B:
-            return left_padded(prompt_ids, B, P, self.pad_id)
-        return left_padded(distinct, R, P, self.pad_id).replace(
-            prompt_lens=np.pad(lens, (0, B - len(lens))), source=source
-        )
+            return left_padded(prompt_ids, B, P, self.pad_id), list(range(len(prompt_ids)))
+        block = left_padded([prompt_ids[i] for i in firsts], R, P, self.pad_id)
+        return block.replace(prompt_lens=np.pad(lens, (0, B - len(lens))), source=source), firsts
+
+    def _image_inputs(self, block: PromptBlock, images: list) -> dict:
+        """GenerateInputs.images of the block's prefill rows, whose prompts' images are `images`."""
+        rows = [*images, *[None] * (len(block.tokens) - len(images))]
+        vision, pad = self.vision
+        rope, deltas = qwen2_5_vl.prompt_rope(block.tokens, block.segments, rows, pad, vision)
+        return {
+            **qwen2_5_vl.image_rows(rows, vision, self.image_patches),
+            "rope_positions": rope,
+            "rope_deltas": deltas,
+        }
 
     def _on_mesh(self, inputs: GenerateInputs) -> GenerateInputs:
         """The inputs as global arrays: the block's rows split over the mesh, the rest replicated."""
@@ -518,10 +569,16 @@ class ColocatedSampler:
         # The key may come from another mesh (the trainer's) or another process's device: its bits
         # are placed like any other input.
         bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(inputs.rng))}, replicated)["key"]
-        budgets = full_rows_to_global(
-            {"budgets": inputs.budgets}, sharding.batch_sharding(self.mesh, self.rules, ("batch",))
+        rows, rows2d = (
+            sharding.batch_sharding(self.mesh, self.rules, ("batch",)),
+            sharding.batch_sharding(self.mesh, self.rules),
+        )
+        budgets = full_rows_to_global({"budgets": inputs.budgets}, rows)
+        images = inputs.images and full_rows_to_global(
+            inputs.images, {k: rows if v.ndim == 1 else rows2d for k, v in inputs.images.items()}
         )
         return inputs.replace(
+            images=images,
             block=inputs.block.on_mesh(self.mesh, self.rules),
             budgets=budgets["budgets"],
             stop_ids=stop_ids,
@@ -572,14 +629,17 @@ class Pending:
         )
 
 
-def _distinct(prompt_ids: list[list[int]], B: int) -> tuple[list[list[int]], np.ndarray]:
-    """(the distinct prompts in order of first appearance, [B] int32: each row's index among them;
-    rows past the prompts point at the first)."""
-    index: dict[tuple, int] = {}
-    source = np.zeros((B,), np.int32)
-    for b, p in enumerate(prompt_ids):
-        source[b] = index.setdefault(tuple(p), len(index))
-    return [list(p) for p in index], source
+def _distinct(keys: list, B: int) -> tuple[list[int], np.ndarray]:
+    """(the first row of each distinct key, in order, [B] int32: each row's index among the distinct
+    keys; rows past the keys point at the first)."""
+    index: dict = {}
+    firsts, source = [], np.zeros((B,), np.int32)
+    for b, k in enumerate(keys):
+        if k not in index:
+            index[k] = len(firsts)
+            firsts.append(b)
+        source[b] = index[k]
+    return firsts, source
 
 
 def from_run(run) -> ColocatedSampler:
@@ -594,4 +654,5 @@ def from_run(run) -> ColocatedSampler:
         compaction=run.cfg.rollout_compaction,
         compaction_min_tokens=run.cfg.rollout_compaction_min_tokens,
         quantization=run.cfg.rollout_quantization,
+        image_patches=run.cfg.max_image_patches,
     )

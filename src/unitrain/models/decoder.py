@@ -273,17 +273,28 @@ class Decoder(nnx.Module):
         return {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
 
     def _hidden(
-        self, tokens, positions, segment_ids, cache, layers=None, routes=None, image_features=None, rope_positions=None
+        self,
+        tokens,
+        positions,
+        segment_ids,
+        cache,
+        layers=None,
+        routes=None,
+        image_features=None,
+        rope_positions=None,
+        image_mask=None,
     ):
         """The final-normed hidden states [B, T, E] and the updated cache; `layers`: see `_run_cached`;
         `routes`: see `hidden_states`. `image_features` [N, E]: the embeddings of the image pads
-        (tokens `image_token_id`), in row-major order (or [B, N, E], each row's: _with_image_features);
+        (tokens `image_token_id`, or where `image_mask` [B, T] says: a pad a sampler drew after the
+        prompt is text), in row-major order (or [B, N, E], each row's: _with_image_features);
         `rope_positions` [B, T, 3]: M-RoPE's position ids (`mrope_section`); `positions` still order
         the attention and the cache."""
         cfg = self.cfg
         x = self._embed(tokens)
         if image_features is not None:
-            x = _with_image_features(x, tokens == cfg.image_token_id, image_features)
+            is_image = tokens == cfg.image_token_id if image_mask is None else image_mask
+            x = _with_image_features(x, is_image, image_features)
         rope = positions if rope_positions is None else rope_positions
         if cache is None:
             return context_parallel.forward(cfg, self._uncached, x, positions, segment_ids, rope, routes), None
@@ -307,18 +318,28 @@ class Decoder(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
 
     def hidden_states_shared_prefix(
-        self, tokens, positions, segment_ids, prefix_len: int, group_rows: int, routes=None
+        self,
+        tokens,
+        positions,
+        segment_ids,
+        prefix_len: int,
+        group_rows: int,
+        routes=None,
+        image_features=None,
+        rope_positions=None,
     ):
         """hidden_states(tokens, positions, segment_ids) of rows that come in runs of `group_rows`
         sharing their first `prefix_len` columns (a GRPO group's prompt): the prefix is computed once
         per run, and the later columns attend to their run's prefix keys and values and their own
-        (`attention_fn` with those keys: any kernel; splash with its causal mask offset by the prefix)."""
+        (`attention_fn` with those keys: any kernel; splash with its causal mask offset by the prefix).
+        A vision-language model's `image_features` [runs, N, E] are each run's prefix's images (the
+        image pads after it are text), `rope_positions` [R, T, 3] its M-RoPE positions."""
         cfg = self.cfg
         R, T = tokens.shape
         # A reshape and a repeat, not a strided slice and a gather: with the rows split over devices
         # in whole runs, each device finds its runs' prefixes on itself.
         cut = lambda a: (
-            jnp.reshape(a, (R // group_rows, group_rows, T))[:, 0, :prefix_len],
+            jnp.reshape(a, (R // group_rows, group_rows, *a.shape[1:]))[:, 0, :prefix_len],
             jnp.asarray(a)[:, prefix_len:],
         )
         copies = lambda a: jnp.repeat(a, group_rows, axis=0)
@@ -329,7 +350,9 @@ class Decoder(nnx.Module):
             routes = jnp.asarray(routes)
             routes_p = routes.reshape(R // group_rows, group_rows, *routes.shape[1:])[:, 0, :prefix_len]
             routes_c = routes[:, prefix_len:]
-        rope_p, rope_c = rope_tables(cfg, pos_p), rope_tables(cfg, pos_c)
+        rope_p, rope_c = (
+            rope_tables(cfg, a) for a in ((pos_p, pos_c) if rope_positions is None else cut(rope_positions))
+        )
         attend_p = attention_fn(cfg, seg_p, pos_p)
         attend_c = attention_fn(cfg, seg_c, pos_c, prefix=(copies(seg_p), copies(pos_p)))
 
@@ -347,7 +370,10 @@ class Decoder(nnx.Module):
             return (x_p, x_c), (routed_p, routed_c)
 
         params = _with_routes(_with_routes(self._stacked_layers(), routes_p, "routes_p"), routes_c)
-        (x_p, x_c), routed = _run_stack(cfg, (self._embed(tok_p), self._embed(tok_c)), params, layer)
+        x_p = self._embed(tok_p)
+        if image_features is not None:
+            x_p = _with_image_features(x_p, tok_p == cfg.image_token_id, image_features)
+        (x_p, x_c), routed = _run_stack(cfg, (x_p, self._embed(tok_c)), params, layer)
         for part in routed:  # each prompt's tokens count once, as they are computed once
             moe.report(part)
         return rms_norm(jnp.concatenate([copies(x_p), x_c], axis=1), self.final_norm[...], cfg.rms_norm_eps)

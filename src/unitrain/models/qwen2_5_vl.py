@@ -126,6 +126,32 @@ def row_layout(grids, cfg: VisionConfig, budget: int) -> tuple[np.ndarray, np.nd
     return positions, windows[:, 0], images[:, 0]
 
 
+def image_rows(rows, cfg: VisionConfig, budget: int) -> dict:
+    """The tower's fixed-shape inputs of batch rows each holding one prompt's images (`rows`: per
+    row an object with `pixels` [n, patch_dim] and `grids`, or None): `pixels` [R, P, patch_dim]
+    (zeros past a row's patches), `patch_positions` [R, P, 2], `patch_windows` and `patch_images`
+    [R, P] (RowLayout's, a row each) for a budget of P patches; SFT's batch fields of the same names."""
+    dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    pixels = np.zeros((len(rows), budget, dim), np.float32)
+    for r, images in enumerate(rows):
+        if images is not None:
+            pixels[r, : len(images.pixels)] = images.pixels
+    layouts = [row_layout(() if images is None else images.grids, cfg, budget) for images in rows]
+    positions, windows, groups = (np.stack(part) for part in zip(*layouts))
+    return {"pixels": pixels, "patch_positions": positions, "patch_windows": windows, "patch_images": groups}
+
+
+def prompt_rope(tokens, segment_ids, rows, image_token_id: int, cfg: VisionConfig) -> tuple[np.ndarray, np.ndarray]:
+    """M-RoPE's positions [B, T, 3] of left- or right-padded prompts whose images are `rows` (as
+    image_rows'), and each row's rope delta [B]: how far its positions run ahead of its token count,
+    so that a token sampled at position p takes p + delta on all three axes (transformers'
+    `rope_deltas` in generate)."""
+    grids = [g for images in rows if images is not None for g in images.grids]
+    rope = mrope_positions(tokens, segment_ids, grids, image_token_id, cfg)
+    lengths = np.count_nonzero(np.asarray(segment_ids) > 0, axis=1)
+    return rope, np.where(lengths > 0, rope.max(axis=(1, 2)) + 1 - lengths, 0).astype(np.int32)
+
+
 def _patch_keys(grids, cfg: VisionConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each patch's (row, column) in its image [N, 2], and the keys of the window [N, 3] and of the
     image and frame [N, 2] it attends within."""
@@ -328,6 +354,14 @@ class VisionLanguageModel(decoder.Decoder):
         processor's pixel_values, the images' patches one after the other; with a RowLayout each
         row's, padded to its budget: a padding patch's features are never read)."""
         return self.vision(pixels, layout)
+
+    def encode_rows(self, rows: dict):
+        """The features [R, P / 4, emb_dim] of rows' images laid out as `image_rows` lays them out
+        (its fields in `rows`, or SFT's batch fields: the same), each row's in its own slots."""
+        pixels = rows["pixels"]
+        R, P = pixels.shape[:2]
+        layout = RowLayout(rows["patch_positions"].reshape(R * P, 2), rows["patch_windows"], rows["patch_images"])
+        return self.encode_images(pixels.reshape(R * P, -1), layout).reshape(R, -1, self.cfg.emb_dim)
 
 
 def tower_mask(tree: dict) -> dict:

@@ -1,7 +1,8 @@
 """The model source of `model_source: unitrain`: our decoder (decoder.py) built from the config for
 the platform the programs are built for, its parameters placed in their shardings: randomly
-initialised, read from an HF checkpoint (adapters.hf) or from a unitrain checkpoint; with or
-without its LM head (sources.py).
+initialised, read from an HF checkpoint (adapters.hf) or from a unitrain checkpoint (a
+vision-language model's: its tower's dimensions from the HF folder its run started from,
+config.vision_language_folder); with or without its LM head (sources.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from flax import nnx
 from unitrain import checkpoint, sharding
 from unitrain.adapters import hf, hf_config
 from unitrain.config import VISION_LANGUAGE_FAMILIES as VISION_LANGUAGE
+from unitrain.config import vision_language_folder
+from unitrain.errors import ConfigError
 from unitrain.models import decoder, qwen2_5_vl
 from unitrain.models.attention import attention_kernel
 
@@ -34,9 +37,16 @@ def source(cfg, mesh, output_head: bool = True) -> decoder.Decoder:
     platform = sharding.target_platform()
     model_cfg = decoder.ModelConfig.from_config(cfg, platform, output_head=output_head)
     path = cfg.load_parameters_path
-    vision = hf.vision_config_from_hf(path, cfg.trust_remote_code) if cfg.model_family in VISION_LANGUAGE else None
-    if vision is not None:  # the decoder's multimodal fields, like the tower, are the checkpoint's (config.json)
-        keys, _ = hf_config.vision_language_keys(path)
+    vision = None
+    if cfg.model_family in VISION_LANGUAGE:  # the decoder's multimodal fields, like the tower, are config.json's
+        folder = vision_language_folder(path)
+        if folder is None:
+            raise ConfigError(
+                f"load_parameters_path {path}: a {cfg.model_family} checkpoint whose run started from no HF folder, "
+                "whose config.json holds the vision tower's dimensions"
+            )
+        vision = hf.vision_config_from_hf(folder, cfg.trust_remote_code)
+        keys, _ = hf_config.vision_language_keys(folder)
         model_cfg = dataclasses.replace(
             model_cfg, mrope_section=keys["mrope_section"], image_token_id=keys["image_token_id"]
         )
@@ -52,7 +62,7 @@ def source(cfg, mesh, output_head: bool = True) -> decoder.Decoder:
     )
     if path and os.path.isfile(os.path.join(path, "config.json")):
         return hf.load(path, mesh=mesh, model_cfg=model_cfg, other_tensors=() if output_head else HEAD_TENSORS)
-    model = sharding.init_sharded(lambda: decoder.create(model_cfg, cfg.seed, hf.save), mesh, rules)
+    model = sharding.init_sharded(lambda: create(model_cfg, seed=cfg.seed, hf_writer=hf.save), mesh, rules)
     if path and output_head:
         graphdef, params = nnx.split(model)
         model = nnx.merge(graphdef, checkpoint.load_params(path, nnx.to_pure_dict(params)))

@@ -16,7 +16,6 @@ reads or initialises the head) makes it a critic or a reward model.
 from __future__ import annotations
 
 import inspect
-import os
 
 from unitrain import plugins, registry
 from unitrain.config import VISION_LANGUAGE_FAMILIES, check
@@ -67,14 +66,16 @@ def _attention_kernel(c) -> str | None:
 
 @check("model_family", "load_parameters_path", "model_source")
 def _vision_language_folder(c) -> str | None:
-    # The tower's dimensions are no config keys: config.json holds them.
+    # The tower's dimensions are no config keys: config.json holds them, or that of the HF folder a
+    # unitrain checkpoint's run started from (found when the model is built: a pipeline's later
+    # stages start from checkpoints not written yet).
     if c["model_family"] not in VISION_LANGUAGE_FAMILIES or (
-        c["model_source"] == "unitrain" and os.path.isfile(os.path.join(c["load_parameters_path"], "config.json"))
+        c["model_source"] == "unitrain" and c["load_parameters_path"]
     ):
         return None
     return (
         f"model_family {c['model_family']} (a vision tower) is read from an HF folder only: set load_parameters_path "
-        "to one (with model_source unitrain)"
+        "to one, or to a unitrain checkpoint of a run that started from one (with model_source unitrain)"
     )
 
 

@@ -161,7 +161,8 @@ class Driver:
         whole = not self.chunk_tokens or (ahead and self.interrupted_by_pushes)
         budgets = tuple(row.remaining if whole else min(row.remaining, self.chunk_tokens) for row in rows)
         call = dataclasses.replace(self.sampling, row_budgets=budgets)
-        handle = submit(self.sampler, [row.context() for row in rows], call, live[0].keys.next())
+        contexts, images = [row.context() for row in rows], [row.request.images for row in rows]
+        handle = submit(self.sampler, contexts, call, live[0].keys.next(), images)
         self.pending = (live, rows, budgets, whole, handle)
 
     def collect(self) -> None:

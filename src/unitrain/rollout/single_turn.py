@@ -11,5 +11,5 @@ class SingleTurn(Workflow):
         self.max_tokens = run.cfg.rollout_max_response_len
 
     def group(self, record, n: int):
-        turns = yield [Generate(list(record.ids))] * n
+        turns = yield [Generate(list(record.ids), images=record.images)] * n
         return (yield from scored_answers(record, turns, self.tokenizer))

@@ -61,6 +61,7 @@ class Generate:
 
     context: list[int]  # every id so far: the prompt and all turns
     max_new_tokens: int | None = None  # None: as many as the call samples
+    images: object = None  # the prompt's data.images.PromptImages (its image pads' pixels), if any
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,13 +73,14 @@ from unitrain import advantages as advantages_lib
 from unitrain import losses, rewards, sharding
 from unitrain.config import check
 from unitrain.data import format_choice
+from unitrain.data.images import IMAGE_FIELDS
 from unitrain.data.prompts import make_prompt_iterator
 from unitrain.data.rl_packing import RolloutPacking, completion_rows, packed_rows_needed
 from unitrain.engines.base import MeasuredSampler, SamplingParams, close, release
 from unitrain.engines.buckets import batch_parallelism, bucket_packed_rows, bucket_prompt_length
 from unitrain.engines.factory import make_sampler
 from unitrain.evals import TaskEvaluator
-from unitrain.models import moe
+from unitrain.models import moe, qwen2_5_vl
 from unitrain.models.base import SharedPrefixModel
 from unitrain.rollout.driver import Driver, make_workflow
 from unitrain.rollout.executor import RolloutExecutor
@@ -93,7 +94,7 @@ log = logging.getLogger("unitrain")
 
 ROW_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "loss_mask", "sampler_logprobs")
 # The fields a step's passes and updates share: put on the devices once a step (StepRows).
-FIXED_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "routes")
+FIXED_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "routes", *IMAGE_FIELDS)
 
 
 def token_stats(
@@ -105,23 +106,45 @@ def token_stats(
     with_entropy: bool = False,
     group_rows: int = 1,
     replay: bool = True,
+    frozen_tower: bool = False,
 ):
     """losses.TokenStats of the completion tokens at the sampling temperature, float32 [rows, C].
     group_rows > 1: the rows come in runs of that many copies of one prompt, whose prompt columns
     the model computes once per run (`hidden_states_shared_prefix`). Packed rows (P = 0): every column's.
-    `replay`: route by the batch's recorded routes, if any (not a teacher: its experts are its own)."""
+    `replay`: route by the batch's recorded routes, if any (not a teacher: its experts are its own).
+    Rows with images: see `image_inputs` (`frozen_tower`: no gradient through the tower)."""
     model = nnx.merge(graphdef, params)
     rows = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     C = batch["targets"].shape[1]
     P = rows[0].shape[1] - C
     # Routing replay: the recorded routes as a keyword, so that a model without experts never sees one.
     routes = {"routes": batch["routes"]} if replay and "routes" in batch else {}
+    images = image_inputs(model, batch, P, group_rows, frozen_tower)
     if group_rows > 1:
-        hidden = model.hidden_states_shared_prefix(*rows, P, group_rows, **routes)
+        hidden = model.hidden_states_shared_prefix(*rows, P, group_rows, **routes, **images)
     else:
-        hidden = model.hidden_states(*rows, **routes)
+        hidden = model.hidden_states(*rows, **routes, **images)
     hidden = hidden[:, P - 1 : P - 1 + C] if P else hidden
     return losses.token_stats(model.logits, hidden, batch["targets"], chunk_size, temperature, with_entropy)
+
+
+def image_inputs(model, batch, P: int, group_rows: int, frozen_tower: bool) -> dict:
+    """A vision-language model's image arguments of rollout rows with images (`to_rows`' IMAGE_FIELDS;
+    none: {}): the images of each run of `group_rows` copies of a prompt encoded once (its first
+    row's), M-RoPE's positions, and the image pads of the P prompt columns alone (a pad the sampler
+    drew is text, as it was to the sampler)."""
+    if "pixels" not in batch:
+        return {}
+    fields = {k: batch[k] for k in ("pixels", "patch_positions", "patch_windows", "patch_images")}
+    if group_rows > 1:
+        fields = {k: v.reshape(-1, group_rows, *v.shape[1:])[:, 0] for k, v in fields.items()}
+    features = model.encode_rows(fields)
+    out = {"image_features": jax.lax.stop_gradient(features) if frozen_tower else features}
+    out["rope_positions"] = batch["rope_positions"]
+    if group_rows == 1:
+        columns = jnp.arange(batch["inputs"].shape[1]) < P
+        out["image_mask"] = (batch["inputs"] == model.cfg.image_token_id) & columns
+    return out
 
 
 def shared_prompt_rows(cfg, rows_per_update: int, model, devices: int) -> dict:
@@ -330,7 +353,9 @@ class RLTask(Task):
     def loss(self, params, batch):
         """The clipped policy loss of one micro-batch, in train_step's loss_fn form."""
         cfg = self.cfg
-        stats = self.stats(params, batch, with_entropy=True, group_rows=self.group_rows["update"])
+        stats = self.stats(
+            params, batch, with_entropy=True, group_rows=self.group_rows["update"], frozen_tower=cfg.freeze_vision_tower
+        )
         sequences = losses.packed_sequences(batch["inputs_segmentation"]) if self.packing else losses.ROWS
         old = batch["old_logprobs"] if self.separate_old else jax.lax.stop_gradient(stats.logprobs)
         mask, weights, is_metrics = batch["loss_mask"], None, {}
@@ -366,6 +391,7 @@ class RLTask(Task):
         rows2d = sharding.batch_sharding(self.run.mesh, self.run.rules)
         keys = [*ROW_KEYS] + ["old_logprobs"] * self.separate_old + ["ref_logprobs"] * (self.reference is not None)
         keys += ["routes"] * self.replay  # [rows, P + C, L, k]: split by rows as the rest
+        keys += [*IMAGE_FIELDS] * bool(self.cfg.max_image_patches)
         return {
             **{k: rows2d for k in keys},
             "advantages": rows2d
@@ -494,7 +520,22 @@ class RLTask(Task):
             arrays["targets"][r, :length] = t.ids
             arrays["loss_mask"][r, :length] = t.loss_mask  # episodes: not the environment's tokens
             arrays["sampler_logprobs"][r, :length] = t.logprobs
+        if self.cfg.max_image_patches:
+            arrays.update(self.image_rows(groups, arrays, P))
         return arrays
+
+    def image_rows(self, groups, rows: dict, P: int) -> dict:
+        """IMAGE_FIELDS of the rows: each row's prompt's images laid out for the tower (qwen2_5_vl.
+        image_rows), M-RoPE's positions of its prompt and, after it, each position shifted by the
+        row's rope delta, as the sampler decoded them."""
+        vision, pad = self.run.model.vision.cfg, self.run.model.cfg.image_token_id
+        images = [g.prompt.images for g in groups for _ in g.trajectories]
+        prompt, deltas = qwen2_5_vl.prompt_rope(
+            rows["inputs"][:, :P], rows["inputs_segmentation"][:, :P], images, pad, vision
+        )
+        after = rows["inputs_position"][:, P:] + deltas[:, None]
+        rope = np.concatenate([prompt, np.repeat(after[..., None], 3, axis=-1)], axis=1)
+        return {**qwen2_5_vl.image_rows(images, vision, self.cfg.max_image_patches), "rope_positions": rope}
 
     def rollout_passes(self, state, rows: StepRows | dict) -> dict:
         """What the updates read of the models before they change them, [rows, C] each: the old and
@@ -550,6 +591,7 @@ class RLTask(Task):
         batch's layout; `args_and_rows` ends with the StepRows."""
         *args, rows = args_and_rows
         keys = ("inputs", "inputs_position", "inputs_segmentation", "targets", *["routes"] * self.replay)
+        keys += IMAGE_FIELDS * bool(self.cfg.max_image_patches)
         chunks = rows.on_device(keys, sharding.batch_sharding(self.run.mesh, self.run.rules))
         return rows.unpack([self.run.programs(self.program_name(name, c), fn, *args, c) for c in chunks])
 

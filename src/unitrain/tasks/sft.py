@@ -35,7 +35,6 @@ from unitrain.engines.factory import make_sampler
 from unitrain.envs.factory import demonstrations
 from unitrain.errors import ConfigError
 from unitrain.evals import TaskEvaluator, sft_reward_fn, warn_if_answers_cut
-from unitrain.models import qwen2_5_vl
 from unitrain.rollout.driver import make_workflow
 from unitrain.tasks import gkd
 from unitrain.tasks.base import RunContext, Task
@@ -134,12 +133,7 @@ class SFTTask(Task):
         encoded by the tower (a frozen one passes no gradient), M-RoPE's positions."""
         if "pixels" not in batch:
             return {}
-        pixels = batch["pixels"]
-        rows, budget = pixels.shape[:2]
-        layout = qwen2_5_vl.RowLayout(
-            batch["patch_positions"].reshape(rows * budget, 2), batch["patch_windows"], batch["patch_images"]
-        )
-        features = model.encode_images(pixels.reshape(rows * budget, -1), layout).reshape(rows, -1, model.cfg.emb_dim)
+        features = model.encode_rows(batch)
         if self.cfg.freeze_vision_tower:
             features = jax.lax.stop_gradient(features)
         return {"image_features": features, "rope_positions": batch["rope_positions"]}
