@@ -48,10 +48,11 @@ def shards(cfg) -> int:
 
 
 def forward(cfg, run, x, positions, segment_ids, rope, routes):
-    """run(x, positions, segment_ids, rope, routes, attend) -> hidden [B, T, E], the layer stack
-    over the embeddings x given the attention of these columns (`rope`: the positions RoPE reads);
-    under context parallelism the columns padded to a whole number of chunks (padding is segment
-    0), load-balanced, and back in their order afterwards."""
+    """run(x, positions, segment_ids, rope, routes, attend) -> hidden [B, T, E] (or any pytree of
+    [B, T, ...] arrays: a prefill's keys and values beside it), the layer stack over the embeddings
+    x given the attention of these columns (`rope`: the positions RoPE reads); under context
+    parallelism the columns padded to a whole number of chunks (padding is segment 0),
+    load-balanced, and every output back in their order afterwards."""
     c = shards(cfg)
     if c == 1:
         return run(x, positions, segment_ids, rope, routes, attention_fn(cfg, segment_ids, positions))
@@ -64,10 +65,10 @@ def forward(cfg, run, x, positions, segment_ids, rope, routes):
         columns = [balance(cfg, a, c) for a in columns]
     x, positions, segment_ids, rope, *rest = columns
     attend = sharded_attention_fn(cfg, segment_ids, positions, c, T + pad)
-    hidden = run(x, positions, segment_ids, rope, rest[0] if rest else None, attend)
+    out = run(x, positions, segment_ids, rope, rest[0] if rest else None, attend)
     if cfg.context_load_balance:
-        hidden = balance(cfg, hidden, c, inverse=True)
-    return hidden[:, :T]
+        out = jax.tree.map(lambda a: balance(cfg, a, c, inverse=True), out)
+    return jax.tree.map(lambda a: a[:, :T], out)
 
 
 def strategy(choice: str, length: int, c: int) -> str:
