@@ -16,6 +16,9 @@ and any order of the columns are right, and RoPE reads each column's own positio
 (`context_load_balance`) uses that: under a causal mask the late positions attend to many more keys
 than the early ones, so the forward reorders the columns, device i holding chunks i and 2c-1-i of
 the 2c chunks of a row, and restores the order of its final hidden states: the losses never see it.
+
+The samplers' prefill takes the same forward (decoder.Decoder._split_prefill), its keys and values
+restored to the columns' order with the hidden states, to fill the KV cache the decode steps read.
 """
 
 from __future__ import annotations
