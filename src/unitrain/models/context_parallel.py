@@ -151,6 +151,15 @@ def _pass(block, c):
     return jax.lax.ppermute(block, AXIS, [(i, (i + 1) % c) for i in range(c)])
 
 
+def _tied(arriving, done):
+    """(arriving, done): the block in transit made available only with `done`, this step's
+    attention, computed: otherwise, nothing else depending on the ring's transfers, XLA:TPU's scheduler runs
+    all c - 1 of them back to back before the first block's attention (every block then held at
+    once, as a gather would) and overlaps only the last with the attention. Tied, each transfer
+    runs while one block's attention is computed (docs/PERFORMANCE.md)."""
+    return jax.lax.optimization_barrier((arriving, done))
+
+
 def _grouped(q, K):
     """q [B, T, H, D] -> [B, K, G, T, D], the reference's layout."""
     B, T, H, D = q.shape
@@ -269,6 +278,8 @@ def _ring_fwd(q, k, v, segments, positions, window, chunk, c, balanced):
                 return tuple(jnp.concatenate(h, axis=3) for h in zip(first, second))
 
             state = jax.lax.cond(_from_earlier(step, c), earlier, later, state)
+        if arriving is not None:
+            arriving, state = _tied(arriving, state)
         block = arriving
     top, total, acc = state
     out = (acc / total[..., None]).astype(q.dtype)
@@ -288,9 +299,10 @@ def _ring_bwd(window, chunk, c, balanced, residuals, d_out):
     live = top > jnp.finfo(jnp.float32).min  # a query with no key at all (padding) has no gradient
     queries = (qg, segments, positions, top, log_sum, row, live, d_out)
     d_q = jnp.zeros(qg.shape, jnp.float32)
-    block = (k, v, segments, positions, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    keys, d_kv = (k, v, segments, positions), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for step in range(c):
-        keys, d_kv = block[:4], block[4:]
+        # The keys go on while this block's gradients are computed; the gradients follow them.
+        arriving = _pass(keys, c) if step < c - 1 else None
         whole = functools.partial(_grads, queries, keys, window, chunk)
         if step == 0:
             grads = whole()
@@ -309,9 +321,10 @@ def _ring_bwd(window, chunk, c, balanced, residuals, d_out):
 
             grads = jax.lax.cond(_from_earlier(step, c), earlier, later)
         d_q = d_q + grads[0]
-        d_kv = (d_kv[0] + grads[1], d_kv[1] + grads[2])
-        block = _pass((*keys, *d_kv) if step < c - 1 else d_kv, c)
-    d_k, d_v = block[-2:]
+        d_kv = _pass((d_kv[0] + grads[1], d_kv[1] + grads[2]), c)
+        if arriving is not None:
+            keys, d_q = _tied(arriving, d_q)
+    d_k, d_v = d_kv
     d_q = d_q.astype(qg.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return d_q, d_k.astype(k.dtype), d_v.astype(v.dtype), None, None
 
