@@ -344,3 +344,27 @@ def test_few_rows_decode_with_xlas_own_dots_and_draw_the_same_tokens(monkeypatch
     np.testing.assert_array_equal(few.tokens, default.tokens)
     np.testing.assert_allclose(few.logprobs, default.logprobs, atol=1e-5)
     assert programs.compiler_options(1) is None  # FEW_ROWS is 0 now
+
+
+@pytest.mark.parametrize("context, strategy, balance", [(2, "ring", True), (4, "all_gather", False)])
+def test_prefill_split_on_the_context_axis_samples_as_unsplit(context, strategy, balance):
+    """Left-padded prompts of 1 to 13 tokens prefilled over the context axis (ring or gathered keys,
+    in chunks of 4 queries), the decode reading the cache split as the prefill left it: the unsplit
+    sampler's tokens, and its logprobs within 1e-4 (float32; the split softmax sums in another order)."""
+    mesh = sharding.create_mesh({"fsdp": 8 // context, "context": context}, {})
+    cfg = dataclasses.replace(
+        CFG,
+        logical_axis_rules=sharding.DEFAULT_RULES,
+        context_parallel_strategy=strategy,
+        context_load_balance=balance,
+        attention_chunk_size=4,
+    )
+    model = scaled(sharding.init_sharded(lambda: model_lib.create(cfg), mesh, sharding.DEFAULT_RULES))
+    sampling, key = SamplingParams(max_new_tokens=8, temperature=1.0), jax.random.key(4)
+    prompts = PROMPTS + PROMPTS[:2] * 2  # 8 rows, a prefill block of the 4 prompts
+    out = generate(model, prompts, sampling, key, mesh=mesh, rules=sharding.DEFAULT_RULES)
+    reference = generate(tiny_model(), prompts, sampling, key)
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    np.testing.assert_array_equal(out.lengths, reference.lengths)
+    np.testing.assert_allclose(out.logprobs, reference.logprobs, atol=1e-4)
+    assert len(set(out.tokens.ravel())) > 8  # sampled, not a few greedy favourites

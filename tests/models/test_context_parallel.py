@@ -141,3 +141,59 @@ def test_fused_kernels_have_no_split_form():
         attention.attention_kernel("splash", "tpu", "bfloat16", context=2)
     assert attention.attention_kernel("auto", "tpu", "bfloat16", context=2) == "xla"
     assert attention.attention_kernel("auto", "tpu", "bfloat16") == "splash"
+
+
+@pytest.mark.parametrize("context,strategy,balance", [(2, "ring", True), (4, "all_gather", False)])
+def test_split_prefill_fills_the_cache_as_the_unsplit_one(monkeypatch, context, strategy, balance):
+    """A cached call of rows split on the context axis (the samplers' prefill) attends by the
+    split attention and gives the unsplit call's hidden states and KV cache (every layer's keys and
+    values, the columns' segments and positions, the next column), its cache split along the
+    context axis as the decode steps read it."""
+    from unitrain.engines.programs import sharded_cache
+
+    split_calls = []
+    traced = context_parallel.sharded_attention_fn
+    monkeypatch.setattr(
+        context_parallel,
+        "sharded_attention_fn",
+        lambda cfg, segments, positions, c, length: (
+            split_calls.append((c, length)) or traced(cfg, segments, positions, c, length)
+        ),
+    )
+
+    def prefill(mesh, **cfg):
+        model = decoder.create(decoder.ModelConfig(**CFG, **cfg), 0)
+        graphdef, state = nnx.split(model)
+
+        def call(state, tokens, positions, segments):
+            model = nnx.merge(graphdef, state)
+            rules = None if mesh is None else sharding.DEFAULT_RULES
+            return model.hidden_states(tokens, positions, segments, sharded_cache(model, B, T + 8, rules))
+
+        if mesh is None:
+            return jax.jit(call)(state, *rows())
+        data = sharding.batch_sharding(mesh, sharding.DEFAULT_RULES)
+        with jax.set_mesh(mesh):
+            return jax.jit(call)(state, *(jax.device_put(a, data) for a in rows()))
+
+    want_hidden, want_cache = prefill(None)
+    mesh = sharding.create_mesh({"fsdp": 8 // context, "context": context}, {})
+    hidden, cache = prefill(mesh, context_parallel_strategy=strategy, context_load_balance=balance)
+    assert split_calls == [(context, T)]
+    # Padding columns attend to nothing (segment 0): their states are no one's, and no key reads them.
+    real = np.pad(rows()[2] > 0, [(0, 0), (0, 8)])
+    np.testing.assert_allclose(
+        np.asarray(hidden)[real[:, :T]], np.asarray(want_hidden)[real[:, :T]], rtol=1e-5, atol=1e-5
+    )
+    for got, want in zip(cache.k + cache.v, want_cache.k + want_cache.v):
+        by_column = lambda a: np.moveaxis(np.asarray(a), -1 if a.shape[-1] == T + 8 else 2, 1)[real]
+        np.testing.assert_allclose(by_column(got), by_column(want), rtol=1e-5, atol=1e-6)
+    for got, want in ((cache.segment_ids, want_cache.segment_ids), (cache.positions, want_cache.positions)):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(cache.end, T)
+    decode_reads = sharding.logical_shardings(
+        decoder.create(decoder.ModelConfig(**CFG)).cache_axes(), mesh, sharding.DEFAULT_RULES
+    )
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(decode_reads)):
+        assert got.sharding.is_equivalent_to(want, got.ndim), (got.sharding, want)
+    assert cache.k[0].sharding.spec[3] == "context"

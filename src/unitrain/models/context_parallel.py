@@ -16,6 +16,9 @@ and any order of the columns are right, and RoPE reads each column's own positio
 (`context_load_balance`) uses that: under a causal mask the late positions attend to many more keys
 than the early ones, so the forward reorders the columns, device i holding chunks i and 2c-1-i of
 the 2c chunks of a row, and restores the order of its final hidden states: the losses never see it.
+
+The samplers' prefill takes the same forward (decoder.Decoder._split_prefill), its keys and values
+restored to the columns' order with the hidden states, to fill the KV cache the decode steps read.
 """
 
 from __future__ import annotations
@@ -48,10 +51,11 @@ def shards(cfg) -> int:
 
 
 def forward(cfg, run, x, positions, segment_ids, rope, routes):
-    """run(x, positions, segment_ids, rope, routes, attend) -> hidden [B, T, E], the layer stack
-    over the embeddings x given the attention of these columns (`rope`: the positions RoPE reads);
-    under context parallelism the columns padded to a whole number of chunks (padding is segment
-    0), load-balanced, and back in their order afterwards."""
+    """run(x, positions, segment_ids, rope, routes, attend) -> hidden [B, T, E] (or any pytree of
+    [B, T, ...] arrays: a prefill's keys and values beside it), the layer stack over the embeddings
+    x given the attention of these columns (`rope`: the positions RoPE reads); under context
+    parallelism the columns padded to a whole number of chunks (padding is segment 0),
+    load-balanced, and every output back in their order afterwards."""
     c = shards(cfg)
     if c == 1:
         return run(x, positions, segment_ids, rope, routes, attention_fn(cfg, segment_ids, positions))
@@ -64,10 +68,10 @@ def forward(cfg, run, x, positions, segment_ids, rope, routes):
         columns = [balance(cfg, a, c) for a in columns]
     x, positions, segment_ids, rope, *rest = columns
     attend = sharded_attention_fn(cfg, segment_ids, positions, c, T + pad)
-    hidden = run(x, positions, segment_ids, rope, rest[0] if rest else None, attend)
+    out = run(x, positions, segment_ids, rope, rest[0] if rest else None, attend)
     if cfg.context_load_balance:
-        hidden = balance(cfg, hidden, c, inverse=True)
-    return hidden[:, :T]
+        out = jax.tree.map(lambda a: balance(cfg, a, c, inverse=True), out)
+    return jax.tree.map(lambda a: a[:, :T], out)
 
 
 def strategy(choice: str, length: int, c: int) -> str:
@@ -145,6 +149,15 @@ _BLOCK_AXES = (2, 2, 1, 1)
 def _pass(block, c):
     """Each device's block to the next device of the axis."""
     return jax.lax.ppermute(block, AXIS, [(i, (i + 1) % c) for i in range(c)])
+
+
+def _tied(arriving, done):
+    """(arriving, done): the block in transit made available only with `done`, this step's
+    attention, computed: otherwise, nothing else depending on the ring's transfers, XLA:TPU's scheduler runs
+    all c - 1 of them back to back before the first block's attention (every block then held at
+    once, as a gather would) and overlaps only the last with the attention. Tied, each transfer
+    runs while one block's attention is computed (docs/PERFORMANCE.md)."""
+    return jax.lax.optimization_barrier((arriving, done))
 
 
 def _grouped(q, K):
@@ -265,6 +278,8 @@ def _ring_fwd(q, k, v, segments, positions, window, chunk, c, balanced):
                 return tuple(jnp.concatenate(h, axis=3) for h in zip(first, second))
 
             state = jax.lax.cond(_from_earlier(step, c), earlier, later, state)
+        if arriving is not None:
+            arriving, state = _tied(arriving, state)
         block = arriving
     top, total, acc = state
     out = (acc / total[..., None]).astype(q.dtype)
@@ -284,9 +299,10 @@ def _ring_bwd(window, chunk, c, balanced, residuals, d_out):
     live = top > jnp.finfo(jnp.float32).min  # a query with no key at all (padding) has no gradient
     queries = (qg, segments, positions, top, log_sum, row, live, d_out)
     d_q = jnp.zeros(qg.shape, jnp.float32)
-    block = (k, v, segments, positions, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    keys, d_kv = (k, v, segments, positions), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for step in range(c):
-        keys, d_kv = block[:4], block[4:]
+        # The keys go on while this block's gradients are computed; the gradients follow them.
+        arriving = _pass(keys, c) if step < c - 1 else None
         whole = functools.partial(_grads, queries, keys, window, chunk)
         if step == 0:
             grads = whole()
@@ -305,9 +321,10 @@ def _ring_bwd(window, chunk, c, balanced, residuals, d_out):
 
             grads = jax.lax.cond(_from_earlier(step, c), earlier, later)
         d_q = d_q + grads[0]
-        d_kv = (d_kv[0] + grads[1], d_kv[1] + grads[2])
-        block = _pass((*keys, *d_kv) if step < c - 1 else d_kv, c)
-    d_k, d_v = block[-2:]
+        d_kv = _pass((d_kv[0] + grads[1], d_kv[1] + grads[2]), c)
+        if arriving is not None:
+            keys, d_q = _tied(arriving, d_q)
+    d_k, d_v = d_kv
     d_q = d_q.astype(qg.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return d_q, d_k.astype(k.dtype), d_v.astype(v.dtype), None, None
 

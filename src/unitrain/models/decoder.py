@@ -298,6 +298,8 @@ class Decoder(nnx.Module):
         rope = positions if rope_positions is None else rope_positions
         if cache is None:
             return context_parallel.forward(cfg, self._uncached, x, positions, segment_ids, rope, routes), None
+        if x.shape[1] > 1 and context_parallel.shards(cfg) > 1:
+            return self._split_prefill(x, positions, segment_ids, rope, cache, layers)
         cos, sin = rope_tables(cfg, rope)
         x, new_cache = _run_cached(cfg, x, self._stacked_layers(), cos, sin, segment_ids, positions, cache, layers)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
@@ -316,6 +318,28 @@ class Decoder(nnx.Module):
         x, routed = _run_stack(cfg, x, params, layer)
         moe.report(routed)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+
+    def _split_prefill(self, x, positions, segment_ids, rope, cache, layers):
+        """A cached call of several columns over rows split on the context axis: the samplers'
+        prefill, of an empty cache. Its columns attend to one another as a call without a cache
+        does (context_parallel.forward: the ring or the gathered keys, load-balanced), so no
+        device holds the prompt's keys whole or scores all its queries; each layer's keys and
+        values, back in the columns' order, then fill the cache's first columns, which stay split
+        along the context axis as the decode steps read them (`kv_cache.cache_axes`)."""
+        cfg = self.cfg
+        params = self._stacked_layers()
+
+        def run(x, positions, segment_ids, rope, routes, attend):
+            cos, sin = rope_tables(cfg, rope)
+            x, ks, vs, _ = _run_unrolled(cfg, x, params, layers, cos, sin, attend, segment_ids)
+            # [B, K, T, D] -> [B, T, K, D]: the columns on the axis whose order forward restores.
+            kv = [(k.swapaxes(1, 2), v.swapaxes(1, 2)) for k, v in zip(ks, vs)]
+            return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+
+        hidden, kv = context_parallel.forward(cfg, run, x, positions, segment_ids, rope, None)
+        written = [kv_cache.write(cache, i, k.swapaxes(1, 2), v.swapaxes(1, 2)) for i, (k, v) in enumerate(kv)]
+        columns = kv_cache.write_columns(cache, segment_ids, positions)
+        return hidden, kv_cache.written(cache, *map(list, zip(*written)), columns, x.shape[1])
 
     def hidden_states_shared_prefix(
         self,
@@ -462,16 +486,27 @@ def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: kv_cach
     attend = functools.partial(
         cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size, matmuls=cfg.platform != "cpu"
     )
+    write = functools.partial(kv_cache.write, cache)
+    x, ks, vs, routed = _run_unrolled(cfg, x, params, layers, cos, sin, attend, segment_ids, write)
+    # The sampler's routes (routing replay) are the experts of these calls: reported for it to collect.
+    moe.report(routed)
+    return x, kv_cache.written(cache, ks, vs, columns, x.shape[1])
+
+
+def _run_unrolled(cfg, x, params, layers, cos, sin, attend, segment_ids, write=None):
+    """The layers in order, unrolled, on `layers` (decode weights) if given, else on slices of the
+    stacked weights `params`; `write(i, k, v)` stores layer i's keys and values in a cache and
+    returns the cache's, which the layer attends to. Returns x, each layer's keys and values (the
+    call's own without `write`) and the layers' RouterStats stacked (None when dense)."""
     ks, vs, routed = [], [], []
     for i in range(cfg.num_decoder_layers):
         p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
-        x, (k, v), stats = _layer(cfg, p, x, cos, sin, attend, segment_ids, functools.partial(kv_cache.write, cache, i))
+        store = None if write is None else functools.partial(write, i)
+        x, (k, v), stats = _layer(cfg, p, x, cos, sin, attend, segment_ids, store)
         ks.append(k)
         vs.append(v)
         routed.append(stats)
-    # The sampler's routes (routing replay) are the experts of these calls: reported for it to collect.
-    moe.report(jax.tree.map(lambda *a: jnp.stack(a), *routed) if cfg.num_experts else None)
-    return x, kv_cache.written(cache, ks, vs, columns, x.shape[1])
+    return x, ks, vs, jax.tree.map(lambda *a: jnp.stack(a), *routed) if cfg.num_experts else None
 
 
 _MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", moe.ROUTER, *moe.EXPERT_PARAMS)
