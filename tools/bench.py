@@ -26,7 +26,7 @@ compaction (rollout_compaction) is for; tokens/s counts the budgets' sum.
 With `--chunk-tokens C` it times instead, A B A B, the rows' --new-tokens in one call (what a
 continuation on a kept KV cache decodes) and the same rows C tokens a call, each call prefilling the
 prompt and the tokens so far again (interruptible generation's re-prefill, rollout_chunk_tokens), and
-reports both medians and the median of the pairs' B/A ratios.
+reports both medians (and as tokens/s) and the median of the pairs' B/A ratios.
 --mode grpo times `--steps` whole GRPO steps (rollout, rewards, advantages, logprobs, update) on
 random prompts, with the config's reward, KL and clipping, and reports the median step time and
 its parts (with sampler=mesh the weight push; with max_staleness the steps overlap rollouts with
@@ -235,7 +235,7 @@ def abstract_run(cfg) -> tuple[RunContext, dict]:
         cfg=cfg,
         layout=layout,
         mesh=mesh,
-        rollout_mesh=None,
+        rollout_meshes=(),
         rules=rules,
         tokenizer=load_tokenizer(cfg.tokenizer_path, cfg.trust_remote_code),
         model=model,
@@ -748,6 +748,9 @@ def bench_chunked(cfg, batch: int, prompt_len: int, new_tokens: int, chunk: int,
         "one_call_time_median": statistics.median(a),
         "chunked_time_median": statistics.median(b),
         "chunked_over_one_call_median": statistics.median(y / x for x, y in zip(a, b)),
+        # every row samples all new_tokens (no stop token)
+        "one_call_tokens_per_s": batch * new_tokens / statistics.median(a),
+        "chunked_tokens_per_s": batch * new_tokens / statistics.median(b),
         "call_times": a,
         "chunked_times": b,
         "device_kind": jax.devices()[0].device_kind,
@@ -942,7 +945,7 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
         )
         if cfg.sampler == "mesh":  # the multi-process path (each parameter through the hosts), in one process
             start = time.perf_counter()
-            jax.block_until_ready(jax.tree.map(rollout_mesh.through_hosts, params, sampler.shardings))
+            jax.block_until_ready(rollout_mesh.through_hosts(params, sampler.shardings))
             via_hosts.append(time.perf_counter() - start)
     close(sampler)
     median = statistics.median(times[warmup:])
@@ -964,7 +967,8 @@ def bench_push(cfg, steps: int, warmup: int) -> dict:
     if via_hosts:
         result |= {
             "through_hosts_seconds_median": statistics.median(via_hosts[warmup:]),
-            "rollout_mesh": dict(run.rollout_mesh.shape),
+            "rollout_mesh": dict(run.rollout_meshes[0].shape),
+            "rollout_meshes": len(run.rollout_meshes),
         }
     return result
 

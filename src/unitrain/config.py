@@ -146,6 +146,7 @@ RULES: dict[str, Rule] = {
     **{key: MESH_SIZE for key in TRAINER_MESH_KEYS + ROLLOUT_MESH_KEYS},
     "context_parallel_strategy": choices(*CONTEXT_PARALLEL_STRATEGIES),
     "rollout_devices": NON_NEGATIVE_INT,
+    "rollout_meshes": POSITIVE_INT,
     "max_staleness": NON_NEGATIVE_INT,
     "max_concurrent_rollouts": NON_NEGATIVE_INT,
     "rollout_chunk_tokens": NON_NEGATIVE_INT,

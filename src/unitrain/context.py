@@ -19,7 +19,7 @@ class RunContext:
     cfg: Any  # the frozen Config
     layout: sharding.Layout  # the config on the devices: mesh shapes, batch sizes, updates per step
     mesh: Mesh  # the trainer's
-    rollout_mesh: Mesh | None  # rollout_devices' mesh (sampler: mesh), None = rollouts share the trainer's
+    rollout_meshes: tuple[Mesh, ...]  # rollout_devices' meshes (sampler: mesh); none: rollouts share the trainer's
     rules: tuple  # logical axis rules
     tokenizer: Any  # unitrain.data.tokenizer.Tokenizer
     model: Any  # the Model (models/base.py) with its initial parameters placed

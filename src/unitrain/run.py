@@ -73,7 +73,7 @@ def build_run(cfg) -> tuple[RunContext, dict]:
         cfg=cfg,
         layout=layout,
         mesh=mesh,
-        rollout_mesh=sharding.rollout_mesh(cfg, layout),
+        rollout_meshes=sharding.rollout_meshes(cfg, layout),
         rules=rules,
         tokenizer=tokenizer,
         model=model,

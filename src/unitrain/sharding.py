@@ -140,7 +140,7 @@ class Layout:
 
     mesh_shape: dict  # the trainer's ici size per mesh axis
     dcn_mesh_shape: dict  # the trainer's size per mesh axis across slices (TPU) or processes
-    rollout_mesh_shape: dict  # the rollout mesh's (all 1 without rollout_devices)
+    rollout_mesh_shape: dict  # each rollout mesh's (all 1 without rollout_devices)
     global_batch_size: int  # rows per micro-batch: per_device_batch_size * the trainer's devices / its context size
     rows_per_update: int  # global_batch_size * gradient_accumulation_steps
     updates_per_step: int  # GRPO: rollout rows / rows_per_update * num_iterations; else 1
@@ -198,16 +198,16 @@ def _check_expert_split(cfg, *meshes: dict) -> None:
 
 
 def _mesh_shapes(cfg) -> tuple[dict, dict, dict]:
-    """The trainer's ici and dcn mesh shapes over the devices rollout_devices leaves it, and the
-    rollout mesh's shape over those (all 1 without rollout devices)."""
-    n, r, processes = len(target_devices()), cfg.rollout_devices, target_process_count()
-    if r and (r >= n or r % processes):
+    """The trainer's ici and dcn mesh shapes over the devices rollout_devices leaves it, and each
+    rollout mesh's shape over its share of those (all 1 without rollout devices)."""
+    n, r, processes, meshes = len(target_devices()), cfg.rollout_devices, target_process_count(), cfg.rollout_meshes
+    if r and (r >= n or r % (processes * meshes)):
         raise ConfigError(
             f"rollout_devices ({r}) must be below the {n} devices and a multiple of the {processes} "
-            "processes (each process gives the same number)"
+            f"processes times rollout_meshes ({meshes}): each process gives each rollout mesh the same number"
         )
     trainer = _fill({k: cfg[k] for k in TRAINER_MESH_KEYS}, n - r, "the ici_* and dcn_* parallelism sizes")
-    rollout = _fill({k: cfg[k] for k in ROLLOUT_MESH_KEYS}, r or 1, "the rollout_*_parallelism sizes")
+    rollout = _fill({k: cfg[k] for k in ROLLOUT_MESH_KEYS}, r // meshes or 1, "the rollout_*_parallelism sizes")
     ici, dcn = ({a: trainer[f"{net}_{a}_parallelism"] for a in MESH_AXES} for net in ("ici", "dcn"))
     return ici, dcn, {a: rollout.get(f"rollout_{a}_parallelism", 1) for a in MESH_AXES}
 
@@ -234,13 +234,15 @@ def trainer_mesh(cfg, layout: Layout) -> Mesh:
     return create_mesh(layout.mesh_shape, layout.dcn_mesh_shape, split_devices(cfg.rollout_devices)[0])
 
 
-def rollout_mesh(cfg, layout: Layout) -> Mesh | None:
-    """The rollout mesh (axes as the trainer's, so the same logical rules apply), or None without
-    rollout_devices. Its devices are ordered process by process: `data` spans the processes."""
+def rollout_meshes(cfg, layout: Layout) -> tuple[Mesh, ...]:
+    """The `rollout_meshes` rollout meshes (axes as the trainer's, so the same logical rules apply),
+    none without rollout_devices. Each takes the same share of every process's rollout devices,
+    ordered process by process: `data` spans the processes."""
     if not cfg.rollout_devices:
-        return None
-    devices = np.array(split_devices(cfg.rollout_devices)[1]).reshape([layout.rollout_mesh_shape[a] for a in MESH_AXES])
-    return Mesh(devices, MESH_AXES)
+        return ()
+    shape = [layout.rollout_mesh_shape[a] for a in MESH_AXES]
+    devices = np.array(split_devices(cfg.rollout_devices)[1]).reshape(target_process_count(), cfg.rollout_meshes, -1)
+    return tuple(Mesh(devices[:, m].reshape(shape), MESH_AXES) for m in range(cfg.rollout_meshes))
 
 
 def _is_variable(x) -> bool:

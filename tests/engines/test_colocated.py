@@ -314,6 +314,7 @@ def test_prefill_runs_the_output_head_on_the_last_column_only():
         temperature=np.float32(1.0),
         top_p=np.float32(1.0),
         rng=jax.random.key(0),
+        noise_rows=np.arange(B, dtype=np.int32),
     )
     text = colocated._build(key).lower(inputs).as_text()
     assert f"tensor<{B}x1x{V}xf32>" in text and f"tensor<{B}x{P}x{V}x" not in text

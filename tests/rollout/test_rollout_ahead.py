@@ -150,17 +150,19 @@ def test_push_places_the_weights_on_the_rollout_mesh():
     sampler = from_run(built)
     sampler.update_weights(state["params"], 7)
     rollout_devices = set(sharding.split_devices(4)[1])
-    assert sampler.version == 7 and sampler.push_seconds > 0
-    for pushed, trained in zip(jax.tree.leaves(sampler.params), jax.tree.leaves(state["params"])):
+    (pushed_params,) = [s.params for s in sampler.samplers]
+    assert sampler.version == 7 and sampler.samplers[0].version == 7 and sampler.push_seconds > 0
+    for pushed, trained in zip(jax.tree.leaves(pushed_params), jax.tree.leaves(state["params"])):
         assert (
             set(pushed.sharding.device_set) == rollout_devices
             and not set(trained.sharding.device_set) & rollout_devices
         )
         np.testing.assert_array_equal(np.asarray(pushed), np.asarray(trained))
-    embed = sampler.params["embed"]
+    embed = pushed_params["embed"]
     assert embed.sharding.spec == sharding.logical_to_spec(("vocab", "embed"), built.rules)
     assert embed.addressable_shards[0].data.shape[1] == embed.shape[1] // 2  # fsdp over 2 on the rollout mesh
-    replicated = push(state["params"], jax.tree.map(lambda _: sharding.replicated(built.rollout_mesh), state["params"]))
+    (mesh,) = built.rollout_meshes
+    (replicated,) = push(state["params"], [jax.tree.map(lambda _: sharding.replicated(mesh), state["params"])])
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(replicated))
 
 

@@ -192,6 +192,9 @@ class GenerateInputs:
     temperature: Any  # float32 scalar (1 when greedy)
     top_p: Any  # float32 scalar
     rng: Any  # the call's key
+    # [B] int32, replicated: each row's index in the sampler call this one is a share of, which picks
+    # its noise (engines/mesh.py spreads a call's rows over meshes; they draw as in one call)
+    noise_rows: Any
     # Prompts with images: the prefill rows' qwen2_5_vl.image_rows fields, `rope_positions` [R, P, 3]
     # and `rope_deltas` [R] (qwen2_5_vl.prompt_rope); None: text prompts.
     images: Any = None
@@ -247,12 +250,13 @@ def _routed(model, call):
 
 
 def _draw(key: GenerateKey, inputs: GenerateInputs, logits, i, rows):
-    """The token of step `i` of every row and its logprob: noise of the step and of the row's index."""
+    """The token of step `i` of every row and its logprob: noise of the step and of the row's index
+    (`rows`: in this call; its noise: in the call it is a share of)."""
     rng = jax.random.fold_in(inputs.rng, i)
     return _sample(
         logits,
         rng,
-        rows,
+        inputs.noise_rows[rows],
         inputs.temperature,
         inputs.top_p,
         greedy=key.greedy,
@@ -481,14 +485,27 @@ class ColocatedSampler:
         each prompt's data.images.PromptImages or None (module docstring)."""
         return self.submit(prompt_ids, sampling, key, images).result()
 
-    def submit(self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array, images=None) -> Pending:
+    def submit(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        key: jax.Array,
+        images=None,
+        rows: np.ndarray | None = None,
+    ) -> Pending:
         """generate, dispatched: returns at once while the devices sample; `.result()` waits for the
-        Completions. Later calls (a train step on other devices) run meanwhile."""
-        call = self.generate_call(prompt_ids, sampling, key, images)
+        Completions. Later calls (a train step on other devices) run meanwhile. `rows`: the prompts'
+        indices in a larger call they are a share of (their noise); default 0, 1, ..."""
+        call = self.generate_call(prompt_ids, sampling, key, images, rows)
         return Pending(self.generate_program(call)(call.inputs), len(prompt_ids), self.version, self.mesh)
 
     def generate_call(
-        self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array, images=None
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        key: jax.Array,
+        images=None,
+        rows: np.ndarray | None = None,
     ) -> GenerateCall:
         """The key of the generate program these prompts run (bucketed, module docstring) and its
         inputs, placed on the mesh. The weights may be abstract (jax.ShapeDtypeStruct with their
@@ -507,6 +524,9 @@ class ColocatedSampler:
             raise ValueError(f"{len(sampling.row_budgets)} row budgets for {len(prompt_ids)} prompts")
         budgets = np.full((B,), sampling.max_new_tokens, np.int32)  # padding rows never emit anyway
         budgets[: len(prompt_ids)] = [sampling.budget(r) for r in range(len(prompt_ids))]
+        noise_rows = np.arange(B, dtype=np.int32)  # padding rows' noise is never used
+        if rows is not None:
+            noise_rows[: len(prompt_ids)] = rows
         program_key = GenerateKey(
             graphdef=self.graphdef,
             cache_rules=self.rules,
@@ -532,6 +552,7 @@ class ColocatedSampler:
             temperature=np.float32(sampling.temperature if not greedy else 1.0),
             top_p=np.float32(sampling.top_p),
             rng=key,
+            noise_rows=noise_rows,
             images=None if images is None else self._image_inputs(block, [images[i] for i in firsts]),
         )
         return GenerateCall(program_key, inputs if self.mesh is None else self._on_mesh(inputs))
@@ -565,7 +586,7 @@ class ColocatedSampler:
     def _on_mesh(self, inputs: GenerateInputs) -> GenerateInputs:
         """The inputs as global arrays: the block's rows split over the mesh, the rest replicated."""
         replicated = sharding.replicated(self.mesh)
-        stop_ids = full_rows_to_global({"stop": inputs.stop_ids}, replicated)["stop"]
+        replicated_rows = full_rows_to_global({"stop": inputs.stop_ids, "noise": inputs.noise_rows}, replicated)
         # The key may come from another mesh (the trainer's) or another process's device: its bits
         # are placed like any other input.
         bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(inputs.rng))}, replicated)["key"]
@@ -581,7 +602,8 @@ class ColocatedSampler:
             images=images,
             block=inputs.block.on_mesh(self.mesh, self.rules),
             budgets=budgets["budgets"],
-            stop_ids=stop_ids,
+            stop_ids=replicated_rows["stop"],
+            noise_rows=replicated_rows["noise"],
             rng=jax.random.wrap_key_data(bits),
         )
 

@@ -57,6 +57,17 @@ def _rollout_devices(c) -> str | None:
     return None
 
 
+@check("rollout_meshes", "sampler", "rollout_devices")
+def _rollout_meshes(c) -> str | None:
+    """Several rollout meshes split rollout_devices evenly, which sampler mesh alone samples on."""
+    n = c["rollout_meshes"]
+    if n > 1 and c["sampler"] != "mesh":
+        return f"rollout_meshes={n} splits rollout_devices into meshes of sampler mesh, not sampler {c['sampler']}"
+    if c["rollout_devices"] % n:
+        return f"rollout_devices ({c['rollout_devices']}) must divide into rollout_meshes={n} meshes of as many devices"
+    return None
+
+
 @check("rollout_quantization", "sampler", "mode", "model_source", "num_experts")
 def _rollout_quantization(c) -> str | None:
     """The sampler's quantised weights: the JAX samplers quantise our dense decoder's decode weights
@@ -78,4 +89,4 @@ def _rollout_quantization(c) -> str | None:
     return None
 
 
-CONFIG_CHECKS = (_rollout_devices, _rollout_quantization)
+CONFIG_CHECKS = (_rollout_devices, _rollout_meshes, _rollout_quantization)
