@@ -350,6 +350,13 @@ def test_rollout_device_errors():
         [BASE, *mesh, "rollout_devices=4", "rollout_fsdp_parallelism=-1"]
     )
     assert "'rollout_devices' expects an int >= 0" in error([BASE, "rollout_devices=-1"])
+    assert "rollout_meshes=2 splits rollout_devices into meshes of sampler mesh, not sampler colocated" in error(
+        [BASE, "mode=grpo", "rollout_meshes=2"]
+    )
+    assert "rollout_devices (6) must divide into rollout_meshes=4 meshes" in error(
+        [BASE, *mesh, "rollout_devices=6", "rollout_meshes=4"]
+    )
+    assert "'rollout_meshes' expects a positive int" in error([BASE, "rollout_meshes=0"])
     assert "'max_staleness' expects an int >= 0" in error([BASE, "max_staleness=-2"])
 
 

@@ -110,6 +110,14 @@ def test_rollout_devices_split_the_mesh():
     assert got.mesh_shape == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1} and got.global_batch_size == 4 * 4
     assert got.rollout_mesh_shape == {"data": 2, "fsdp": 1, "context": 1, "tensor": 2}
     assert layout().rollout_mesh_shape == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
+    # rollout_meshes splits them: each of 2 meshes lays out 2 devices
+    two = layout("mode=grpo", "sampler=mesh", "rollout_devices=4", "rollout_meshes=2", "per_device_batch_size=4")
+    assert two.rollout_mesh_shape == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1}
+    cfg = load_checked(
+        [str(REPO / "configs" / "base.yml"), "mode=grpo", "sampler=mesh", "rollout_devices=4", "rollout_meshes=2"]
+    )
+    meshes = sharding.rollout_meshes(cfg, two)
+    assert [[d.id for d in m.devices.flat] for m in meshes] == [[4, 5], [6, 7]]
 
 
 def test_rollout_device_layout_errors():

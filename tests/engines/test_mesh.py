@@ -15,6 +15,7 @@ from helpers import grpo_config, metrics_by_step, scaled
 from unitrain import sharding, train
 from unitrain.engines import colocated, mesh
 from unitrain.engines.base import SamplingParams
+from unitrain.engines.beam import BeamParams
 from unitrain.models import decoder as model_lib
 
 PROMPTS8 = PROMPTS + PROMPTS[:2] * 2
@@ -85,6 +86,19 @@ def test_a_push_reaches_every_mesh():
     assert_same(got, colocated.ColocatedSampler(new, pad_id=0).generate(PROMPTS8, sampling, jax.random.key(0)))
     for sampler, devices in zip(two.samplers, np.array(jax.devices()[4:]).reshape(2, 2)):
         assert all(x.sharding.device_set == set(devices) for x in jax.tree.leaves(sampler.params))
+
+
+def test_beam_search_spread_over_two_meshes_ranks_as_one_sampler():
+    """Each mesh searches its share of the prompts (contiguous, 2 each); the shares joined in order."""
+    weights = model(5.0)
+    beams = BeamParams(3, 5)
+    got = mesh_sampler(2, weights, version=2).beam_search(PROMPTS, beams, jax.random.key(0))
+    want = colocated.ColocatedSampler(weights, pad_id=0).beam_search(PROMPTS, beams, jax.random.key(0))
+    assert got.version == 2 and got.tokens.shape == (4, 3, 5)
+    for k in ("tokens", "lengths"):
+        np.testing.assert_array_equal(getattr(got, k), getattr(want, k))
+    np.testing.assert_allclose(got.scores, want.scores, atol=1e-4)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
 
 
 def test_grpo_on_two_rollout_meshes(tmp_path):
