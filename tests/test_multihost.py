@@ -75,7 +75,8 @@ def test_grpo_split_meshes_two_processes_equal_one(tmp_path):
     straight = one_process(tmp_path, "one", *GRPO, *split)
     out = run_two_processes(f"base_output_directory={tmp_path}", "run_name=two", *GRPO, *split)
     assert (
-        "rollouts on their own mesh {'data': 4, 'fsdp': 1, 'context': 1, 'tensor': 1} over 4 devices" in out[0].output
+        "rollouts on 1 mesh(es) of their own, each {'data': 4, 'fsdp': 1, 'context': 1, 'tensor': 1} over 4 devices"
+        in out[0].output
     )
     for key in ("loss", "reward_mean", "kl"):
         a, b = curve(straight, key), curve(tmp_path / "two", key)
