@@ -1,5 +1,6 @@
 """Several sampler meshes (sampler: mesh, rollout_meshes): a call's rows spread over the meshes
-sample the tokens one mesh, and the colocated sampler, sample; every push reaches every mesh."""
+sample the tokens one mesh, and the colocated sampler, sample; every push reaches every mesh (a GRPO run
+on two meshes: tests/rollout/test_rollout_ahead.py)."""
 
 import dataclasses
 import itertools
@@ -9,10 +10,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from helpers import MOE_CFG, scaled, sharp_moe
 from helpers import ROLLOUT_CFG as CFG
 from helpers import ROLLOUT_PROMPTS as PROMPTS
-from helpers import grpo_config, metrics_by_step, scaled
-from unitrain import sharding, train
+from unitrain import sharding
 from unitrain.engines import colocated, mesh
 from unitrain.engines.base import SamplingParams
 from unitrain.engines.beam import BeamParams
@@ -101,10 +102,15 @@ def test_beam_search_spread_over_two_meshes_ranks_as_one_sampler():
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
 
 
-def test_grpo_on_two_rollout_meshes(tmp_path):
-    cfg = grpo_config(tmp_path, "run_name=meshes", "steps=2", "sampler=mesh", "rollout_devices=4", "rollout_meshes=2")
-    assert train.train(cfg) == 0
-    m = metrics_by_step(tmp_path / "meshes")
-    assert sorted(m) == [0, 1] and all(np.isfinite(m[s]["loss"]) for s in m)
-    # 4 prompts x 4 samples of up to 6 tokens a step, split between the meshes
-    assert all(0 < m[s]["rollout_mesh_tokens_min"] <= m[s]["rollout_mesh_tokens_max"] <= 48 for s in m)
+def test_routes_of_shares_with_their_own_prompt_blocks_join_as_one_samplers():
+    """Routing replay's routes: a share whose prompts are shorter has a narrower prompt block; its
+    prompt routes are left-padded (-1) to the call's."""
+    weights = sharp_moe(dataclasses.replace(MOE_CFG, logical_axis_rules=sharding.DEFAULT_RULES))
+    prompts = [*PROMPTS[:3], list(range(1, 30))]  # the last share's block 32 columns, the first's 16
+    sampling = SamplingParams(max_new_tokens=5, temperature=0.0, row_budgets=(5, 2, 4, 3), record_routes=True)
+    got = mesh_sampler(2, weights).generate(prompts, sampling, jax.random.key(0))
+    want = colocated.ColocatedSampler(weights, pad_id=0).generate(prompts, sampling, jax.random.key(0))
+    assert_same(got, want)
+    assert got.prompt_routes.shape[1] == 32
+    np.testing.assert_array_equal(got.routes, want.routes)
+    np.testing.assert_array_equal(got.prompt_routes, want.prompt_routes)

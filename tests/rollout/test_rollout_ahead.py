@@ -61,17 +61,24 @@ def metrics(tmp_path, name) -> dict:
     return {l["step"]: l for l in lines if "loss" in l}
 
 
-def test_staleness_zero_on_a_rollout_mesh_equals_the_colocated_run(tmp_path, reward_log):
+def test_staleness_zero_on_rollout_meshes_equals_the_colocated_run(tmp_path, reward_log):
+    """One rollout mesh of 4 devices, and two of 2 (rollout_meshes: each row samples the tokens it
+    would on one), train as the colocated run does."""
     reward_log("colocated")
     assert run_grpo(tmp_path, "colocated", "steps=3", "per_device_batch_size=1") == 0
-    reward_log("split")
-    assert run_grpo(tmp_path, "split", "steps=3", *SPLIT) == 0
-    a, b = metrics(tmp_path, "colocated"), metrics(tmp_path, "split")
-    assert sorted(b) == [0, 1, 2]
-    for key in ("loss", "reward_mean", "kl", "response_length_mean", "grad_norm"):
-        np.testing.assert_allclose([b[s][key] for s in b], [a[s][key] for s in b], rtol=1e-4, atol=1e-6, err_msg=key)
-    assert all(b[s]["rollout_staleness_max"] == 0 and b[s]["rollouts_in_flight"] == 0 for s in b)
-    assert all(b[s]["time_weight_push"] > 0 for s in b)
+    a = metrics(tmp_path, "colocated")
+    for name, meshes in (("split", 1), ("meshes", 2)):
+        reward_log(name)
+        assert run_grpo(tmp_path, name, "steps=3", *SPLIT, f"rollout_meshes={meshes}") == 0
+        b = metrics(tmp_path, name)
+        assert sorted(b) == [0, 1, 2]
+        for key in ("loss", "reward_mean", "kl", "response_length_mean", "grad_norm"):
+            got, want = [b[s][key] for s in b], [a[s][key] for s in b]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"{name} {key}")
+        assert all(b[s]["rollout_staleness_max"] == 0 and b[s]["rollouts_in_flight"] == 0 for s in b)
+        assert all(b[s]["time_weight_push"] > 0 for s in b)
+    # 2 prompts x 4 samples a step, 4 rows a mesh: both sampled
+    assert all(0 < b[s]["rollout_mesh_tokens_min"] <= b[s]["rollout_mesh_tokens_max"] for s in b)
 
 
 def test_rollouts_run_ahead_by_at_most_max_staleness_versions(tmp_path, reward_log):
