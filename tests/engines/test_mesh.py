@@ -114,3 +114,14 @@ def test_routes_of_shares_with_their_own_prompt_blocks_join_as_one_samplers():
     assert got.prompt_routes.shape[1] == 32
     np.testing.assert_array_equal(got.routes, want.routes)
     np.testing.assert_array_equal(got.prompt_routes, want.prompt_routes)
+
+
+def test_the_multi_process_push_places_each_parameter_on_every_mesh():
+    """through_hosts (each parameter gathered once, then placed on every mesh), run in one process."""
+    sampler = mesh.RolloutMeshSampler(model(5.0), pad_id=0, meshes=meshes(2), rules=sharding.DEFAULT_RULES)
+    params = nnx.to_pure_dict(nnx.state(model(2.0)))
+    copies = mesh.through_hosts(params, sampler.shardings)
+    for copy, shardings in zip(copies, sampler.shardings):
+        for got, want, where in zip(jax.tree.leaves(copy), jax.tree.leaves(params), jax.tree.leaves(shardings)):
+            assert got.sharding == where
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
