@@ -91,16 +91,18 @@ class RolloutMeshSampler:
         return Spread(pending, used, [shares[m] for m in used], self.mesh_tokens)
 
     def beam_search(self, prompt_ids: list[list[int]], beams: beam.BeamParams, key: jax.Array) -> beam.Ranked:
-        """The colocated beam search of each mesh's share of the prompts (dispatched one after the other
-        within each search, so run in turn). W-way sampling: the first share draws as one mesh would, the
-        others with the key folded with their mesh's index (rows of one index draw alike in every search)."""
-        shares = [rows for rows in spread([1] * len(prompt_ids), len(self.samplers)) if len(rows)]
+        """The colocated beam search of each mesh's share of the prompts (contiguous shares; a search
+        returns its results, so the meshes search in turn). W-way sampling draws a row's noise by its
+        index in its own search: meshes but the first fold their index into the key, so that no two
+        shares draw alike (the first draws as one mesh would)."""
+        shares = spread([1] * len(prompt_ids), len(self.samplers))
         parts = [
             s.beam_search([prompt_ids[r] for r in rows], beams, key if m == 0 else jax.random.fold_in(key, m))
             for m, (s, rows) in enumerate(zip(self.samplers, shares))
+            if len(rows) or m == 0  # as in submit: the first mesh takes even an empty call (and refuses it)
         ]
-        joined = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731  shares are contiguous
-        return beam.Ranked(joined("tokens"), joined("logprobs"), joined("lengths"), joined("scores"), self.version)
+        stacked = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+        return beam.Ranked(*map(stacked, ("tokens", "logprobs", "lengths", "scores")), parts[0].version)
 
 
 class Spread:
