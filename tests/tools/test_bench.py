@@ -371,6 +371,22 @@ def test_sampler_against_an_override_times_both_in_turn(tiny_checkpoint, capsys)
     assert "--against times two configs side by side" in capsys.readouterr().err
 
 
+def test_chunk_tokens_times_one_call_and_re_prefilled_chunks_in_turn(tiny_checkpoint, capsys):
+    """--chunk-tokens: the rows in one call (A) and 2 tokens a call (B) alternate; tokens/s are the
+    rows' tokens over each side's median, B / A the median of the pairs' ratios."""
+    import bench
+
+    args = ["configs/base.yml", f"load_parameters_path={tiny_checkpoint('qwen2')}", "--mode", "sampler"]
+    shape = ["--batch", "4", "--prompt-len", "8", "--new-tokens", "6", "--chunk-tokens", "2", "--steps", "3"]
+    assert bench.main([*args, *shape, "--warmup", "1"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    a, b = result["call_times"], result["chunked_times"]
+    assert len(a) == len(b) == 3
+    assert result["one_call_tokens_per_s"] == pytest.approx(24 / sorted(a)[1])
+    assert result["chunked_tokens_per_s"] == pytest.approx(24 / sorted(b)[1])
+    assert result["chunked_over_one_call_median"] == pytest.approx(sorted(y / x for x, y in zip(a, b))[1])
+
+
 def test_sft_against_an_override_times_both_on_the_same_rows(capsys):
     """--against on the SFT step: the same 8 rows on the fsdp mesh (A) and split over a context axis
     of 2 (B: 2 rows a device of the batch axes); both steps give the same loss."""
