@@ -70,7 +70,8 @@ def test_grpo_two_processes_equal_one_and_resume(tmp_path):
 
 
 def test_grpo_split_meshes_two_processes_equal_one(tmp_path):
-    """Each process gives 2 of its 4 devices to the rollout mesh; rollouts run one version ahead."""
+    """Each process gives 2 of its 4 devices to the rollout mesh (or one to each of 2 meshes); rollouts
+    run one version ahead."""
     split = ["sampler=mesh", "rollout_devices=4", "per_device_batch_size=2", "max_staleness=1", "steps=3"]
     straight = one_process(tmp_path, "one", *GRPO, *split)
     out = run_two_processes(f"base_output_directory={tmp_path}", "run_name=two", *GRPO, *split)
@@ -83,3 +84,12 @@ def test_grpo_split_meshes_two_processes_equal_one(tmp_path):
         assert sorted(b) == [0, 1, 2]
         np.testing.assert_allclose([b[s] for s in range(3)], [a[s] for s in range(3)], rtol=1e-4, atol=1e-6)
     assert curve(tmp_path / "two", "rollout_staleness_max") == {0: 0, 1: 1, 2: 1}
+    # Two rollout meshes, each a device of every process (the push through the hosts onto both): the
+    # rows spread over them draw what one mesh draws, so the run is the same.
+    out = run_two_processes(f"base_output_directory={tmp_path}", "run_name=meshes", *GRPO, *split, "rollout_meshes=2")
+    assert (
+        "rollouts on 2 mesh(es) of their own, each {'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 1}" in out[0].output
+    )
+    for key in ("loss", "reward_mean", "kl"):
+        a, b = curve(straight, key), curve(tmp_path / "meshes", key)
+        np.testing.assert_allclose([b[s] for s in range(3)], [a[s] for s in range(3)], rtol=1e-4, atol=1e-6)
