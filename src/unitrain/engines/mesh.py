@@ -87,7 +87,7 @@ class RolloutMeshSampler:
             rows = shares[m]
             budgets = tuple(sampling.row_budgets[r] for r in rows) if sampling.row_budgets else ()
             share = dataclasses.replace(sampling, row_budgets=budgets)
-            pending.append(self.samplers[m].submit([prompt_ids[r] for r in rows], share, key, rows))
+            pending.append(self.samplers[m].submit([prompt_ids[r] for r in rows], share, key, rows=rows))
         return Spread(pending, used, [shares[m] for m in used], self.mesh_tokens)
 
     def beam_search(self, prompt_ids: list[list[int]], beams: beam.BeamParams, key: jax.Array) -> beam.Ranked:
