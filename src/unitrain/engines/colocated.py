@@ -486,12 +486,7 @@ class ColocatedSampler:
         return self.submit(prompt_ids, sampling, key, images).result()
 
     def submit(
-        self,
-        prompt_ids: list[list[int]],
-        sampling: SamplingParams,
-        key: jax.Array,
-        images=None,
-        rows: np.ndarray | None = None,
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array, images=None, rows=None
     ) -> Pending:
         """generate, dispatched: returns at once while the devices sample; `.result()` waits for the
         Completions. Later calls (a train step on other devices) run meanwhile. `rows`: the prompts'
@@ -500,12 +495,7 @@ class ColocatedSampler:
         return Pending(self.generate_program(call)(call.inputs), len(prompt_ids), self.version, self.mesh)
 
     def generate_call(
-        self,
-        prompt_ids: list[list[int]],
-        sampling: SamplingParams,
-        key: jax.Array,
-        images=None,
-        rows: np.ndarray | None = None,
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, key: jax.Array, images=None, rows=None
     ) -> GenerateCall:
         """The key of the generate program these prompts run (bucketed, module docstring) and its
         inputs, placed on the mesh. The weights may be abstract (jax.ShapeDtypeStruct with their
