@@ -357,6 +357,13 @@ def full_rows_to_global(batch: dict, shardings) -> dict:
     return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx]) for k, v in batch.items()}
 
 
+def abstract_rows(batch: dict, shardings) -> dict:
+    """full_rows_to_global's arrays, abstract (shape, dtype, sharding): what a program compiled for
+    devices that are not here takes (tools/bench.py --compile-only --topology)."""
+    shardings = _per_key(batch, shardings)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in batch.items()}
+
+
 def _per_key(batch: dict, shardings) -> dict:
     return shardings if isinstance(shardings, dict) else {k: shardings for k in batch}
 

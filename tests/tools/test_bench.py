@@ -146,6 +146,19 @@ def test_topology_compiles_for_a_tpu_slice_that_is_not_here():
     assert memory["temp"] > 0 and memory["peak"] > memory["argument"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install libtpu)")
+def test_topology_compiles_the_sampler_for_a_tpu_slice_that_is_not_here():
+    """The generate program's inputs are abstract there: a compile-only client makes no arrays."""
+    proc = run_bench(
+        *["configs/base.yml", *OVERRIDES, "--compile-only", "--mode", "sampler", "--batch", "4"],
+        *["--prompt-len", "16", "--new-tokens", "16", "--topology", "v5e:2x2"],
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["config"]["platform"] == "tpu" and result["block_shape"] == [4, 16]
+    assert result["memory_per_device"]["temp"] > 0
+
+
 def _one_line_too_big(proc, name):
     """(needed, available) bytes of the one `bench:` line a program that does not fit ends in."""
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr

@@ -574,28 +574,34 @@ class ColocatedSampler:
         }
 
     def _on_mesh(self, inputs: GenerateInputs) -> GenerateInputs:
-        """The inputs as global arrays: the block's rows split over the mesh, the rest replicated."""
+        """The inputs as global arrays: the block's rows split over the mesh, the rest replicated.
+        With abstract weights (bench's --compile-only, maybe for devices that are not here), abstract."""
+        abstract = isinstance(jax.tree.leaves(self.params)[0], jax.ShapeDtypeStruct)
+        place = sharding.abstract_rows if abstract else full_rows_to_global
         replicated = sharding.replicated(self.mesh)
-        replicated_rows = full_rows_to_global({"stop": inputs.stop_ids, "noise": inputs.noise_rows}, replicated)
-        # The key may come from another mesh (the trainer's) or another process's device: its bits
-        # are placed like any other input.
-        bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(inputs.rng))}, replicated)["key"]
+        replicated_rows = place({"stop": inputs.stop_ids, "noise": inputs.noise_rows}, replicated)
         rows, rows2d = (
             sharding.batch_sharding(self.mesh, self.rules, ("batch",)),
             sharding.batch_sharding(self.mesh, self.rules),
         )
-        budgets = full_rows_to_global({"budgets": inputs.budgets}, rows)
-        images = inputs.images and full_rows_to_global(
+        budgets = place({"budgets": inputs.budgets}, rows)
+        images = inputs.images and place(
             inputs.images, {k: rows if v.ndim == 1 else rows2d for k, v in inputs.images.items()}
         )
         return inputs.replace(
             images=images,
-            block=inputs.block.on_mesh(self.mesh, self.rules),
+            block=inputs.block.on_mesh(self.mesh, self.rules, place),
             budgets=budgets["budgets"],
             stop_ids=replicated_rows["stop"],
             noise_rows=replicated_rows["noise"],
-            rng=jax.random.wrap_key_data(bits),
+            rng=jax.ShapeDtypeStruct((), inputs.rng.dtype, sharding=replicated) if abstract else self._key(inputs.rng),
         )
+
+    def _key(self, key: jax.Array) -> jax.Array:
+        """The key on this mesh. It may come from another mesh (the trainer's) or another process's
+        device: its bits are placed like any other input."""
+        bits = full_rows_to_global({"key": np.asarray(jax.random.key_data(key))}, sharding.replicated(self.mesh))
+        return jax.random.wrap_key_data(bits["key"])
 
     def generate_program(self, call: GenerateCall):
         """The compiled generate program of `call.key` for inputs shaped as `call.inputs`: compiled

@@ -42,15 +42,13 @@ class PromptBlock:
     prompt_lens: np.ndarray  # [B] int32
     source: np.ndarray | None = None  # [B] int32: each row's prefill row; None: the prefill rows are the B rows
 
-    def on_mesh(self, mesh, rules) -> PromptBlock:
+    def on_mesh(self, mesh, rules, place=full_rows_to_global) -> PromptBlock:
         """The block as global arrays, its rows split over the logical `batch` axis (every process
-        holds it whole)."""
+        holds it whole); `place` sharding.abstract_rows gives abstract ones."""
         rows2d = sharding.batch_sharding(mesh, rules)
         rows = sharding.batch_sharding(mesh, rules, ("batch",))
         arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-        return self.replace(
-            **full_rows_to_global(arrays, {k: rows2d if v.ndim == 2 else rows for k, v in arrays.items()})
-        )
+        return self.replace(**place(arrays, {k: rows2d if v.ndim == 2 else rows for k, v in arrays.items()}))
 
 
 def left_padded(prompt_ids: list[list[int]], rows: int, columns: int, pad_id: int) -> PromptBlock:
