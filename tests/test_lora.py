@@ -15,8 +15,8 @@ import transformers
 from flax import nnx
 
 from helpers import REPO, make_cfg, write_jsonl
-from unitrain import checkpoint, modes, run, train
-from unitrain.errors import ConfigError
+from unitrain import checkpoint, lora, modes, run, train
+from unitrain.errors import CheckpointError, ConfigError
 
 TOKENS = np.random.default_rng(0).integers(1, 200, (8, 12)).astype(np.int32)  # a row per device
 
@@ -146,6 +146,9 @@ def test_resume_with_lora_equals_an_uninterrupted_run(tmp_path):
         )
         params.append(jax.tree.map(np.asarray, state["params"]))
     jax.tree.map(np.testing.assert_array_equal, params[0], params[1])
+    # As a plain model's parameters (a teacher_path, a load_parameters_path) it is one line naming the export.
+    with pytest.raises(CheckpointError, match="holds a LoRA run's adapters alone.*export_hf_path"):
+        checkpoint.load_params(f"{split.checkpoint_dir}/4", lora.without_adapters(state["params"]))
     last = [json.loads(open(c.metrics_file).read().splitlines()[-1]) for c in (whole, split)]
     assert last[0]["step"] == last[1]["step"] and last[0]["loss"] == last[1]["loss"]
 

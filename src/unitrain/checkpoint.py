@@ -237,8 +237,15 @@ def check_shapes(item_dir: str, params) -> None:
     stored = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
     if not stored:  # orbax only warns: a step directory whose metadata is gone is damaged
         raise FileNotFoundError(errno.ENOENT, "no parameter metadata", item_dir)
+    # what a lora_rank > 0 run saves: {<targeted weight>: {a, b}}, its base left out
+    adapters_alone = all(name.endswith(("['a']", "['b']")) for name in stored)
     for key, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = jax.tree_util.keystr(key)
+        if name not in stored and adapters_alone:
+            raise CheckpointError(
+                f"the checkpoint {os.path.dirname(item_dir)} holds a LoRA run's adapters alone, not a model "
+                "(a lora_rank > 0 run saves only what it trains): load the merged model its export_hf_path wrote"
+            )
         if stored.get(name) != tuple(leaf.shape):
             found = f"shape {list(stored[name])}" if name in stored else "no such parameter"
             raise CheckpointError(
