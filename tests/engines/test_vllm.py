@@ -386,11 +386,33 @@ def test_a_lora_run_pushes_its_adapters_alone_onto_the_base(ckpt, tmp_path):
     sampler.close()
 
 
-def generated_tokens(url: str) -> float:
-    """The tokens the server at `url` has generated so far (its Prometheus counter)."""
+def server_metric(url: str, name: str) -> float:
+    """The value of the Prometheus metric `name` of the server at `url` (summed over its labels)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         lines = response.read().decode().splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + "{"))
+
+
+def post(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=60)
+
+
+def submit_and_freeze(guest, url: str, prompts: list) -> object:
+    """`prompts` submitted with a 500-token budget and frozen in flight (vLLM's pause, mode keep) once
+    they have about 20 tokens each, so that a push finds them there however slow the machine is
+    between here and its abort. On a loaded machine this process can sleep while the server ends
+    every row; then the rows are drawn again (at most three times)."""
+    for _ in range(3):
+        before = server_metric(url, "vllm:generation_tokens_total")
+        handle = guest.submit(prompts, SamplingParams(500), jax.random.key(4))
+        while server_metric(url, "vllm:generation_tokens_total") < before + 20 * len(prompts):
+            time.sleep(0.01)
+        post(url + "/pause?mode=keep")
+        if server_metric(url, "vllm:num_requests_running"):
+            return handle
+        post(url + "/resume")
+        handle.result()
+    pytest.fail("every row ended before the pause, three times")
 
 
 @needs_vllm
@@ -406,13 +428,7 @@ def test_a_weight_update_interrupts_the_rows_in_flight_which_go_on_under_the_new
     new = perturbed(params)
     guest.update_weights(params, 1)
     prompts = PROMPTS * 32
-    before = generated_tokens(engine.url)
-    handle = guest.submit(prompts, SamplingParams(500), jax.random.key(4))
-    while generated_tokens(engine.url) < before + 20 * len(prompts):
-        time.sleep(0.01)
-    # The rows are frozen where they are (vLLM's pause, mode keep), so that the push finds them in
-    # flight however slow the machine is between here and its abort.
-    urllib.request.urlopen(urllib.request.Request(engine.url + "/pause?mode=keep", method="POST"), timeout=60)
+    handle = submit_and_freeze(guest, engine.url, prompts)
     guest.update_weights(new, 2)
     cut = handle.result()
     assert cut.version == 1 and (cut.lengths[cut.interrupted] < 500).all()
