@@ -27,7 +27,13 @@ def device_layout(cfg) -> sharding.Layout:
     cannot run is a ConfigError here, before anything is built."""
     layout = sharding.layout_for(cfg)
     try:
-        attention_kernel(cfg.attention, sharding.target_platform(), cfg.dtype, sharding.context_size(layout))
+        attention_kernel(
+            cfg.attention,
+            sharding.target_platform(),
+            cfg.dtype,
+            sharding.context_size(layout),
+            cfg.context_parallel_strategy,
+        )
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
     return layout

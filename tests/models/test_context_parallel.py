@@ -2,6 +2,7 @@
 on the `context` axis equal the unsplit ones for every axis size, both strategies, with and without
 load balancing, on packed, padded and whole rows; the balanced order; the choice and the checks."""
 
+import functools
 import logging
 
 import jax
@@ -31,15 +32,16 @@ CFG = dict(
 )
 
 
-def rows():
+def rows(T=T):
     """Whole, packed (three segments, one shorter than a chunk) and padded rows; positions restart
     with each segment."""
     rng = np.random.default_rng(0)
     segments = np.ones((B, T), np.int32)
-    segments[1, 17:] = 2
-    segments[1, 20:] = 3
-    segments[2, 30:] = 0
-    segments[3, :5] = 0  # left padding
+    at = lambda column: column * T // 48  # the same places in longer rows
+    segments[1, at(17) :] = 2
+    segments[1, at(20) :] = 3
+    segments[2, at(30) :] = 0
+    segments[3, : at(5)] = 0  # left padding
     starts = np.diff(segments, axis=1, prepend=-1) != 0
     index = np.arange(T)[None].repeat(B, 0)
     positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
@@ -47,10 +49,10 @@ def rows():
     return tokens, positions.astype(np.int32), segments
 
 
-def loss_and_grads(mesh, **cfg):
+def loss_and_grads(mesh, T=T, **cfg):
     """The mean next-token loss over the real tokens (the LM head 4 positions of a device's share at
     a time: losses.token_stats) and its gradients, on `mesh`."""
-    model = decoder.create(decoder.ModelConfig(**CFG, **cfg), 0)
+    model = decoder.create(decoder.ModelConfig(**{**CFG, **cfg}), 0)
     graphdef, state = nnx.split(model)
 
     def loss(state, tokens, positions, segments):
@@ -61,7 +63,7 @@ def loss_and_grads(mesh, **cfg):
 
     data = sharding.batch_sharding(mesh, sharding.DEFAULT_RULES)
     with jax.set_mesh(mesh):
-        value, grads = jax.jit(jax.value_and_grad(loss))(state, *(jax.device_put(a, data) for a in rows()))
+        value, grads = jax.jit(jax.value_and_grad(loss))(state, *(jax.device_put(a, data) for a in rows(T)))
     return float(value), jax.tree.map(np.asarray, grads)
 
 
@@ -84,6 +86,23 @@ def test_split_rows_give_the_unsplit_loss_and_gradients(unsplit, context, strate
     assert value == pytest.approx(unsplit[0], rel=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(unsplit[1])):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("context,balance", [(2, True), (4, False)])
+def test_splash_on_the_gathered_keys_gives_the_unsplit_loss_and_gradients(monkeypatch, context, balance):
+    """attention=splash (Pallas' interpreter) under the split: each device's queries over the keys
+    gathered in the columns' order (balanced: the second halves turned back), its kernels' causal
+    masks offset by its place on the axis. Rows of 512 columns: four chunks of one splash block,
+    every one holding real tokens."""
+    small = dict(T=512, num_decoder_layers=1, num_query_heads=2, num_kv_heads=1, attention_chunk_size=0)
+    want = loss_and_grads(sharding.create_mesh({"fsdp": 4, "tensor": 2}, {}), **small)
+    monkeypatch.setattr(context_parallel, "kernel", lambda cfg, c: "splash")
+    monkeypatch.setattr(context_parallel, "splash_rows", functools.partial(attention.splash_rows, interpret=True))
+    mesh = sharding.create_mesh({"fsdp": 8 // context, "context": context}, {})
+    value, grads = loss_and_grads(mesh, context_load_balance=balance, **small)
+    assert value == pytest.approx(want[0], rel=1e-5)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
 def test_balanced_order_puts_both_ends_of_the_row_on_each_device():
@@ -136,10 +155,16 @@ def test_start_checks_name_the_keys():
     assert "context_parallel_strategy" in config_error("context_parallel_strategy=ulysses")
 
 
-def test_fused_kernels_have_no_split_form():
-    with pytest.raises(ValueError, match="attention=splash has no context-parallel form"):
-        attention.attention_kernel("splash", "tpu", "bfloat16", context=2)
-    assert attention.attention_kernel("auto", "tpu", "bfloat16", context=2) == "xla"
+def test_splash_runs_gathered_and_cudnn_not_at_all_under_a_split():
+    with pytest.raises(ValueError, match="attention=cudnn has no context-parallel form"):
+        attention.attention_kernel("cudnn", "gpu", "bfloat16", context=2)
+    with pytest.raises(ValueError, match="set context_parallel_strategy to all_gather or auto, not ring"):
+        attention.attention_kernel("splash", "tpu", "bfloat16", context=2, strategy="ring")
+    assert attention.attention_kernel("splash", "tpu", "bfloat16", context=2) == "splash"
+    assert attention.attention_kernel("auto", "tpu", "bfloat16", context=2) == "splash"
+    assert attention.attention_kernel("auto", "tpu", "bfloat16", context=2, strategy="ring") == "xla"
+    assert attention.attention_kernel("auto", "gpu", "bfloat16", context=2) == "xla"
+    assert context_parallel.strategy("auto", 8 * 256, 8, splash=True) == "all_gather"
     assert attention.attention_kernel("auto", "tpu", "bfloat16") == "splash"
 
 
@@ -162,7 +187,7 @@ def test_split_prefill_fills_the_cache_as_the_unsplit_one(monkeypatch, context, 
     )
 
     def prefill(mesh, **cfg):
-        model = decoder.create(decoder.ModelConfig(**CFG, **cfg), 0)
+        model = decoder.create(decoder.ModelConfig(**{**CFG, **cfg}), 0)
         graphdef, state = nnx.split(model)
 
         def call(state, tokens, positions, segments):

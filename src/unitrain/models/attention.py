@@ -17,16 +17,24 @@ import jax.numpy as jnp
 from unitrain import sharding
 
 
-def attention_kernel(choice: str, platform: str, dtype: str, context: int = 1) -> str:
+def attention_kernel(choice: str, platform: str, dtype: str, context: int = 1, strategy: str = "auto") -> str:
     """The implementation the `attention` choice runs on `platform` (sharding.target_platform()) at compute
-    `dtype` over a sequence split on `context` devices: auto is cuDNN on a GPU in 16 bits, splash on a
-    TPU, else xla, and xla where the sequence is split (context_parallel.py runs the reference's
-    math on each device's part). ValueError where it cannot run."""
-    if context > 1 and choice not in ("auto", "xla"):
+    `dtype` over a sequence split on `context` devices by context_parallel_strategy `strategy`: auto is
+    cuDNN on a GPU in 16 bits, splash on a TPU, else xla. Under a split sequence splash runs on keys
+    and values gathered whole (context_parallel.py), so the ring takes xla; cuDNN has no split form.
+    ValueError where it cannot run."""
+    if context > 1 and choice == "cudnn":
         raise ValueError(
-            f"attention={choice} has no context-parallel form (the sequence is split over {context} devices); use xla or auto"
+            f"attention=cudnn has no context-parallel form (the sequence is split over {context} devices); use xla or auto"
         )
-    fused = {"gpu": "cudnn", "tpu": "splash"}.get(platform) if context == 1 else None
+    if context > 1 and choice == "splash" and strategy == "ring":
+        raise ValueError(
+            "attention=splash runs under context parallelism on keys and values gathered whole: "
+            "set context_parallel_strategy to all_gather or auto, not ring"
+        )
+    fused = {"gpu": "cudnn", "tpu": "splash"}.get(platform)
+    if context > 1:
+        fused = fused if fused == "splash" and strategy != "ring" else None
     if choice == "auto":
         return fused if fused == "splash" or (fused == "cudnn" and dtype != "float32") else "xla"
     if choice not in ("xla", fused):
@@ -226,22 +234,30 @@ def splash_attention(q, k, v, segment_ids, window, rules=(), interpret=False, ke
     padding is segment 0. Both lengths are padded to a multiple of SPLASH_BLOCK, the keys so that
     every padding query finds its own column. Under a mesh the kernel runs per shard of the batch
     and heads (shard_map)."""
-    B, T, H, D = q.shape
+    T = q.shape[1]
     key_segment_ids = segment_ids if key_segment_ids is None else key_segment_ids
     offset = k.shape[2] - T
     up = lambda n: -(-n // SPLASH_BLOCK) * SPLASH_BLOCK
     Tp = up(T)
     Sp = up(offset + Tp)
     pad = lambda a, axis, n: jnp.pad(a, [(0, n - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)])
-    q = pad(q.transpose(0, 2, 1, 3) / jnp.asarray(math.sqrt(D), q.dtype), 2, Tp)
-    args = (q, pad(k, 2, Sp), pad(v, 2, Sp), pad(segment_ids, 1, Tp), pad(key_segment_ids, 1, Sp))
-    run = functools.partial(_splash, window=window, offset=offset, interpret=interpret)
+    args = (pad(q, 1, Tp), pad(k, 2, Sp), pad(v, 2, Sp), pad(segment_ids, 1, Tp), pad(key_segment_ids, 1, Sp))
+    run = functools.partial(splash_rows, window=window, offset=offset, interpret=interpret)
     if not jax.sharding.get_abstract_mesh().empty and rules:
-        heads = sharding.logical_to_spec(("batch", "heads", None, None), rules)
+        heads = sharding.logical_to_spec(("batch", None, "heads", None), rules)
         kv_heads = sharding.logical_to_spec(("batch", "kv_heads", None, None), rules)
         rows = sharding.logical_to_spec(("batch", None), rules)
         run = jax.shard_map(run, in_specs=(heads, kv_heads, kv_heads, rows, rows), out_specs=heads, check_vma=False)
-    return run(*args)[:, :, :T].transpose(0, 2, 1, 3)
+    return run(*args)[:, :T]
+
+
+def splash_rows(q, k, v, q_segments, kv_segments, window, offset, interpret=False):
+    """The splash kernel over q [B, T, H, D] and k/v [B, K, S, D], T and S multiples of SPLASH_BLOCK,
+    query t at key column t + offset (causality and the window by column, as splash_attention
+    says): -> [B, T, H, D]."""
+    D = q.shape[-1]
+    q = q.transpose(0, 2, 1, 3) / jnp.asarray(math.sqrt(D), q.dtype)
+    return _splash(q, k, v, q_segments, kv_segments, window, offset, interpret).transpose(0, 2, 1, 3)
 
 
 def _splash(q, k, v, q_segments, kv_segments, window, offset, interpret):

@@ -5,7 +5,8 @@ Every activation [B, T, ...] holds T / c positions a device. The queries stay wh
 keys and values reach them by `context_parallel_strategy`:
 
 - all_gather: each layer gathers the axis' keys and values whole (the gradient goes back by a
-  reduce-scatter), and attention.py's reference attention runs over them, its queries in chunks;
+  reduce-scatter), and attention.py's reference attention runs over them, its queries in chunks,
+  or the splash kernel (TPU) over them put back in the columns' order;
 - ring: the keys and values go around the axis a block at a time (ppermute), each device folding a
   block into its queries' softmax online (FlashAttention's running maximum and sum) while the next
   block is on its way, so no device holds them whole. The backward goes around the ring again, each
@@ -31,7 +32,16 @@ import jax.numpy as jnp
 
 from unitrain import sharding
 from unitrain.config import check
-from unitrain.models.attention import attention, attention_fn, attention_mask, masked_scores, softmax_grads
+from unitrain.models.attention import (
+    SPLASH_BLOCK,
+    attention,
+    attention_fn,
+    attention_kernel,
+    attention_mask,
+    masked_scores,
+    softmax_grads,
+    splash_rows,
+)
 from unitrain.registry import RL_MODES
 
 log = logging.getLogger("unitrain")
@@ -61,7 +71,7 @@ def forward(cfg, run, x, positions, segment_ids, rope, routes):
         return run(x, positions, segment_ids, rope, routes, attention_fn(cfg, segment_ids, positions))
     T = x.shape[1]
     chunks = 2 * c if cfg.context_load_balance else c
-    pad = -T % chunks
+    pad = -T % (chunks * (SPLASH_BLOCK if kernel(cfg, c) == "splash" else 1))  # splash: whole blocks a chunk
     columns = [x, positions, segment_ids, rope] + ([] if routes is None else [routes])
     columns = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in columns]
     if cfg.context_load_balance:
@@ -74,12 +84,18 @@ def forward(cfg, run, x, positions, segment_ids, rope, routes):
     return jax.tree.map(lambda a: a[:, :T], out)
 
 
-def strategy(choice: str, length: int, c: int) -> str:
-    """The strategy of `choice` for rows of `length` columns over c devices: auto is the ring where
-    each device's share is at least RING_FROM positions, else one gather."""
+def kernel(cfg, c: int) -> str:
+    """The attention kernel of the decoder's ModelConfig `cfg` over c context devices."""
+    return attention_kernel(cfg.attention, cfg.platform, cfg.dtype, c, cfg.context_parallel_strategy)
+
+
+def strategy(choice: str, length: int, c: int, splash: bool = False) -> str:
+    """The strategy of `choice` for rows of `length` columns over c devices: auto is one gather for
+    the splash kernel (it needs the keys whole), else the ring where each device's share is at least
+    RING_FROM positions, else one gather."""
     if choice != "auto":
         return choice
-    chosen = "ring" if length // c >= RING_FROM else "all_gather"
+    chosen = "all_gather" if splash else "ring" if length // c >= RING_FROM else "all_gather"
     _log_choice(chosen, length, c)
     return chosen
 
@@ -105,8 +121,11 @@ def sharded_attention_fn(cfg, segment_ids, positions, c: int, length: int):
         spec("batch", "kv_heads", "length", "kv"),
         spec("batch", "length"),
     )
-    window, chunk = cfg.sliding_window, cfg.attention_chunk_size
-    if strategy(cfg.context_parallel_strategy, length, c) == "all_gather":
+    window, chunk, splash = cfg.sliding_window, cfg.attention_chunk_size, kernel(cfg, c) == "splash"
+    chosen = strategy(cfg.context_parallel_strategy, length, c, splash)  # not the ring with splash (attention_kernel)
+    if splash:
+        body = functools.partial(_gathered_splash, window=window, c=c, balanced=cfg.context_load_balance)
+    elif chosen == "all_gather":
         body = functools.partial(_gathered, window=window, chunk=chunk, balanced=cfg.context_load_balance)
     else:
         body = functools.partial(_ring, window=window, chunk=chunk, c=c, balanced=cfg.context_load_balance)
@@ -136,6 +155,34 @@ def _gathered(q, k, v, segments, positions, window, chunk, balanced):
     whole = tuple(jnp.concatenate(pair, axis=ax) for pair, ax in zip(zip(early, late), _BLOCK_AXES))
     (q1, q2), (seg1, seg2), (pos1, pos2) = (jnp.split(a, 2, axis=1) for a in (q, segments, positions))
     return jnp.concatenate([attend(q1, seg1, pos1, early), attend(q2, seg2, pos2, whole)], axis=1)
+
+
+def _gathered_splash(q, k, v, segments, positions, window, c, balanced):
+    """splash_rows over the row's keys gathered whole, in the columns' order: the kernel reads
+    causality from that order, its mask offset by where this device's queries sit in the row (a
+    static kernel for each place on the axis, lax.switch running this device's). Balanced, device i
+    holds chunks i and 2c-1-i, so the second halves arrive last chunk first and are turned back; a
+    first chunk attends to the row's first half alone, as in _gathered."""
+    del positions  # the columns' order is the positions' (splash_attention)
+    place, axes = jax.lax.axis_index(AXIS), _BLOCK_AXES[:3]  # keys, values, segments
+    gather = lambda arrays: [jax.lax.all_gather(a, AXIS, axis=ax, tiled=True) for a, ax in zip(arrays, axes)]
+
+    def attend(q, q_segments, keys, offsets):
+        kernels = [functools.partial(splash_rows, window=window, offset=o) for o in offsets]
+        return jax.lax.switch(place, kernels, q, keys[0], keys[1], q_segments, keys[2])
+
+    block, T = (k, v, segments), q.shape[1]
+    if not balanced:
+        return attend(q, segments, gather(block), [i * T for i in range(c)])
+    early = gather(_half(block, axes, 0))
+    late = [
+        jnp.concatenate(jnp.split(a, c, axis=ax)[::-1], axis=ax) for a, ax in zip(gather(_half(block, axes, 1)), axes)
+    ]
+    whole = [jnp.concatenate(pair, axis=ax) for pair, ax in zip(zip(early, late), axes)]
+    (q1, q2), (seg1, seg2) = (jnp.split(a, 2, axis=1) for a in (q, segments))
+    first = attend(q1, seg1, early, [i * T // 2 for i in range(c)])
+    second = attend(q2, seg2, whole, [(2 * c - 1 - i) * T // 2 for i in range(c)])
+    return jnp.concatenate([first, second], axis=1)
 
 
 # ---------------------------------------------------------------- the ring

@@ -51,7 +51,9 @@ def source(cfg, mesh, output_head: bool = True) -> decoder.Decoder:
             model_cfg, mrope_section=keys["mrope_section"], image_token_id=keys["image_token_id"]
         )
     context = mesh.shape["context"]
-    kernel = attention_kernel(model_cfg.attention, platform, model_cfg.dtype, context)
+    kernel = attention_kernel(
+        model_cfg.attention, platform, model_cfg.dtype, context, model_cfg.context_parallel_strategy
+    )
     where = f" (auto on {platform}{f', context {context}' if context > 1 else ''})"
     log.info("attention: %s%s", kernel, where if model_cfg.attention == "auto" else "")
     rules = model_cfg.logical_axis_rules
