@@ -116,6 +116,11 @@ def _mappings(cfg: model_lib.ModelConfig, fused_experts: bool = False) -> dict[s
     if cfg.qk_norm:
         m["layers.q_norm"] = _Mapping(attn + "q_norm.weight", (0,))
         m["layers.k_norm"] = _Mapping(attn + "k_norm.weight", (0,))
+    if cfg.family.post_norms:  # Gemma 3's post_attention_layernorm norms the attention's output
+        layer = "model.layers.{i}."
+        m["layers.attn_post_norm"] = _Mapping(layer + "post_attention_layernorm.weight", (0,))
+        m["layers.mlp_norm"] = _Mapping(layer + "pre_feedforward_layernorm.weight", (0,))
+        m["layers.mlp_post_norm"] = _Mapping(layer + "post_feedforward_layernorm.weight", (0,))
     if cfg.output_head and not cfg.tie_word_embeddings:
         m["lm_head"] = _Mapping("lm_head.weight", (1, 0))
     return m
@@ -221,8 +226,11 @@ def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedC
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_original_max_position,
         )
-    extra = {"sliding_window": cfg.sliding_window} if cfg.model_family in ("mistral", "mixtral") else {}
-    extra.update(_expert_fields(cfg))
+    extra = dict(hidden_act="silu", **_expert_fields(cfg))
+    if cfg.model_family in ("mistral", "mixtral"):
+        extra["sliding_window"] = cfg.sliding_window
+    if cfg.model_family == "gemma3_text":
+        rope, extra = _gemma3_fields(cfg, rope)
     return transformers.AutoConfig.for_model(
         cfg.model_family,
         vocab_size=cfg.vocab_size,
@@ -234,11 +242,25 @@ def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedC
         rms_norm_eps=cfg.rms_norm_eps,
         rope_parameters=rope,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        hidden_act="silu",
         max_position_embeddings=max(cfg.rope_original_max_position, 4096),
         dtype=str(np.dtype(cfg.weight_dtype)),
         architectures=hf_config.causal_lm_architectures(cfg.model_family),
         **extra,
+    )
+
+
+def _gemma3_fields(cfg: model_lib.ModelConfig, rope: dict) -> tuple[dict, dict]:
+    """Gemma 3's rope_parameters (`rope` the global layers', the local ones' unscaled) and its
+    fields beyond Llama's: hf_config's _gemma3_keys read back."""
+    local_theta = cfg.rope_local_base_freq or cfg.rope_theta
+    rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    return rope, dict(
+        intermediate_size=cfg.mlp_dim,
+        hidden_activation=hf_config.ACTIVATIONS["gemma3_text"][1],
+        sliding_window=cfg.sliding_window,
+        layer_types=hf_config.gemma3_layer_types(cfg.sliding_window_pattern, cfg.num_decoder_layers),
+        query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+        final_logit_softcapping=cfg.final_logit_softcapping,
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from unitrain.errors import ConfigError
 
-DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 MOE_TYPES = ("qwen3_moe", "mixtral")
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
 # Vision-language checkpoints: our decoder (its keys those of the text model) with a vision tower
@@ -150,15 +150,27 @@ def vision_language_keys(path: str | Path) -> tuple[dict, dict]:
     return keys, vision_keys
 
 
+# Gemma 3's keys (_gemma3_keys) in every other family.
+_NOT_GEMMA = dict(
+    sliding_window_pattern=0, rope_local_base_freq=None, query_pre_attn_scalar=None, final_logit_softcapping=None
+)
+# The gated MLP's activation of each family: the config.json field naming it and its one value here.
+ACTIVATIONS = {"gemma3_text": ("hidden_activation", "gelu_pytorch_tanh")}
+_SILU = ("hidden_act", "silu")
+
+
 def _decoder_keys(hf, family: str, config_file) -> dict:
     """The architecture keys of the (text) model config `hf`, a decoder of `family`."""
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
+    field, activation = ACTIVATIONS.get(family, _SILU)
+    if getattr(hf, field, activation) != activation:
+        raise ConfigError(f"{config_file}: field '{field}' is '{getattr(hf, field)}'; only '{activation}' is supported")
     if getattr(hf, "use_sliding_window", False):
         raise ConfigError(
             f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported"
         )
     rope = dict(getattr(hf, "rope_parameters", None) or {})
+    gemma = _gemma3_keys(hf, rope, config_file) if family == "gemma3_text" else dict(_NOT_GEMMA)
+    rope = rope.get("full_attention", rope)
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ConfigError(
@@ -183,8 +195,42 @@ def _decoder_keys(hf, family: str, config_file) -> dict:
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
         qkv_bias=family in ("qwen2", "qwen2_5_vl"),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        sliding_window=getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral") else None,
+        sliding_window=getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral", "gemma3_text") else None,
         **_expert_keys(hf, config_file),
+        **gemma,
     )
+
+
+def _gemma3_keys(hf, rope: dict, config_file) -> dict:
+    """Gemma 3's keys beyond Llama's: its local and global layers (HF layer_types, which must follow
+    one sliding_window_pattern), the local layers' RoPE base, the query scale, the logit cap.
+    `rope` (its rope_parameters) has an entry per kind of layer; the local one is unscaled."""
+    for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if getattr(hf, name, None):
+            raise ConfigError(f"{config_file}: field '{name}' is set; Gemma 3 without it only is supported")
+    local = rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"{config_file}: field 'rope_parameters.sliding_attention.rope_type' is '{local['rope_type']}'; only default"
+        )
+    kinds = list(_field(hf, "layer_types", config_file))
+    pattern = kinds.index("full_attention") + 1 if "full_attention" in kinds else len(kinds) + 1
+    if kinds != gemma3_layer_types(pattern, len(kinds)):
+        raise ConfigError(
+            f"{config_file}: field 'layer_types' does not repeat {pattern - 1} sliding_attention layers and one "
+            "full_attention layer; only such a pattern is supported"
+        )
+    softcap = getattr(hf, "final_logit_softcapping", None)
+    return dict(
+        sliding_window_pattern=pattern,
+        rope_local_base_freq=float(local.get("rope_theta", 10000.0)),
+        query_pre_attn_scalar=float(_field(hf, "query_pre_attn_scalar", config_file)),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+    )
+
+
+def gemma3_layer_types(pattern: int, layers: int) -> list[str]:
+    """HF layer_types of `layers` layers, every `pattern`-th global (sliding_window_pattern)."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]

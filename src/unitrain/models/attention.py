@@ -8,11 +8,13 @@ splash, the segment ids the mask comes from).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from unitrain import sharding
 
@@ -43,6 +45,31 @@ def attention_kernel(choice: str, platform: str, dtype: str, context: int = 1, s
     if choice == "cudnn" and dtype == "float32":
         raise ValueError("attention=cudnn needs dtype bfloat16 or float16 (cuDNN's fused attention has no float32)")
     return choice
+
+
+def layer_kinds(cfg) -> tuple:
+    """The model configs (cfg: the decoder's ModelConfig) of its kinds of layer, a layer's kind by
+    `layer_kind_ids`: one (every layer alike, sliding_window on all if set), or Gemma 3's global
+    layers, every sliding_window_pattern-th (the whole row; RoPE of rope_theta with its scaling), and
+    local ones (within sliding_window; RoPE of rope_local_base_freq, unscaled)."""
+    if not cfg.sliding_window_pattern:
+        return (cfg,)
+    local_theta = cfg.rope_local_base_freq or cfg.rope_theta
+    return (
+        dataclasses.replace(cfg, sliding_window=None),
+        dataclasses.replace(cfg, rope_theta=local_theta, rope_scaling_type="none"),
+    )
+
+
+def layer_kind_ids(cfg) -> np.ndarray:
+    """[layers] int32: each layer's index into `layer_kinds` (0: global, 1: local) where
+    sliding_window_pattern sets them."""
+    return (np.arange(1, cfg.num_decoder_layers + 1) % cfg.sliding_window_pattern != 0).astype(np.int32)
+
+
+def attention_fns(cfg, segment_ids, positions, prefix=None) -> tuple:
+    """`attention_fn` of each of the layer kinds."""
+    return tuple(attention_fn(kind, segment_ids, positions, prefix) for kind in layer_kinds(cfg))
 
 
 def attention_fn(cfg, segment_ids, positions, prefix=None):
