@@ -226,7 +226,7 @@ def _gemma3_keys(hf, rope: dict, config_file) -> dict:
     return dict(
         sliding_window_pattern=pattern,
         rope_local_base_freq=float(local.get("rope_theta", 10000.0)),
-        query_pre_attn_scalar=float(_field(hf, "query_pre_attn_scalar", config_file)),
+        query_pre_attn_scalar=int(_field(hf, "query_pre_attn_scalar", config_file)),
         final_logit_softcapping=None if softcap is None else float(softcap),
     )
 

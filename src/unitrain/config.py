@@ -138,7 +138,7 @@ RULES: dict[str, Rule] = {
     "sliding_window": optional(POSITIVE_INT),
     "sliding_window_pattern": NON_NEGATIVE_INT,
     "rope_local_base_freq": optional(POSITIVE),
-    "query_pre_attn_scalar": optional(POSITIVE),
+    "query_pre_attn_scalar": optional(POSITIVE_INT),
     "final_logit_softcapping": optional(POSITIVE),
     "num_experts": NON_NEGATIVE_INT,
     "num_experts_per_tok": POSITIVE_INT,

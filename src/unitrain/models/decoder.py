@@ -95,7 +95,7 @@ class ModelConfig:
     # soft-capped to (-cap, cap) by cap * tanh(logits / cap).
     sliding_window_pattern: int = 0
     rope_local_base_freq: float | None = None
-    query_pre_attn_scalar: float | None = None
+    query_pre_attn_scalar: int | None = None
     final_logit_softcapping: float | None = None
     # Mixture of experts (0: dense): every layer's MLP is num_experts SwiGLUs of moe_mlp_dim, of
     # which each token takes num_experts_per_tok (models/moe.py).
