@@ -18,6 +18,9 @@ MODEL_TYPES = DENSE_TYPES + MOE_TYPES
 # Vision-language checkpoints: our decoder (its keys those of the text model) with a vision tower
 # whose dimensions stay in the checkpoint's config.json (models/qwen2_5_vl.py, adapters/hf.py).
 VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
+# Gemma 3's (model_type gemma3): our decoder and models/gemma3_vision.py's tower, read and written by
+# the HF adapter; not yet a run's model (its images have no data path: config loading refuses it).
+GEMMA3_VISION_TYPE = "gemma3"
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -157,6 +160,38 @@ _NOT_GEMMA = dict(
 # The gated MLP's activation of each family: the config.json field naming it and its one value here.
 ACTIVATIONS = {"gemma3_text": ("hidden_activation", "gelu_pytorch_tanh")}
 _SILU = ("hidden_act", "silu")
+
+
+def gemma3_vision_keys(path: str | Path) -> tuple[dict, dict]:
+    """(the decoder's keys, the tower's) of the Gemma 3 vision-language checkpoint at `path`: its
+    text model's keys as model_family gemma3 (Gemma 3 text whose images attend within themselves
+    both ways) with the `image_token_id` its images' features replace, and the fields of
+    models/gemma3_vision.py's VisionConfig."""
+    config_file = Path(path) / "config.json"
+    hf = read_hf_config(path)
+    _check_supported(hf, config_file, (GEMMA3_VISION_TYPE,))
+    vision = hf.vision_config
+    if vision.hidden_act != "gelu_pytorch_tanh" or getattr(vision, "vision_use_head", False):
+        raise ConfigError(
+            f"{config_file}: fields 'vision_config.hidden_act'/'vision_use_head' are '{vision.hidden_act}'/"
+            f"{vision.vision_use_head}; only gelu_pytorch_tanh without the pooling head (Gemma 3's SigLIP)"
+        )
+    keys = _decoder_keys(hf.text_config, "gemma3_text", config_file)
+    keys.update(
+        model_family=GEMMA3_VISION_TYPE,
+        image_token_id=hf.image_token_id,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        final_logit_softcapping=None,  # transformers' Gemma3ForConditionalGeneration caps no logits
+    )
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size")
+    vision_keys = {name: getattr(vision, name) for name in (*fields, "patch_size", "num_channels")}
+    vision_keys.update(
+        layer_norm_eps=float(vision.layer_norm_eps),
+        mm_tokens_per_image=hf.mm_tokens_per_image,
+        boi_token_id=hf.boi_token_id,
+        eoi_token_id=hf.eoi_token_id,
+    )
+    return keys, vision_keys
 
 
 def _decoder_keys(hf, family: str, config_file) -> dict:

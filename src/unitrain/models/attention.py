@@ -67,17 +67,21 @@ def layer_kind_ids(cfg) -> np.ndarray:
     return (np.arange(1, cfg.num_decoder_layers + 1) % cfg.sliding_window_pattern != 0).astype(np.int32)
 
 
-def attention_fns(cfg, segment_ids, positions, prefix=None) -> tuple:
+def attention_fns(cfg, segment_ids, positions, prefix=None, image_spans=None) -> tuple:
     """`attention_fn` of each of the layer kinds."""
-    return tuple(attention_fn(kind, segment_ids, positions, prefix) for kind in layer_kinds(cfg))
+    return tuple(attention_fn(kind, segment_ids, positions, prefix, image_spans) for kind in layer_kinds(cfg))
 
 
-def attention_fn(cfg, segment_ids, positions, prefix=None):
+def attention_fn(cfg, segment_ids, positions, prefix=None, image_spans=None):
     """attend(q, k, v) of a call without a cache, by the kernel the `attention` key picks on the
     model's platform (cfg: the decoder's ModelConfig). The fused kernels serve training and scoring;
     a cache call (prefill, decode) always takes the reference. The keys are the queries' own
-    columns, after a shared prefix's where `prefix` gives its (segment_ids, positions)."""
+    columns, after a shared prefix's where `prefix` gives its (segment_ids, positions). `image_spans`
+    [B, T] (no prefix): the tokens of one nonzero span attend to one another both ways (Gemma 3's
+    images), which only a mask says: not splash's kernel."""
     kernel = attention_kernel(cfg.attention, cfg.platform, cfg.dtype)
+    if image_spans is not None and kernel == "splash":
+        kernel = "xla"  # splash's masks are causal or local only
     keys = (segment_ids, positions)
     if prefix is not None:
         keys = tuple(jnp.concatenate([before, own], axis=1) for before, own in zip(prefix, keys))
@@ -89,17 +93,23 @@ def attention_fn(cfg, segment_ids, positions, prefix=None):
             rules=cfg.logical_axis_rules,
             key_segment_ids=keys[0],
         )
-    mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window)
+    mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window, image_spans)
     if kernel == "cudnn":
         return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
-    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=prefix is None)
+    causal = prefix is None and image_spans is None  # no query attends to a later column
+    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=causal)
 
 
-def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_window):
-    """[B, Tq, Tk] bool: same nonzero segment, causal by position, optionally within a window."""
+def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_window, spans=None):
+    """[B, Tq, Tk] bool: same nonzero segment, causal by position (or, where `spans` [B, T] of the
+    queries' own columns are the same nonzero number, both ways), optionally within a window of
+    the keys before the query (as transformers' Gemma 3 windows its images' tokens)."""
     same = (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments[:, :, None] > 0)
     distance = q_positions[:, :, None] - k_positions[:, None, :]
-    allowed = same & (distance >= 0)
+    ordered = distance >= 0
+    if spans is not None:
+        ordered |= (spans[:, :, None] == spans[:, None, :]) & (spans[:, :, None] > 0)
+    allowed = same & ordered
     if sliding_window is not None:
         allowed &= distance < sliding_window
     return allowed

@@ -37,7 +37,7 @@ from unitrain.models.attention import (
     layer_kinds,
 )
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe", "mixtral", "qwen2_5_vl")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe", "mixtral", "qwen2_5_vl", "gemma3")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -54,13 +54,14 @@ class Family:
     post_norms: bool = False  # the attention's and the MLP's outputs normed before the residual adds (Gemma 3)
     embed_scale: bool = False  # the embeddings times sqrt(emb_dim)
     activation: Callable = jax.nn.silu  # of the gated MLP's gate
+    # An image's tokens (a run of image pads) attend to one another both ways, not causally (Gemma 3).
+    bidirectional_images: bool = False
 
 
-_FAMILIES = {
-    "gemma3_text": Family(
-        norm_offset=1.0, post_norms=True, embed_scale=True, activation=functools.partial(jax.nn.gelu, approximate=True)
-    )
-}
+_GEMMA3 = Family(
+    norm_offset=1.0, post_norms=True, embed_scale=True, activation=functools.partial(jax.nn.gelu, approximate=True)
+)
+_FAMILIES = {"gemma3_text": _GEMMA3, "gemma3": dataclasses.replace(_GEMMA3, bidirectional_images=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +352,8 @@ class Decoder(nnx.Module):
             is_image = tokens == cfg.image_token_id if image_mask is None else image_mask
             x = _with_image_features(x, is_image, image_features)
         rope = positions if rope_positions is None else rope_positions
+        if image_features is not None and cfg.family.bidirectional_images:
+            return self._bidirectional_images(x, positions, segment_ids, rope, routes, cache, is_image), None
         if cache is None:
             return context_parallel.forward(cfg, self._uncached, x, positions, segment_ids, rope, routes), None
         if x.shape[1] > 1 and context_parallel.shards(cfg) > 1:
@@ -374,6 +377,19 @@ class Decoder(nnx.Module):
         x, routed = _run_stack(cfg, x, params, layer)
         moe.report(routed)
         return _norm(cfg, x, self.final_norm[...])
+
+    def _bidirectional_images(self, x, positions, segment_ids, rope, routes, cache, is_image):
+        """`_uncached` of a family whose images' tokens attend to one another both ways: each run of
+        image pads (`is_image` [B, T]) a span of its own, numbered from 1 along the row."""
+        if cache is not None or context_parallel.shards(self.cfg) > 1:
+            raise ValueError(
+                f"model_family {self.cfg.model_family}: images attend within themselves both ways only in a "
+                "call without a cache and without context parallelism"
+            )
+        starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+        spans = jnp.where(is_image, jnp.cumsum(starts, axis=1), 0)
+        attend = attention_fns(self.cfg, segment_ids, positions, image_spans=spans)
+        return self._uncached(x, positions, segment_ids, rope, routes, attend)
 
     def _split_prefill(self, x, positions, segment_ids, rope, cache, layers):
         """A cached call of several columns over rows split on the context axis: the samplers'
