@@ -14,8 +14,9 @@ import torch
 import transformers
 from flax import nnx
 
-from helpers import assert_same_step, one_step, only_first_device, packed_batch, torch_logits
+from helpers import REPO, SFT_FAST, assert_same_step, one_step, only_first_device, packed_batch, torch_logits
 from helpers import fixed_step_config as step_config
+from unitrain import train
 from unitrain.adapters import hf
 from unitrain.models import kv_cache
 
@@ -173,3 +174,18 @@ def test_sft_step_split_over_fsdp_equals_one_device(tmp_path):
     assert got[3].run.mesh.shape["fsdp"] == 8 and want[3].run.mesh.shape["fsdp"] == 1
     assert got[3].run.model.cfg.sliding_window_pattern == 2
     assert_same_step(got, want)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["sliding_window_pattern=6"], "sliding_window_pattern=6 makes local layers: set their sliding_window"),
+        (["rope_local_base_freq=10000"], "rope_local_base_freq is set but sliding_window_pattern is 0"),
+        (["query_pre_attn_scalar=0"], "query_pre_attn_scalar"),
+        (["final_logit_softcapping=-1"], "final_logit_softcapping"),
+    ],
+)
+def test_bad_gemma3_keys_are_one_line_and_exit_2(tmp_path, capsys, args, message):
+    assert train.main([str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", *SFT_FAST, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err

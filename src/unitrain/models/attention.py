@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from unitrain import sharding
+from unitrain.config import check
 
 
 def attention_kernel(choice: str, platform: str, dtype: str, context: int = 1, strategy: str = "auto") -> str:
@@ -65,6 +66,19 @@ def layer_kind_ids(cfg) -> np.ndarray:
     """[layers] int32: each layer's index into `layer_kinds` (0: global, 1: local) where
     sliding_window_pattern sets them."""
     return (np.arange(1, cfg.num_decoder_layers + 1) % cfg.sliding_window_pattern != 0).astype(np.int32)
+
+
+@check("sliding_window_pattern", "sliding_window", "rope_local_base_freq")
+def _layer_kinds(c) -> str | None:
+    """Local layers need their window, and the local layers' RoPE base needs local layers."""
+    if c["sliding_window_pattern"] and c["sliding_window"] is None:
+        return f"sliding_window_pattern={c['sliding_window_pattern']} makes local layers: set their sliding_window"
+    if c["rope_local_base_freq"] is not None and not c["sliding_window_pattern"]:
+        return "rope_local_base_freq is set but sliding_window_pattern is 0 (no local layers): drop it or set both"
+    return None
+
+
+CONFIG_CHECKS = (_layer_kinds,)
 
 
 def attention_fns(cfg, segment_ids, positions, prefix=None, image_spans=None) -> tuple:
