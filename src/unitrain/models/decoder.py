@@ -273,6 +273,7 @@ class Decoder(nnx.Module):
         if quantization != "none" and cfg.num_experts:  # the config refuses it (engines/factory.py)
             raise ValueError("the quantised decode serves dense models: its experts' ragged_dot takes no QArray")
         params = self._stacked_layers()
+        params.pop("layer_kind", None)  # the unrolled layers know theirs when tracing
         layers = [_decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)]
         head = self._head()
         if quantization != "none":
@@ -577,8 +578,11 @@ def _run_unrolled(cfg, x, params, layers, ropes, attend, segment_ids, write=None
     returns the cache's, which the layer attends to. Returns x, each layer's keys and values (the
     call's own without `write`) and the layers' RouterStats stacked (None when dense)."""
     ks, vs, routed = [], [], []
+    kinds = layer_kind_ids(cfg) if len(ropes) > 1 else None
     for i in range(cfg.num_decoder_layers):
         p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
+        if kinds is not None:  # known when tracing: `_of_kind` picks, no switch runs
+            p = {**p, "layer_kind": int(kinds[i])}
         store = None if write is None else functools.partial(write, i)
         x, (k, v), stats = _layer(cfg, p, x, ropes, attend, segment_ids, store)
         ks.append(k)
@@ -635,6 +639,8 @@ def _of_kind(p, per_kind: tuple):
     if len(per_kind) == 1:
         return per_kind[0]
     kind = p["layer_kind"]
+    if not isinstance(kind, jax.core.Tracer):
+        return per_kind[int(kind)]
     if callable(per_kind[0]):
         return lambda *args: jax.lax.switch(kind, per_kind, *args)
     return jax.tree.map(lambda *tables: jnp.stack(tables)[kind], *per_kind)
