@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import REPO
+from helpers import GEMMA3_ARCH, REPO
 from unitrain import losses, sharding
 from unitrain.checks import load_checked
 from unitrain.errors import ConfigError
@@ -105,31 +105,16 @@ def test_splash_on_the_gathered_keys_gives_the_unsplit_loss_and_gradients(monkey
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
-# Gemma 3 text: local layers over 6 positions (less than a device's share) and a global one, each
-# kind with its own window and RoPE in the split attention.
-GEMMA3 = dict(
-    model_family="gemma3_text",
-    qk_norm=True,
-    sliding_window=6,
-    sliding_window_pattern=2,
-    rope_theta=1e6,
-    rope_local_base_freq=1e4,
-    query_pre_attn_scalar=12,
-    final_logit_softcapping=5.0,
-    tie_word_embeddings=True,
-)
-
-
 @pytest.fixture(scope="module")
 def gemma3_unsplit():
-    return loss_and_grads(sharding.create_mesh({"fsdp": 4, "tensor": 2}, {}), **GEMMA3)
+    return loss_and_grads(sharding.create_mesh({"fsdp": 4, "tensor": 2}, {}), **GEMMA3_ARCH)
 
 
 @pytest.mark.parametrize("context,strategy,balance", [(2, "ring", True), (4, "all_gather", False)])
 def test_gemma3_split_rows_give_the_unsplit_loss_and_gradients(gemma3_unsplit, context, strategy, balance):
     want = gemma3_unsplit
     mesh = sharding.create_mesh({"fsdp": 8 // context, "context": context}, {})
-    value, grads = loss_and_grads(mesh, context_parallel_strategy=strategy, context_load_balance=balance, **GEMMA3)
+    value, grads = loss_and_grads(mesh, context_parallel_strategy=strategy, context_load_balance=balance, **GEMMA3_ARCH)
     assert value == pytest.approx(want[0], rel=1e-5)
     for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())

@@ -14,7 +14,16 @@ import torch
 import transformers
 from flax import nnx
 
-from helpers import REPO, SFT_FAST, assert_same_step, one_step, only_first_device, packed_batch, torch_logits
+from helpers import (
+    GEMMA3_ARCH,
+    REPO,
+    SFT_FAST,
+    assert_same_step,
+    one_step,
+    only_first_device,
+    packed_batch,
+    torch_logits,
+)
 from helpers import fixed_step_config as step_config
 from unitrain import train
 from unitrain.adapters import hf
@@ -149,19 +158,8 @@ def test_save_hf_then_transformers_load_gives_the_same_logits_and_config(path, t
 
 
 # A randomly initialised Gemma 3 of the run's own keys: global layers every 2nd, the local ones over
-# 8 of SFT's 32 positions.
-GEMMA_KEYS = [
-    "model_name=",
-    "model_family=gemma3_text",
-    "qk_norm=true",
-    "tie_word_embeddings=true",
-    "sliding_window=8",
-    "sliding_window_pattern=2",
-    "rope_theta=1000000.0",
-    "rope_local_base_freq=10000.0",
-    "query_pre_attn_scalar=24",
-    "final_logit_softcapping=8.0",
-]
+# 6 of SFT's 32 positions.
+GEMMA_KEYS = ["model_name=", *(f"{key}={value}" for key, value in GEMMA3_ARCH.items())]
 SFT_STEP = ["mode=sft", "max_target_length=32", "per_device_batch_size=1", *GEMMA_KEYS]
 
 

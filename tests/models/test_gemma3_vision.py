@@ -12,22 +12,14 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from PIL import Image, ImageDraw
 from safetensors.numpy import load_file, save_file
 
+from helpers import drawn
 from unitrain.adapters import hf
 from unitrain.errors import ConfigError
 
 # Logits reach ~13; float32 sums in another order move them by ~1e-5.
 TOL = 1e-4
-
-
-def drawn(width, height, colour):
-    image = Image.new("RGB", (width, height), "white")
-    pen = ImageDraw.Draw(image)
-    pen.rectangle([width // 4, height // 4, width // 2, height // 2], fill=colour)
-    pen.ellipse([width // 2, height // 3, width - 2, height - 2], fill="black")
-    return image
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import grpo_rows, small_model_config
+from helpers import GEMMA3_ARCH, grpo_rows, small_model_config
 from unitrain.models import attention, decoder, kv_cache
 
 CFG = small_model_config(vocab_size=128, qkv_bias=True, qk_norm=True)
@@ -239,21 +239,9 @@ def test_decode_step_attention_matches_numpy(matmuls):
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
 
 
-# Gemma 3 text: a local layer over 5 positions, then a global one, each with its RoPE.
-GEMMA3 = dict(
-    model_family="gemma3_text",
-    qkv_bias=False,
-    sliding_window=5,
-    sliding_window_pattern=2,
-    rope_local_base_freq=1e4,
-    rope_theta=1e6,
-    query_pre_attn_scalar=12,
-)
-
-
 @pytest.mark.parametrize(
     "scan_layers, remat_policy, arch",
-    [(True, "full", {}), (False, "none", dict(sliding_window=5)), (True, "none", GEMMA3)],
+    [(True, "full", {}), (False, "none", dict(sliding_window=5)), (True, "none", GEMMA3_ARCH)],
     ids=["plain", "window", "gemma3"],
 )
 def test_shared_prefix_hidden_states_equal_the_plain_ones_with_their_gradients(scan_layers, remat_policy, arch):
