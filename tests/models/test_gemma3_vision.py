@@ -121,3 +121,18 @@ def test_a_run_refuses_a_gemma3_folder_in_one_line(case):
 
     with pytest.raises(ConfigError, match="model_type.*gemma3"):
         make_cfg(load_parameters_path=str(case["path"]), model_name="")
+
+
+def test_calls_without_the_images_own_mask_refuse_images(case):
+    """A cached call and a shared prefix have no form of the images' bidirectional spans yet: they
+    refuse images instead of attending causally."""
+    from unitrain.models import kv_cache
+
+    model = hf.load(case["path"])
+    ids, segments = jnp.asarray(case["ids"][:1, :12]), jnp.asarray(case["segments"][:1, :12])
+    features = model.encode_images(jnp.asarray(case["pixels"][:1]))
+    positions = jnp.arange(12)[None]
+    with pytest.raises(ValueError, match="without a cache"):
+        model(ids, positions, segments, kv_cache.init_cache(model.cfg, 1, 16), image_features=features)
+    with pytest.raises(ValueError, match="shared prefix"):
+        model.hidden_states_shared_prefix(ids, positions, segments, 10, 1, image_features=features[None])

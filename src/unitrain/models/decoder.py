@@ -468,6 +468,8 @@ class Decoder(nnx.Module):
         params = _with_routes(_with_routes(self._stacked_layers(), routes_p, "routes_p"), routes_c)
         x_p = self._embed(tok_p)
         if image_features is not None:
+            if cfg.family.bidirectional_images:
+                raise ValueError(f"model_family {cfg.model_family}: images in a shared prefix are not supported")
             x_p = _with_image_features(x_p, tok_p == cfg.image_token_id, image_features)
         (x_p, x_c), routed = _run_stack(cfg, (x_p, self._embed(tok_c)), params, layer)
         for part in routed:  # each prompt's tokens count once, as they are computed once
