@@ -34,7 +34,7 @@ from unitrain import sharding
 from unitrain.adapters import hf_config
 from unitrain.errors import CheckpointError, ConfigError
 from unitrain.models import decoder as model_lib
-from unitrain.models import qwen2_5_vl
+from unitrain.models import gemma3_vision, qwen2_5_vl
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -116,9 +116,62 @@ def _mappings(cfg: model_lib.ModelConfig, fused_experts: bool = False) -> dict[s
     if cfg.qk_norm:
         m["layers.q_norm"] = _Mapping(attn + "q_norm.weight", (0,))
         m["layers.k_norm"] = _Mapping(attn + "k_norm.weight", (0,))
+    if cfg.family.post_norms:  # Gemma 3's post_attention_layernorm norms the attention's output
+        layer = "model.layers.{i}."
+        m["layers.attn_post_norm"] = _Mapping(layer + "post_attention_layernorm.weight", (0,))
+        m["layers.mlp_norm"] = _Mapping(layer + "pre_feedforward_layernorm.weight", (0,))
+        m["layers.mlp_post_norm"] = _Mapping(layer + "post_feedforward_layernorm.weight", (0,))
     if cfg.output_head and not cfg.tie_word_embeddings:
         m["lm_head"] = _Mapping("lm_head.weight", (1, 0))
+    prefix = _TEXT_PREFIX.get(cfg.model_family, "")
+    return {name: dataclasses.replace(v, hf_key=prefix + v.hf_key) for name, v in m.items()}
+
+
+# Where a vision-language checkpoint keeps its text model's tensors (Gemma 3's `language_model.model.*`,
+# as the published checkpoints and transformers' save_pretrained name them).
+_TEXT_PREFIX = {"gemma3": "language_model."}
+
+
+def _gemma3_vision_mappings(cfg: gemma3_vision.VisionConfig, tower: str) -> dict[str, _Mapping]:
+    """Gemma 3's SigLIP tower (models/gemma3_vision.py) under `tower` and its projector: the patch
+    embedding's Conv2d kernel [E, C, p, p], q/k/v and out as the decoder's with biases."""
+    D, block = cfg.head_dim, tower + "encoder.layers.{i}."
+    attn, projector = block + "self_attn.", "multi_modal_projector."
+    m = {
+        "vision.patch_embed": _Mapping(tower + "embeddings.patch_embedding.weight", (1, 2, 3, 0)),
+        "vision.patch_bias": _Mapping(tower + "embeddings.patch_embedding.bias", (0,)),
+        "vision.position_embed": _Mapping(tower + "embeddings.position_embedding.weight", (0, 1)),
+        "vision.post_norm": _Mapping(tower + "post_layernorm.weight", (0,)),
+        "vision.post_norm_bias": _Mapping(tower + "post_layernorm.bias", (0,)),
+        "vision.soft_norm": _Mapping(projector + "mm_soft_emb_norm.weight", (0,)),
+        "vision.projection": _Mapping(projector + "mm_input_projection_weight", (0, 1)),
+        "vision.blocks.wo": _Mapping(attn + "out_proj.weight", (1, 2, 0), (1, D)),
+        "vision.blocks.bo": _Mapping(attn + "out_proj.bias", (0,)),
+        "vision.blocks.w_up": _Mapping(block + "mlp.fc1.weight", (1, 0)),
+        "vision.blocks.b_up": _Mapping(block + "mlp.fc1.bias", (0,)),
+        "vision.blocks.w_down": _Mapping(block + "mlp.fc2.weight", (1, 0)),
+        "vision.blocks.b_down": _Mapping(block + "mlp.fc2.bias", (0,)),
+    }
+    for ours, theirs in (("attn_norm", "layer_norm1"), ("mlp_norm", "layer_norm2")):
+        m[f"vision.blocks.{ours}"] = _Mapping(block + f"{theirs}.weight", (0,))
+        m[f"vision.blocks.{ours}_bias"] = _Mapping(block + f"{theirs}.bias", (0,))
+    for name in "qkv":
+        m[f"vision.blocks.w{name}"] = _Mapping(attn + f"{name}_proj.weight", (2, 0, 1), (0, D))
+        m[f"vision.blocks.b{name}"] = _Mapping(attn + f"{name}_proj.bias", (0, 1), (0, D))
     return m
+
+
+# Gemma 3's tower as transformers 5 saves it, and as the published checkpoints name it.
+GEMMA3_TOWERS = ("vision_tower.", "vision_tower.vision_model.")
+
+
+def _tower_mappings(vision, tensors=()) -> dict[str, _Mapping]:
+    """The vision tower's mappings of either family; Gemma 3's under the prefix among `tensors` (the
+    checkpoint's names; none: the one save writes)."""
+    if isinstance(vision, qwen2_5_vl.VisionConfig):
+        return _vision_mappings(vision)
+    tower = next((t for t in GEMMA3_TOWERS[1:] if t + "post_layernorm.weight" in tensors), GEMMA3_TOWERS[0])
+    return _gemma3_vision_mappings(vision, tower)
 
 
 def _vision_mappings(cfg: qwen2_5_vl.VisionConfig) -> dict[str, _Mapping]:
@@ -166,20 +219,27 @@ def _hf_names(m: _Mapping, cfg: model_lib.ModelConfig, layer: int | None) -> lis
 
 def model_config_from_hf(path: str | Path, trust_remote_code: bool = False, **execution) -> model_lib.ModelConfig:
     """ModelConfig from an HF checkpoint dir; `execution` sets dtype, weight_dtype, remat_policy, ..."""
-    if _is_vision_language(path, trust_remote_code):
-        return model_lib.ModelConfig(**hf_config.vision_language_keys(path)[0], **execution)
-    return model_lib.ModelConfig(**hf_config.model_keys(path, trust_remote_code), **execution)
+    keys = _vision_language_keys(path, trust_remote_code)
+    keys = hf_config.model_keys(path, trust_remote_code) if keys is None else keys[0]
+    return model_lib.ModelConfig(**keys, **execution)
 
 
-def vision_config_from_hf(path: str | Path, trust_remote_code: bool = False) -> qwen2_5_vl.VisionConfig | None:
+def vision_config_from_hf(
+    path: str | Path, trust_remote_code: bool = False
+) -> qwen2_5_vl.VisionConfig | gemma3_vision.VisionConfig | None:
     """The vision tower of an HF vision-language checkpoint dir; None for a text model's."""
-    if not _is_vision_language(path, trust_remote_code):
+    keys = _vision_language_keys(path, trust_remote_code)
+    if keys is None:
         return None
-    return qwen2_5_vl.VisionConfig(**hf_config.vision_language_keys(path)[1])
+    return (gemma3_vision if "mm_tokens_per_image" in keys[1] else qwen2_5_vl).VisionConfig(**keys[1])
 
 
-def _is_vision_language(path, trust_remote_code: bool) -> bool:
-    return hf_config.read_hf_config(path, trust_remote_code).model_type in hf_config.VISION_LANGUAGE_TYPES
+def _vision_language_keys(path, trust_remote_code: bool) -> tuple[dict, dict] | None:
+    """(decoder keys, tower keys) of a vision-language checkpoint; None for a text model's."""
+    model_type = hf_config.read_hf_config(path, trust_remote_code).model_type
+    if model_type == hf_config.GEMMA3_VISION_TYPE:
+        return hf_config.gemma3_vision_keys(path)
+    return hf_config.vision_language_keys(path) if model_type in hf_config.VISION_LANGUAGE_TYPES else None
 
 
 def _vision_language_config(
@@ -208,6 +268,27 @@ def _vision_language_config(
     )
 
 
+def _gemma3_vision_config(
+    cfg: model_lib.ModelConfig, vision: gemma3_vision.VisionConfig
+) -> transformers.PreTrainedConfig:
+    """config.json of a Gemma 3 vision-language model: the decoder's as its text config, the tower's,
+    the image tokens."""
+    text = hf_config_from_model(dataclasses.replace(cfg, model_family="gemma3_text")).to_dict()
+    fields = {f.name: getattr(vision, f.name) for f in dataclasses.fields(vision)}
+    tokens = {name: fields.pop(name) for name in ("mm_tokens_per_image", "boi_token_id", "eoi_token_id")}
+    return transformers.Gemma3Config(
+        text_config={k: v for k, v in text.items() if k not in ("architectures", "model_type")},
+        vision_config=dict(fields, hidden_act="gelu_pytorch_tanh", vision_use_head=False),
+        mm_tokens_per_image=tokens["mm_tokens_per_image"],
+        boi_token_index=tokens["boi_token_id"],
+        eoi_token_index=tokens["eoi_token_id"],
+        image_token_index=cfg.image_token_id,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        architectures=["Gemma3ForConditionalGeneration"],
+        dtype=str(np.dtype(cfg.weight_dtype)),
+    )
+
+
 def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedConfig:
     rope = {
         "rope_type": "default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
@@ -221,8 +302,11 @@ def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedC
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_original_max_position,
         )
-    extra = {"sliding_window": cfg.sliding_window} if cfg.model_family in ("mistral", "mixtral") else {}
-    extra.update(_expert_fields(cfg))
+    extra = dict(hidden_act="silu", **_expert_fields(cfg))
+    if cfg.model_family in ("mistral", "mixtral"):
+        extra["sliding_window"] = cfg.sliding_window
+    if cfg.model_family == "gemma3_text":
+        rope, extra = _gemma3_fields(cfg, rope)
     return transformers.AutoConfig.for_model(
         cfg.model_family,
         vocab_size=cfg.vocab_size,
@@ -234,11 +318,25 @@ def hf_config_from_model(cfg: model_lib.ModelConfig) -> transformers.PreTrainedC
         rms_norm_eps=cfg.rms_norm_eps,
         rope_parameters=rope,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        hidden_act="silu",
         max_position_embeddings=max(cfg.rope_original_max_position, 4096),
         dtype=str(np.dtype(cfg.weight_dtype)),
         architectures=hf_config.causal_lm_architectures(cfg.model_family),
         **extra,
+    )
+
+
+def _gemma3_fields(cfg: model_lib.ModelConfig, rope: dict) -> tuple[dict, dict]:
+    """Gemma 3's rope_parameters (`rope` the global layers', the local ones' unscaled) and its
+    fields beyond Llama's: hf_config's _gemma3_keys read back."""
+    local_theta = cfg.rope_local_base_freq or cfg.rope_theta
+    rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    return rope, dict(
+        intermediate_size=cfg.mlp_dim,
+        hidden_activation=hf_config.ACTIVATIONS["gemma3_text"][1],
+        sliding_window=cfg.sliding_window,
+        layer_types=hf_config.gemma3_layer_types(cfg.sliding_window_pattern, cfg.num_decoder_layers),
+        query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+        final_logit_softcapping=cfg.final_logit_softcapping,
     )
 
 
@@ -398,7 +496,7 @@ def load(
     vision = vision_config_from_hf(path, trust_remote_code)
     mesh = mesh or single_device_mesh()
     index = _TensorIndex(path)
-    rows = index.slice("model.embed_tokens.weight").get_shape()[0]
+    rows = index.slice(_mappings(cfg)["embed"].hf_key).get_shape()[0]
     if rows < cfg.vocab_size:  # extra_tokens: the checkpoint's vocabulary, then grown (unitrain.vocab)
         from unitrain import vocab
 
@@ -406,12 +504,13 @@ def load(
         return vocab.grown(
             narrow, *vocab.wider(nnx.eval_shape(lambda: model_lib.create(cfg, hf_writer=save)), mesh, rules)
         )
-    create = model_lib.create if vision is None else functools.partial(qwen2_5_vl.create, vision=vision)
+    family = gemma3_vision if isinstance(vision, gemma3_vision.VisionConfig) else qwen2_5_vl
+    create = model_lib.create if vision is None else functools.partial(family.create, vision=vision)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: create(cfg, hf_writer=save)))
     shardings = sharding.state_shardings(abstract, mesh, rules)
     mappings = _mappings(cfg, fused_experts=FUSED_EXPERTS.format(i=0) in index.files)
     if vision is not None:
-        mappings.update(_vision_mappings(vision))
+        mappings.update(_tower_mappings(vision, index.files))
     flat_vars = {".".join(str(k) for k in key_path): var for key_path, var in nnx.to_flat_state(abstract)}
     _check_no_unknown_tensors(path, index, cfg, mappings, flat_vars, other_tensors)
     flat_shardings = dict(nnx.to_flat_state(shardings))
@@ -474,7 +573,7 @@ def _stand_in(array: jax.Array) -> np.ndarray:
 
 
 def _vision(model: model_lib.Decoder):
-    return model.vision.cfg if isinstance(model, qwen2_5_vl.VisionLanguageModel) else None
+    return model.vision.cfg if hasattr(model, "vision") else None
 
 
 def hf_tensors(model: model_lib.Decoder, host=_gathered) -> Iterator[tuple[str, np.ndarray]]:
@@ -483,7 +582,7 @@ def hf_tensors(model: model_lib.Decoder, host=_gathered) -> Iterator[tuple[str, 
     parameters once it has them all. Every process must run it to the end: gathering a sharded
     parameter is a collective."""
     cfg, vision = model.cfg, _vision(model)
-    mappings = {**_mappings(cfg), **(_vision_mappings(vision) if vision else {})}
+    mappings = {**_mappings(cfg), **(_tower_mappings(vision) if vision else {})}
     parts: dict[str, dict[int, np.ndarray]] = {}  # a fused tensor's blocks until it has them all
     for key_path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = ".".join(str(k) for k in key_path)
@@ -511,7 +610,11 @@ def hf_shapes(model: model_lib.Decoder) -> list[tuple[str, tuple[int, ...]]]:
 def hf_config_of(model: model_lib.Decoder) -> transformers.PreTrainedConfig:
     """The config.json of `model` as an HF checkpoint (what save writes beside the tensors)."""
     vision = _vision(model)
-    return hf_config_from_model(model.cfg) if vision is None else _vision_language_config(model.cfg, vision)
+    if vision is None:
+        return hf_config_from_model(model.cfg)
+    if isinstance(vision, gemma3_vision.VisionConfig):
+        return _gemma3_vision_config(model.cfg, vision)
+    return _vision_language_config(model.cfg, vision)
 
 
 def save(model: model_lib.Decoder, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:

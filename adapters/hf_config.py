@@ -12,12 +12,15 @@ from pathlib import Path
 
 from unitrain.errors import ConfigError
 
-DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 MOE_TYPES = ("qwen3_moe", "mixtral")
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
 # Vision-language checkpoints: our decoder (its keys those of the text model) with a vision tower
 # whose dimensions stay in the checkpoint's config.json (models/qwen2_5_vl.py, adapters/hf.py).
 VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
+# Gemma 3's (model_type gemma3): our decoder and models/gemma3_vision.py's tower, read and written by
+# the HF adapter; not yet a run's model (its images have no data path: config loading refuses it).
+GEMMA3_VISION_TYPE = "gemma3"
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -150,15 +153,59 @@ def vision_language_keys(path: str | Path) -> tuple[dict, dict]:
     return keys, vision_keys
 
 
+# Gemma 3's keys (_gemma3_keys) in every other family.
+_NOT_GEMMA = dict(
+    sliding_window_pattern=0, rope_local_base_freq=None, query_pre_attn_scalar=None, final_logit_softcapping=None
+)
+# The gated MLP's activation of each family: the config.json field naming it and its one value here.
+ACTIVATIONS = {"gemma3_text": ("hidden_activation", "gelu_pytorch_tanh")}
+_SILU = ("hidden_act", "silu")
+
+
+def gemma3_vision_keys(path: str | Path) -> tuple[dict, dict]:
+    """(the decoder's keys, the tower's) of the Gemma 3 vision-language checkpoint at `path`: its
+    text model's keys as model_family gemma3 (Gemma 3 text whose images attend within themselves
+    both ways) with the `image_token_id` its images' features replace, and the fields of
+    models/gemma3_vision.py's VisionConfig."""
+    config_file = Path(path) / "config.json"
+    hf = read_hf_config(path)
+    _check_supported(hf, config_file, (GEMMA3_VISION_TYPE,))
+    vision = hf.vision_config
+    if vision.hidden_act != "gelu_pytorch_tanh" or getattr(vision, "vision_use_head", False):
+        raise ConfigError(
+            f"{config_file}: fields 'vision_config.hidden_act'/'vision_use_head' are '{vision.hidden_act}'/"
+            f"{vision.vision_use_head}; only gelu_pytorch_tanh without the pooling head (Gemma 3's SigLIP)"
+        )
+    keys = _decoder_keys(hf.text_config, "gemma3_text", config_file)
+    keys.update(
+        model_family=GEMMA3_VISION_TYPE,
+        image_token_id=hf.image_token_id,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        final_logit_softcapping=None,  # transformers' Gemma3ForConditionalGeneration caps no logits
+    )
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size")
+    vision_keys = {name: getattr(vision, name) for name in (*fields, "patch_size", "num_channels")}
+    vision_keys.update(
+        layer_norm_eps=float(vision.layer_norm_eps),
+        mm_tokens_per_image=hf.mm_tokens_per_image,
+        boi_token_id=hf.boi_token_id,
+        eoi_token_id=hf.eoi_token_id,
+    )
+    return keys, vision_keys
+
+
 def _decoder_keys(hf, family: str, config_file) -> dict:
     """The architecture keys of the (text) model config `hf`, a decoder of `family`."""
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ConfigError(f"{config_file}: field 'hidden_act' is '{hf.hidden_act}'; only 'silu' (SwiGLU) is supported")
+    field, activation = ACTIVATIONS.get(family, _SILU)
+    if getattr(hf, field, activation) != activation:
+        raise ConfigError(f"{config_file}: field '{field}' is '{getattr(hf, field)}'; only '{activation}' is supported")
     if getattr(hf, "use_sliding_window", False):
         raise ConfigError(
             f"{config_file}: field 'use_sliding_window' is true; Qwen's per-layer sliding window is not supported"
         )
     rope = dict(getattr(hf, "rope_parameters", None) or {})
+    gemma = _gemma3_keys(hf, rope, config_file) if family == "gemma3_text" else dict(_NOT_GEMMA)
+    rope = rope.get("full_attention", rope)
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ConfigError(
@@ -183,8 +230,42 @@ def _decoder_keys(hf, family: str, config_file) -> dict:
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
         qkv_bias=family in ("qwen2", "qwen2_5_vl"),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        sliding_window=getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral") else None,
+        sliding_window=getattr(hf, "sliding_window", None) if family in ("mistral", "mixtral", "gemma3_text") else None,
         **_expert_keys(hf, config_file),
+        **gemma,
     )
+
+
+def _gemma3_keys(hf, rope: dict, config_file) -> dict:
+    """Gemma 3's keys beyond Llama's: its local and global layers (HF layer_types, which must follow
+    one sliding_window_pattern), the local layers' RoPE base, the query scale, the logit cap.
+    `rope` (its rope_parameters) has an entry per kind of layer; the local one is unscaled."""
+    for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if getattr(hf, name, None):
+            raise ConfigError(f"{config_file}: field '{name}' is set; Gemma 3 without it only is supported")
+    local = rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"{config_file}: field 'rope_parameters.sliding_attention.rope_type' is '{local['rope_type']}'; only default"
+        )
+    kinds = list(_field(hf, "layer_types", config_file))
+    pattern = kinds.index("full_attention") + 1 if "full_attention" in kinds else len(kinds) + 1
+    if kinds != gemma3_layer_types(pattern, len(kinds)):
+        raise ConfigError(
+            f"{config_file}: field 'layer_types' does not repeat {pattern - 1} sliding_attention layers and one "
+            "full_attention layer; only such a pattern is supported"
+        )
+    softcap = getattr(hf, "final_logit_softcapping", None)
+    return dict(
+        sliding_window_pattern=pattern,
+        rope_local_base_freq=float(local.get("rope_theta", 10000.0)),
+        query_pre_attn_scalar=int(_field(hf, "query_pre_attn_scalar", config_file)),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+    )
+
+
+def gemma3_layer_types(pattern: int, layers: int) -> list[str]:
+    """HF layer_types of `layers` layers, every `pattern`-th global (sliding_window_pattern)."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]

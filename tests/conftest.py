@@ -34,6 +34,7 @@ FAMILY_VARIANTS = {
     # Every 6th layer global, the others sliding over 64 positions; linear RoPE scaling on the global ones.
     "gemma3": dict(tie=True, layers=6, sliding_window=64, rope_scaling="linear"),
     "qwen2_5_vl": dict(),
+    "gemma3_vision": dict(tie=True, layers=6, sliding_window=64, rope_scaling="linear"),
 }
 
 

@@ -437,6 +437,22 @@ def make_logged_game(cfg):
 # ---------------------------------------------------------------- tiny models
 
 
+# Gemma 3 text's keys over a small decoder (small_model_config, the base.yml model): a local layer over
+# 6 positions, then a global one, each kind with its own RoPE; the scores and logits scaled as Gemma's.
+GEMMA3_ARCH = dict(
+    model_family="gemma3_text",
+    qk_norm=True,
+    qkv_bias=False,
+    sliding_window=6,
+    sliding_window_pattern=2,
+    rope_theta=1e6,
+    rope_local_base_freq=1e4,
+    query_pre_attn_scalar=12,
+    final_logit_softcapping=5.0,
+    tie_word_embeddings=True,
+)
+
+
 def small_model_config(**overrides):
     """The unit tests' small decoder (2 layers, width 32, 4 query and 2 key/value heads of 8, vocab
     64), with overrides: model tests compile in seconds at this size."""
@@ -686,3 +702,14 @@ def packed_batch(rng, length=640, seg_lengths=(300, 200)):
         segment_ids[1, start : start + len(s)] = i + 1
         start += len(s)
     return tokens, positions, segment_ids, long_seq, segs
+
+
+def drawn(width, height, colour):
+    """A white image of `width` x `height` pixels with a rectangle of `colour` and a black ellipse."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height), "white")
+    pen = ImageDraw.Draw(image)
+    pen.rectangle([width // 4, height // 4, width // 2, height // 2], fill=colour)
+    pen.ellipse([width // 2, height // 3, width - 2, height - 2], fill="black")
+    return image

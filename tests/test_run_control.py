@@ -151,7 +151,7 @@ def test_a_unitrain_checkpoint_brings_its_model_shape(tmp_path):
 
 
 def test_a_model_source_that_reads_config_json_itself_refuses_architecture_keys(tiny_checkpoint):
-    ckpt = tiny_checkpoint("gemma3")
+    ckpt = tiny_checkpoint("qwen2_5_vl")  # a model type hf_config reads no text model's keys of
     with pytest.raises(ConfigError, match="emb_dim.*model_source tunix"):
         make_cfg(model_source="tunix", load_parameters_path=str(ckpt), emb_dim=64)
 

@@ -7,6 +7,9 @@ is a byte-level BPE trained locally (on --corpus when given, else on a built-in 
 ChatML chat template, so nothing is downloaded. qwen2_5_vl is a Qwen2.5-VL (its
 *ForConditionalGeneration) with a tiny vision tower (TINY_VISION), its image-pad and vision
 tokens in the tokenizer (its template writes image parts as Qwen2.5-VL's does), and the image processor's config beside it.
+gemma3_vision is a Gemma 3 (Gemma3ForConditionalGeneration: gemma3's text model) with a tiny SigLIP
+tower (TINY_SIGLIP: 28-pixel images, 4 tokens each), its image tokens in the tokenizer and its image
+processor's config beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral", "qwen2_5_vl")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral", "qwen2_5_vl", "gemma3_vision")
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # the HF model_type where it is not the family name
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -50,6 +53,23 @@ TINY_VISION = dict(
     spatial_merge_size=2,
     temporal_patch_size=2,
 )
+# Gemma 3's SigLIP at a test's size: 28 x 28 pixels in 7 x 7 patches (4 x 4), pooled 2 x 2 into 4
+# image tokens; its special tokens, by config.json's field.
+TINY_SIGLIP = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=7,
+    vision_use_head=False,
+    layer_norm_eps=1e-6,
+)
+GEMMA3_IMAGE_TOKENS = {
+    "boi_token_index": "<start_of_image>",
+    "image_token_index": "<image_soft_token>",
+    "eoi_token_index": "<end_of_image>",
+}
 BUILTIN_CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
     "How many clips did Natalia sell altogether in April and May? #### 72",
@@ -195,9 +215,11 @@ def make_tiny_model(
         raise ValueError(f"--family must be one of {FAMILIES}, got '{family}'")
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(vocab_size, corpus or BUILTIN_CORPUS)
-    if family == "qwen2_5_vl":
-        tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS.values())})
-        tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    if family in ("qwen2_5_vl", "gemma3_vision"):
+        added = VISION_TOKENS if family == "qwen2_5_vl" else GEMMA3_IMAGE_TOKENS
+        tokenizer.add_special_tokens({"additional_special_tokens": list(added.values())})
+        if family == "qwen2_5_vl":
+            tokenizer.chat_template = VISION_CHAT_TEMPLATE
         vocab_size = max(vocab_size, len(tokenizer))
     if extra_tokens:
         from unitrain.vocab import read_tokens
@@ -205,7 +227,7 @@ def make_tiny_model(
         tokenizer.add_tokens(read_tokens(extra_tokens))
         vocab_size = max(vocab_size, len(tokenizer))
     config = hf_config(
-        family,
+        "gemma3" if family == "gemma3_vision" else family,
         vocab_size,
         emb_dim,
         mlp_dim,
@@ -219,6 +241,12 @@ def make_tiny_model(
         rope_theta,
         experts,
     )
+    if family == "gemma3_vision":
+        tokens = {field: tokenizer.convert_tokens_to_ids(token) for field, token in GEMMA3_IMAGE_TOKENS.items()}
+        text_fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
+        config = transformers.Gemma3Config(
+            text_config=text_fields, vision_config=TINY_SIGLIP, mm_tokens_per_image=4, tie_word_embeddings=tie, **tokens
+        )
     text = config.get_text_config()  # a multimodal config's text part, else the config itself
     for sub in {id(c): c for c in (config, text)}.values():
         sub.eos_token_id = tokenizer.eos_token_id
@@ -235,14 +263,21 @@ def make_tiny_model(
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
         # Images up to 28 x 28 x 64 pixels: at most 256 patches, 64 image tokens.
         Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64).save_pretrained(out_dir)
+    elif family == "gemma3_vision":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+        size = TINY_SIGLIP["image_size"]
+        Gemma3ImageProcessorPil(size={"height": size, "width": size}).save_pretrained(out_dir)
     elif num_labels:
         config.num_labels = num_labels
         model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # HF zero-initialises biases and ones norms; randomise them so tests see them
+    # HF zero-initialises biases and Gemma 3's image projection and ones norms; randomise them so tests see them
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_q" in name:
+            if name.endswith("bias") or "norm" in name or "ln_q" in name or "mm_input_projection" in name:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -90,6 +90,7 @@ CONFIG_CHECKS = (
     "unitrain.models.sources:CONFIG_CHECKS",
     "unitrain.adapters.mllm_jax:CONFIG_CHECKS",
     "unitrain.models.moe:CONFIG_CHECKS",
+    "unitrain.models.attention:CONFIG_CHECKS",
     "unitrain.models.context_parallel:CONFIG_CHECKS",
     "unitrain.sharding:CONFIG_CHECKS",
     "unitrain.distributed:CONFIG_CHECKS",

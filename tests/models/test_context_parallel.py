@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import REPO
+from helpers import GEMMA3_ARCH, REPO
 from unitrain import losses, sharding
 from unitrain.checks import load_checked
 from unitrain.errors import ConfigError
@@ -103,6 +103,21 @@ def test_splash_on_the_gathered_keys_gives_the_unsplit_loss_and_gradients(monkey
     assert value == pytest.approx(want[0], rel=1e-5)
     for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.fixture(scope="module")
+def gemma3_unsplit():
+    return loss_and_grads(sharding.create_mesh({"fsdp": 4, "tensor": 2}, {}), **GEMMA3_ARCH)
+
+
+@pytest.mark.parametrize("context,strategy,balance", [(2, "ring", True), (4, "all_gather", False)])
+def test_gemma3_split_rows_give_the_unsplit_loss_and_gradients(gemma3_unsplit, context, strategy, balance):
+    want = gemma3_unsplit
+    mesh = sharding.create_mesh({"fsdp": 8 // context, "context": context}, {})
+    value, grads = loss_and_grads(mesh, context_parallel_strategy=strategy, context_load_balance=balance, **GEMMA3_ARCH)
+    assert value == pytest.approx(want[0], rel=1e-5)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
 def test_balanced_order_puts_both_ends_of_the_row_on_each_device():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import grpo_rows, small_model_config
+from helpers import GEMMA3_ARCH, grpo_rows, small_model_config
 from unitrain.models import attention, decoder, kv_cache
 
 CFG = small_model_config(vocab_size=128, qkv_bias=True, qk_norm=True)
@@ -239,13 +239,16 @@ def test_decode_step_attention_matches_numpy(matmuls):
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scan_layers, remat_policy, window", [(True, "full", None), (False, "none", 5)])
-def test_shared_prefix_hidden_states_equal_the_plain_ones_with_their_gradients(scan_layers, remat_policy, window):
+@pytest.mark.parametrize(
+    "scan_layers, remat_policy, arch",
+    [(True, "full", {}), (False, "none", dict(sliding_window=5)), (True, "none", GEMMA3_ARCH)],
+    ids=["plain", "window", "gemma3"],
+)
+def test_shared_prefix_hidden_states_equal_the_plain_ones_with_their_gradients(scan_layers, remat_policy, arch):
     """Groups of 3 rows share a prompt (computed once); values and parameter gradients of a loss
-    over the completion columns equal hidden_states' (attention chunked, sliding window too)."""
-    cfg = dataclasses.replace(
-        CFG, scan_layers=scan_layers, remat_policy=remat_policy, sliding_window=window, attention_chunk_size=4
-    )
+    over the completion columns equal hidden_states' (attention chunked, sliding window too, and
+    Gemma 3's layers of two kinds)."""
+    cfg = dataclasses.replace(CFG, scan_layers=scan_layers, remat_policy=remat_policy, attention_chunk_size=4, **arch)
     model = sharp_model(cfg)
     rng = np.random.default_rng(0)
     P, C, n = 8, 6, 3

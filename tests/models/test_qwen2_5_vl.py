@@ -11,23 +11,15 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from PIL import Image, ImageDraw
 from safetensors.numpy import load_file
 
+from helpers import drawn
 from unitrain import sharding
 from unitrain.adapters import hf
 from unitrain.models import qwen2_5_vl
 
 # Logits and features reach ~15; float32 sums in another order move them by ~3e-5.
 TOL = dict(atol=2e-4, rtol=1e-5)
-
-
-def drawn(width, height, colour):
-    image = Image.new("RGB", (width, height), "white")
-    pen = ImageDraw.Draw(image)
-    pen.rectangle([width // 4, height // 4, width // 2, height // 2], fill=colour)
-    pen.ellipse([width // 2, height // 3, width - 2, height - 2], fill="black")
-    return image
 
 
 @pytest.fixture(scope="module")

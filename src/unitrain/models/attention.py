@@ -8,13 +8,16 @@ splash, the segment ids the mask comes from).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from unitrain import sharding
+from unitrain.config import check
 
 
 def attention_kernel(choice: str, platform: str, dtype: str, context: int = 1, strategy: str = "auto") -> str:
@@ -45,12 +48,54 @@ def attention_kernel(choice: str, platform: str, dtype: str, context: int = 1, s
     return choice
 
 
-def attention_fn(cfg, segment_ids, positions, prefix=None):
+def layer_kinds(cfg) -> tuple:
+    """The model configs (cfg: the decoder's ModelConfig) of its kinds of layer, a layer's kind by
+    `layer_kind_ids`: one (every layer alike, sliding_window on all if set), or Gemma 3's global
+    layers, every sliding_window_pattern-th (the whole row; RoPE of rope_theta with its scaling), and
+    local ones (within sliding_window; RoPE of rope_local_base_freq, unscaled)."""
+    if not cfg.sliding_window_pattern:
+        return (cfg,)
+    local_theta = cfg.rope_local_base_freq or cfg.rope_theta
+    return (
+        dataclasses.replace(cfg, sliding_window=None),
+        dataclasses.replace(cfg, rope_theta=local_theta, rope_scaling_type="none"),
+    )
+
+
+def layer_kind_ids(cfg) -> np.ndarray:
+    """[layers] int32: each layer's index into `layer_kinds` (0: global, 1: local) where
+    sliding_window_pattern sets them."""
+    return (np.arange(1, cfg.num_decoder_layers + 1) % cfg.sliding_window_pattern != 0).astype(np.int32)
+
+
+@check("sliding_window_pattern", "sliding_window", "rope_local_base_freq")
+def _layer_kinds(c) -> str | None:
+    """Local layers need their window, and the local layers' RoPE base needs local layers."""
+    if c["sliding_window_pattern"] and c["sliding_window"] is None:
+        return f"sliding_window_pattern={c['sliding_window_pattern']} makes local layers: set their sliding_window"
+    if c["rope_local_base_freq"] is not None and not c["sliding_window_pattern"]:
+        return "rope_local_base_freq is set but sliding_window_pattern is 0 (no local layers): drop it or set both"
+    return None
+
+
+CONFIG_CHECKS = (_layer_kinds,)
+
+
+def attention_fns(cfg, segment_ids, positions, prefix=None, image_spans=None) -> tuple:
+    """`attention_fn` of each of the layer kinds."""
+    return tuple(attention_fn(kind, segment_ids, positions, prefix, image_spans) for kind in layer_kinds(cfg))
+
+
+def attention_fn(cfg, segment_ids, positions, prefix=None, image_spans=None):
     """attend(q, k, v) of a call without a cache, by the kernel the `attention` key picks on the
     model's platform (cfg: the decoder's ModelConfig). The fused kernels serve training and scoring;
     a cache call (prefill, decode) always takes the reference. The keys are the queries' own
-    columns, after a shared prefix's where `prefix` gives its (segment_ids, positions)."""
+    columns, after a shared prefix's where `prefix` gives its (segment_ids, positions). `image_spans`
+    [B, T] (no prefix): the tokens of one nonzero span attend to one another both ways (Gemma 3's
+    images), which only a mask says: not splash's kernel."""
     kernel = attention_kernel(cfg.attention, cfg.platform, cfg.dtype)
+    if image_spans is not None and kernel == "splash":
+        kernel = "xla"  # splash's masks are causal or local only
     keys = (segment_ids, positions)
     if prefix is not None:
         keys = tuple(jnp.concatenate([before, own], axis=1) for before, own in zip(prefix, keys))
@@ -62,17 +107,23 @@ def attention_fn(cfg, segment_ids, positions, prefix=None):
             rules=cfg.logical_axis_rules,
             key_segment_ids=keys[0],
         )
-    mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window)
+    mask = attention_mask(segment_ids, positions, *keys, cfg.sliding_window, image_spans)
     if kernel == "cudnn":
         return functools.partial(dot_product_attention, mask=mask, implementation="cudnn")
-    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=prefix is None)
+    causal = prefix is None and image_spans is None  # no query attends to a later column
+    return functools.partial(attention, mask=mask, chunk_size=cfg.attention_chunk_size, causal_columns=causal)
 
 
-def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_window):
-    """[B, Tq, Tk] bool: same nonzero segment, causal by position, optionally within a window."""
+def attention_mask(q_segments, q_positions, k_segments, k_positions, sliding_window, spans=None):
+    """[B, Tq, Tk] bool: same nonzero segment, causal by position (or, where `spans` [B, T] of the
+    queries' own columns are the same nonzero number, both ways), optionally within a window of
+    the keys before the query (as transformers' Gemma 3 windows its images' tokens)."""
     same = (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments[:, :, None] > 0)
     distance = q_positions[:, :, None] - k_positions[:, None, :]
-    allowed = same & (distance >= 0)
+    ordered = distance >= 0
+    if spans is not None:
+        ordered |= (spans[:, :, None] == spans[:, None, :]) & (spans[:, :, None] > 0)
+    allowed = same & ordered
     if sliding_window is not None:
         allowed &= distance < sliding_window
     return allowed

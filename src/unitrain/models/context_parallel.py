@@ -35,9 +35,10 @@ from unitrain.config import check
 from unitrain.models.attention import (
     SPLASH_BLOCK,
     attention,
-    attention_fn,
+    attention_fns,
     attention_kernel,
     attention_mask,
+    layer_kinds,
     masked_scores,
     softmax_grads,
     splash_rows,
@@ -63,12 +64,12 @@ def shards(cfg) -> int:
 def forward(cfg, run, x, positions, segment_ids, rope, routes):
     """run(x, positions, segment_ids, rope, routes, attend) -> hidden [B, T, E] (or any pytree of
     [B, T, ...] arrays: a prefill's keys and values beside it), the layer stack over the embeddings
-    x given the attention of these columns (`rope`: the positions RoPE reads); under context
-    parallelism the columns padded to a whole number of chunks (padding is segment 0),
-    load-balanced, and every output back in their order afterwards."""
+    x given the attention of these columns, one per layer kind (attention.layer_kinds; `rope`: the
+    positions RoPE reads); under context parallelism the columns padded to a whole number of chunks
+    (padding is segment 0), load-balanced, and every output back in their order afterwards."""
     c = shards(cfg)
     if c == 1:
-        return run(x, positions, segment_ids, rope, routes, attention_fn(cfg, segment_ids, positions))
+        return run(x, positions, segment_ids, rope, routes, attention_fns(cfg, segment_ids, positions))
     T = x.shape[1]
     chunks = 2 * c if cfg.context_load_balance else c
     pad = -T % (chunks * (SPLASH_BLOCK if kernel(cfg, c) == "splash" else 1))  # splash: whole blocks a chunk
@@ -77,7 +78,7 @@ def forward(cfg, run, x, positions, segment_ids, rope, routes):
     if cfg.context_load_balance:
         columns = [balance(cfg, a, c) for a in columns]
     x, positions, segment_ids, rope, *rest = columns
-    attend = sharded_attention_fn(cfg, segment_ids, positions, c, T + pad)
+    attend = tuple(sharded_attention_fn(kind, segment_ids, positions, c, T + pad) for kind in layer_kinds(cfg))
     out = run(x, positions, segment_ids, rope, rest[0] if rest else None, attend)
     if cfg.context_load_balance:
         out = jax.tree.map(lambda a: balance(cfg, a, c, inverse=True), out)

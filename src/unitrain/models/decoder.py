@@ -1,5 +1,5 @@
-"""unitrain's own decoder: one Flax NNX module for the Llama, Qwen2/2.5, Qwen3 and Mistral families and
-the mixture-of-experts Qwen3-MoE and Mixtral (every layer's MLP sparse: models/moe.py), implementing the model interface of models/base.py (`model_source: unitrain`, the default).
+"""unitrain's own decoder: one Flax NNX module for the Llama, Qwen2/2.5, Qwen3, Mistral and Gemma 3
+families and the mixture-of-experts Qwen3-MoE and Mixtral (every layer's MLP sparse: models/moe.py), implementing the model interface of models/base.py (`model_source: unitrain`, the default).
 
 Every caller (train step, sampler, losses) sees only the common call signature:
 
@@ -29,15 +29,39 @@ from flax import nnx
 
 from unitrain import sharding
 from unitrain.models import context_parallel, kv_cache, moe, quant
-from unitrain.models.attention import attention_fn, attention_mask, cached_attention
+from unitrain.models.attention import (
+    attention_fns,
+    attention_mask,
+    cached_attention,
+    layer_kind_ids,
+    layer_kinds,
+)
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_5_vl")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe", "mixtral", "qwen2_5_vl", "gemma3")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_saveable,
     "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a family's blocks do that no config key says (the same for every model of the family)."""
+
+    norm_offset: float = 0.0  # every RMSNorm scales by offset + weight (Gemma stores the weight less one)
+    post_norms: bool = False  # the attention's and the MLP's outputs normed before the residual adds (Gemma 3)
+    embed_scale: bool = False  # the embeddings times sqrt(emb_dim)
+    activation: Callable = jax.nn.silu  # of the gated MLP's gate
+    # An image's tokens (a run of image pads) attend to one another both ways, not causally (Gemma 3).
+    bidirectional_images: bool = False
+
+
+_GEMMA3 = Family(
+    norm_offset=1.0, post_norms=True, embed_scale=True, activation=functools.partial(jax.nn.gelu, approximate=True)
+)
+_FAMILIES = {"gemma3_text": _GEMMA3, "gemma3": dataclasses.replace(_GEMMA3, bidirectional_images=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +91,13 @@ class ModelConfig:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # Gemma 3: every sliding_window_pattern-th layer global, the others local (layer_kinds); the
+    # scores scaled by 1/sqrt(query_pre_attn_scalar) instead of 1/sqrt(head_dim); the logits
+    # soft-capped to (-cap, cap) by cap * tanh(logits / cap).
+    sliding_window_pattern: int = 0
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: int | None = None
+    final_logit_softcapping: float | None = None
     # Mixture of experts (0: dense): every layer's MLP is num_experts SwiGLUs of moe_mlp_dim, of
     # which each token takes num_experts_per_tok (models/moe.py).
     num_experts: int = 0
@@ -94,6 +125,10 @@ class ModelConfig:
     mrope_section: tuple[int, ...] = ()
     image_token_id: int = -1
 
+    @property
+    def family(self) -> Family:
+        return _FAMILIES.get(self.model_family, Family())
+
     @classmethod
     def from_config(cls, cfg: Any, platform: str, output_head: bool = True) -> ModelConfig:
         """Takes the model fields out of a unitrain Config (or any mapping with those keys)."""
@@ -113,6 +148,11 @@ _ones = jax.nn.initializers.ones
 _zeros = jax.nn.initializers.zeros
 
 
+def _norm_init(cfg: ModelConfig):
+    """A norm's weight at init: the identity scale (norm_offset + weight = 1)."""
+    return _zeros if cfg.family.norm_offset else _ones
+
+
 class DecoderLayers(nnx.Module):
     """All transformer blocks, each parameter stacked on a leading `layers` axis."""
 
@@ -126,7 +166,8 @@ class DecoderLayers(nnx.Module):
             cfg.head_dim,
         )
         p = lambda init, shape, axes: _param(rngs, init, (L, *shape), ("layers", *axes), cfg.weight_dtype)
-        self.attn_norm = p(_ones, (E,), ("norm",))
+        norm = _norm_init(cfg)
+        self.attn_norm = p(norm, (E,), ("norm",))
         self.wq = p(_normal, (E, H, D), ("embed", "heads", "kv"))
         self.wk = p(_normal, (E, K, D), ("embed", "kv_heads", "kv"))
         self.wv = p(_normal, (E, K, D), ("embed", "kv_heads", "kv"))
@@ -136,9 +177,12 @@ class DecoderLayers(nnx.Module):
             self.bk = p(_zeros, (K, D), ("kv_heads", "kv"))
             self.bv = p(_zeros, (K, D), ("kv_heads", "kv"))
         if cfg.qk_norm:
-            self.q_norm = p(_ones, (D,), ("norm",))
-            self.k_norm = p(_ones, (D,), ("norm",))
-        self.mlp_norm = p(_ones, (E,), ("norm",))
+            self.q_norm = p(norm, (D,), ("norm",))
+            self.k_norm = p(norm, (D,), ("norm",))
+        self.mlp_norm = p(norm, (E,), ("norm",))
+        if cfg.family.post_norms:
+            self.attn_post_norm = p(norm, (E,), ("norm",))
+            self.mlp_post_norm = p(norm, (E,), ("norm",))
         if cfg.num_experts:
             X, M = cfg.num_experts, cfg.moe_mlp_dim
             # The router's expert axis stays unsharded: it is small, and `embed` may share a mesh
@@ -158,14 +202,17 @@ class Decoder(nnx.Module):
     the sources (models/source.py, adapters.hf.load), since the adapter imports this module."""
 
     # Norms and biases are spared weight decay.
-    no_decay = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "bk", "bv")
+    no_decay = (
+        *("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "final_norm", "q_norm", "k_norm"),
+        *("bq", "bk", "bv"),
+    )
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, hf_writer: Callable | None = None):
         self.cfg = cfg
         self.hf_writer = hf_writer
         self.embed = _param(rngs, _normal, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), cfg.weight_dtype)
         self.layers = DecoderLayers(cfg, rngs=rngs)
-        self.final_norm = _param(rngs, _ones, (cfg.emb_dim,), ("norm",), cfg.weight_dtype)
+        self.final_norm = _param(rngs, _norm_init(cfg), (cfg.emb_dim,), ("norm",), cfg.weight_dtype)
         if cfg.output_head and not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, _normal, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), cfg.weight_dtype)
 
@@ -226,6 +273,7 @@ class Decoder(nnx.Module):
         if quantization != "none" and cfg.num_experts:  # the config refuses it (engines/factory.py)
             raise ValueError("the quantised decode serves dense models: its experts' ragged_dot takes no QArray")
         params = self._stacked_layers()
+        params.pop("layer_kind", None)  # the unrolled layers know theirs when tracing
         layers = [_decode_weights(cfg, jax.tree.map(lambda a: a[i], params)) for i in range(cfg.num_decoder_layers)]
         head = self._head()
         if quantization != "none":
@@ -266,11 +314,20 @@ class Decoder(nnx.Module):
         return (self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]).astype(cfg.dtype)
 
     def _apply_head(self, hidden, head):
-        return _constrain(self.cfg, quant.einsum("bte,ev->btv", hidden, head), ("batch", "length", "vocab"))
+        cap = self.cfg.final_logit_softcapping
+        logits = quant.einsum("bte,ev->btv", hidden, head)
+        if cap:
+            logits = cap * jnp.tanh(logits / cap)
+        return _constrain(self.cfg, logits, ("batch", "length", "vocab"))
 
     def _stacked_layers(self) -> dict:
-        """The layer parameters by name, each stacked on its leading `layers` axis."""
-        return {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
+        """The layer parameters by name, each stacked on its leading `layers` axis, and where the
+        layers are of several kinds (attention.layer_kinds) each one's kind, `layer_kind` [layers]:
+        data the scan hands each layer with its weights."""
+        params = {name: var[...] for name, var in nnx.state(self.layers, nnx.Param).items()}
+        if len(layer_kinds(self.cfg)) > 1:
+            params["layer_kind"] = layer_kind_ids(self.cfg)
+        return params
 
     def _hidden(
         self,
@@ -296,28 +353,44 @@ class Decoder(nnx.Module):
             is_image = tokens == cfg.image_token_id if image_mask is None else image_mask
             x = _with_image_features(x, is_image, image_features)
         rope = positions if rope_positions is None else rope_positions
+        if image_features is not None and cfg.family.bidirectional_images:
+            return self._bidirectional_images(x, positions, segment_ids, rope, routes, cache, is_image), None
         if cache is None:
             return context_parallel.forward(cfg, self._uncached, x, positions, segment_ids, rope, routes), None
         if x.shape[1] > 1 and context_parallel.shards(cfg) > 1:
             return self._split_prefill(x, positions, segment_ids, rope, cache, layers)
-        cos, sin = rope_tables(cfg, rope)
-        x, new_cache = _run_cached(cfg, x, self._stacked_layers(), cos, sin, segment_ids, positions, cache, layers)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
+        x, new_cache = _run_cached(
+            cfg, x, self._stacked_layers(), rope_tables(cfg, rope), segment_ids, positions, cache, layers
+        )
+        return _norm(cfg, x, self.final_norm[...]), new_cache
 
     def _uncached(self, x, positions, segment_ids, rope, routes, attend):
         """The final-normed hidden states of a call without a cache from its embeddings x, `rope`
         the positions RoPE reads (`positions` or M-RoPE's) and `attend` its attention."""
         cfg = self.cfg
-        cos, sin = rope_tables(cfg, rope)
+        ropes = rope_tables(cfg, rope)
         params = _with_routes(self._stacked_layers(), routes)
 
         def layer(x, p):
-            x, _, routed = _layer(cfg, p, x, cos, sin, attend, segment_ids)
+            x, _, routed = _layer(cfg, p, x, ropes, attend, segment_ids)
             return x, routed
 
         x, routed = _run_stack(cfg, x, params, layer)
         moe.report(routed)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        return _norm(cfg, x, self.final_norm[...])
+
+    def _bidirectional_images(self, x, positions, segment_ids, rope, routes, cache, is_image):
+        """`_uncached` of a family whose images' tokens attend to one another both ways: each run of
+        image pads (`is_image` [B, T]) a span of its own, numbered from 1 along the row."""
+        if cache is not None or context_parallel.shards(self.cfg) > 1:
+            raise ValueError(
+                f"model_family {self.cfg.model_family}: images attend within themselves both ways only in a "
+                "call without a cache and without context parallelism"
+            )
+        starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+        spans = jnp.where(is_image, jnp.cumsum(starts, axis=1), 0)
+        attend = attention_fns(self.cfg, segment_ids, positions, image_spans=spans)
+        return self._uncached(x, positions, segment_ids, rope, routes, attend)
 
     def _split_prefill(self, x, positions, segment_ids, rope, cache, layers):
         """A cached call of several columns over rows split on the context axis: the samplers'
@@ -330,11 +403,10 @@ class Decoder(nnx.Module):
         params = self._stacked_layers()
 
         def run(x, positions, segment_ids, rope, routes, attend):
-            cos, sin = rope_tables(cfg, rope)
-            x, ks, vs, _ = _run_unrolled(cfg, x, params, layers, cos, sin, attend, segment_ids)
+            x, ks, vs, _ = _run_unrolled(cfg, x, params, layers, rope_tables(cfg, rope), attend, segment_ids)
             # [B, K, T, D] -> [B, T, K, D]: the columns on the axis whose order forward restores.
             kv = [(k.swapaxes(1, 2), v.swapaxes(1, 2)) for k, v in zip(ks, vs)]
-            return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+            return _norm(cfg, x, self.final_norm[...]), kv
 
         hidden, kv = context_parallel.forward(cfg, run, x, positions, segment_ids, rope, None)
         written = [kv_cache.write(cache, i, k.swapaxes(1, 2), v.swapaxes(1, 2)) for i, (k, v) in enumerate(kv)]
@@ -377,30 +449,32 @@ class Decoder(nnx.Module):
         rope_p, rope_c = (
             rope_tables(cfg, a) for a in ((pos_p, pos_c) if rope_positions is None else cut(rope_positions))
         )
-        attend_p = attention_fn(cfg, seg_p, pos_p)
-        attend_c = attention_fn(cfg, seg_c, pos_c, prefix=(copies(seg_p), copies(pos_p)))
+        attend_p = attention_fns(cfg, seg_p, pos_p)
+        attend_c = attention_fns(cfg, seg_c, pos_c, prefix=(copies(seg_p), copies(pos_p)))
 
         def layer(xs, p):
             (q_p, k_p, v_p), (q_c, k_c, v_c) = (
-                _attention_inputs(cfg, p, x, *rope) for x, rope in zip(xs, (rope_p, rope_c))
+                _attention_inputs(cfg, p, x, _of_kind(p, rope)) for x, rope in zip(xs, (rope_p, rope_c))
             )
             k, v = (
                 jnp.concatenate([copies(a_p), a_c], axis=2).astype(cfg.dtype) for a_p, a_c in ((k_p, k_c), (v_p, v_c))
             )
             (x_p, routed_p), (x_c, routed_c) = (
-                _block_output(cfg, p, xs[0], attend_p(q_p, k_p, v_p), seg_p, p.get("routes_p")),
-                _block_output(cfg, p, xs[1], attend_c(q_c, k, v), seg_c, p.get("routes")),
+                _block_output(cfg, p, xs[0], _of_kind(p, attend_p)(q_p, k_p, v_p), seg_p, p.get("routes_p")),
+                _block_output(cfg, p, xs[1], _of_kind(p, attend_c)(q_c, k, v), seg_c, p.get("routes")),
             )
             return (x_p, x_c), (routed_p, routed_c)
 
         params = _with_routes(_with_routes(self._stacked_layers(), routes_p, "routes_p"), routes_c)
         x_p = self._embed(tok_p)
         if image_features is not None:
+            if cfg.family.bidirectional_images:
+                raise ValueError(f"model_family {cfg.model_family}: images in a shared prefix are not supported")
             x_p = _with_image_features(x_p, tok_p == cfg.image_token_id, image_features)
         (x_p, x_c), routed = _run_stack(cfg, (x_p, self._embed(tok_c)), params, layer)
         for part in routed:  # each prompt's tokens count once, as they are computed once
             moe.report(part)
-        return rms_norm(jnp.concatenate([copies(x_p), x_c], axis=1), self.final_norm[...], cfg.rms_norm_eps)
+        return _norm(cfg, jnp.concatenate([copies(x_p), x_c], axis=1), self.final_norm[...])
 
     def _embed(self, tokens):
         cfg = self.cfg
@@ -408,6 +482,8 @@ class Decoder(nnx.Module):
         # would otherwise make XLA rematerialise the whole lookup.
         table = _constrain(cfg, self.embed[...], ("vocab", "activation_embed"))
         x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
+        if cfg.family.embed_scale:  # the factor rounded to the weights' dtype, as Gemma's reference
+            x = x * jnp.asarray(math.sqrt(cfg.emb_dim), cfg.weight_dtype).astype(cfg.dtype)
         return _constrain(cfg, x, ("batch", "length", "activation_embed"))
 
 
@@ -476,33 +552,41 @@ class Decoding:
         return self.model._apply_head(hidden, self.head)
 
 
-def _run_cached(cfg, x, params, cos, sin, segment_ids, positions, cache: kv_cache.KVCache, layers=None):
+def _run_cached(cfg, x, params, ropes, segment_ids, positions, cache: kv_cache.KVCache, layers=None):
     """The layers over a KV cache, unrolled: each writes this call's keys and values at the cache's
     next columns and attends over the whole cache, the cache being one array per layer. They run on
     `layers` (a `Decoding`'s decode weights, which the samplers prefill and decode on) if given,
     else on slices of the stacked weights."""
     columns = kv_cache.write_columns(cache, segment_ids, positions)
-    mask = attention_mask(segment_ids, positions, *columns, cfg.sliding_window)
-    attend = functools.partial(
-        cached_attention, mask=mask, chunk_size=cfg.attention_chunk_size, matmuls=cfg.platform != "cpu"
+    attend = tuple(
+        functools.partial(
+            cached_attention,
+            mask=attention_mask(segment_ids, positions, *columns, kind.sliding_window),
+            chunk_size=cfg.attention_chunk_size,
+            matmuls=cfg.platform != "cpu",
+        )
+        for kind in layer_kinds(cfg)
     )
     write = functools.partial(kv_cache.write, cache)
-    x, ks, vs, routed = _run_unrolled(cfg, x, params, layers, cos, sin, attend, segment_ids, write)
+    x, ks, vs, routed = _run_unrolled(cfg, x, params, layers, ropes, attend, segment_ids, write)
     # The sampler's routes (routing replay) are the experts of these calls: reported for it to collect.
     moe.report(routed)
     return x, kv_cache.written(cache, ks, vs, columns, x.shape[1])
 
 
-def _run_unrolled(cfg, x, params, layers, cos, sin, attend, segment_ids, write=None):
+def _run_unrolled(cfg, x, params, layers, ropes, attend, segment_ids, write=None):
     """The layers in order, unrolled, on `layers` (decode weights) if given, else on slices of the
     stacked weights `params`; `write(i, k, v)` stores layer i's keys and values in a cache and
     returns the cache's, which the layer attends to. Returns x, each layer's keys and values (the
     call's own without `write`) and the layers' RouterStats stacked (None when dense)."""
     ks, vs, routed = [], [], []
+    kinds = layer_kind_ids(cfg) if len(ropes) > 1 else None
     for i in range(cfg.num_decoder_layers):
         p = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], params)
+        if kinds is not None:  # known when tracing: `_of_kind` picks, no switch runs
+            p = {**p, "layer_kind": int(kinds[i])}
         store = None if write is None else functools.partial(write, i)
-        x, (k, v), stats = _layer(cfg, p, x, cos, sin, attend, segment_ids, store)
+        x, (k, v), stats = _layer(cfg, p, x, ropes, attend, segment_ids, store)
         ks.append(k)
         vs.append(v)
         routed.append(stats)
@@ -536,30 +620,47 @@ def _project_qkv(cfg: ModelConfig, p, h):
     return q, qkv[..., -2, :], qkv[..., -1, :]
 
 
-def _layer(cfg: ModelConfig, p, x, cos, sin, attend, segment_ids, write=None):
+def _layer(cfg: ModelConfig, p, x, ropes, attends, segment_ids, write=None):
     """One pre-norm block: x + attend(q, k, v) of norm(x), then x + SwiGLU(norm(x)) (or the sparse
-    MLP). With a cache, `write(k, v)` stores this call's keys and values [B, K, T, D] and returns
-    the cache's. p holds the layer's parameters or its `_decode_weights`. Returns the new x, the
-    keys and values attended to, and the layer's RouterStats (None when dense)."""
-    q, k, v = _attention_inputs(cfg, p, x, cos, sin)
+    MLP), `ropes` and `attends` holding each layer kind's RoPE tables and attention (`_of_kind`).
+    With a cache, `write(k, v)` stores this call's keys and values [B, K, T, D] and returns the
+    cache's. p holds the layer's parameters or its `_decode_weights`. Returns the new x, the keys
+    and values attended to, and the layer's RouterStats (None when dense)."""
+    q, k, v = _attention_inputs(cfg, p, x, _of_kind(p, ropes))
     if write is not None:
         k, v = write(k, v)
-    attn = attend(q, k.astype(cfg.dtype), v.astype(cfg.dtype))
+    attn = _of_kind(p, attends)(q, k.astype(cfg.dtype), v.astype(cfg.dtype))
     x, routed = _block_output(cfg, p, x, attn, segment_ids, p.get("routes"))
     return x, (k, v), routed
 
 
-def _attention_inputs(cfg: ModelConfig, p, x, cos, sin):
-    """The block's queries [B, T, H, D] and keys and values [B, K, T, D] of norm(x)."""
+def _of_kind(p, per_kind: tuple):
+    """The entry of `per_kind` (one per attention.layer_kinds: RoPE tables, or attention functions)
+    for the layer of parameters p, by its `layer_kind` (`Decoder._stacked_layers`; a traced index
+    in a scan, among functions a switch)."""
+    if len(per_kind) == 1:
+        return per_kind[0]
+    kind = p["layer_kind"]
+    if not isinstance(kind, jax.core.Tracer):
+        return per_kind[int(kind)]
+    if callable(per_kind[0]):
+        return lambda *args: jax.lax.switch(kind, per_kind, *args)
+    return jax.tree.map(lambda *tables: jnp.stack(tables)[kind], *per_kind)
+
+
+def _attention_inputs(cfg: ModelConfig, p, x, rope):
+    """The block's queries [B, T, H, D] and keys and values [B, K, T, D] of norm(x); `rope`: its
+    (cos, sin)."""
     dt = cfg.dtype
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    h = _norm(cfg, x, p["attn_norm"])
     q, k, v = _project_qkv(cfg, p, h)
     if cfg.qkv_bias:
         q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = _norm(cfg, q, p["q_norm"]), _norm(cfg, k, p["k_norm"])
+    if cfg.query_pre_attn_scalar:  # the attention divides the scores by sqrt(head_dim)
+        q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), dt)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     q = _constrain(cfg, q, ("batch", "length", "heads", "kv"))
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
@@ -571,9 +672,9 @@ def _block_output(cfg: ModelConfig, p, x, attn, segment_ids, routes=None):
     dt = cfg.dtype
     # One contracted axis (heads x head_dim): with two, XLA may pick their order by the attention
     # output's layout and transpose the weight to match, on every decode step.
-    x = x + _dense(attn, p["wo"].astype(dt), n_in=2)
+    x = x + _post_norm(cfg, _dense(attn, p["wo"].astype(dt), n_in=2), p, "attn_post_norm")
     x = _constrain(cfg, x, ("batch", "length", "activation_embed"))
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    h = _norm(cfg, x, p["mlp_norm"])
     if cfg.num_experts:
         y, routed = moe.moe_mlp(
             h,
@@ -586,10 +687,16 @@ def _block_output(cfg: ModelConfig, p, x, attn, segment_ids, routes=None):
             routes=routes,
         )
     else:
-        hidden = jax.nn.silu(_dense(h, p["w_gate"].astype(dt))) * _dense(h, p["w_up"].astype(dt))
+        hidden = cfg.family.activation(_dense(h, p["w_gate"].astype(dt))) * _dense(h, p["w_up"].astype(dt))
         hidden = _constrain(cfg, hidden, ("batch", "length", "mlp"))
         y, routed = _dense(hidden, p["w_down"].astype(dt)), None
+    y = _post_norm(cfg, y, p, "mlp_post_norm")
     return _constrain(cfg, x + y, ("batch", "length", "activation_embed")), routed
+
+
+def _post_norm(cfg: ModelConfig, y, p, name: str):
+    """A sublayer's output y normed by p[name] where the family norms them (Family.post_norms)."""
+    return _norm(cfg, y, p[name]) if cfg.family.post_norms else y
 
 
 def _dense(x, w, n_in=1):
@@ -608,10 +715,17 @@ def _dense(x, w, n_in=1):
     return y.reshape(*rows, *w.shape[n_in:])
 
 
-def rms_norm(x, weight, eps):
-    """RMSNorm computed in float32, then cast back, as the HF reference does."""
+def _norm(cfg: ModelConfig, x, weight):
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.family.norm_offset)
+
+
+def rms_norm(x, weight, eps, offset=0.0):
+    """RMSNorm computed in float32, then cast back, as the HF reference does: scaled by `weight`
+    in x's dtype, or by `offset` + weight in float32 (Gemma's order)."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
@@ -634,7 +748,12 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv
 
 
-def rope_tables(cfg: ModelConfig, positions):
+def rope_tables(cfg: ModelConfig, positions) -> tuple:
+    """(cos, sin) of each layer kind (attention.layer_kinds): `kind_rope_tables`."""
+    return tuple(kind_rope_tables(kind, positions) for kind in layer_kinds(cfg))
+
+
+def kind_rope_tables(cfg: ModelConfig, positions):
     """cos/sin [B, T, head_dim] for the rotate-half RoPE layout used by HF checkpoints, of positions
     [B, T], or of M-RoPE's [B, T, 3]: each frequency turns with the axis its `mrope_section` names."""
     if positions.ndim == 3:
