@@ -116,6 +116,11 @@ def test_merged_and_peft_exports_give_the_lora_logits(tmp_path, tiny_checkpoint)
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     with_adapters = peft.PeftModel.from_pretrained(hf_base, export / "lora_adapter")
     np.testing.assert_allclose(_hf_logits(with_adapters), ours, atol=2e-4, rtol=1e-4)
+    # The run's checkpoint (its adapters alone) as a model's parameters: rebuilt from the run's
+    # config.yml (its base, its lora_* keys) and merged, the export's model.
+    plain = _sft_cfg(tmp_path, ckpt, lora_rank=0, run_name="from_lora", load_parameters_path=cfg.run_dir)
+    r, state = run.build_run(plain)
+    np.testing.assert_allclose(_logits(r.graphdef, state["params"], r.mesh), merged, atol=2e-4, rtol=1e-4)
 
 
 class _NoData:

@@ -616,6 +616,12 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
     return {k: data[k] for k in MODEL_KEYS if k in data}, _show_path(Path(os.path.normpath(run_config)))
 
 
+def run_config(path: str) -> dict | None:
+    """The config.yml of the unitrain run at `path` (its run, checkpoint or step directory), or None."""
+    found = _run_config_file(path)
+    return _read_yml(Path(found))[0] if found else None
+
+
 def _run_config_file(path: str) -> str | None:
     """The config.yml of the unitrain run at `path` (its run, checkpoint or step directory), or None."""
     candidates = [os.path.join(path, *[os.pardir] * up, "config.yml") for up in range(3)]

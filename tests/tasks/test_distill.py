@@ -126,6 +126,36 @@ def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers
         assert metrics[f"distill/teacher_kl/{i}"] == pytest.approx(own.sum() / batch["loss_mask"].sum(), rel=1e-5)
 
 
+def test_a_lora_run_teaches_as_its_merged_export(builtin_teachers, tmp_path):
+    """A LoRA run's checkpoint holds its adapters alone; as teacher_path it is rebuilt from the run's
+    config.yml (its base, its lora_* keys) and merged: its logprobs of the sampled tokens are
+    transformers' forward of the merged model the run exported."""
+    export = tmp_path / "export"
+    lora_run = sft_argv(
+        tmp_path,
+        "run_name=lora",
+        f"load_parameters_path={builtin_teachers[0]}",
+        "lora_rank=4",
+        "lora_alpha=8.0",
+        "lora_target=layers/(wq|wo|w_down)|lm_head",
+        "learning_rate=1e-2",
+        "warmup_steps=0",
+        f"export_hf_path={export}",
+    )
+    assert train.main(lora_run) == 0
+    cfg = grpo_config(tmp_path, f"teacher_path={tmp_path / 'lora'}", "distill_coef=1.0")
+    task, _, params, _ = make_step(cfg)
+    P, C = 8, 16
+    batch = trajectory_rows(16, P, C)
+    scored = task.logprobs(params, batch)["teacher_logprobs_0"]
+    for r in (0, 5, 15):
+        row = {k: v[r] for k, v in batch.items()}
+        length = int(row["inputs_segmentation"][P:].sum())
+        np.testing.assert_allclose(scored[r, :length], torch_token_logprobs(export, row, P), atol=TOL, rtol=0)
+        # the adapters moved the model off its base
+        assert np.abs(scored[r, :length] - torch_token_logprobs(builtin_teachers[0], row, P)).max() > 1e-3
+
+
 def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight):
     """Reverse KL per sampled token, KL_t = sum_i w_i (log pi(x_t) - log pi_i(x_t)) (Thinking
     Machines, "On-Policy Distillation": the per-token reverse KL as the negative advantage)."""
