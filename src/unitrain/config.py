@@ -287,6 +287,7 @@ RULES: dict[str, Rule] = {
     ),
     "distill_coef": NON_NEGATIVE,
     "distill_reward_weight": NON_NEGATIVE,
+    "distill_kl_discount": Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "distill_temperature": POSITIVE,
     "distill_top_k": POSITIVE_INT,
     "gkd_beta": optional(Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]")),

@@ -110,10 +110,11 @@ def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers
     # environment's, not the padding), the row's outcome advantage beside it.
     outcome = np.linspace(-1, 1, 16).astype(np.float32)
     got, metrics = distill(task.teachers, cfg, outcome, {**batch, **out})
+    teachers = [out["teacher_logprobs_0"], out["teacher_logprobs_1"]]
     want, kl = numpy_distill(
         outcome,
         out["old_logprobs"],
-        [out["teacher_logprobs_0"], out["teacher_logprobs_1"]],
+        teachers,
         [0.75, 0.25],
         batch["loss_mask"],
         1.0,
@@ -121,6 +122,12 @@ def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers
     )
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert metrics["distill/teacher_kl"] == pytest.approx(kl.sum() / batch["loss_mask"].sum(), rel=1e-5)
+    # distill_kl_discount: each sampled token's term the discounted KL to its row's end, the
+    # environment's tokens skipped; the KL metric stays the tokens' own
+    discounted, same = distill(task.teachers, cfg.replace(distill_kl_discount=0.5), outcome, {**batch, **out})
+    want = numpy_distill(outcome, out["old_logprobs"], teachers, [0.75, 0.25], batch["loss_mask"], 1.0, 1.0, 0.5)[0]
+    np.testing.assert_allclose(discounted, want, atol=1e-5)
+    assert same == metrics and not np.allclose(discounted, got, atol=1e-3)
     for i in (0, 1):  # each teacher's own reverse KL beside the weighted total
         own = np.where(batch["loss_mask"] > 0, out["old_logprobs"] - out[f"teacher_logprobs_{i}"], 0.0)
         assert metrics[f"distill/teacher_kl/{i}"] == pytest.approx(own.sum() / batch["loss_mask"].sum(), rel=1e-5)
@@ -156,17 +163,23 @@ def test_a_lora_run_teaches_as_its_merged_export(builtin_teachers, tmp_path):
         assert np.abs(scored[r, :length] - torch_token_logprobs(builtin_teachers[0], row, P)).max() > 1e-3
 
 
-def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight):
+def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight, discount=0.0):
     """Reverse KL per sampled token, KL_t = sum_i w_i (log pi(x_t) - log pi_i(x_t)) (Thinking
-    Machines, "On-Policy Distillation": the per-token reverse KL as the negative advantage)."""
-    kl = sum(w * (old - t) for w, t in zip(weights, teachers))
+    Machines, "On-Policy Distillation": the per-token reverse KL as the negative advantage); with a
+    discount, tinker-cookbook's discounted future sum of it, over each row's sampled tokens alone."""
+    kl = np.where(mask > 0, sum(w * (old - t) for w, t in zip(weights, teachers)), 0.0)
+    term = kl.copy()
+    for r in range(len(kl)):
+        later = 0.0
+        for t in reversed(np.flatnonzero(mask[r] > 0)):
+            term[r, t] = later = kl[r, t] + discount * later
     outcome = advantages[:, None] if advantages.ndim == 1 else advantages
-    return np.where(mask > 0, reward_weight * outcome - coef * kl, 0.0), np.where(mask > 0, kl, 0.0)
+    return np.where(mask > 0, reward_weight * outcome - coef * term, 0.0), kl
 
 
 @pytest.mark.parametrize("per_token", [False, True])
-@pytest.mark.parametrize("reward_weight", [0.0, 0.5])
-def test_the_distillation_advantage_is_the_numpy_formula(per_token, reward_weight):
+@pytest.mark.parametrize(("reward_weight", "discount"), [(0.0, 0.0), (0.5, 0.0), (0.0, 0.9), (0.5, 1.0)])
+def test_the_distillation_advantage_is_the_numpy_formula(per_token, reward_weight, discount):
     rng = np.random.default_rng(0)
     B, T = 6, 9
     mask = (np.arange(T) < rng.integers(1, T + 1, B)[:, None]).astype(np.int32)  # right padding
@@ -174,8 +187,8 @@ def test_the_distillation_advantage_is_the_numpy_formula(per_token, reward_weigh
     lp = lambda: (-2.0 + rng.normal(size=(B, T))).astype(np.float32)  # noqa: E731
     old, teachers, weights = lp(), [lp(), lp()], [0.7, 0.3]
     advantages = rng.normal(size=(B, T) if per_token else B).astype(np.float32)
-    got, kl = losses.distill_advantages(advantages, old, teachers, weights, mask, 0.8, reward_weight)
-    want, want_kl = numpy_distill(advantages, old, teachers, weights, mask, 0.8, reward_weight)
+    got, kl = losses.distill_advantages(advantages, old, teachers, weights, mask, 0.8, reward_weight, discount)
+    want, want_kl = numpy_distill(advantages, old, teachers, weights, mask, 0.8, reward_weight, discount)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
     np.testing.assert_allclose(np.asarray(kl), want_kl, atol=1e-6)
 
@@ -732,6 +745,12 @@ def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teach
             "an env's episodes distil on-policy in mode=grpo",
         ),
         ({"distill_lmbda": "1.5"}, "distill_lmbda"),
+        ({"mode": "grpo", "distill_kl_discount": "0.9"}, "distill_kl_discount discounts on-policy distillation"),
+        (
+            {"mode": "sft", "teacher_path": "/t", "distill_coef": "1", "distill_kl_discount": "0.9"},
+            "it needs teacher_path in mode grpo or ppo",
+        ),
+        ({"distill_kl_discount": "1.5"}, "distill_kl_discount"),
     ],
 )
 def test_distillation_config_mistakes_are_one_line(overrides, message):
