@@ -49,7 +49,9 @@ def from_lora_run(cfg, mesh):
     names none): the run's base (its config.yml's load_parameters_path, built as `build` builds any
     model, a LoRA run's merged model in turn) under the run's adapters, read from the checkpoint."""
     path = cfg.load_parameters_path
-    recorded = run_config(path) if path and os.path.isdir(path) else None
+    # an HF folder is itself, even where it sits in a LoRA run's directory (its merged export)
+    hf_folder = os.path.isfile(os.path.join(path, "config.json"))
+    recorded = run_config(path) if path and os.path.isdir(path) and not hf_folder else None
     if not recorded or not recorded.get("lora_rank"):
         return None
     base = build(cfg.replace(load_parameters_path=recorded["load_parameters_path"]), mesh)
