@@ -161,6 +161,8 @@ def test_a_lora_run_teaches_as_its_merged_export(builtin_teachers, tmp_path):
         np.testing.assert_allclose(scored[r, :length], torch_token_logprobs(export, row, P), atol=TOL, rtol=0)
         # the adapters moved the model off its base
         assert np.abs(scored[r, :length] - torch_token_logprobs(builtin_teachers[0], row, P)).max() > 1e-3
+    # what the memory check counts of it: its base's parameters, not the adapters' alone
+    assert reward_model.parameter_count(str(tmp_path / "lora")) == reward_model.parameter_count(builtin_teachers[0])
 
 
 def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight, discount=0.0):

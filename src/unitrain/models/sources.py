@@ -44,15 +44,23 @@ def build(cfg, mesh, output_head: bool = True):
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target", "lora_base_dtype")  # what rebuilds a run's adapters
 
 
+def lora_run_config(path: str) -> dict | None:
+    """The config.yml of the LoRA run (lora_rank > 0) whose run, checkpoint or step directory `path`
+    is, else None. An HF folder is itself, even where it sits in such a run's directory (its merged
+    export)."""
+    if not path or not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    recorded = run_config(path)
+    return recorded if recorded and recorded.get("lora_rank") else None
+
+
 def from_lora_run(cfg, mesh):
     """The merged model of the LoRA run whose checkpoint cfg.load_parameters_path names (None when it
     names none): the run's base (its config.yml's load_parameters_path, built as `build` builds any
     model, a LoRA run's merged model in turn) under the run's adapters, read from the checkpoint."""
     path = cfg.load_parameters_path
-    # an HF folder is itself, even where it sits in a LoRA run's directory (its merged export)
-    hf_folder = os.path.isfile(os.path.join(path, "config.json"))
-    recorded = run_config(path) if path and os.path.isdir(path) and not hf_folder else None
-    if not recorded or not recorded.get("lora_rank"):
+    recorded = lora_run_config(path)
+    if recorded is None:
         return None
     base = build(cfg.replace(load_parameters_path=recorded["load_parameters_path"]), mesh)
     model = lora.apply(base, cfg.replace(**{k: recorded[k] for k in LORA_KEYS}), mesh)
