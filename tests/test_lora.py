@@ -95,7 +95,7 @@ def test_merged_and_peft_exports_give_the_lora_logits(tmp_path, tiny_checkpoint)
     import peft
 
     ckpt = tiny_checkpoint("llama")
-    export = tmp_path / "export"
+    export = tmp_path / "default" / "export"  # inside the run's directory, beside its config.yml
     cfg = _sft_cfg(
         tmp_path,
         ckpt,
@@ -116,6 +116,13 @@ def test_merged_and_peft_exports_give_the_lora_logits(tmp_path, tiny_checkpoint)
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     with_adapters = peft.PeftModel.from_pretrained(hf_base, export / "lora_adapter")
     np.testing.assert_allclose(_hf_logits(with_adapters), ours, atol=2e-4, rtol=1e-4)
+    # The run's checkpoint (its adapters alone) as a model's parameters: rebuilt from the run's
+    # config.yml (its base, its lora_* keys) and merged, the export's model.
+    # The export, an HF folder in that run's directory, is read as itself.
+    for source in (cfg.run_dir, export):
+        plain = _sft_cfg(tmp_path, ckpt, lora_rank=0, run_name="from_lora", load_parameters_path=source)
+        r, state = run.build_run(plain)
+        np.testing.assert_allclose(_logits(r.graphdef, state["params"], r.mesh), merged, atol=2e-4, rtol=1e-4)
 
 
 class _NoData:

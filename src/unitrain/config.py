@@ -291,6 +291,7 @@ RULES: dict[str, Rule] = {
     ),
     "distill_coef": NON_NEGATIVE,
     "distill_reward_weight": NON_NEGATIVE,
+    "distill_kl_discount": Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "distill_temperature": POSITIVE,
     "distill_top_k": POSITIVE_INT,
     "gkd_beta": optional(Rule(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]")),
@@ -622,6 +623,12 @@ def checkpoint_architecture(path: str, inputs: Mapping) -> tuple[dict, str] | No
         return None
     data, _ = _read_yml(Path(run_config))
     return {k: data[k] for k in MODEL_KEYS if k in data}, _show_path(Path(os.path.normpath(run_config)))
+
+
+def run_config(path: str) -> dict | None:
+    """The config.yml of the unitrain run at `path` (its run, checkpoint or step directory), or None."""
+    found = _run_config_file(path)
+    return _read_yml(Path(found))[0] if found else None
 
 
 def _run_config_file(path: str) -> str | None:

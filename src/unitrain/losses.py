@@ -624,17 +624,38 @@ def token_rewards(rewards, mask, kl=None, kl_coef: float = 0.0):
     return out
 
 
-def distill_advantages(advantages, logprobs, teacher_logprobs, weights, mask, coef: float, reward_weight: float):
+def distill_advantages(
+    advantages, logprobs, teacher_logprobs, weights, mask, coef: float, reward_weight: float, discount: float = 0.0
+):
     """On-policy distillation's per-token advantages (verl's OPD; Thinking Machines' "On-Policy
-    Distillation", 2025): (reward_weight * advantages - coef * KL, KL), both [B, T] float32 and 0
+    Distillation", 2025): (reward_weight * advantages - coef * D, KL), both [B, T] float32 and 0
     off `mask`. `advantages` are the estimator's, [B] (one a row, on each of its tokens) or [B, T];
     KL_t = sum_i weights[i] * (logprobs - teacher_logprobs[i]) at the sampled token (kl_penalty k1:
-    the single-sample estimate of the reverse KL(student || teacher_i) at t, [B, T] each)."""
+    the single-sample estimate of the reverse KL(student || teacher_i) at t, [B, T] each). D is KL
+    itself with `discount` 0; else each sampled token's discounted sum of the KL from it to the row's
+    end, D_t = KL_t + discount * D_t' (t' the row's next sampled token: environment tokens are
+    skipped, as `gae` skips them), tinker-cookbook's kl_discount_factor: a token answers for the
+    divergence of what it leads to."""
     m = jnp.asarray(mask) > 0
-    kl = sum(w * kl_penalty(logprobs, t, "k1") for w, t in zip(weights, teacher_logprobs))
+    kl = jnp.where(m, sum(w * kl_penalty(logprobs, t, "k1") for w, t in zip(weights, teacher_logprobs)), 0.0)
     outcome = jnp.asarray(advantages, jnp.float32)
     outcome = outcome[:, None] if outcome.ndim == 1 else outcome
-    return jnp.where(m, reward_weight * outcome - coef * kl, 0.0), jnp.where(m, kl, 0.0)
+    return jnp.where(m, reward_weight * outcome - coef * discounted_sum(kl, m, discount), 0.0), kl
+
+
+def discounted_sum(values, mask, discount: float):
+    """[B, T]: at each masked token the discounted sum of `values` over the row's masked tokens from
+    it on, value_t + discount * sum_t' (t' the next masked token; none: 0); 0 off the mask."""
+    if discount == 0:
+        return jnp.where(mask, values, 0.0)
+
+    def back(later, column):
+        value, on = column
+        here = value + discount * later
+        return jnp.where(on, here, later), jnp.where(on, here, 0.0)
+
+    _, out = jax.lax.scan(back, jnp.zeros(values.shape[:1], jnp.float32), (values.T, mask.T), reverse=True)
+    return out.T
 
 
 def gae(rewards, values, mask, gamma: float, lam: float):

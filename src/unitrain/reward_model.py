@@ -32,6 +32,7 @@ from unitrain.config import check
 from unitrain.data.tokenizer import load_tokenizer
 from unitrain.engines.buckets import batch_parallelism, bucket_batch_size, bucket_prompt_length
 from unitrain.errors import ConfigError
+from unitrain.models import sources
 from unitrain.models.scalar_head import build_scalar_model, pool_last
 from unitrain.rewards import BatchReward
 
@@ -273,7 +274,10 @@ def recorded_tokenizer(path: str) -> tuple[str, str] | None:
 
 def parameter_count(path: str) -> int:
     """Parameters of the checkpoint at `path`, read from its safetensors headers (an HF folder) or
-    its orbax metadata (a unitrain checkpoint): nothing is loaded."""
+    its orbax metadata (a unitrain checkpoint): nothing is loaded. A LoRA run's checkpoint has its
+    base's (the adapters are merged into it)."""
+    if lora_run := sources.lora_run_config(path):
+        return parameter_count(lora_run["load_parameters_path"])
     if os.path.isfile(os.path.join(path, "config.json")):
         count = 0
         for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):

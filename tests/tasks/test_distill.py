@@ -110,10 +110,11 @@ def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers
     # environment's, not the padding), the row's outcome advantage beside it.
     outcome = np.linspace(-1, 1, 16).astype(np.float32)
     got, metrics = distill(task.teachers, cfg, outcome, {**batch, **out})
+    teachers = [out["teacher_logprobs_0"], out["teacher_logprobs_1"]]
     want, kl = numpy_distill(
         outcome,
         out["old_logprobs"],
-        [out["teacher_logprobs_0"], out["teacher_logprobs_1"]],
+        teachers,
         [0.75, 0.25],
         batch["loss_mask"],
         1.0,
@@ -121,22 +122,66 @@ def test_teachers_score_the_sampled_tokens_as_transformers_does(builtin_teachers
     )
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert metrics["distill/teacher_kl"] == pytest.approx(kl.sum() / batch["loss_mask"].sum(), rel=1e-5)
+    # distill_kl_discount: each sampled token's term the discounted KL to its row's end, the
+    # environment's tokens skipped; the KL metric stays the tokens' own
+    discounted, same = distill(task.teachers, cfg.replace(distill_kl_discount=0.5), outcome, {**batch, **out})
+    want = numpy_distill(outcome, out["old_logprobs"], teachers, [0.75, 0.25], batch["loss_mask"], 1.0, 1.0, 0.5)[0]
+    np.testing.assert_allclose(discounted, want, atol=1e-5)
+    assert same == metrics and not np.allclose(discounted, got, atol=1e-3)
     for i in (0, 1):  # each teacher's own reverse KL beside the weighted total
         own = np.where(batch["loss_mask"] > 0, out["old_logprobs"] - out[f"teacher_logprobs_{i}"], 0.0)
         assert metrics[f"distill/teacher_kl/{i}"] == pytest.approx(own.sum() / batch["loss_mask"].sum(), rel=1e-5)
 
 
-def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight):
+def test_a_lora_run_teaches_as_its_merged_export(builtin_teachers, tmp_path):
+    """A LoRA run's checkpoint holds its adapters alone; as teacher_path it is rebuilt from the run's
+    config.yml (its base, its lora_* keys) and merged: its logprobs of the sampled tokens are
+    transformers' forward of the merged model the run exported."""
+    export = tmp_path / "export"
+    lora_run = sft_argv(
+        tmp_path,
+        "run_name=lora",
+        f"load_parameters_path={builtin_teachers[0]}",
+        "lora_rank=4",
+        "lora_alpha=8.0",
+        "lora_target=layers/(wq|wo|w_down)|lm_head",
+        "learning_rate=1e-2",
+        "warmup_steps=0",
+        f"export_hf_path={export}",
+    )
+    assert train.main(lora_run) == 0
+    cfg = grpo_config(tmp_path, f"teacher_path={tmp_path / 'lora'}", "distill_coef=1.0")
+    task, _, params, _ = make_step(cfg)
+    P, C = 8, 16
+    batch = trajectory_rows(16, P, C)
+    scored = task.logprobs(params, batch)["teacher_logprobs_0"]
+    for r in (0, 5, 15):
+        row = {k: v[r] for k, v in batch.items()}
+        length = int(row["inputs_segmentation"][P:].sum())
+        np.testing.assert_allclose(scored[r, :length], torch_token_logprobs(export, row, P), atol=TOL, rtol=0)
+        # the adapters moved the model off its base
+        assert np.abs(scored[r, :length] - torch_token_logprobs(builtin_teachers[0], row, P)).max() > 1e-3
+    # what the memory check counts of it: its base's parameters, not the adapters' alone
+    assert reward_model.parameter_count(str(tmp_path / "lora")) == reward_model.parameter_count(builtin_teachers[0])
+
+
+def numpy_distill(advantages, old, teachers, weights, mask, coef, reward_weight, discount=0.0):
     """Reverse KL per sampled token, KL_t = sum_i w_i (log pi(x_t) - log pi_i(x_t)) (Thinking
-    Machines, "On-Policy Distillation": the per-token reverse KL as the negative advantage)."""
-    kl = sum(w * (old - t) for w, t in zip(weights, teachers))
+    Machines, "On-Policy Distillation": the per-token reverse KL as the negative advantage); with a
+    discount, tinker-cookbook's discounted future sum of it, over each row's sampled tokens alone."""
+    kl = np.where(mask > 0, sum(w * (old - t) for w, t in zip(weights, teachers)), 0.0)
+    term = kl.copy()
+    for r in range(len(kl)):
+        later = 0.0
+        for t in reversed(np.flatnonzero(mask[r] > 0)):
+            term[r, t] = later = kl[r, t] + discount * later
     outcome = advantages[:, None] if advantages.ndim == 1 else advantages
-    return np.where(mask > 0, reward_weight * outcome - coef * kl, 0.0), np.where(mask > 0, kl, 0.0)
+    return np.where(mask > 0, reward_weight * outcome - coef * term, 0.0), kl
 
 
 @pytest.mark.parametrize("per_token", [False, True])
-@pytest.mark.parametrize("reward_weight", [0.0, 0.5])
-def test_the_distillation_advantage_is_the_numpy_formula(per_token, reward_weight):
+@pytest.mark.parametrize(("reward_weight", "discount"), [(0.0, 0.0), (0.5, 0.0), (0.0, 0.9), (0.5, 1.0)])
+def test_the_distillation_advantage_is_the_numpy_formula(per_token, reward_weight, discount):
     rng = np.random.default_rng(0)
     B, T = 6, 9
     mask = (np.arange(T) < rng.integers(1, T + 1, B)[:, None]).astype(np.int32)  # right padding
@@ -144,8 +189,8 @@ def test_the_distillation_advantage_is_the_numpy_formula(per_token, reward_weigh
     lp = lambda: (-2.0 + rng.normal(size=(B, T))).astype(np.float32)  # noqa: E731
     old, teachers, weights = lp(), [lp(), lp()], [0.7, 0.3]
     advantages = rng.normal(size=(B, T) if per_token else B).astype(np.float32)
-    got, kl = losses.distill_advantages(advantages, old, teachers, weights, mask, 0.8, reward_weight)
-    want, want_kl = numpy_distill(advantages, old, teachers, weights, mask, 0.8, reward_weight)
+    got, kl = losses.distill_advantages(advantages, old, teachers, weights, mask, 0.8, reward_weight, discount)
+    want, want_kl = numpy_distill(advantages, old, teachers, weights, mask, 0.8, reward_weight, discount)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
     np.testing.assert_allclose(np.asarray(kl), want_kl, atol=1e-6)
 
@@ -702,6 +747,12 @@ def test_a_teacher_larger_than_memory_is_one_line_unless_offloaded(builtin_teach
             "an env's episodes distil on-policy in mode=grpo",
         ),
         ({"distill_lmbda": "1.5"}, "distill_lmbda"),
+        ({"mode": "grpo", "distill_kl_discount": "0.9"}, "distill_kl_discount discounts on-policy distillation"),
+        (
+            {"mode": "sft", "teacher_path": "/t", "distill_coef": "1", "distill_kl_discount": "0.9"},
+            "it needs teacher_path in mode grpo or ppo",
+        ),
+        ({"distill_kl_discount": "1.5"}, "distill_kl_discount"),
     ],
 )
 def test_distillation_config_mistakes_are_one_line(overrides, message):

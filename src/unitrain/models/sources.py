@@ -16,15 +16,20 @@ reads or initialises the head) makes it a critic or a reward model.
 from __future__ import annotations
 
 import inspect
+import os
 
-from unitrain import plugins, registry
-from unitrain.config import VISION_LANGUAGE_FAMILIES, check
+from flax import nnx
+
+from unitrain import checkpoint, lora, plugins, registry
+from unitrain.config import VISION_LANGUAGE_FAMILIES, check, run_config
 from unitrain.errors import ConfigError
 
 
 def build(cfg, mesh, output_head: bool = True):
     """The configured model with its parameters placed in their shardings (without its LM head:
     the backbone of a scalar-head model)."""
+    if output_head and (merged := from_lora_run(cfg, mesh)) is not None:
+        return merged
     source = plugins.resolve(cfg.model_source, registry.MODEL_SOURCES, "model_source")
     if output_head:
         return source(cfg, mesh)
@@ -34,6 +39,36 @@ def build(cfg, mesh, output_head: bool = True):
             "critic or a reward model; give its fn an output_head parameter (models/sources.py)"
         )
     return source(cfg, mesh, output_head=False)
+
+
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target", "lora_base_dtype")  # what rebuilds a run's adapters
+
+
+def lora_run_config(path: str) -> dict | None:
+    """The config.yml of the LoRA run (lora_rank > 0) whose run, checkpoint or step directory `path`
+    is, else None. An HF folder is itself, even where it sits in such a run's directory (its merged
+    export)."""
+    if not path or not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    recorded = run_config(path)
+    return recorded if recorded and recorded.get("lora_rank") else None
+
+
+def from_lora_run(cfg, mesh):
+    """The merged model of the LoRA run whose checkpoint cfg.load_parameters_path names (None when it
+    names none): the run's base (its config.yml's load_parameters_path, built as `build` builds any
+    model, a LoRA run's merged model in turn) under the run's adapters, read from the checkpoint."""
+    path = cfg.load_parameters_path
+    recorded = lora_run_config(path)
+    if recorded is None:
+        return None
+    base = build(cfg.replace(load_parameters_path=recorded["load_parameters_path"]), mesh)
+    model = lora.apply(base, cfg.replace(**{k: recorded[k] for k in LORA_KEYS}), mesh)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    params[lora.ADAPTERS] = checkpoint.load_params(path, params[lora.ADAPTERS])
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state).merged()
 
 
 @check("num_query_heads", "num_kv_heads")

@@ -14,7 +14,8 @@ The distillation term (`distill`): per sampled token the reverse KL to the teach
 KL_t = sum_i w_i (logp(x_t) - logp_i(x_t)) at the sampled x_t under the old policy, joins the
 estimator's advantages as advantage_t = distill_reward_weight * A - distill_coef * KL_t, a dense
 per-token signal with or without the outcome reward (verl's OPD, Thinking Machines' on-policy
-distillation). Every workflow's trajectory is rows like any other: environment tokens carry no
+distillation); with distill_kl_discount each token's KL_t gives way to the discounted sum of the
+KL from it to the row's end (tinker-cookbook's kl_discount_factor). Every workflow's trajectory is rows like any other: environment tokens carry no
 term (loss_mask 0).
 
 Offline (mode=sft): each teacher's top-`distill_top_k` tokens at every label position, at
@@ -194,6 +195,7 @@ def distill(teachers: list[Teacher], cfg, advantages: np.ndarray, batch: dict) -
         mask,
         cfg.distill_coef,
         cfg.distill_reward_weight,
+        cfg.distill_kl_discount,
     )
     tokens = max(mask.sum(), 1)
     metrics = {"distill/teacher_kl": float(np.asarray(kl).sum() / tokens)}
@@ -228,6 +230,15 @@ def _distillation(c) -> str | None:
     return None
 
 
+@check("teacher_path", "mode", "distill_kl_discount")
+def _kl_discount(c) -> str | None:
+    if c["distill_kl_discount"] == 0 or (teacher_paths(c["teacher_path"]) and c["mode"] in ("grpo", "ppo")):
+        return None
+    return (
+        "distill_kl_discount discounts on-policy distillation's per-token KL: it needs teacher_path in mode grpo or ppo"
+    )
+
+
 @check("teacher_path", "mode", "distill_temperature", "distill_top_k", "gkd_beta")
 def _soft_targets(c) -> str | None:
     if c["distill_temperature"] == 1 and c["distill_top_k"] == 64 and c["gkd_beta"] is None:
@@ -249,4 +260,4 @@ def _teacher_weights(c) -> str | None:
     return f"teacher_weights has {len(weights)} weights but teacher_path names {count} teachers"
 
 
-CONFIG_CHECKS = (_distillation, _soft_targets, _teacher_weights)
+CONFIG_CHECKS = (_distillation, _kl_discount, _soft_targets, _teacher_weights)
