@@ -170,6 +170,11 @@ RULES: dict[str, Rule] = {
     "vllm_request_timeout": POSITIVE,
     "vllm_max_retries": NON_NEGATIVE_INT,
     "vllm_restarts": NON_NEGATIVE_INT,
+    "sglang_python": NAME,
+    "sglang_startup_timeout": POSITIVE,
+    "sglang_request_timeout": POSITIVE,
+    "sglang_max_retries": NON_NEGATIVE_INT,
+    "sglang_restarts": NON_NEGATIVE_INT,
     "vllm_weight_transfer": Rule(
         lambda v: v in ("", "memory", "folder"),
         '"" (memory for the servers the trainer starts of model_source unitrain, else folder) | memory | folder',

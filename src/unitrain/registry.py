@@ -18,6 +18,7 @@ SAMPLERS = {
     "colocated": "unitrain.engines.colocated:from_run",
     "mesh": "unitrain.engines.mesh:from_run",
     "vllm": "unitrain.engines.vllm:from_run",
+    "sglang": "unitrain.engines.sglang:from_run",
 }
 
 # dynamic_sampling_filter: fn(group) -> bool
@@ -106,6 +107,7 @@ CONFIG_CHECKS = (
     "unitrain.data.rl_packing:CONFIG_CHECKS",
     "unitrain.engines.factory:CONFIG_CHECKS",
     "unitrain.engines.vllm:CONFIG_CHECKS",
+    "unitrain.engines.sglang:CONFIG_CHECKS",
     "unitrain.rollout.driver:CONFIG_CHECKS",
     "unitrain.rollout.executor:CONFIG_CHECKS",
     "unitrain.rollout.shaping:CONFIG_CHECKS",
