@@ -4,8 +4,10 @@ package index ships sgl_kernel's CUDA build alone, which does not register it.
 
 Not imported by unitrain: `sampler: sglang` (engines/sglang.py) starts its CPU server with a folder
 first on PYTHONPATH that holds this file as `sitecustomize.py`, so every Python process of that
-server runs it at its start and nothing else does. It hooks the import of `sgl_kernel`: once the
-package is loaded, the function it lacks is this one.
+server runs it at its start and nothing else does. It hooks the import of `sgl_kernel`: the CUDA
+build's package runs as it would, and where it fails (on a host without CUDA's driver it cannot load
+its ops library) the module keeps what it defined before, with the stand-in, and any other CPU op
+imported from it refused when called (speculative decoding's: unused here).
 """
 
 import importlib.abc
@@ -31,8 +33,28 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
     req_to_token[rows, columns] = out_cache_loc[:total].to(req_to_token.dtype)
 
 
+def _refused(name: str):
+    """Another CPU op of sgl_kernel that SGLang's modules import on a CPU (speculative decoding's, the
+    KV-cache moves of draft and state pools): imported, and refused if ever called."""
+
+    def op(*args, **kwargs):
+        raise NotImplementedError(
+            f"sgl_kernel's {name} is not in unitrain's CPU stand-in (engines/sglang_kernel.py): SGLang calls it "
+            "for features sampler sglang does not use (speculative decoding, KV-cache moves)"
+        )
+
+    return op
+
+
+def _missing(name: str):
+    """The failed package's module __getattr__: its CPU ops (`*_cpu`) refused when called, nothing else."""
+    if name.endswith("_cpu"):
+        return _refused(name)
+    raise AttributeError(f"module {MODULE!r} has no attribute {name!r}")
+
+
 class _Finder(importlib.abc.MetaPathFinder):
-    """Finds sgl_kernel as the other finders do, and runs its module with the stand-in added after."""
+    """Finds sgl_kernel as the other finders do, and loads it with the stand-in added."""
 
     def find_spec(self, name, path=None, target=None):
         if name != MODULE:
@@ -55,7 +77,10 @@ class _Loader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
-        self.loader.exec_module(module)
+        try:
+            self.loader.exec_module(module)
+        except ImportError:  # its CUDA ops library: none of it serves the CPU engine
+            module.__getattr__ = _missing
         module.assign_req_to_token_pool_cpu = assign_req_to_token_pool_cpu
 
 
