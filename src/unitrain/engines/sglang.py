@@ -11,12 +11,16 @@ API (no sglang import here: the engine lives in a venv of its own, `./setup.sh -
     weights   update_weights(params, v) exports the policy as an HF folder (export.export_policy,
               under <run_dir>/sglang_weights), waits for this sampler's rows in flight (none
               straddles two versions), then /update_weights_from_disk loads it tagged v,
-              /flush_cache drops the radix cache (prefixes of the old weights), and /model_info
-              must say v. With sglang_interrupt the push does not wait for the rows: it aborts them
+              /flush_cache drops the radix cache (prefixes of the old weights) once the server is
+              idle, and /model_info must say v. With sglang_interrupt the push does not wait for the rows: it aborts them
               (/abort_request, abort_all), and each returns the tokens it has, marked interrupted
               (a row not yet sent returns none), for the driver to continue under the new weights.
     generate  one /generate request per row, sent at once (SGLang batches them): input_ids in,
-              output_ids out, with its own sampling_seed drawn from the key, the stop ids as stops,
+              output_ids out, with its own sampling_seed drawn from the key (SGLang honours it only
+              with --enable-deterministic-inference, which its CPU engine's torch_native attention
+              refuses: on a GPU add it to sglang_args; on a CPU a key does not repeat a sample),
+              the stop ids as stops (and the model's eos ids: SGLang checks none where it ignores
+              the eos, so a call with no stop ids is the one that ignores it),
               and return_logprob: each token's logprob under the temperature-scaled distribution
               it was drawn from. Each answer names the weight version it was sampled with, which
               must be the round's. `submit` returns at once.
@@ -95,6 +99,7 @@ class SGLangSampler:
         self.in_flight, self.lock = 0, threading.Condition()  # rows submitted and not yet answered
         self.replacing = threading.Lock()  # one restart at a time, whichever row sees the server gone
         self.pushed: dict[str, float] = {}
+        self.closed = False
         self.pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_ROWS, thread_name_prefix="sglang-row")
 
     # -- weights
@@ -126,9 +131,12 @@ class SGLangSampler:
             self.pushed[name] = self.pushed.get(name, 0.0) + seconds
 
     def _load(self, client: Client) -> None:
-        """The server loads the newest version from its folder, drops its radix cache and says it serves it."""
-        client.call("/update_weights_from_disk", {"model_path": self.path, "weight_version": str(self.version)})
-        client.call("/flush_cache")
+        """The server loads the newest version from its folder, drops its radix cache once the rows
+        an interrupt aborted have left its scheduler (SGLang flushes only an idle cache), and says
+        it serves the version."""
+        body = {"model_path": self.path, "weight_version": str(self.version), "flush_cache": False}
+        client.call("/update_weights_from_disk", body)
+        client.call(f"/flush_cache?timeout={self.cfg.sglang_request_timeout:g}")
         self._check_version(client)
 
     def _check_version(self, client: Client) -> None:
@@ -180,6 +188,8 @@ class SGLangSampler:
         with self.replacing:
             if self.client is not client:  # another row restarted it already
                 return
+            if self.closed:
+                raise EngineError("the SGLang sampler is closed")
             how = _stop(self.server)
             if not self.restarts_left:
                 raise EngineError(
@@ -273,10 +283,12 @@ class SGLangSampler:
         return out
 
     def close(self) -> None:
-        """Ends the server this sampler started."""
+        """Ends the server this sampler started (the rows still in flight fail, not restart it)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.server is not None:
-            self.server.stop()
+        with self.replacing:
+            self.closed = True
+            if self.server is not None:
+                self.server.stop()
 
 
 def _stop(server: Server) -> str:
