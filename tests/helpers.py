@@ -674,6 +674,25 @@ class beam_reference:  # noqa: N801
 # ---------------------------------------------------------------- transformers' references
 
 
+def hf_model(path):
+    """transformers' float32 causal LM of the checkpoint at `path`, in eval mode."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt, n):
+    """`n` tokens after `prompt` by greedy decoding with transformers' `model` (a full forward each)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
 def torch_logits(path, tokens):
     """transformers' float32 logits of `tokens` (one row) from the checkpoint at `path`."""
     import numpy as np

@@ -926,9 +926,10 @@ def bench_grpo_round(
 
 def bench_push(cfg, steps: int, warmup: int) -> dict:
     """Time of update_weights: sampler=mesh copies the parameters to the rollout mesh; sampler=vllm
-    exports them and has its server reload them (the first push starts the server: a warm-up)."""
-    if cfg.sampler not in ("mesh", "vllm"):
-        raise ConfigError("--mode push times the weight push of sampler=mesh or sampler=vllm")
+    and sglang export them and have their server reload them (the first push starts the server: a
+    warm-up)."""
+    if cfg.sampler not in ("mesh", "vllm", "sglang"):
+        raise ConfigError("--mode push times the weight push of sampler=mesh, vllm or sglang")
     run, state = build_run(cfg)
     params = state["params"]
     del state  # the optimizer's moments (twice the parameters): a push needs the parameters alone

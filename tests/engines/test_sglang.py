@@ -17,9 +17,8 @@ import jax
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from helpers import REPO, make_cfg
+from helpers import REPO, hf_greedy, hf_model, make_cfg
 from unitrain import export, train
 from unitrain.engines import sglang, sglang_kernel
 from unitrain.engines.base import SamplingParams
@@ -63,18 +62,6 @@ def served(tmp_path_factory, ckpt):
     sampler.update_weights(state["params"], 0)
     yield run, state["params"], sampler
     sampler.close()
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def assert_drawn_by(model, prompts, out, temperature=1.0):

@@ -27,9 +27,8 @@ import jax
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from helpers import REPO, cpu_env, make_cfg
+from helpers import REPO, cpu_env, hf_greedy, hf_model, make_cfg
 from unitrain import export, train
 from unitrain.data.prompt_ids import Prompt
 from unitrain.engines import server, vllm
@@ -98,18 +97,6 @@ def served(tmp_path_factory, ckpt):
     sampler.update_weights(state["params"], 0)
     yield run, state["params"], sampler
     sampler.close()
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 PROMPTS = [[5, 17, 99, 3], [250, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]]

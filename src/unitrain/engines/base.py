@@ -137,6 +137,25 @@ class Completions:
     # the driver continues them under the new weights. None: none was.
     interrupted: np.ndarray | None = None
 
+    @staticmethod
+    def blank(rows: int, n: int, pad_id: int, version: int) -> Completions:
+        """`rows` rows of `n` columns with no token yet (an engine's answers are put in by put_row)."""
+        return Completions(
+            np.full((rows, n), pad_id, np.int32),
+            np.zeros((rows, n), np.int32),
+            np.zeros((rows, n), np.float32),
+            np.zeros((rows,), np.int32),
+            version,
+            interrupted=np.zeros((rows,), bool),
+        )
+
+    def put_row(self, r: int, tokens: list[int], logprobs: list[float], interrupted: bool) -> None:
+        """Row `r` from one engine answer: its tokens and their logprobs, and whether it was interrupted."""
+        length = len(tokens)
+        self.tokens[r, :length], self.logprobs[r, :length] = tokens, logprobs
+        self.mask[r, :length], self.lengths[r] = 1, length
+        self.interrupted[r] = interrupted
+
     def __getitem__(self, rows) -> Completions:
         pick = lambda a: None if a is None else a[rows]  # noqa: E731
         return Completions(

@@ -31,6 +31,7 @@ import urllib.request
 from unitrain.errors import UserError
 
 STOP_GRACE_SECONDS = 15  # SIGTERM to the group, then SIGKILL
+SUPERVISOR_NOTICE_SECONDS = 2.0  # a server's supervisor sees its child's end within 0.5 s
 START_HEADER = "==== unitrain:"  # the log line before each start's output
 # A line that raises: "ValueError: ...", or vLLM's "(Worker pid=1) ERROR 11-26 05:34:01 [file.py:1] ValueError: ..."
 ERROR_LINE = re.compile(r"^(\([^)]*\) ERROR [^\]]*\] )?[A-Z]\w*(Error|Exception): ")
@@ -90,6 +91,17 @@ class Server:
             f"the end of {self.log_path}: {self.tail()}"
         )
 
+    def stop_unanswering(self) -> str:
+        """Stops a server that stopped answering: -> "died" if it had exited by itself (its supervisor
+        sees its child's end within half a second), else "stopped answering"."""
+        try:
+            self.process.wait(SUPERVISOR_NOTICE_SECONDS)
+            how = "died"
+        except subprocess.TimeoutExpired:
+            how = "stopped answering"
+        self.stop()
+        return how
+
     def stop(self) -> None:
         """Ends the server's whole process group (the supervisor does it; SIGKILL if it cannot)."""
         if self.alive():
@@ -103,6 +115,17 @@ class Server:
         except (ProcessLookupError, PermissionError):
             pass
         self.process.wait()
+
+
+def interrupt_refused(c, sampler: str, engine: str) -> str | None:
+    """The config check of `<sampler>_interrupt`: it aborts the rows in flight at a weight update,
+    and there are some only with that sampler sampling rollouts ahead (max_staleness)."""
+    if c[f"{sampler}_interrupt"] and (c["sampler"] != sampler or not c["max_staleness"]):
+        return (
+            f"{sampler}_interrupt aborts the {engine} rows in flight at a weight update; there are some only with "
+            f"sampler {sampler} and max_staleness >= 1 (sampler {c['sampler']}, max_staleness {c['max_staleness']})"
+        )
+    return None
 
 
 def log_tail(path: str, lines: int = 4) -> str:

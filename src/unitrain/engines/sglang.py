@@ -41,24 +41,21 @@ import dataclasses
 import logging
 import os
 import shlex
-import subprocess
 import threading
 import time
 
 import jax
-import numpy as np
 
 from unitrain import export
 from unitrain.config import check
 from unitrain.engines.base import Completions, SamplingParams
 from unitrain.engines.client import Client, ServerGone, free_port, row_seeds
-from unitrain.engines.server import EngineError, Server
+from unitrain.engines.server import EngineError, Server, interrupt_refused
 from unitrain.errors import ConfigError
 
 log = logging.getLogger("unitrain")
 
 MAX_CONCURRENT_ROWS = 1024  # rows in flight at once (threads; SGLang's scheduler batches them)
-SUPERVISOR_NOTICE_SECONDS = 2.0  # a server's supervisor sees its child's end within 0.5 s
 CPU_DEVICE = "--device cpu"  # in sglang_args: the CPU engine, with the kernel stand-in
 STAND_IN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_kernel.py")
 
@@ -190,7 +187,7 @@ class SGLangSampler:
                 return
             if self.closed:
                 raise EngineError("the SGLang sampler is closed")
-            how = _stop(self.server)
+            how = self.server.stop_unanswering()
             if not self.restarts_left:
                 raise EngineError(
                     f"the SGLang server at {client.url} {how} {when} (status {self.server.process.returncode}; "
@@ -258,23 +255,14 @@ class SGLangSampler:
 
     def _collect(self, round_: _Round) -> Completions:
         rows, n = len(round_.prompt_ids), round_.max_new_tokens
-        out = Completions(
-            np.full((rows, n), self.run.tokenizer.pad_id, np.int32),
-            np.zeros((rows, n), np.int32),
-            np.zeros((rows, n), np.float32),
-            np.zeros((rows,), np.int32),
-            round_.version,
-            interrupted=np.zeros((rows,), bool),
-        )
+        out = Completions.blank(rows, n, self.run.tokenizer.pad_id, round_.version)
         for r, future in enumerate(round_.futures):
-            tokens, logprobs, out.interrupted[r], served = future.result()
+            tokens, logprobs, interrupted, served = future.result()
             if tokens and served != str(round_.version):
                 raise EngineError(
                     f"the SGLang server sampled a row of version {round_.version} with weights {served!r}"
                 )
-            length = len(tokens)
-            out.tokens[r, :length], out.logprobs[r, :length] = tokens, logprobs
-            out.mask[r, :length], out.lengths[r] = 1, length
+            out.put_row(r, tokens, logprobs, interrupted)
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -289,17 +277,6 @@ class SGLangSampler:
             self.closed = True
             if self.server is not None:
                 self.server.stop()
-
-
-def _stop(server: Server) -> str:
-    """Stops a server that stopped answering: -> "died" if it had exited by itself, else "stopped answering"."""
-    try:
-        server.process.wait(SUPERVISOR_NOTICE_SECONDS)
-        how = "died"
-    except subprocess.TimeoutExpired:
-        how = "stopped answering"
-    server.stop()
-    return how
 
 
 def server_args(cfg, model_path: str, version: int, port: int) -> list[str]:
@@ -321,12 +298,7 @@ def server_args(cfg, model_path: str, version: int, port: int) -> list[str]:
 @check("sampler", "sglang_interrupt", "max_staleness")
 def _interrupt(c) -> str | None:
     """Interrupting needs rows in flight at a weight update: rollouts sampled ahead."""
-    if c["sglang_interrupt"] and (c["sampler"] != "sglang" or not c["max_staleness"]):
-        return (
-            "sglang_interrupt aborts the SGLang rows in flight at a weight update; there are some only with "
-            f"sampler sglang and max_staleness >= 1 (sampler {c['sampler']}, max_staleness {c['max_staleness']})"
-        )
-    return None
+    return interrupt_refused(c, "sglang", "SGLang")
 
 
 CONFIG_CHECKS = (_interrupt,)

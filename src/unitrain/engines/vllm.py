@@ -49,7 +49,6 @@ import json
 import logging
 import os
 import shlex
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -64,7 +63,7 @@ from unitrain import export, lora
 from unitrain.config import check
 from unitrain.engines.base import Completions, SamplingParams
 from unitrain.engines.client import Client, ServerGone, free_port, row_seeds
-from unitrain.engines.server import EngineError, Server
+from unitrain.engines.server import EngineError, Server, interrupt_refused
 from unitrain.engines.vllm_weights import EXTENSION, LOAD_METHOD, SharedWeights
 from unitrain.errors import ConfigError
 
@@ -73,7 +72,6 @@ log = logging.getLogger("unitrain")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes
 SERVED_NAME = "unitrain"  # the model name our server answers to, whatever folder it loaded last
 MAX_CONCURRENT_ROWS = 1024  # rows in flight at once (threads; vLLM's own scheduler batches them)
-SUPERVISOR_NOTICE_SECONDS = 2.0  # a server's supervisor sees its child's end within 0.5 s
 # rollout_quantization -> vLLM's online quantisation (--quantization): the server quantises each
 # version as it loads it. vLLM 0.32 quantises online in bfloat16 or float16 only; its int8 is
 # weight-only on MoE experts alone (its linear layers stay unquantised).
@@ -388,7 +386,7 @@ class VLLMSampler:
         if engine.server is None:
             engine.error = f"the vLLM server at {engine.url} stopped answering {when}"
         else:
-            how = _stop(engine.server)
+            how = engine.server.stop_unanswering()
             engine.error = (
                 f"the vLLM server at {engine.url} {how} {when} (status {engine.server.process.returncode}; "
                 f"vllm_restarts={self.cfg.vllm_restarts} used); the end of {engine.log_path}: {engine.server.tail()}"
@@ -501,14 +499,8 @@ class VLLMSampler:
         """The round's Completions on every process (process 0 gathers, restarting a dead server and
         resending the rows it lost, then broadcasts)."""
         rows, n = len(round_.prompt_ids), round_.sampling.max_new_tokens
-        out = Completions(
-            np.full((rows, n), self.run.tokenizer.pad_id, np.int32),
-            np.zeros((rows, n), np.int32),
-            np.zeros((rows, n), np.float32),
-            np.zeros((rows,), np.int32),
-            round_.version if round_.version is not None else -1,
-            interrupted=np.zeros((rows,), bool),
-        )
+        version = round_.version if round_.version is not None else -1
+        out = Completions.blank(rows, n, self.run.tokenizer.pad_id, version)
         failure = ""
         if self.leader:
             try:
@@ -527,10 +519,7 @@ class VLLMSampler:
         """Fills `out` with the round's rows; -> the version they were sampled with (a server restarted
         meanwhile serves the newest version, which no push has changed while rows are in flight)."""
         for r, future in enumerate(round_.futures):
-            tokens, logprobs, out.interrupted[r] = future.result()
-            length = len(tokens)
-            out.tokens[r, :length], out.logprobs[r, :length] = tokens, logprobs
-            out.mask[r, :length], out.lengths[r] = 1, length
+            out.put_row(r, *future.result())
         return round_.version
 
     def _agree(self, failure: str, what: str) -> None:
@@ -571,18 +560,6 @@ class VLLMSampler:
                 engine.server.stop()
         if self.shared:
             self.shared.close()
-
-
-def _stop(server: Server) -> str:
-    """Stops a server that stopped answering: -> "died" if it had exited by itself (its supervisor
-    sees its child's end within half a second), else "stopped answering"."""
-    try:
-        server.process.wait(SUPERVISOR_NOTICE_SECONDS)
-        how = "died"
-    except subprocess.TimeoutExpired:
-        how = "stopped answering"
-    server.stop()
-    return how
 
 
 def tied(path: str) -> bool:
@@ -684,12 +661,7 @@ def _servers(c) -> str | None:
 @check("sampler", "vllm_interrupt", "max_staleness")
 def _interrupt(c) -> str | None:
     """Interrupting needs rows in flight at a weight update: rollouts sampled ahead."""
-    if c["vllm_interrupt"] and (c["sampler"] != "vllm" or not c["max_staleness"]):
-        return (
-            "vllm_interrupt aborts the vLLM rows in flight at a weight update; there are some only with "
-            f"sampler vllm and max_staleness >= 1 (sampler {c['sampler']}, max_staleness {c['max_staleness']})"
-        )
-    return None
+    return interrupt_refused(c, "vllm", "vLLM")
 
 
 @check("sampler", "vllm_urls", "vllm_python", "model_source", "head_dim", "emb_dim", "num_query_heads")
