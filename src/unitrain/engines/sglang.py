@@ -79,11 +79,6 @@ class SGLangSampler:
             raise ConfigError(
                 f"sampler sglang serves a run of one process, not {jax.process_count()}: use sampler vllm"
             )
-        if not os.access(cfg.sglang_python, os.X_OK):
-            raise ConfigError(
-                f"sglang_python: {cfg.sglang_python} is not an executable; make the engine's venv with "
-                "./setup.sh --sglang, or set sglang_python"
-            )
         self.run, self.cfg = run, cfg
         self.export_root = os.path.join(cfg.run_dir, "sglang_weights")
         self.log_path = os.path.join(cfg.run_dir, "sglang_server.log")
@@ -295,13 +290,24 @@ def server_args(cfg, model_path: str, version: int, port: int) -> list[str]:
     return [*args, "--skip-tokenizer-init", *extra]
 
 
+@check("sampler", "sglang_python")
+def _python(c) -> str | None:
+    """The engine's interpreter, before anything is built: the trainer starts its server."""
+    if c["sampler"] == "sglang" and not os.access(c["sglang_python"], os.X_OK):
+        return (
+            f"sglang_python: {c['sglang_python']} is not an executable; make the engine's venv with "
+            "./setup.sh --sglang, or set sglang_python"
+        )
+    return None
+
+
 @check("sampler", "sglang_interrupt", "max_staleness")
 def _interrupt(c) -> str | None:
     """Interrupting needs rows in flight at a weight update: rollouts sampled ahead."""
     return interrupt_refused(c, "sglang", "SGLang")
 
 
-CONFIG_CHECKS = (_interrupt,)
+CONFIG_CHECKS = (_python, _interrupt)
 
 
 def from_run(run) -> SGLangSampler:
