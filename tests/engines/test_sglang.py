@@ -8,12 +8,15 @@ loop over the requests here, without the engine.
 The tests that start servers share one xdist group (one worker, one server at a time) and the
 module's server."""
 
+import http.server
 import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -194,6 +197,52 @@ def test_bad_engine_keys_are_one_line_and_exit_status_2(tmp_path, capsys):
         assert train.main([*args, "sampler=sglang", *keys]) == 2
         error = capsys.readouterr().err.strip()
         assert re.search(message, error) and "\n" not in error and "Traceback" not in error, error
+
+
+class SlowEngine(http.server.BaseHTTPRequestHandler):
+    """An SGLang server's endpoints as the sampler calls them, each /generate answered after a second."""
+
+    def do_GET(self):  # /model_info
+        self.answer({"weight_version": "0"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"] or 0))
+        self.server.generates += self.path == "/generate"
+        threading.Event().wait(1.0 if self.path == "/generate" else 0.0)
+        self.answer({})
+
+    def answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_request_that_times_out_is_retried_then_one_line_naming_the_keys(tmp_path, ckpt, monkeypatch):
+    """sglang_request_timeout and sglang_max_retries reach the client: each try of a slow /generate
+    times out, is sent again once, then the run stops with one line naming both keys."""
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowEngine)
+    engine.generates = 0
+    engine.handle_error = lambda request, address: None  # the client that timed out hung up: expected
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{engine.server_address[1]}"
+    started = types.SimpleNamespace(url=url, wait_ready=lambda timeout, key: None, stop=lambda: None)
+    monkeypatch.setattr(sglang, "Server", lambda *args: started)  # the endpoints above, not a server started
+    keys = dict(sglang_python=sys.executable, sglang_request_timeout=0.3, sglang_max_retries=1)
+    run, state = build_run(engine_cfg(tmp_path, ckpt, **keys))
+    sampler = sglang.SGLangSampler(run)
+    sampler.update_weights(state["params"], 0)
+    with pytest.raises(EngineError) as e:
+        sampler.generate([[1, 2, 3]], SamplingParams(4), jax.random.key(0))
+    message = str(e.value)
+    assert "timed out after sglang_request_timeout=0.3 s (after 1 retries, sglang_max_retries)" in message
+    assert engine.generates == 2
+    sampler.close()
+    engine.shutdown()
 
 
 def test_the_stand_in_fills_each_requests_slots_as_a_loop_over_them_does():
