@@ -190,7 +190,11 @@ class SGLangSampler:
                 )
             self.restarts_left -= 1
             log.warning(
-                "the SGLang server at %s %s; restarting it (%d restarts left)", client.url, when, self.restarts_left
+                "the SGLang server at %s %s %s; restarting it (%d restarts left)",
+                client.url,
+                how,
+                when,
+                self.restarts_left,
             )
             self._start()
 
