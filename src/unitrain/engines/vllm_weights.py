@@ -54,9 +54,6 @@ class SharedWeights:
         # Removed by close(), else when the sampler is collected or the trainer exits (a trainer
         # killed outright: by the servers' supervisors, engines/server.py).
         self.close = weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
-        if self.leader:  # made here, once: the servers start at once, from threads
-            os.makedirs(self.python_path())
-            os.symlink(os.path.dirname(unitrain.__file__), os.path.join(self.python_path(), "unitrain"))
         self.entries, self.aliases, self.size = [], [], 0  # every version's layout (_plan)
         self.buffers: dict[str, np.memmap] = {}  # the buffer files and their mappings, kept
         self.holds: dict[str, str] = {}  # a version's manifest -> the buffer it describes
@@ -74,7 +71,13 @@ class SharedWeights:
     def python_path(self) -> str:
         """A folder holding unitrain's package alone (a link), for the server's PYTHONPATH: the
         worker extension is imported from it, and nothing else of the trainer's environment is."""
-        return os.path.join(self.root, "python")
+        folder = os.path.join(self.root, "python")
+        os.makedirs(folder, exist_ok=True)
+        try:
+            os.symlink(os.path.dirname(unitrain.__file__), os.path.join(folder, "unitrain"))
+        except FileExistsError:  # another server's start made it: they start at once, from threads
+            pass
+        return folder
 
     def write(self, params, version: int) -> str:
         """`params` as version `version`; -> its manifest's path (every process calls it, process 0 writes)."""
