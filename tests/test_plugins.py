@@ -2,6 +2,7 @@
 config alone; a sampler that cannot rank refused at config time; the one plugin loader's errors."""
 
 import json
+import sys
 import textwrap
 
 import numpy as np
@@ -273,7 +274,12 @@ def test_choice_lists_come_from_the_registries():
     from unitrain.registry import DATA_FORMATS, FILTERS, MODEL_SOURCES, MODES, SAMPLERS
 
     base = str(REPO / "configs" / "base.yml")
-    needs = {"mesh": ["mode=grpo", "rollout_devices=4"], "vllm": ["head_dim=32"]}  # the keys a choice needs beside it
+    # the keys a choice needs beside it (an engine's interpreter: CI makes no SGLang venv)
+    needs = {
+        "mesh": ["mode=grpo", "rollout_devices=4"],
+        "vllm": ["head_dim=32"],
+        "sglang": [f"sglang_python={sys.executable}"],
+    }
     for key, table in (
         ("mode", MODES),
         ("model_source", MODEL_SOURCES),
